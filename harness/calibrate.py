@@ -1,0 +1,138 @@
+"""Per-head attention entropy from one calibration pass, and its on-disk cache.
+
+For layer l, query head h and query position i, p is the post-softmax attention row over the keys the mask
+lets position i see (causal and sliding-window masks included). Rényi order 2: H2(p) = -ln(sum_j p_j^2);
+Shannon: H1(p) = -sum_j p_j ln p_j (nats). A head's value is the mean over query positions i >= i0 and over
+the calibration sequences. Linear-attention layers have no attention rows and no KV cache: no rows here.
+
+The probabilities come from each model's own eager attention function (so softcapping, sinks and masks are the
+model's), called through a registered attention implementation that records statistics and discards the
+(B, H, T, T) matrices layer by layer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import pandas as pd
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+PROBE = "harness_entropy_probe"
+CACHE_VERSION = 1
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "sliding"}
+
+
+def layer_types(config) -> list[str]:
+    """'full', 'sliding' or 'linear' per decoder layer ('linear' = any layer without a KV cache)."""
+    config = config.get_text_config(decoder=True)
+    n = config.num_hidden_layers
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        kind = "sliding" if getattr(config, "sliding_window", None) else "full"
+        return [kind] * n
+    return [LAYER_TYPES.get(t, "linear") for t in types]
+
+
+class _Recorder:
+    """Sums of H2, H1 and counts per (layer, query head) over the rows seen so far."""
+
+    def __init__(self, i0: int):
+        self.i0 = i0
+        self.sums: dict[int, torch.Tensor] = {}  # layer -> (3, Hq): sum H2, sum H1, count
+
+    def record(self, layer: int, weights: torch.Tensor) -> None:
+        p = weights.detach().double()  # (B, Hq, Tq, Tk); rows are query positions 0..Tq-1 (no cache)
+        p = p[:, :, self.i0 :]
+        if p.shape[2] == 0:
+            return
+        h2 = -torch.log((p * p).sum(-1))  # (B, Hq, Tq')
+        h1 = -torch.special.xlogy(p, p).sum(-1)
+        stats = torch.stack([h2.sum((0, 2)), h1.sum((0, 2)), torch.full_like(h2[0, :, 0], h2.shape[0] * h2.shape[2])])
+        self.sums[layer] = self.sums.get(layer, 0) + stats
+
+
+_ACTIVE: list[_Recorder] = []
+
+
+def _probe_attention(module, query, key, value, attention_mask, **kwargs):
+    """The module's own eager attention, with its probabilities handed to the active recorder."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+    _ACTIVE[-1].record(module.layer_idx, weights)
+    return out, None
+
+
+AttentionInterface.register(PROBE, _probe_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, eager_mask)
+
+
+@torch.no_grad()
+def head_entropies(model, input_ids: torch.Tensor, i0: int = 32, batch_size: int = 1) -> pd.DataFrame:
+    """Per (layer, query head) attention entropy of `model` on input_ids (S, T).
+
+    Returns columns layer, layer_type, q_head, kv_head, H2, H1, n_positions; attrs num_layers, num_kv_heads.
+    """
+    if input_ids.shape[1] <= i0:
+        raise ValueError(f"calibration: sequences of {input_ids.shape[1]} tokens leave no query position >= i0={i0}")
+    config = model.config.get_text_config(decoder=True)
+    kinds = layer_types(model.config)
+    n_q, n_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    recorder = _Recorder(i0)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(PROBE)
+    _ACTIVE.append(recorder)
+    try:
+        for start in range(0, input_ids.shape[0], batch_size):
+            model(input_ids=input_ids[start : start + batch_size].to(model.device), use_cache=False)
+    finally:
+        _ACTIVE.pop()
+        model.set_attn_implementation(previous)
+    rows = []
+    for layer, stats in sorted(recorder.sums.items()):
+        for h in range(n_q):
+            count = int(stats[2, h])
+            rows.append(
+                dict(
+                    layer=layer,
+                    layer_type=kinds[layer],
+                    q_head=h,
+                    kv_head=h // (n_q // n_kv),
+                    H2=float(stats[0, h] / count),
+                    H1=float(stats[1, h] / count),
+                    n_positions=count,
+                )
+            )
+    table = pd.DataFrame(rows)
+    table.attrs.update(num_layers=len(kinds), num_kv_heads=n_kv)
+    return table
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVBITS_CACHE", Path.home() / ".cache" / "kvbits")) / "calibration"
+
+
+def cached_head_entropies(model, model_name: str, input_ids: torch.Tensor, i0: int = 32) -> pd.DataFrame:
+    """head_entropies, read from disk when the same model, tokens and i0 were calibrated before."""
+    key = hashlib.sha256(
+        f"{CACHE_VERSION}|{model_name}|{i0}|{tuple(input_ids.shape)}".encode() + input_ids.numpy().tobytes()
+    ).hexdigest()[:20]
+    path = cache_dir() / f"{model_name}-{key}.parquet"
+    if path.exists():
+        table = pd.read_parquet(path)
+    else:
+        table = head_entropies(model, input_ids, i0=i0)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        table.to_parquet(tmp)
+        tmp.replace(path)
+    config = model.config.get_text_config(decoder=True)
+    table.attrs.update(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
+    return table

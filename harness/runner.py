@@ -1,0 +1,217 @@
+"""Runs grid points: per model one load, one calibration (cached on disk), one baseline and one shared
+full-precision prefill; then every point's allocation, quantized cache and metrics; one JSON per point.
+
+Resumability: a point's JSON is written atomically under <run_dir>/points/<key>.json and a point whose file
+exists is skipped, so a run killed at any moment (SIGKILL included) resumes with no point lost or repeated.
+results.parquet is rebuilt from points/ (atomically) after every point, so it is always readable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from harness import data, evaluate, metrics
+from harness.cache import QuantizedKVCache
+from harness.calibrate import cached_head_entropies
+from harness.grid import point_key
+from harness.models import load_model, model_spec
+from harness.policies import allocate
+
+GENERATION_ITEMS = ("bleu_tok", "token_match", "first_divergence")
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, default=float)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_points(run_dir: Path) -> list[dict]:
+    """Every finished point record under run_dir/points (partial writes are never visible)."""
+    return [json.loads(p.read_text()) for p in sorted((Path(run_dir) / "points").glob("*.json"))]
+
+
+def rows(records: list[dict]) -> pd.DataFrame:
+    """One row per point: its flattened configuration beside its metrics."""
+    flat = []
+    for r in records:
+        config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r["config"].items()}
+        flat.append({"key": r["key"], "status": r["status"], **config, **r.get("metrics", {})})
+    return pd.DataFrame(flat)
+
+
+def write_parquet(run_dir: Path) -> pd.DataFrame:
+    table = rows(read_points(run_dir))
+    path = Path(run_dir) / "results.parquet"
+    tmp = path.with_name(f".results.parquet.tmp{os.getpid()}")
+    table.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+    return table
+
+
+@dataclass
+class ModelContext:
+    """What every point of one model shares: the model, its data, calibration, baseline and prefill."""
+
+    name: str
+    model: object
+    tokenizer: object
+    entropy: pd.DataFrame
+    prompts: torch.Tensor  # (N, P)
+    sequences: torch.Tensor  # (S, T)
+    base_tokens: torch.Tensor  # (N, M)
+    base_tf: evaluate.TeacherForced
+    prefilled: list  # evaluate.Prefilled per prompt batch
+    timings: dict = field(default_factory=dict)
+
+
+def context_key(point: dict) -> tuple:
+    """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
+    fields = ("model", "data_path", "seed", "num_prompts", "prompt_tokens", "new_tokens", "num_sequences",
+              "sequence_tokens", "chunk", "calibration_sequences", "calibration_tokens", "i0")
+    return tuple(point[f] for f in fields)
+
+
+def build_context(point: dict, batch_size: int, device: str) -> ModelContext:
+    timings = {}
+    t = time.perf_counter()
+    model, tokenizer = load_model(point["model"], device=device)
+    timings["load_s"] = time.perf_counter() - t
+
+    text = data.split(point["data_path"])
+    limit = model_spec(point["model"]).get("context_limit", 2048)
+    if point["prompt_tokens"] + point["new_tokens"] > limit or point["sequence_tokens"] > limit:
+        raise ValueError(f"eval: contexts exceed {point['model']}'s context limit of {limit} tokens")
+    calib_ids = data.token_windows(
+        tokenizer, text.calibration, point["calibration_sequences"], point["calibration_tokens"], point["seed"]
+    )
+    prompts = data.token_windows(tokenizer, text.evaluation, point["num_prompts"], point["prompt_tokens"], point["seed"])
+    sequences = data.token_windows(
+        tokenizer, text.evaluation, point["num_sequences"], point["sequence_tokens"], point["seed"] + 1
+    )
+
+    t = time.perf_counter()
+    entropy = cached_head_entropies(model, point["model"], calib_ids, i0=point["i0"])
+    timings["calibrate_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    prefilled = evaluate.prefill(model, prompts, batch_size=batch_size)
+    base_tokens = evaluate.decode(model, prefilled, point["new_tokens"], cache_from_prefilled=None)
+    base_tf = evaluate.teacher_forced(model, sequences, evaluate.dynamic_cache_factory(model), chunk=point["chunk"])
+    timings["baseline_s"] = time.perf_counter() - t
+    return ModelContext(point["model"], model, tokenizer, entropy, prompts, sequences, base_tokens, base_tf,
+                        prefilled, timings)
+
+
+def evaluate_point(ctx: ModelContext, point: dict) -> dict:
+    """Allocate, run generation and teacher-forced evaluation through the quantized cache, measure."""
+    alloc = allocate(
+        ctx.entropy, point["budget"], policy=point["policy"], alpha=point["alpha"],
+        sink_threshold=point["sink_threshold"], sink_fraction=point["sink_fraction"], widths=tuple(point["widths"]),
+        budget_mode=point["budget_mode"], seed=point["seed"], entropy_key=point["entropy_key"],
+    )
+    config = ctx.model.config
+    cache_kwargs = dict(scheme=point["scheme"], group_size=point["group_size"])
+    caches = []
+
+    def from_prefilled(prefilled_cache):
+        cache = QuantizedKVCache.from_prefilled(prefilled_cache, config, alloc.bits, prefill="exact", **cache_kwargs)
+        caches.append(cache)
+        return cache
+
+    if point["prefill"] == "exact":
+        tokens = evaluate.decode(ctx.model, ctx.prefilled, point["new_tokens"], cache_from_prefilled=from_prefilled)
+    else:
+        def factory():
+            cache = QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs)
+            caches.append(cache)
+            return cache
+
+        tokens = evaluate.greedy_generate(ctx.model, ctx.prompts, point["new_tokens"], factory,
+                                          batch_size=ctx.prefilled[0].batch_size)
+    held = sum(c.nbytes() for c in caches)
+    fp16 = sum(c.nbytes_fp16() for c in caches)
+
+    tf = evaluate.teacher_forced(
+        ctx.model, ctx.sequences,
+        lambda: QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs),
+        chunk=point["chunk"], baseline=ctx.base_tf,
+    )
+    gen = metrics.generation_metrics(ctx.base_tokens, tokens, ctx.tokenizer.decode)
+    tfm = metrics.teacher_forced_metrics(ctx.base_tf, tf)
+    result_metrics = {
+        **gen, **tfm,
+        "mean_bits": alloc.mean_bits,
+        "compression_nominal": 16.0 / alloc.mean_bits,
+        "compression_true": fp16 / held,
+        "bytes_per_token": held / (ctx.prompts.shape[0] * (ctx.prompts.shape[1] + point["new_tokens"])),
+        "n_sinks": int(alloc.sinks.sum()),
+    }
+    items = {k: np.asarray(v).tolist() for k, v in metrics.generation_items(ctx.base_tokens, tokens).items()}
+    items.update({k: np.asarray(v).tolist() for k, v in metrics.teacher_forced_items(ctx.base_tf, tf).items()})
+    return {
+        "metrics": result_metrics,
+        "items": items,
+        "tokens": tokens.tolist(),
+        "allocation": {"bits": alloc.bits.tolist(), "histogram": alloc.histogram()},
+    }
+
+
+def baseline_record(ctx: ModelContext, point: dict) -> dict:
+    """The unquantized-cache reference row of a model (every metric at its identity value)."""
+    tfm = metrics.teacher_forced_metrics(ctx.base_tf, ctx.base_tf)
+    gen = metrics.generation_metrics(ctx.base_tokens, ctx.base_tokens, ctx.tokenizer.decode)
+    return {**gen, **tfm, "mean_bits": 16.0, "compression_nominal": 1.0, "compression_true": 1.0}
+
+
+def run(points: list[dict], run_dir: Path, batch_size: int = 8, device: str = "cpu", on_point=None) -> pd.DataFrame:
+    """Evaluate every point not already in run_dir/points; returns the consolidated table."""
+    run_dir = Path(run_dir)
+    (run_dir / "points").mkdir(parents=True, exist_ok=True)
+    todo = [p for p in points if not (run_dir / "points" / f"{point_key(p)}.json").exists()]
+    timings_path = run_dir / "timings.json"
+    timings = json.loads(timings_path.read_text()) if timings_path.exists() else {"models": {}, "points": {}}
+    contexts: dict[tuple, ModelContext] = {}
+    bar = tqdm(total=len(points), initial=len(points) - len(todo), desc="points", unit="pt", dynamic_ncols=True)
+    for point in todo:
+        key = point_key(point)
+        bar.set_postfix_str(f"{point['model']} {point['policy']} b={point['budget']} {point['scheme']}")
+        ckey = context_key(point)
+        if ckey not in contexts:
+            contexts.clear()  # one model in memory at a time
+            contexts[ckey] = ctx = build_context(point, batch_size, device)
+            timings["models"][point["model"]] = ctx.timings
+            base_point = {**point, "policy": "baseline", "budget": 16, "alpha": 0.0, "sink_threshold": None,
+                          "sink_fraction": None, "scheme": "none"}
+            base_path = run_dir / "points" / f"{point_key(base_point)}.json"
+            if not base_path.exists():
+                write_json_atomic(base_path, {"key": point_key(base_point), "status": "ok", "config": base_point,
+                                              "metrics": baseline_record(ctx, point),
+                                              "tokens": ctx.base_tokens.tolist()})
+        ctx = contexts[ckey]
+        t = time.perf_counter()
+        try:
+            result = {"status": "ok", **evaluate_point(ctx, point)}
+        except ValueError as err:  # an allocation the budget cannot pay for: recorded, not fatal
+            result = {"status": "infeasible", "error": str(err)}
+        timings["points"][key] = time.perf_counter() - t
+        write_json_atomic(run_dir / "points" / f"{key}.json", {"key": key, "config": point, **result})
+        write_json_atomic(timings_path, timings)
+        write_parquet(run_dir)
+        if on_point is not None:
+            on_point(point, result)
+        bar.update(1)
+    bar.close()
+    return write_parquet(run_dir)

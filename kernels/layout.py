@@ -1,0 +1,195 @@
+"""Per-layer packed storage of keys (or values): every KV head at its own bit width.
+
+This module owns the memory layout that the torch path (harness/cache.py) and the Triton kernels
+(kernels/quantize.py, kernels/decode_attention.py) share. The bit-level format of one packed row is
+kernels/reference.py's; this file decides where the rows of all heads of one layer live.
+
+Layout, token-major so that one kernel launch per layer can write every head of a new token:
+    payload  uint8    (B, cap, row_bytes)        row_bytes = sum of packed_dim(D, w_h) over quantized heads;
+                                                  head h's codes sit at bytes [byte_offset[h], + packed_dim)
+    scale    float16  (B, cap, n_quant, D // g)  quantized head h uses slot[h]
+    zero     float16  (B, cap, n_quant, D // g)  None when symmetric
+    full     dtype    (B, n_full, cap, D)        heads at 16 bits (kept in the model's dtype), slot[h]
+    width, byte_offset, slot: int32 (Hkv,)       the per-head tables the kernels read
+Positions >= length are unused capacity. Capacity grows geometrically so appending a decode token is
+amortized O(1) instead of a full copy per step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import reference
+
+FULL_WIDTH = 16
+FP16_BYTES = 2
+
+
+def _grow(t: torch.Tensor | None, dim: int, new_cap: int) -> torch.Tensor | None:
+    """Return `t` with its `dim` extended to `new_cap` (new positions uninitialized)."""
+    if t is None:
+        return None
+    shape = list(t.shape)
+    shape[dim] = new_cap
+    out = torch.empty(shape, dtype=t.dtype, device=t.device)
+    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    return out
+
+
+class PackedStore:
+    """One layer's keys or values for a batch, each KV head stored at its own width (2, 3, 4, 8 or 16)."""
+
+    def __init__(
+        self,
+        bits: list[int] | tuple[int, ...],
+        head_dim: int,
+        batch: int,
+        group_size: int = 32,
+        symmetric: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        capacity: int = 64,
+    ):
+        bits = [int(b) for b in bits]
+        for b in bits:
+            if b != FULL_WIDTH and b not in reference.WIDTHS:
+                raise ValueError(f"bits: {b} is not an allowed width; allowed: 2, 3, 4, 8, 16")
+        quantized = [b for b in bits if b != FULL_WIDTH]
+        if quantized and head_dim % group_size:
+            raise ValueError(f"quant.group_size: {group_size} does not divide head_dim {head_dim}")
+        self.bits = tuple(bits)
+        self.head_dim, self.batch, self.group_size, self.symmetric = head_dim, batch, group_size, symmetric
+        self.dtype, self.device = dtype, torch.device(device)
+        self.length = 0
+
+        width, offset, slot = [], [], []
+        row_bytes = n_quant = n_full = 0
+        for b in bits:
+            width.append(b)
+            if b == FULL_WIDTH:
+                offset.append(0)
+                slot.append(n_full)
+                n_full += 1
+            else:
+                offset.append(row_bytes)
+                slot.append(n_quant)
+                row_bytes += reference.packed_dim(head_dim, b)
+                n_quant += 1
+        self.row_bytes, self.n_quant, self.n_full = row_bytes, n_quant, n_full
+        as_table = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
+        self.width, self.byte_offset, self.slot = as_table(width), as_table(offset), as_table(slot)
+
+        n_groups = head_dim // group_size if n_quant else 0
+        cap = max(1, capacity)
+        self.payload = torch.empty(batch, cap, row_bytes, dtype=torch.uint8, device=self.device)
+        self.scale = torch.empty(batch, cap, n_quant, n_groups, dtype=torch.float16, device=self.device)
+        self.zero = None if symmetric else torch.empty_like(self.scale)
+        self.full = torch.empty(batch, n_full, cap, head_dim, dtype=dtype, device=self.device)
+        # The torch path keeps the dequantized values of what it stored, appended once per token, so a decode
+        # step costs what a DynamicCache step costs. It is a compute buffer of this backend, not stored bytes:
+        # nbytes() counts the packed form, which is what a fused kernel (kernels/decode_attention.py) reads.
+        self._dequantized: torch.Tensor | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self.payload.shape[1]
+
+    def _reserve(self, needed: int) -> None:
+        if needed <= self.capacity:
+            return
+        cap = max(needed, 2 * self.capacity)
+        self.payload = _grow(self.payload, 1, cap)
+        self.scale = _grow(self.scale, 1, cap)
+        self.zero = _grow(self.zero, 1, cap)
+        self.full = _grow(self.full, 2, cap)
+
+    def append(self, x: torch.Tensor, keep_dequantized: bool = True) -> torch.Tensor | None:
+        """Quantize and store new tokens x (B, Hkv, Tn, D); return the dequantized stored values of all tokens.
+
+        Returns (B, Hkv, length, D) in the store's dtype when `keep_dequantized`, else None.
+        """
+        B, H, Tn, D = x.shape
+        assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
+        start, end = self.length, self.length + Tn
+        self._reserve(end)
+        new_deq = torch.empty(B, H, Tn, D, dtype=self.dtype, device=self.device) if keep_dequantized else None
+        for h, b in enumerate(self.bits):
+            slot = int(self.slot[h])
+            if b == FULL_WIDTH:
+                self.full[:, slot, start:end] = x[:, h]
+                if new_deq is not None:
+                    new_deq[:, h] = x[:, h]
+                continue
+            p = reference.quantize(x[:, h], b, self.group_size, symmetric=self.symmetric)  # payload (B, Tn, pd)
+            off = int(self.byte_offset[h])
+            self.payload[:, start:end, off : off + p.payload.shape[-1]] = p.payload
+            self.scale[:, start:end, slot] = p.scale
+            if self.zero is not None:
+                self.zero[:, start:end, slot] = p.zero
+            if new_deq is not None:
+                new_deq[:, h] = reference.dequantize(p, dtype=self.dtype)
+        self.length = end
+        if new_deq is None:
+            return None
+        self._append_dequantized(new_deq)
+        return self._dequantized[:, :, : self.length]
+
+    def _append_dequantized(self, new: torch.Tensor) -> None:
+        if self._dequantized is None:
+            self._dequantized = torch.empty(
+                self.batch, len(self.bits), self.capacity, self.head_dim, dtype=self.dtype, device=self.device
+            )
+        elif self._dequantized.shape[2] < self.length:
+            self._dequantized = _grow(self._dequantized, 2, self.capacity)
+        self._dequantized[:, :, self.length - new.shape[2] : self.length] = new
+
+    def head_packed(self, h: int) -> reference.Packed:
+        """The stored tokens of quantized KV head h as a reference.Packed (payload (B, length, packed_dim))."""
+        b = self.bits[h]
+        assert b != FULL_WIDTH, "head is stored unquantized"
+        slot, off = int(self.slot[h]), int(self.byte_offset[h])
+        n = self.length
+        return reference.Packed(
+            payload=self.payload[:, :n, off : off + reference.packed_dim(self.head_dim, b)],
+            scale=self.scale[:, :n, slot],
+            zero=None if self.zero is None else self.zero[:, :n, slot],
+            bits=b,
+            group_size=self.group_size,
+            symmetric=self.symmetric,
+            dim=self.head_dim,
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """Dequantize every stored token from the packed form: (B, Hkv, length, D) in the store's dtype."""
+        out = torch.empty(self.batch, len(self.bits), self.length, self.head_dim, dtype=self.dtype, device=self.device)
+        for h, b in enumerate(self.bits):
+            if b == FULL_WIDTH:
+                out[:, h] = self.full[:, int(self.slot[h]), : self.length]
+            else:
+                out[:, h] = reference.dequantize(self.head_packed(h), dtype=self.dtype)
+        return out
+
+    def keep_last(self, n: int) -> None:
+        """Evict all but the last n tokens (sliding-window layers); frees the evicted capacity."""
+        drop = self.length - n
+        if drop <= 0:
+            return
+        self.payload = self.payload[:, drop : self.length].clone()
+        self.scale = self.scale[:, drop : self.length].clone()
+        self.zero = None if self.zero is None else self.zero[:, drop : self.length].clone()
+        self.full = self.full[:, :, drop : self.length].clone()
+        if self._dequantized is not None:
+            self._dequantized = self._dequantized[:, :, drop : self.length].clone()
+        self.length = n
+
+    def nbytes(self) -> int:
+        """Bytes held for the stored tokens: payload, scales, zeros and 16-bit heads (counted at 2 bytes)."""
+        n = self.batch * self.length
+        per_token = self.row_bytes + self.n_quant * (self.head_dim // self.group_size) * FP16_BYTES * (
+            1 if self.zero is None else 2
+        )
+        return n * (per_token + self.n_full * self.head_dim * FP16_BYTES)
+
+    def nbytes_fp16(self) -> int:
+        """Bytes an unquantized fp16 cache would hold for the same tokens."""
+        return self.batch * self.length * len(self.bits) * self.head_dim * FP16_BYTES

@@ -1,0 +1,137 @@
+"""QuantizedKVCache against transformers' DynamicCache and the packed-format oracle."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+from harness.cache import QuantizedKVCache, QuantizedLayer, QuantizedSlidingLayer
+from harness.models import load_model
+from kernels import reference
+
+TINY = ["tiny-llama", "tiny-gpt2", "tiny-qwen2", "tiny-qwen3_5", "tiny-gemma3"]
+
+
+@pytest.fixture(scope="module", params=TINY)
+def tiny(request):
+    model, _ = load_model(request.param)
+    return request.param, model
+
+
+def n_kv(model) -> int:
+    c = model.config.get_text_config(decoder=True)
+    return getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+
+
+def chunked_logits(model, ids, cache, chunk):
+    """Logits of ids (B, T) fed in chunks through `cache`: (B, T, V)."""
+    out = []
+    for s in range(0, ids.shape[1], chunk):
+        out.append(model(input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def test_sixteen_bits_is_exactly_dynamic_cache(tiny):
+    name, model = tiny
+    torch.manual_seed(1)
+    ids = torch.randint(0, 256, (2, 37))  # longer than tiny-gemma3's window of 16
+    ref = chunked_logits(model, ids, DynamicCache(config=model.config), chunk=7)
+    for prefill in ("exact", "quantized"):
+        got = chunked_logits(model, ids, QuantizedKVCache(model.config, 16, prefill=prefill), chunk=7)
+        assert torch.equal(got, ref), f"{name} prefill={prefill}: max diff {(got - ref).abs().max()}"
+    prompt = ids[:, :21]
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = model.generate(prompt, past_key_values=DynamicCache(config=model.config), **kw)
+    got = model.generate(prompt, past_key_values=QuantizedKVCache(model.config, 16), **kw)
+    assert torch.equal(got, want), name
+
+
+@torch.no_grad()
+def test_eight_bits_close_two_bits_moves(tiny):
+    name, model = tiny
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (2, 33))
+    ref = chunked_logits(model, ids, DynamicCache(config=model.config), chunk=11)
+    err = {}
+    for b in (8, 2):
+        got = chunked_logits(model, ids, QuantizedKVCache(model.config, b, prefill="quantized"), chunk=11)
+        assert torch.isfinite(got).all()
+        err[b] = ((got - ref).norm() / ref.norm()).item()
+    assert err[8] < 1e-2, (name, err)
+    assert err[2] > 5 * err[8] and err[2] > 1e-3, (name, err)
+
+
+@torch.no_grad()
+def test_mixed_widths_store_each_head_at_its_width():
+    model, _ = load_model("tiny-llama")
+    bits = torch.tensor([[2, 4, 16], [8, 3, 2], [16, 16, 4]])
+    torch.manual_seed(3)
+    ids = torch.randint(0, 256, (3, 29))
+    ref_cache = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=ref_cache, use_cache=True)
+    cache = QuantizedKVCache(model.config, bits, group_size=16)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    for layer, (ref_layer, q_layer) in enumerate(zip(ref_cache.layers, cache.layers)):
+        for store, ref in ((q_layer.k_store, ref_layer.keys), (q_layer.v_store, ref_layer.values)):
+            got = store.dequantize()  # (B, Hkv, T, D)
+            for h, b in enumerate(bits[layer].tolist()):
+                want = ref[:, h] if b == 16 else reference.fake_quantize(ref[:, h], b, 16)
+                assert torch.equal(got[:, h], want), (layer, h, b)
+
+
+def test_true_compression_asym4_g32_head_dim_64_is_3_2():
+    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    cache = QuantizedKVCache(config, 4, scheme="asym_token", group_size=32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (2, 19)), past_key_values=cache, use_cache=True)
+    assert cache.nbytes_fp16() == 2 * 2 * 2 * 19 * 2 * 64 * 2  # layers * (K,V) * B * T * heads * D * 2 bytes
+    assert cache.nbytes_fp16() / cache.nbytes() == pytest.approx(3.2)
+    sym = QuantizedKVCache(config, 4, scheme="sym_token", group_size=32)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 64, (2, 19)), past_key_values=sym, use_cache=True)
+    assert sym.nbytes_fp16() / sym.nbytes() == pytest.approx(128 / 36)  # no zeros stored
+
+
+@torch.no_grad()
+def test_sliding_layers_hold_their_window_and_linear_layers_are_not_quantized():
+    model, _ = load_model("tiny-gemma3")
+    cache = QuantizedKVCache(model.config, 4, group_size=16)
+    model(input_ids=torch.randint(0, 256, (1, 40)), past_key_values=cache, use_cache=True)
+    window = model.config.sliding_window
+    for layer in cache.layers:
+        held = layer.k_store.length
+        assert held == (window - 1 if isinstance(layer, QuantizedSlidingLayer) else 40)
+    hybrid, _ = load_model("tiny-qwen3_5")
+    cache = QuantizedKVCache(hybrid.config, 4, group_size=16)
+    hybrid(input_ids=torch.randint(0, 256, (1, 12)), past_key_values=cache, use_cache=True)
+    kinds = [isinstance(layer, QuantizedLayer) for layer in cache.layers]
+    assert kinds == [t == "full_attention" for t in hybrid.config.layer_types]
+    assert cache.linear_state_nbytes() > 0
+
+
+@torch.no_grad()
+def test_from_prefilled_equals_an_exact_prefill_cache(tiny):
+    name, model = tiny
+    torch.manual_seed(4)
+    prompt = torch.randint(0, 256, (2, 23))
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    bits = torch.tensor([2, 4, 8, 16])[torch.randint(0, 4, (layers, n_kv(model)))]
+
+    def decode(cache, first_logits, steps=6):
+        tokens = [first_logits[:, -1].argmax(-1, keepdim=True)]
+        for _ in range(steps):
+            logits = model(input_ids=tokens[-1], past_key_values=cache, use_cache=True).logits
+            tokens.append(logits[:, -1].argmax(-1, keepdim=True))
+        return torch.cat(tokens, 1)
+
+    fresh = QuantizedKVCache(model.config, bits, group_size=16, prefill="exact")
+    first = model(input_ids=prompt, past_key_values=fresh, use_cache=True).logits
+    want = decode(fresh, first)
+    dyn = DynamicCache(config=model.config)
+    first_dyn = model(input_ids=prompt, past_key_values=dyn, use_cache=True).logits
+    assert torch.equal(first, first_dyn)
+    got = decode(QuantizedKVCache.from_prefilled(dyn, model.config, bits, group_size=16), first_dyn)
+    assert torch.equal(got, want), name
