@@ -1,0 +1,220 @@
+"""Evaluation loops: run a model through a KV cache and collect what harness.metrics consumes.
+
+This module owns the forward passes: greedy generation step by step through a cache, and teacher-forced
+scoring fed chunk by chunk through a cache. It knows nothing about quantization: the cache comes from a
+factory (a fresh cache per batch), so the same loop gives the baseline (DynamicCache) and a quantized run.
+
+Every forward passes explicit position_ids (the count of tokens fed so far), so positions never depend on
+what a cache reports as its length; the attention mask over cached tokens is the cache's business.
+Models must be in eval mode (model.eval()): a model in training mode is refused, since dropout would make
+runs differ for reasons other than the cache.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import transformers
+from tqdm.auto import tqdm
+
+CacheFactory = Callable[[], transformers.Cache]  # a fresh, empty cache per batch
+
+
+@dataclass
+class TeacherForced:
+    """What one teacher-forced run produced over S sequences of T tokens (position t predicts token t+1).
+
+    A baseline run (made without a baseline) keeps its full log-probs, stored in `logprobs_dtype` (float16 by
+    default: (S, T-1, V) is the big one, V can be 150k). A run made against a baseline keeps no log-probs:
+    it computes KL(p_base || p_this) per position while its own logits are in hand. nll and top1 are always
+    computed from float32 log-probs.
+    """
+
+    targets: torch.Tensor  # (S, T-1) int64, tokens 1..T-1
+    nll: torch.Tensor  # (S, T-1) float32, -log p(target)
+    top1: torch.Tensor  # (S, T-1) int64, argmax of the prediction
+    logprobs: torch.Tensor | None = None  # (S, T-1, V) logprobs_dtype, baseline runs only
+    kl: torch.Tensor | None = None  # (S, T-1) float32 nats, runs made against a baseline only
+
+
+def _check_eval(model: transformers.PreTrainedModel) -> None:
+    if model.training:
+        raise ValueError("put the model in eval mode (model.eval()) before evaluating it")
+
+
+def _batches(n: int, batch_size: int, progress: bool, desc: str) -> Iterator[slice]:
+    starts = range(0, n, batch_size)
+    for start in tqdm(starts, desc=desc, disable=not progress):
+        yield slice(start, min(start + batch_size, n))
+
+
+def _forward(
+    model: transformers.PreTrainedModel,
+    input_ids: torch.Tensor,
+    start: int,
+    cache: transformers.Cache,
+    **kwargs,
+) -> torch.Tensor:
+    """Logits (B, L or kept, V) of input_ids (B, L) sitting at positions start..start+L-1, through cache."""
+    batch, length = input_ids.shape
+    positions = torch.arange(start, start + length, device=input_ids.device)  # (L,)
+    out = model(
+        input_ids=input_ids,
+        position_ids=positions.expand(batch, length),  # (B, L)
+        past_key_values=cache,
+        use_cache=True,
+        **kwargs,
+    )
+    return out.logits
+
+
+@dataclass
+class Prefilled:
+    """One batch of prompts after a full-precision prefill: what every decode of that batch starts from."""
+
+    rows: slice  # which prompts
+    cache: transformers.DynamicCache  # the prompts' K/V (never mutated: decodes start from copies)
+    first: torch.Tensor  # (B,) greedy first new token, from the prefill's last logits
+    prompt_tokens: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.first.shape[0]
+
+
+def dynamic_cache_factory(model: torch.nn.Module) -> CacheFactory:
+    """Fresh unquantized caches for `model` (sliding-window layers keep their window)."""
+    return lambda: transformers.DynamicCache(config=model.config)
+
+
+def _prefill(model, prompts: torch.Tensor, cache: transformers.Cache) -> torch.Tensor:
+    """Feed prompts (B, P) into cache; return the greedy first new token (B,)."""
+    logits = _forward(model, prompts.to(model.device), 0, cache, logits_to_keep=1)  # (B, 1, V)
+    return logits[:, -1].argmax(dim=-1)
+
+
+def _decode(model, cache: transformers.Cache, first: torch.Tensor, prompt_tokens: int, new_tokens: int):
+    """Greedy tokens (B, M) on CPU: `first`, then M - 1 single-token forwards through cache (the last is never fed)."""
+    generated = [first]  # M x (B,)
+    for step in range(1, new_tokens):
+        logits = _forward(model, generated[-1][:, None], prompt_tokens + step - 1, cache)  # (B, 1, V)
+        generated.append(logits[:, -1].argmax(dim=-1))
+    return torch.stack(generated, dim=1).cpu()
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    new_tokens: int,
+    cache_factory: CacheFactory,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Greedy continuations (N, M) int64 on CPU of prompts (N, P) int64, all of one length (no padding).
+
+    Per batch: one prefill forward of the prompts into a fresh cache, then one forward per further new token
+    (M - 1 of them; the last token is never fed). Ties go to torch.argmax. No stop token: always M tokens.
+    """
+    _check_eval(model)
+    outputs = []
+    for rows in _batches(prompts.shape[0], batch_size, progress, "generate"):
+        cache = cache_factory()
+        first = _prefill(model, prompts[rows], cache)
+        outputs.append(_decode(model, cache, first, prompts.shape[1], new_tokens))
+    return torch.cat(outputs)
+
+
+@torch.no_grad()
+def prefill(model: torch.nn.Module, prompts: torch.Tensor, batch_size: int = 8) -> list[Prefilled]:
+    """Full-precision prefill of prompts (N, P) in batches, to be shared by every decode (prefill=exact)."""
+    _check_eval(model)
+    out = []
+    for rows in _batches(prompts.shape[0], batch_size, False, "prefill"):
+        cache = transformers.DynamicCache(config=model.config)
+        out.append(Prefilled(rows, cache, _prefill(model, prompts[rows], cache), prompts.shape[1]))
+    return out
+
+
+@torch.no_grad()
+def decode(
+    model: torch.nn.Module,
+    prefilled: list[Prefilled],
+    new_tokens: int,
+    cache_from_prefilled: Callable[[transformers.Cache], transformers.Cache] | None = None,
+) -> torch.Tensor:
+    """Greedy continuations (N, M) from shared prefills: each batch decodes through
+    `cache_from_prefilled(prefill cache)` (e.g. a quantized copy), or through a copy of the prefill cache itself
+    when None (the unquantized baseline). Equals greedy_generate with prefill=exact caches."""
+    outputs = []
+    for p in prefilled:
+        cache = copy.deepcopy(p.cache) if cache_from_prefilled is None else cache_from_prefilled(p.cache)
+        outputs.append(_decode(model, cache, p.first, p.prompt_tokens, new_tokens))
+    return torch.cat(outputs)
+
+
+def _kl(base_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(p_base || p) (...) in nats from log-probs (..., V); both rounded to the baseline's storage dtype.
+
+    Rounding this run's log-probs like the stored baseline makes a run against an identical baseline give
+    exactly 0 instead of fp16 rounding noise; in float32 storage the rounding is a no-op. Computed in float32;
+    rounding can leave tiny negative values, which are kept.
+    """
+    base = base_logprobs.float()  # (..., V)
+    this = logprobs.to(base_logprobs.dtype).float()  # (..., V)
+    p_base = base.exp()
+    terms = torch.where(p_base > 0, p_base * (base - this), 0.0)  # (..., V)
+    return terms.sum(dim=-1)
+
+
+@torch.no_grad()
+def teacher_forced(
+    model: transformers.PreTrainedModel,
+    sequences: torch.Tensor,
+    cache_factory: CacheFactory,
+    chunk: int = 128,
+    batch_size: int = 1,
+    baseline: TeacherForced | None = None,
+    logprobs_dtype: torch.dtype = torch.float16,
+    progress: bool = False,
+) -> TeacherForced:
+    """Score sequences (S, T) int64 teacher-forced, fed in chunks of `chunk` tokens through a fresh cache per batch.
+
+    Tokens 0..T-2 are fed (token T-1 is only a target). Without `baseline` the run keeps its log-probs in
+    `logprobs_dtype` (it can be a baseline); with `baseline` (a run on the same sequences made without one)
+    it keeps KL(p_baseline || p_this) per position instead. The device holds one chunk's logits at a time;
+    results are on CPU.
+    """
+    _check_eval(model)
+    if baseline is not None and baseline.logprobs is None:
+        raise ValueError("baseline must be a run made without a baseline (one that kept its log-probs)")
+    sequences = sequences.cpu()
+    targets = sequences[:, 1:]  # (S, T-1)
+    if baseline is not None and not torch.equal(baseline.targets, targets):
+        raise ValueError("baseline was made on different sequences")
+    n_seq, n_pos = targets.shape
+    nll = torch.empty(n_seq, n_pos)  # (S, T-1)
+    top1 = torch.empty(n_seq, n_pos, dtype=torch.int64)  # (S, T-1)
+    kl = None if baseline is None else torch.empty(n_seq, n_pos)  # (S, T-1)
+    logprobs = None  # (S, T-1, V), allocated once V is known from the logits
+
+    for rows in _batches(n_seq, batch_size, progress, "teacher-forced"):
+        cache = cache_factory()
+        inputs = sequences[rows, :-1].to(model.device)  # (B, T-1)
+        for start in range(0, n_pos, chunk):
+            cols = slice(start, min(start + chunk, n_pos))
+            logits = _forward(model, inputs[:, cols], start, cache)  # (B, L, V)
+            chunk_logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, L, V)
+            chunk_targets = targets[rows, cols].to(model.device)  # (B, L)
+            nll[rows, cols] = -chunk_logprobs.gather(-1, chunk_targets[..., None]).squeeze(-1).cpu()
+            top1[rows, cols] = chunk_logprobs.argmax(dim=-1).cpu()
+            if baseline is not None:
+                kl[rows, cols] = _kl(baseline.logprobs[rows, cols].to(model.device), chunk_logprobs).cpu()
+            else:
+                if logprobs is None:
+                    logprobs = torch.empty(n_seq, n_pos, logits.shape[-1], dtype=logprobs_dtype)
+                logprobs[rows, cols] = chunk_logprobs.to(logprobs_dtype).cpu()
+    return TeacherForced(targets=targets.clone(), nll=nll, top1=top1, logprobs=logprobs, kl=kl)

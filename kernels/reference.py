@@ -1,0 +1,266 @@
+"""Torch oracle for the packed KV format: bit-exact quantize / pack / unpack / dequantize, plus a float64
+attention oracle.
+
+This module owns the *format* of one quantized tensor. The Triton kernels (kernels/quantize.py,
+kernels/decode_attention.py) must reproduce it bit for bit; kernels/layout.py decides where the rows of all
+heads of one layer live. Quantization runs along the last dim of x, shape (..., D), in groups of g values.
+
+Arithmetic contract (every step in float32; the order of operations below is the contract):
+    x32   = clamp(float32(x), -65504, 65504)                 finite fp16 range; NaN inputs are not supported
+                                                              (they propagate into scale/zero, undefined codes)
+    asym  (llama.cpp q4_1 style), per group:
+        lo, hi = min(x32), max(x32)
+        scale  = fp16((hi - lo) / (2**b - 1))                 IEEE float32 division, then round-to-nearest-even
+        zero   = fp16(lo)
+        s, z   = float32(scale), float32(zero)
+        q      = clamp(floor((x32 - z) / s + 0.5), 0, 2**b - 1);   q = 0 where s == 0
+        deq    = q * s + z                                    a float32 multiply then a float32 add (no FMA)
+    sym   (llama.cpp q4_0 style), per group:
+        amax   = max(|x32|);  qmax = 2**(b-1) - 1
+        scale  = fp16(amax / qmax);  s = float32(scale)
+        qs     = clamp(floor(x32 / s + 0.5), -qmax, qmax);    qs = 0 where s == 0
+        code   = qs + 2**(b-1)                                codes lie in [1, 2**b - 1]
+        deq    = (code - 2**(b-1)) * s
+    Casting deq to a dtype narrower than float32 in range (float16) saturates to that dtype's finite range
+    first: with inputs at +-65504 the fp16-rounded scale can put q * s + z just past 65504, which a plain cast
+    would turn into inf.
+
+Packing of the codes of one row (D codes), little-endian within bytes:
+    b in {2, 4, 8}: k = 8 // b codes per byte; code j -> byte j // k, bits [(j % k) * b, + b).
+                    Requires D % k == 0. Payload uint8 (..., D * b // 8).
+    b = 3 (dense):  code j -> bits [3j, 3j + 3) of the row's bit stream, stream bit n = bit n % 8 of byte
+                    n // 8 (a code may straddle two bytes). Requires D % 8 == 0. Payload uint8 (..., 3 * D // 8).
+    Both rules are the same bit stream: code j occupies stream bits [b*j, b*j + b).
+scale, zero: float16 (..., D // g); zero is None for sym.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+
+WIDTHS = (2, 3, 4, 8)  # packed widths; 16 means "unquantized" elsewhere in the project
+SCHEMES = ("asym", "sym")
+FP16_MAX = 65504.0
+
+
+@dataclass
+class Packed:
+    """One quantized tensor of shape (..., dim) in the packed format described in the module docstring."""
+
+    payload: torch.Tensor  # uint8 (..., packed_dim(dim, bits))
+    scale: torch.Tensor  # float16 (..., dim // group_size)
+    zero: torch.Tensor | None  # float16 (..., dim // group_size) for asym, None for sym
+    bits: int
+    group_size: int
+    symmetric: bool
+    dim: int  # D, the unpacked last dim
+
+    def nbytes(self) -> int:
+        """Bytes actually stored: payload + scale (+ zero)."""
+        tensors = [self.payload, self.scale] + ([] if self.zero is None else [self.zero])
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# validation
+
+
+def _check_bits(bits: int) -> int:
+    if isinstance(bits, bool) or bits not in WIDTHS:
+        raise ValueError(f"bits: {bits!r} is not a packed width; allowed: {', '.join(map(str, WIDTHS))}")
+    return int(bits)
+
+
+def _check_dim(dim: int, bits: int) -> None:
+    """The row length must fill whole bytes: D % (8 // b) == 0 for b in {2, 4, 8}, D % 8 == 0 for b = 3."""
+    need = 8 if bits == 3 else 8 // bits
+    if dim <= 0 or dim % need:
+        raise ValueError(f"dim: {dim} is not allowed at bits={bits}; allowed: a positive multiple of {need}")
+
+
+def _check_group_size(group_size: int, dim: int) -> int:
+    try:
+        g = operator.index(group_size) if not isinstance(group_size, bool) else 0
+    except TypeError:
+        g = 0
+    if g <= 0 or dim % g:
+        raise ValueError(
+            f"group_size: {group_size!r} does not divide the last dim {dim}; allowed: a positive divisor of {dim}"
+        )
+    return g
+
+
+# ---------------------------------------------------------------------------------------------------------
+# packing
+
+
+def packed_dim(dim: int, bits: int) -> int:
+    """Bytes of one packed row of `dim` codes at `bits` bits."""
+    bits = _check_bits(bits)
+    _check_dim(dim, bits)
+    return dim * bits // 8
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes (..., D) in [0, 2**bits) into a uint8 payload (..., packed_dim(D, bits))."""
+    bits = _check_bits(bits)
+    D = codes.shape[-1]
+    pd = packed_dim(D, bits)
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise ValueError(f"codes: dtype {codes.dtype} is not allowed; allowed: an integer dtype")
+    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
+        raise ValueError(f"codes: values must lie in [0, {(1 << bits) - 1}] at bits={bits}")
+    lead = codes.shape[:-1]
+    c = codes.to(torch.int32)
+    if bits == 3:
+        c = c.reshape(*lead, D // 8, 8)  # 8 codes = 24 bits = 3 bytes
+        word = torch.zeros(c.shape[:-1], dtype=torch.int32, device=c.device)  # (..., D // 8)
+        for i in range(8):
+            word |= c[..., i] << (3 * i)
+        out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(3)], dim=-1)  # (..., D // 8, 3)
+    else:
+        k = 8 // bits
+        c = c.reshape(*lead, D // k, k)  # (..., D // k, k): code j at [j // k, j % k]
+        out = torch.zeros(c.shape[:-1], dtype=torch.int32, device=c.device)  # (..., D // k)
+        for i in range(k):
+            out |= c[..., i] << (i * bits)
+    return out.to(torch.uint8).reshape(*lead, pd)
+
+
+def unpack(payload: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """Inverse of pack: uint8 payload (..., packed_dim(dim, bits)) -> uint8 codes (..., dim)."""
+    bits = _check_bits(bits)
+    pd = packed_dim(dim, bits)
+    if payload.dtype != torch.uint8 or payload.shape[-1] != pd:
+        raise ValueError(
+            f"payload: got {payload.dtype} with last dim {payload.shape[-1]}; "
+            f"allowed: torch.uint8 with last dim {pd} (dim={dim}, bits={bits})"
+        )
+    lead = payload.shape[:-1]
+    p = payload.to(torch.int32)
+    mask = (1 << bits) - 1
+    if bits == 3:
+        p = p.reshape(*lead, dim // 8, 3)
+        word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # (..., D // 8) 24-bit little-endian
+        codes = torch.stack([(word >> (3 * i)) & mask for i in range(8)], dim=-1)  # (..., D // 8, 8)
+    else:
+        k = 8 // bits
+        codes = torch.stack([(p >> (i * bits)) & mask for i in range(k)], dim=-1)  # (..., D // k, k)
+    return codes.to(torch.uint8).reshape(*lead, dim)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# quantization
+
+
+def _codes(
+    x: torch.Tensor, bits: int, group_size: int, symmetric: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Unpacked codes uint8 (..., D), scale float16 (..., D // g), zero float16 (..., D // g) or None."""
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x: dtype {x.dtype} is not allowed; allowed: a floating dtype")
+    bits = _check_bits(bits)
+    D = x.shape[-1]
+    _check_dim(D, bits)
+    g = _check_group_size(group_size, D)
+    lead = x.shape[:-1]
+    xg = x.to(torch.float32).clamp(-FP16_MAX, FP16_MAX).reshape(*lead, D // g, g)  # (..., n_groups, g)
+
+    if symmetric:
+        qmax = (1 << (bits - 1)) - 1
+        amax = xg.abs().amax(dim=-1)  # (..., n_groups)
+        scale = (amax / qmax).to(torch.float16)
+        zero = None
+        s = scale.float().unsqueeze(-1)  # (..., n_groups, 1)
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.floor(xg / safe + 0.5).clamp(-qmax, qmax)
+        q = torch.where(s == 0, torch.zeros_like(q), q) + (1 << (bits - 1))
+    else:
+        qmax = (1 << bits) - 1
+        lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # (..., n_groups)
+        scale = ((hi - lo) / qmax).to(torch.float16)
+        zero = lo.to(torch.float16)
+        s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)  # (..., n_groups, 1)
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.floor((xg - z) / safe + 0.5).clamp(0, qmax)
+        q = torch.where(s == 0, torch.zeros_like(q), q)
+    return q.to(torch.uint8).reshape(*lead, D), scale, zero
+
+
+def quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> Packed:
+    """Quantize x (..., D) of any float dtype along its last dim into a Packed (see module docstring)."""
+    codes, scale, zero = _codes(x, bits, group_size, symmetric)
+    return Packed(
+        payload=pack(codes, bits),
+        scale=scale,
+        zero=zero,
+        bits=int(bits),
+        group_size=int(group_size),
+        symmetric=bool(symmetric),
+        dim=x.shape[-1],
+    )
+
+
+def _saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 y -> dtype, clamping to dtype's finite range first where it is narrower than float32's."""
+    if dtype.is_floating_point and torch.finfo(dtype).max < torch.finfo(torch.float32).max:
+        fmax = torch.finfo(dtype).max
+        y = y.clamp(-fmax, fmax)
+    return y.to(dtype)
+
+
+def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed -> values (..., D): computed in float32, then cast (saturating) to `dtype`."""
+    bits = _check_bits(p.bits)
+    g = _check_group_size(p.group_size, p.dim)
+    codes = unpack(p.payload, bits, p.dim)
+    lead = codes.shape[:-1]
+    q = codes.to(torch.float32).reshape(*lead, p.dim // g, g)  # (..., n_groups, g)
+    s = p.scale.to(torch.float32).unsqueeze(-1)  # (..., n_groups, 1)
+    if p.symmetric:
+        y = (q - (1 << (bits - 1))) * s
+    else:
+        if p.zero is None:
+            raise ValueError("zero: an asymmetric Packed needs a zero tensor; got None")
+        y = q * s + p.zero.to(torch.float32).unsqueeze(-1)
+    return _saturating_cast(y.reshape(*lead, p.dim), dtype)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> torch.Tensor:
+    """dequantize(quantize(x)) in x.dtype."""
+    return dequantize(quantize(x, bits, group_size, symmetric), dtype=x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# attention oracle
+
+
+def attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal_offset: int | None = None
+) -> torch.Tensor:
+    """float64 softmax(q k^T * scale) v with GQA.
+
+    q (B, Hq, Tq, D); k, v (B, Hkv, Tk, D) with Hq a multiple of Hkv: query head h reads KV head
+    h // (Hq // Hkv). With causal_offset, query i attends keys j <= i + causal_offset (decode: Tq = 1,
+    causal_offset = Tk - 1). Returns (B, Hq, Tq, D) float64.
+    """
+    B, Hq, Tq, D = q.shape
+    Bk, Hkv, Tk, Dk = k.shape
+    if (Bk, Hkv, Tk) != tuple(v.shape[:3]) or Bk != B or Dk != D:
+        raise ValueError(f"k, v: shapes {tuple(k.shape)}, {tuple(v.shape)} do not match q {tuple(q.shape)}")
+    if Hq % Hkv:
+        raise ValueError(f"k: {Hkv} KV heads do not divide {Hq} query heads; allowed: a divisor of {Hq}")
+    if causal_offset is not None and causal_offset < 0:
+        raise ValueError(f"causal_offset: {causal_offset} would leave query 0 no key; allowed: >= 0 or None")
+    rep = Hq // Hkv
+    k64 = k.to(torch.float64).repeat_interleave(rep, dim=1)  # (B, Hq, Tk, D)
+    v64 = v.to(torch.float64).repeat_interleave(rep, dim=1)  # (B, Hq, Tk, Dv)
+    scores = q.to(torch.float64) @ k64.transpose(-1, -2) * scale  # (B, Hq, Tq, Tk)
+    if causal_offset is not None:
+        i = torch.arange(Tq, device=q.device).unsqueeze(-1)  # (Tq, 1)
+        j = torch.arange(Tk, device=q.device)  # (Tk,)
+        scores = scores.masked_fill(j > i + causal_offset, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v64  # (B, Hq, Tq, Dv)
