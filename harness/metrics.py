@@ -91,7 +91,7 @@ def generation_items(base_tokens: torch.Tensor, quant_tokens: torch.Tensor) -> d
     }
 
 
-def _bleu_sufficient_stats(hyps: list[str], refs: list[str]) -> np.ndarray:
+def bleu_sufficient_stats(hyps: list[str], refs: list[str]) -> np.ndarray:
     """Per-sentence sacrebleu statistics (N, 2 + 2*4): hyp length, ref length, n-gram matches, n-gram totals."""
     scorer = BLEU(tokenize="13a", effective_order=True)  # effective_order only silences the sentence warning
     rows = []
@@ -101,7 +101,7 @@ def _bleu_sufficient_stats(hyps: list[str], refs: list[str]) -> np.ndarray:
     return np.array(rows, dtype=np.int64)
 
 
-def _corpus_bleu_from_stats(stats: np.ndarray) -> float:
+def corpus_bleu_from_stats(stats: np.ndarray) -> float:
     """sacrebleu corpus BLEU (its default "exp" smoothing) of summed per-sentence statistics, on 0..1."""
     total = stats.sum(axis=0)
     score = BLEU.compute_bleu(
@@ -125,8 +125,8 @@ def generation_statistics(
     items = generation_items(base_tokens, quant_tokens)
     hyps = [decode(row) for row in quant_tokens.tolist()]
     refs = [decode(row) for row in base_tokens.tolist()]
-    bleu_stats = _bleu_sufficient_stats(hyps, refs)  # (N, 10)
-    statistics: dict[str, Statistic] = {"bleu": lambda idx: _corpus_bleu_from_stats(bleu_stats[idx])}
+    bleu_stats = bleu_sufficient_stats(hyps, refs)  # (N, 10)
+    statistics: dict[str, Statistic] = {"bleu": lambda idx: corpus_bleu_from_stats(bleu_stats[idx])}
     for name, values in items.items():
         statistics[name] = lambda idx, values=values: float(values[idx].mean())
     return statistics

@@ -26,7 +26,6 @@ from harness.grid import point_key
 from harness.models import load_model, model_spec
 from harness.policies import allocate
 
-GENERATION_ITEMS = ("bleu_tok", "token_match", "first_divergence")
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -84,7 +83,7 @@ def context_key(point: dict) -> tuple:
     return tuple(point[f] for f in fields)
 
 
-def build_context(point: dict, batch_size: int, device: str) -> ModelContext:
+def build_context(point: dict, batch_size: int, device: str, run_dir: Path) -> ModelContext:
     timings = {}
     t = time.perf_counter()
     model, tokenizer = load_model(point["model"], device=device)
@@ -111,6 +110,9 @@ def build_context(point: dict, batch_size: int, device: str) -> ModelContext:
     base_tokens = evaluate.decode(model, prefilled, point["new_tokens"], cache_from_prefilled=None)
     base_tf = evaluate.teacher_forced(model, sequences, evaluate.dynamic_cache_factory(model), chunk=point["chunk"])
     timings["baseline_s"] = time.perf_counter() - t
+    entropy_path = Path(run_dir) / f"entropy-{point['model']}.parquet"
+    if not entropy_path.exists():
+        entropy.to_parquet(entropy_path)
     return ModelContext(point["model"], model, tokenizer, entropy, prompts, sequences, base_tokens, base_tf,
                         prefilled, timings)
 
@@ -161,6 +163,10 @@ def evaluate_point(ctx: ModelContext, point: dict) -> dict:
     }
     items = {k: np.asarray(v).tolist() for k, v in metrics.generation_items(ctx.base_tokens, tokens).items()}
     items.update({k: np.asarray(v).tolist() for k, v in metrics.teacher_forced_items(ctx.base_tf, tf).items()})
+    decode = ctx.tokenizer.decode
+    items["bleu_stats"] = metrics.bleu_sufficient_stats(
+        [decode(row) for row in tokens.tolist()], [decode(row) for row in ctx.base_tokens.tolist()]
+    ).tolist()  # (N, 10) per-prompt sacrebleu statistics: corpus BLEU of any resample of prompts
     return {
         "metrics": result_metrics,
         "items": items,
@@ -192,7 +198,7 @@ def run(points: list[dict], run_dir: Path, batch_size: int = 8, device: str = "c
         ckey = context_key(point)
         if ckey not in contexts:
             contexts.clear()  # one model in memory at a time
-            contexts[ckey] = ctx = build_context(point, batch_size, device)
+            contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir)
             timings["models"][point["model"]] = ctx.timings
             base_point = {**point, "policy": "baseline", "budget": 16, "alpha": 0.0, "sink_threshold": None,
                           "sink_fraction": None, "scheme": "none"}

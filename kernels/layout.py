@@ -62,22 +62,27 @@ class PackedStore:
         self.dtype, self.device = dtype, torch.device(device)
         self.length = 0
 
-        width, offset, slot = [], [], []
+        # Heads are laid out width-major (all 2-bit heads, then 3-bit, ...; KV-head order within a width), so the
+        # heads of one width form one contiguous byte range of a row and one contiguous slot range: the torch
+        # path quantizes each width with one call. The kernels read only the per-head tables.
+        offset, slot = [0] * len(bits), [0] * len(bits)
+        self.buckets: list[tuple[int, torch.Tensor, int, int]] = []  # (width, heads, first slot, first byte)
         row_bytes = n_quant = n_full = 0
-        for b in bits:
-            width.append(b)
-            if b == FULL_WIDTH:
-                offset.append(0)
-                slot.append(n_full)
-                n_full += 1
-            else:
-                offset.append(row_bytes)
-                slot.append(n_quant)
-                row_bytes += reference.packed_dim(head_dim, b)
+        for w in sorted(set(bits)):
+            heads = [h for h, b in enumerate(bits) if b == w]
+            if w == FULL_WIDTH:
+                self.buckets.append((w, torch.tensor(heads, device=self.device), n_full, 0))
+                for h in heads:
+                    slot[h], n_full = n_full, n_full + 1
+                continue
+            self.buckets.append((w, torch.tensor(heads, device=self.device), n_quant, row_bytes))
+            for h in heads:
+                offset[h], slot[h] = row_bytes, n_quant
+                row_bytes += reference.packed_dim(head_dim, w)
                 n_quant += 1
         self.row_bytes, self.n_quant, self.n_full = row_bytes, n_quant, n_full
         as_table = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
-        self.width, self.byte_offset, self.slot = as_table(width), as_table(offset), as_table(slot)
+        self.width, self.byte_offset, self.slot = as_table(bits), as_table(offset), as_table(slot)
 
         n_groups = head_dim // group_size if n_quant else 0
         cap = max(1, capacity)
@@ -113,21 +118,25 @@ class PackedStore:
         start, end = self.length, self.length + Tn
         self._reserve(end)
         new_deq = torch.empty(B, H, Tn, D, dtype=self.dtype, device=self.device) if keep_dequantized else None
-        for h, b in enumerate(self.bits):
-            slot = int(self.slot[h])
-            if b == FULL_WIDTH:
-                self.full[:, slot, start:end] = x[:, h]
+        for w, index, first_slot, first_byte in self.buckets:
+            heads = index.tolist()
+            xw = x.index_select(1, index)  # (B, Hw, Tn, D)
+            slots = slice(first_slot, first_slot + len(heads))
+            if w == FULL_WIDTH:
+                self.full[:, slots, start:end] = xw
                 if new_deq is not None:
-                    new_deq[:, h] = x[:, h]
+                    new_deq.index_copy_(1, index, xw)
                 continue
-            p = reference.quantize(x[:, h], b, self.group_size, symmetric=self.symmetric)  # payload (B, Tn, pd)
-            off = int(self.byte_offset[h])
-            self.payload[:, start:end, off : off + p.payload.shape[-1]] = p.payload
-            self.scale[:, start:end, slot] = p.scale
+            if new_deq is None:
+                p = reference.quantize(xw, w, self.group_size, symmetric=self.symmetric)  # payload (B, Hw, Tn, pd)
+            else:
+                p, values = reference.quantize_dequantize(xw, w, self.group_size, self.symmetric, self.dtype)
+                new_deq.index_copy_(1, index, values)
+            nbytes = len(heads) * p.payload.shape[-1]
+            self.payload[:, start:end, first_byte : first_byte + nbytes] = p.payload.transpose(1, 2).reshape(B, Tn, -1)
+            self.scale[:, start:end, slots] = p.scale.transpose(1, 2)
             if self.zero is not None:
-                self.zero[:, start:end, slot] = p.zero
-            if new_deq is not None:
-                new_deq[:, h] = reference.dequantize(p, dtype=self.dtype)
+                self.zero[:, start:end, slots] = p.zero.transpose(1, 2)
         self.length = end
         if new_deq is None:
             return None

@@ -113,6 +113,13 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         raise ValueError(f"codes: dtype {codes.dtype} is not allowed; allowed: an integer dtype")
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
         raise ValueError(f"codes: values must lie in [0, {(1 << bits) - 1}] at bits={bits}")
+    return _pack(codes, bits)
+
+
+def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """pack without the argument checks (codes known to be in range)."""
+    D = codes.shape[-1]
+    pd = D * bits // 8
     lead = codes.shape[:-1]
     c = codes.to(torch.int32)
     if bits == 3:
@@ -156,10 +163,10 @@ def unpack(payload: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 # quantization
 
 
-def _codes(
+def _quantize_groups(
     x: torch.Tensor, bits: int, group_size: int, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Unpacked codes uint8 (..., D), scale float16 (..., D // g), zero float16 (..., D // g) or None."""
+    """Codes as float32 (..., D // g, g) (integer-valued), scale float16 (..., D // g), zero float16 or None."""
     if not x.dtype.is_floating_point:
         raise TypeError(f"x: dtype {x.dtype} is not allowed; allowed: a floating dtype")
     bits = _check_bits(bits)
@@ -175,33 +182,43 @@ def _codes(
         scale = (amax / qmax).to(torch.float16)
         zero = None
         s = scale.float().unsqueeze(-1)  # (..., n_groups, 1)
-        safe = torch.where(s == 0, torch.ones_like(s), s)
-        q = torch.floor(xg / safe + 0.5).clamp(-qmax, qmax)
-        q = torch.where(s == 0, torch.zeros_like(q), q) + (1 << (bits - 1))
+        q = torch.floor(xg / s + 0.5).clamp_(-qmax, qmax)  # s == 0 gives nan/inf here, zeroed below
+        q = torch.where(s == 0, 0.0, q).add_(1 << (bits - 1))
     else:
         qmax = (1 << bits) - 1
         lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # (..., n_groups)
         scale = ((hi - lo) / qmax).to(torch.float16)
         zero = lo.to(torch.float16)
         s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)  # (..., n_groups, 1)
-        safe = torch.where(s == 0, torch.ones_like(s), s)
-        q = torch.floor((xg - z) / safe + 0.5).clamp(0, qmax)
-        q = torch.where(s == 0, torch.zeros_like(q), q)
-    return q.to(torch.uint8).reshape(*lead, D), scale, zero
+        q = torch.floor((xg - z) / s + 0.5).clamp_(0, qmax)  # s == 0 gives nan/inf here, zeroed below
+        q = torch.where(s == 0, 0.0, q)
+    return q, scale, zero
+
+
+def _packed(q: torch.Tensor, scale, zero, bits: int, group_size: int, symmetric: bool) -> Packed:
+    D = q.shape[-1] * q.shape[-2]
+    codes = q.to(torch.uint8).reshape(*q.shape[:-2], D)  # (..., D)
+    return Packed(_pack(codes, bits), scale, zero, int(bits), int(group_size), bool(symmetric), D)
+
+
+def _values(q: torch.Tensor, scale, zero, bits: int, symmetric: bool, dtype: torch.dtype) -> torch.Tensor:
+    """Dequantized values (..., D) from grouped codes q (..., n_groups, g): the arithmetic of the contract."""
+    s = scale.to(torch.float32).unsqueeze(-1)  # (..., n_groups, 1)
+    y = (q - (1 << (bits - 1))) * s if symmetric else q * s + zero.to(torch.float32).unsqueeze(-1)
+    return _saturating_cast(y.reshape(*q.shape[:-2], q.shape[-2] * q.shape[-1]), dtype)
 
 
 def quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> Packed:
     """Quantize x (..., D) of any float dtype along its last dim into a Packed (see module docstring)."""
-    codes, scale, zero = _codes(x, bits, group_size, symmetric)
-    return Packed(
-        payload=pack(codes, bits),
-        scale=scale,
-        zero=zero,
-        bits=int(bits),
-        group_size=int(group_size),
-        symmetric=bool(symmetric),
-        dim=x.shape[-1],
-    )
+    return _packed(*_quantize_groups(x, bits, group_size, symmetric), bits, group_size, symmetric)
+
+
+def quantize_dequantize(
+    x: torch.Tensor, bits: int, group_size: int, symmetric: bool = False, dtype: torch.dtype = torch.float32
+) -> tuple[Packed, torch.Tensor]:
+    """quantize(x) and dequantize() of it in one pass (no unpacking): (Packed, values (..., D) in dtype)."""
+    q, scale, zero = _quantize_groups(x, bits, group_size, symmetric)
+    return _packed(q, scale, zero, bits, group_size, symmetric), _values(q, scale, zero, bits, symmetric, dtype)
 
 
 def _saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -216,17 +233,11 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed -> values (..., D): computed in float32, then cast (saturating) to `dtype`."""
     bits = _check_bits(p.bits)
     g = _check_group_size(p.group_size, p.dim)
+    if not p.symmetric and p.zero is None:
+        raise ValueError("zero: an asymmetric Packed needs a zero tensor; got None")
     codes = unpack(p.payload, bits, p.dim)
-    lead = codes.shape[:-1]
-    q = codes.to(torch.float32).reshape(*lead, p.dim // g, g)  # (..., n_groups, g)
-    s = p.scale.to(torch.float32).unsqueeze(-1)  # (..., n_groups, 1)
-    if p.symmetric:
-        y = (q - (1 << (bits - 1))) * s
-    else:
-        if p.zero is None:
-            raise ValueError("zero: an asymmetric Packed needs a zero tensor; got None")
-        y = q * s + p.zero.to(torch.float32).unsqueeze(-1)
-    return _saturating_cast(y.reshape(*lead, p.dim), dtype)
+    q = codes.to(torch.float32).reshape(*codes.shape[:-1], p.dim // g, g)  # (..., n_groups, g)
+    return _values(q, p.scale, p.zero, bits, p.symmetric, dtype)
 
 
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> torch.Tensor:

@@ -1,0 +1,446 @@
+"""Split-KV (flash-decoding) attention for one decode step, reading packed K and V directly.
+
+This module owns the read side of the fused path: for query q (B, Hq, D) it attends over the tokens of two
+PackedStores (kernels/layout.py) holding one layer's keys and values, each KV head at its own width read from
+the store's `width` table, plus an optional full-precision extra segment per KV head (attention sinks, a
+residual window) inside the same softmax. Nothing dequantized ever reaches memory: codes are unpacked and
+scaled in registers, tile by tile. Stage 1 writes per-split partial results (running max, sum, unnormalized
+output); stage 2 merges the splits with log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quantize import check_group_size, check_widths
+
+LOG2E = math.log2(math.e)
+BLOCK_N = 32  # default tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not
+
+
+@triton.jit
+def _unpack(prow, mask_n, BITS: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr):
+    """int32 codes (BLOCK_N, D_B) of the packed rows at `prow` (BLOCK_N, 1) (pointer to the head's byte 0).
+
+    Bytes are loaded as contiguous vectors and split in registers (one load per byte, not per code).
+    """
+    BLOCK_N: tl.constexpr = prow.shape[0]
+    if BITS == 8:
+        d = tl.arange(0, D_B)
+        codes = tl.load(prow + d[None, :], mask=mask_n & (d[None, :] < D), other=0).to(tl.int32)
+    elif BITS == 3:
+        k = tl.arange(0, D_B // 8)  # 8 codes per 3-byte little-endian word
+        m = mask_n & (k[None, :] < D // 8)
+        p = prow + k[None, :] * 3
+        word = (
+            tl.load(p, mask=m, other=0).to(tl.int32)
+            | (tl.load(p + 1, mask=m, other=0).to(tl.int32) << 8)
+            | (tl.load(p + 2, mask=m, other=0).to(tl.int32) << 16)
+        )
+        c = (word[:, :, None] >> (tl.arange(0, 8) * 3)[None, None, :]) & 7
+        codes = tl.reshape(c, (BLOCK_N, D_B))
+    else:
+        PER: tl.constexpr = 8 // BITS
+        k = tl.arange(0, D_B // PER)
+        byte = tl.load(prow + k[None, :], mask=mask_n & (k[None, :] < D // PER), other=0).to(tl.int32)
+        c = (byte[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
+        codes = tl.reshape(c, (BLOCK_N, D_B))
+    return codes
+
+
+@triton.jit
+def _load_tile(
+    payload_ptr,
+    p_off,
+    scale_ptr,
+    zero_ptr,
+    s_off,
+    full_ptr,
+    f_off,
+    w,
+    mask_n,
+    D: tl.constexpr,
+    D_B: tl.constexpr,
+    G: tl.constexpr,
+    SYM: tl.constexpr,
+):
+    """float32 values (BLOCK_N, D_B) of one KV head's tokens, dequantized in registers (0 past D / masked rows).
+
+    p_off, s_off, f_off (BLOCK_N, 1): element offsets of each token's packed row, scale row and full row.
+    """
+    BLOCK_N: tl.constexpr = p_off.shape[0]
+    if w == 16:
+        d = tl.arange(0, D_B)
+        x = tl.load(full_ptr + f_off + d[None, :], mask=mask_n & (d[None, :] < D), other=0.0).to(tl.float32)
+    else:
+        prow = payload_ptr + p_off
+        if w == 4:
+            codes = _unpack(prow, mask_n, 4, D, D_B)
+        elif w == 2:
+            codes = _unpack(prow, mask_n, 2, D, D_B)
+        elif w == 8:
+            codes = _unpack(prow, mask_n, 8, D, D_B)
+        else:
+            codes = _unpack(prow, mask_n, 3, D, D_B)
+        NG_B: tl.constexpr = D_B // G
+        grp = tl.arange(0, NG_B)
+        gm = mask_n & (grp[None, :] < D // G)
+        s = tl.load(scale_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)  # (BLOCK_N, NG_B)
+        if SYM:
+            # (code - 2**(w-1)) * s == code * s + z with z = -2**(w-1) * s: one FMA per element either way.
+            z = s * -((1 << (w - 1)).to(tl.float32))
+        else:
+            z = tl.load(zero_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
+        # Per-group scale/zero are broadcast in registers to their G lanes. With the scale applied per
+        # element, the zero point rides along in the same FMA; folding it into a per-group sum of q instead
+        # would add a (queries x tokens x groups) term and save nothing per element.
+        s_e = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
+        z_e = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
+        x = codes.to(tl.float32) * s_e + z_e
+    return x
+
+
+@triton.jit
+def _scores(q, k, mask_n, m_i, qk_scale, INPUT_PRECISION: tl.constexpr):
+    """Online-softmax half step with a K tile (BLOCK_N, D_B): probabilities p, new max m_new, rescale alpha.
+
+    Scores are in log2 units. Every tile holds at least one valid token, so m_new is finite (no inf - inf).
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * qk_scale  # (QG_B, BLOCK_N)
+    s = tl.where(mask_n, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    return tl.exp2(s - m_new[:, None]), m_new, tl.exp2(m_i - m_new)
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    kp_ptr,
+    kp_sb,
+    kp_st,
+    ks_ptr,
+    kz_ptr,
+    ks_sb,
+    ks_st,
+    ks_sh,
+    kf_ptr,
+    kf_sb,
+    kf_sh,
+    kf_st,
+    kw_ptr,
+    ko_ptr,
+    kslot_ptr,
+    vp_ptr,
+    vp_sb,
+    vp_st,
+    vs_ptr,
+    vz_ptr,
+    vs_sb,
+    vs_st,
+    vs_sh,
+    vf_ptr,
+    vf_sb,
+    vf_sh,
+    vf_st,
+    vw_ptr,
+    vo_ptr,
+    vslot_ptr,
+    kx_ptr,
+    kx_sb,
+    kx_sh,
+    kx_st,
+    vx_ptr,
+    vx_sb,
+    vx_sh,
+    vx_st,
+    Tx,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    L,
+    chunk,
+    qk_scale,
+    num_splits,
+    HKV: tl.constexpr,
+    QG: tl.constexpr,
+    QG_B: tl.constexpr,
+    D: tl.constexpr,
+    D_B: tl.constexpr,
+    KG: tl.constexpr,
+    VG: tl.constexpr,
+    K_SYM: tl.constexpr,
+    V_SYM: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+):
+    # grid: (B * HKV, num_splits + HAS_EXTRA). A program owns one KV head and all QG query heads reading it
+    # (their K/V bytes are loaded once), over one chunk of stored tokens; the last split column, when there
+    # is an extra segment, attends over that segment instead.
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // HKV
+    h = pid % HKV
+    b64 = b.to(tl.int64)
+
+    i = tl.arange(0, QG_B)
+    d = tl.arange(0, D_B)
+    qmask = (i[:, None] < QG) & (d[None, :] < D)
+    q = tl.load(
+        q_ptr + b64 * stride_qb + (h * QG + i[:, None]) * stride_qh + d[None, :], mask=qmask, other=0.0
+    )
+
+    m_i = tl.full((QG_B,), float("-inf"), tl.float32)
+    l_i = tl.zeros((QG_B,), tl.float32)
+    acc = tl.zeros((QG_B, D_B), tl.float32)
+
+    kw = tl.load(kw_ptr + h)
+    vw = tl.load(vw_ptr + h)
+    kp_base = b64 * kp_sb + tl.load(ko_ptr + h)
+    vp_base = b64 * vp_sb + tl.load(vo_ptr + h)
+    ks_base = b64 * ks_sb + tl.load(kslot_ptr + h) * ks_sh
+    vs_base = b64 * vs_sb + tl.load(vslot_ptr + h) * vs_sh
+    kf_base = b64 * kf_sb + tl.load(kslot_ptr + h) * kf_sh
+    vf_base = b64 * vf_sb + tl.load(vslot_ptr + h) * vf_sh
+
+    start = tl.minimum(sp * chunk, L)
+    end = tl.minimum(start + chunk, L)
+    for n0 in range(start, end, BLOCK_N):
+        n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
+        mask_n = n < end
+        k = _load_tile(
+            kp_ptr,
+            kp_base + n * kp_st,
+            ks_ptr,
+            kz_ptr,
+            ks_base + n * ks_st,
+            kf_ptr,
+            kf_base + n * kf_st,
+            kw,
+            mask_n,
+            D,
+            D_B,
+            KG,
+            K_SYM,
+        ).to(q.dtype)
+        p, m_i, alpha = _scores(q, k, tl.trans(mask_n), m_i, qk_scale, INPUT_PRECISION)
+        # V is unpacked only after the scores, so the K and V tiles are never live together.
+        v = _load_tile(
+            vp_ptr,
+            vp_base + n * vp_st,
+            vs_ptr,
+            vz_ptr,
+            vs_base + n * vs_st,
+            vf_ptr,
+            vf_base + n * vf_st,
+            vw,
+            mask_n,
+            D,
+            D_B,
+            VG,
+            V_SYM,
+        ).to(q.dtype)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
+
+    if HAS_EXTRA:
+        x_end = tl.where(sp == num_splits, Tx, 0)
+        for n0 in range(0, x_end, BLOCK_N):
+            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+            mask_n = n < x_end
+            xm = mask_n & (d[None, :] < D)
+            k = tl.load(kx_ptr + b64 * kx_sb + h * kx_sh + n * kx_st + d[None, :], mask=xm, other=0.0)
+            v = tl.load(vx_ptr + b64 * vx_sb + h * vx_sh + n * vx_st + d[None, :], mask=xm, other=0.0)
+            p, m_i, alpha = _scores(q, k.to(q.dtype), tl.trans(mask_n), m_i, qk_scale, INPUT_PRECISION)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
+
+    # partials: m, l (B, Hq, S); o (B, Hq, S, D_B), S = num_splits + HAS_EXTRA, all contiguous.
+    S = num_splits + HAS_EXTRA
+    row = (b64 * HKV * QG + h * QG + i) * S + sp  # (QG_B,)
+    tl.store(m_ptr + row, m_i, mask=i < QG)
+    tl.store(l_ptr + row, l_i, mask=i < QG)
+    tl.store(o_ptr + row[:, None] * D_B + d[None, :], acc, mask=i[:, None] < QG)
+
+
+@triton.jit
+def _combine_kernel(
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    S,
+    HQ: tl.constexpr,
+    S_B: tl.constexpr,
+    D: tl.constexpr,
+    D_B: tl.constexpr,
+):
+    # grid: (B * HQ,); merges the S split partials of one query head with log-sum-exp (log2 units).
+    pid = tl.program_id(0)
+    s = tl.arange(0, S_B)
+    d = tl.arange(0, D_B)
+    m = tl.load(m_ptr + pid * S + s, mask=s < S, other=float("-inf"))
+    lsum = tl.load(l_ptr + pid * S + s, mask=s < S, other=0.0)
+    o = tl.load(o_ptr + (pid * S + s[:, None]) * D_B + d[None, :], mask=s[:, None] < S, other=0.0)
+    m_max = tl.max(m, axis=0)
+    wgt = tl.exp2(m - m_max)  # empty splits have m = -inf and weigh 0
+    out = tl.sum(o * wgt[:, None], axis=0) / tl.sum(lsum * wgt, axis=0)
+    b = pid // HQ
+    hq = pid % HQ
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < D,
+    )
+
+
+def _default_splits(length: int, n_programs: int, block_n: int, device: torch.device) -> int:
+    """Enough splits for about two programs per SM, no split shorter than one tile."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(length, block_n), triton.cdiv(2 * sms, n_programs)))
+
+
+def _store_args(st) -> list:
+    assert st.payload.stride(-1) == 1 and st.scale.stride(-1) == 1 and st.full.stride(-1) == 1
+    assert st.zero is None or st.zero.stride() == st.scale.stride(), "zero must share scale's strides"
+    return [
+        st.payload,
+        st.payload.stride(0),
+        st.payload.stride(1),
+        st.scale,
+        st.scale if st.zero is None else st.zero,
+        st.scale.stride(0),
+        st.scale.stride(1),
+        st.scale.stride(2),
+        st.full,
+        st.full.stride(0),
+        st.full.stride(1),
+        st.full.stride(2),
+        st.width,
+        st.byte_offset,
+        st.slot,
+    ]
+
+
+def _kernel_group(st, d_b: int) -> int:
+    """The group size the kernel is compiled with (any power of two <= D_B when no head is quantized)."""
+    if st.n_quant == 0:
+        return d_b
+    check_group_size(st.group_size, st.head_dim)
+    return st.group_size
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_store,
+    v_store,
+    sm_scale: float,
+    k_extra: torch.Tensor | None = None,
+    v_extra: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int = BLOCK_N,
+) -> torch.Tensor:
+    """softmax(q K^T * sm_scale) V for one decode step over packed K/V plus an optional extra segment.
+
+    Args (B batch, Hq query heads, Hkv KV heads with Hq % Hkv == 0, D head_dim, L = store length):
+        q: float32/float16/bfloat16 (B, Hq, D), last dim contiguous. Query head i reads KV head i // (Hq // Hkv).
+        k_store, v_store: kernels.layout.PackedStore (keys, values) of one layer, same B, Hkv, D and length L;
+            each may use its own widths, group size (a power of two) and symmetry.
+        sm_scale: softmax scale (e.g. D ** -0.5).
+        k_extra, v_extra: optional float (B, Hkv, Tx, D), last dim contiguous: full-precision tokens attended
+            in the same softmax as the stored ones (order does not matter; no masking is applied).
+        num_splits: KV splits of the stored tokens (default: about two programs per SM).
+        out: optional (B, Hq, D) output tensor, last dim contiguous; default a new tensor of q's dtype.
+        block_n: tokens per tile, a power of two >= 16; a split holds a whole number of tiles.
+    Returns out (B, Hq, D). The matmuls run in q's dtype (fp32: IEEE, no TF32), accumulation in fp32.
+    """
+    B, Hq, D = q.shape
+    Hkv = len(k_store.bits)
+    L = k_store.length
+    assert len(v_store.bits) == Hkv and Hq % Hkv == 0, (Hq, k_store.bits, v_store.bits)
+    assert v_store.length == L and k_store.head_dim == v_store.head_dim == D
+    assert k_store.batch == v_store.batch == B
+    assert q.stride(-1) == 1
+    check_widths(k_store.bits, D)
+    check_widths(v_store.bits, D)
+    if (k_extra is None) != (v_extra is None):
+        raise ValueError("k_extra and v_extra must be given together")
+    has_extra = k_extra is not None and k_extra.shape[2] > 0
+    if has_extra:
+        assert k_extra.shape == v_extra.shape and k_extra.shape[:2] == (B, Hkv) and k_extra.shape[3] == D
+        assert k_extra.stride(-1) == 1 and v_extra.stride(-1) == 1
+    if L == 0 and not has_extra:
+        raise ValueError("nothing to attend to: the stores are empty and there is no extra segment")
+
+    d_b = triton.next_power_of_2(D)
+    qg = Hq // Hkv
+    splits = num_splits or _default_splits(L, B * Hkv, block_n, q.device)
+    chunk = triton.cdiv(triton.cdiv(max(L, 1), splits), block_n) * block_n
+    splits = triton.cdiv(max(L, 1), chunk)  # drop splits that would be empty after rounding to tiles
+    n_cols = splits + int(has_extra)
+
+    m_part = torch.empty(B, Hq, n_cols, dtype=torch.float32, device=q.device)
+    l_part = torch.empty_like(m_part)
+    o_part = torch.empty(B, Hq, n_cols, d_b, dtype=torch.float32, device=q.device)
+    kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
+    _decode_split_kernel[(B * Hkv, n_cols)](
+        q,
+        q.stride(0),
+        q.stride(1),
+        *_store_args(k_store),
+        *_store_args(v_store),
+        kx,
+        kx.stride(0),
+        kx.stride(1),
+        kx.stride(2),
+        vx,
+        vx.stride(0),
+        vx.stride(1),
+        vx.stride(2),
+        kx.shape[2] if has_extra else 0,
+        m_part,
+        l_part,
+        o_part,
+        L,
+        chunk,
+        sm_scale * LOG2E,
+        splits,
+        HKV=Hkv,
+        QG=qg,
+        QG_B=max(16, triton.next_power_of_2(qg)),  # tl.dot needs at least 16 rows
+        D=D,
+        D_B=d_b,
+        KG=_kernel_group(k_store, d_b),
+        VG=_kernel_group(v_store, d_b),
+        K_SYM=k_store.symmetric,
+        V_SYM=v_store.symmetric,
+        HAS_EXTRA=has_extra,
+        BLOCK_N=block_n,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+    )
+    if out is None:
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    assert out.shape == (B, Hq, D) and out.stride(-1) == 1
+    _combine_kernel[(B * Hq,)](
+        m_part,
+        l_part,
+        o_part,
+        out,
+        out.stride(0),
+        out.stride(1),
+        n_cols,
+        HQ=Hq,
+        S_B=triton.next_power_of_2(n_cols),
+        D=D,
+        D_B=d_b,
+    )
+    return out

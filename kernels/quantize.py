@@ -1,0 +1,246 @@
+"""Triton kernel that quantizes and packs new tokens of one layer into a PackedStore's tensors.
+
+This module owns the write side of the fused path: one launch per layer per step quantizes Tn new tokens of
+every KV head, each head at its own width read from the store's `width` table (2, 3, 4 or 8 bits packed into
+`payload`, with fp16 `scale`/`zero`; 16-bit heads copied into `full`). The bit format is
+kernels/reference.py's (the kernel is bit-exact with reference.quantize); where rows live is
+kernels/layout.py's.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.layout import FULL_WIDTH
+
+FP16_MAX = tl.constexpr(65504.0)  # reference.FP16_MAX, as a constant the kernel can read
+KERNEL_WIDTHS = (2, 3, 4, 8, FULL_WIDTH)
+
+
+@triton.jit
+def _store_packed(codes, out_ptrs_row, mask_t, D: tl.constexpr, D_B: tl.constexpr, BITS: tl.constexpr):
+    """Pack int32 codes (BLOCK_T, D_B) at BITS in {2, 4} and store bytes [0, D * BITS // 8) of each row.
+
+    `out_ptrs_row` (BLOCK_T, 1) points at byte 0 of the head's packed row of each token.
+    """
+    PER: tl.constexpr = 8 // BITS
+    BLOCK_T: tl.constexpr = codes.shape[0]
+    c3 = tl.reshape(codes, (BLOCK_T, D_B // PER, PER))  # code j at [j // PER, j % PER]
+    shifts = tl.arange(0, PER) * BITS
+    # The fields of one byte are disjoint, so summing the shifted codes is the bitwise OR.
+    packed = tl.sum(c3 << shifts[None, None, :], axis=2)  # (BLOCK_T, D_B // PER)
+    k = tl.arange(0, D_B // PER)
+    tl.store(out_ptrs_row + k[None, :], packed.to(tl.uint8), mask=mask_t & (k[None, :] < D // PER))
+
+
+@triton.jit
+def _store_packed3(codes, out_ptrs_row, mask_t, D: tl.constexpr, D_B: tl.constexpr):
+    """Dense 3-bit packing: every 8 codes form a 24-bit little-endian word stored as 3 bytes."""
+    BLOCK_T: tl.constexpr = codes.shape[0]
+    c3 = tl.reshape(codes, (BLOCK_T, D_B // 8, 8))
+    word = tl.sum(c3 << (tl.arange(0, 8) * 3)[None, None, :], axis=2)  # (BLOCK_T, D_B // 8)
+    # 4 byte lanes per word (a power of two, as Triton needs); lane 3 is always masked off.
+    lane = tl.arange(0, 4)
+    b = (word[:, :, None] >> (lane * 8)[None, None, :]) & 0xFF  # (BLOCK_T, D_B // 8, 4)
+    idx = tl.arange(0, D_B // 8)[None, :, None] * 3 + lane[None, None, :]
+    mask = mask_t[:, :, None] & (lane[None, None, :] < 3) & (idx < D * 3 // 8)
+    tl.store(out_ptrs_row[:, :, None] + idx, b.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    payload_ptr,
+    stride_pb,
+    stride_pt,
+    scale_ptr,
+    zero_ptr,
+    stride_sb,
+    stride_st,
+    stride_sh,
+    full_ptr,
+    stride_fb,
+    stride_fh,
+    stride_ft,
+    width_ptr,
+    offset_ptr,
+    slot_ptr,
+    Tn,
+    pos,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    NG_B: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SYM: tl.constexpr,
+):
+    # grid: (cdiv(Tn, BLOCK_T), B, Hkv); a program handles BLOCK_T tokens of one KV head.
+    pid_t = tl.program_id(0)
+    b = tl.program_id(1)
+    h = tl.program_id(2)
+    D_B: tl.constexpr = NG_B * G  # next power of two >= D, as G is a power of two dividing D
+    w = tl.load(width_ptr + h)
+    slot = tl.load(slot_ptr + h)
+
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    grp = tl.arange(0, NG_B)
+    i = tl.arange(0, G)
+    mask_t = t < Tn
+    d3 = grp[None, :, None] * G + i[None, None, :]  # (1, NG_B, G): element index along D
+    mask3 = mask_t[:, None, None] & (d3 < D)
+    x_raw = tl.load(
+        x_ptr
+        + b.to(tl.int64) * stride_xb
+        + h * stride_xh
+        + t[:, None, None].to(tl.int64) * stride_xt
+        + d3 * stride_xd,
+        mask=mask3,
+        other=0.0,
+    )
+    row = (pos + t).to(tl.int64)  # destination positions; int64 as cap * row stride can exceed 2**31
+
+    if w == 16:
+        dst = full_ptr + b.to(tl.int64) * stride_fb + slot * stride_fh + row[:, None, None] * stride_ft + d3
+        tl.store(dst, x_raw.to(full_ptr.dtype.element_ty), mask=mask3)
+    else:
+        x = tl.minimum(tl.maximum(x_raw.to(tl.float32), -FP16_MAX), FP16_MAX)
+        if SYM:
+            qmax = ((1 << (w - 1)) - 1).to(tl.float32)
+            amax = tl.max(tl.where(mask3, tl.abs(x), 0.0), axis=2)  # (BLOCK_T, NG_B)
+            scale = tl.math.div_rn(amax, qmax).to(tl.float16)
+            s = scale.to(tl.float32)[:, :, None]
+            safe = tl.where(s == 0.0, 1.0, s)
+            q = tl.floor(tl.math.div_rn(x, safe) + 0.5)
+            q = tl.minimum(tl.maximum(q, -qmax), qmax)
+            q = tl.where(s == 0.0, 0.0, q) + (qmax + 1.0)
+        else:
+            qmax = ((1 << w) - 1).to(tl.float32)
+            # Padding lanes (tokens >= Tn, groups past D) get lo = hi = 0 so no inf - inf arithmetic happens.
+            lo = tl.min(tl.where(mask3, x, float("inf")), axis=2)
+            hi = tl.max(tl.where(mask3, x, float("-inf")), axis=2)
+            valid = mask_t[:, None] & (grp[None, :] < D // G)
+            lo = tl.where(valid, lo, 0.0)
+            hi = tl.where(valid, hi, 0.0)
+            scale = tl.math.div_rn(hi - lo, qmax).to(tl.float16)
+            zero = lo.to(tl.float16)
+            s = scale.to(tl.float32)[:, :, None]
+            z = zero.to(tl.float32)[:, :, None]
+            safe = tl.where(s == 0.0, 1.0, s)
+            q = tl.floor(tl.math.div_rn(x - z, safe) + 0.5)
+            q = tl.minimum(tl.maximum(q, 0.0), qmax)
+            q = tl.where(s == 0.0, 0.0, q)
+        codes = tl.reshape(tl.where(mask3, q, 0.0).to(tl.int32), (BLOCK_T, D_B))
+
+        soff = b.to(tl.int64) * stride_sb + row[:, None] * stride_st + slot * stride_sh + grp[None, :]
+        smask = mask_t[:, None] & (grp[None, :] < D // G)
+        tl.store(scale_ptr + soff, scale, mask=smask)
+        if not SYM:
+            tl.store(zero_ptr + soff, zero, mask=smask)
+
+        off = tl.load(offset_ptr + h)
+        prow = payload_ptr + b.to(tl.int64) * stride_pb + row[:, None] * stride_pt + off  # (BLOCK_T, 1)
+        pmask = mask_t[:, None]
+        if w == 8:
+            d = tl.arange(0, D_B)
+            tl.store(prow + d[None, :], codes.to(tl.uint8), mask=pmask & (d[None, :] < D))
+        elif w == 4:
+            _store_packed(codes, prow, pmask, D, D_B, 4)
+        elif w == 2:
+            _store_packed(codes, prow, pmask, D, D_B, 2)
+        else:
+            _store_packed3(codes, prow, pmask, D, D_B)
+
+
+def check_group_size(group_size: int, head_dim: int) -> None:
+    """Raise NotImplementedError unless group_size is a power of two dividing head_dim (the kernels' tiling)."""
+    if group_size <= 0 or group_size & (group_size - 1) or head_dim % group_size:
+        raise NotImplementedError(
+            f"group_size: {group_size} is not supported by the Triton kernels; "
+            f"allowed: a power of two dividing head_dim {head_dim}"
+        )
+
+
+def check_widths(bits: list[int] | tuple[int, ...], head_dim: int) -> None:
+    """Raise NotImplementedError naming the first per-head width (or row length) the kernels cannot handle."""
+    for b in bits:
+        if b not in KERNEL_WIDTHS:
+            raise NotImplementedError(
+                f"width {b} is not supported by the Triton kernels; allowed: {KERNEL_WIDTHS}"
+            )
+        need = 8 if b == 3 else 8 // b if b != FULL_WIDTH else 1
+        if head_dim % need:
+            raise NotImplementedError(f"width {b} needs head_dim a multiple of {need}; got {head_dim}")
+
+
+def quantize_into(
+    payload: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    full: torch.Tensor,
+    width: torch.Tensor,
+    byte_offset: torch.Tensor,
+    slot: torch.Tensor,
+    x: torch.Tensor,
+    pos: int,
+    group_size: int,
+    block_t: int | None = None,
+) -> None:
+    """Quantize x into positions [pos, pos + Tn) of one layer's packed store, all heads in one launch.
+
+    Args (B batch, Hkv KV heads, Tn new tokens, D head_dim, cap capacity, g = group_size):
+        payload: uint8 (B, cap, row_bytes), last dim contiguous.
+        scale: float16 (B, cap, n_quant, D // g), last dim contiguous.
+        zero: float16 like `scale` (same strides), or None for symmetric quantization.
+        full: model dtype (B, n_full, cap, D), last dim contiguous; 16-bit heads are copied here.
+        width, byte_offset, slot: int32 (Hkv,) on x's device, the PackedStore tables.
+        x: float (B, Hkv, Tn, D), any strides.
+        pos: first destination position; pos + Tn <= cap.
+        group_size: g, a power of two dividing D.
+        block_t: tokens per program (a power of two); default min(16, next_pow2(Tn)).
+    Writes payload/scale/zero/full in place; positions outside [pos, pos + Tn) are untouched.
+    """
+    B, H, Tn, D = x.shape
+    check_group_size(group_size, D)
+    check_widths(width.tolist(), D)
+    cap = payload.shape[1]
+    if pos < 0 or pos + Tn > cap:
+        raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {cap}")
+    assert payload.stride(-1) == 1 and scale.stride(-1) == 1 and full.stride(-1) == 1
+    assert zero is None or zero.stride() == scale.stride(), "zero must share scale's strides"
+    if Tn == 0:
+        return
+    bt = block_t or min(16, triton.next_power_of_2(Tn))
+    grid = (triton.cdiv(Tn, bt), B, H)
+    _quantize_kernel[grid](
+        x,
+        *x.stride(),
+        payload,
+        payload.stride(0),
+        payload.stride(1),
+        scale,
+        scale if zero is None else zero,
+        scale.stride(0),
+        scale.stride(1),
+        scale.stride(2),
+        full,
+        full.stride(0),
+        full.stride(1),
+        full.stride(2),
+        width,
+        byte_offset,
+        slot,
+        Tn,
+        pos,
+        D=D,
+        G=group_size,
+        NG_B=triton.next_power_of_2(D // group_size),
+        BLOCK_T=bt,
+        SYM=zero is None,
+        # The contract is per-op IEEE float32; never let the compiler contract a multiply-add into an FMA.
+        enable_fp_fusion=False,
+    )
