@@ -27,7 +27,6 @@ from harness.models import load_model, model_spec
 from harness.policies import allocate
 
 
-
 def write_json_atomic(path: Path, obj) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:

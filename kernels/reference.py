@@ -108,7 +108,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes (..., D) in [0, 2**bits) into a uint8 payload (..., packed_dim(D, bits))."""
     bits = _check_bits(bits)
     D = codes.shape[-1]
-    pd = packed_dim(D, bits)
+    packed_dim(D, bits)  # validates D against bits
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise ValueError(f"codes: dtype {codes.dtype} is not allowed; allowed: an integer dtype")
     if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= 1 << bits):
