@@ -72,6 +72,7 @@ class ModelContext:
     base_tokens: torch.Tensor  # (N, M)
     base_tf: evaluate.TeacherForced
     prefilled: list  # evaluate.Prefilled per prompt batch
+    batch_size: int
     timings: dict = field(default_factory=dict)
 
 
@@ -107,13 +108,17 @@ def build_context(point: dict, batch_size: int, device: str, run_dir: Path) -> M
     t = time.perf_counter()
     prefilled = evaluate.prefill(model, prompts, batch_size=batch_size)
     base_tokens = evaluate.decode(model, prefilled, point["new_tokens"], cache_from_prefilled=None)
-    base_tf = evaluate.teacher_forced(model, sequences, evaluate.dynamic_cache_factory(model), chunk=point["chunk"])
+    base_tf = evaluate.teacher_forced(
+        model, sequences, evaluate.dynamic_cache_factory(model), chunk=point["chunk"], batch_size=batch_size
+    )
     timings["baseline_s"] = time.perf_counter() - t
     entropy_path = Path(run_dir) / f"entropy-{point['model']}.parquet"
-    if not entropy_path.exists():
-        entropy.to_parquet(entropy_path)
+    if not entropy_path.exists():  # shards may race here: write atomically
+        tmp = entropy_path.with_name(f".{entropy_path.name}.tmp{os.getpid()}")
+        entropy.to_parquet(tmp)
+        os.replace(tmp, entropy_path)
     return ModelContext(point["model"], model, tokenizer, entropy, prompts, sequences, base_tokens, base_tf,
-                        prefilled, timings)
+                        prefilled, batch_size, timings)
 
 
 def evaluate_point(ctx: ModelContext, point: dict) -> dict:
@@ -141,14 +146,14 @@ def evaluate_point(ctx: ModelContext, point: dict) -> dict:
             return cache
 
         tokens = evaluate.greedy_generate(ctx.model, ctx.prompts, point["new_tokens"], factory,
-                                          batch_size=ctx.prefilled[0].batch_size)
+                                          batch_size=ctx.batch_size)
     held = sum(c.nbytes() for c in caches)
     fp16 = sum(c.nbytes_fp16() for c in caches)
 
     tf = evaluate.teacher_forced(
         ctx.model, ctx.sequences,
         lambda: QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs),
-        chunk=point["chunk"], baseline=ctx.base_tf,
+        chunk=point["chunk"], batch_size=ctx.batch_size, baseline=ctx.base_tf,
     )
     gen = metrics.generation_metrics(ctx.base_tokens, tokens, ctx.tokenizer.decode)
     tfm = metrics.teacher_forced_metrics(ctx.base_tf, tf)
@@ -182,12 +187,17 @@ def baseline_record(ctx: ModelContext) -> dict:
             "mean_bits": 16.0, "compression_nominal": 1.0, "compression_true": 1.0}
 
 
-def run(points: list[dict], run_dir: Path, batch_size: int = 8, device: str = "cpu", on_point=None) -> pd.DataFrame:
-    """Evaluate every point not already in run_dir/points; returns the consolidated table."""
+def run(
+    points: list[dict], run_dir: Path, batch_size: int = 8, device: str = "cpu", on_point=None, tag: str = ""
+) -> pd.DataFrame:
+    """Evaluate every point not already in run_dir/points; returns the consolidated table.
+
+    `tag` names this process's timings file (timings<tag>.json), so shards sharing a run_dir never race on it.
+    """
     run_dir = Path(run_dir)
     (run_dir / "points").mkdir(parents=True, exist_ok=True)
     todo = [p for p in points if not (run_dir / "points" / f"{point_key(p)}.json").exists()]
-    timings_path = run_dir / "timings.json"
+    timings_path = run_dir / f"timings{tag}.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {"models": {}, "points": {}}
     contexts: dict[tuple, ModelContext] = {}
     bar = tqdm(total=len(points), initial=len(points) - len(todo), desc="points", unit="pt", dynamic_ncols=True)

@@ -67,7 +67,7 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
     suffix = "" if cfg.num_shards == 1 else f".shard{cfg.shard}"
     (run_dir / f"env{suffix}.json").write_text(json.dumps(environment(cfg.device), indent=1))
     mine = shard(points, cfg.shard, cfg.num_shards)
-    table = runner.run(mine, run_dir, batch_size=cfg.eval.batch_size, device=cfg.device)
+    table = runner.run(mine, run_dir, batch_size=cfg.eval.batch_size, device=cfg.device, tag=suffix)
     print(format_table(table))
     print(f"\nresults: {run_dir}/results.parquet ({len(table)} rows)")
     return table
