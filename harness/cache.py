@@ -9,6 +9,15 @@ calls. Per decoder layer it holds:
 Reads go through the quantized form: `update` returns the dequantized values of everything stored, the new
 tokens included (quantize-on-write), except with `prefill="exact"`, where the first call (the prompt) attends
 its own full-precision K/V, as a prefill computed once in full precision and then stored quantized would.
+Backends (`backend=`, resolved per layer from the device of its first K/V):
+- `torch`: the reference path (kernels.layout's torch quantizer; the store keeps a dequantized copy);
+- `triton`: new tokens are written by kernels.quantize.quantize_into (no dequantized copy is kept). A prefill
+  (more than one new token) dequantizes the store once and attends through SDPA as above; a decode step (one
+  new token) dequantizes nothing: `update` returns the new K/V as placeholders, the key tagged with a
+  `DecodeStep` holding the layer's stores, which harness/fused_attention.py's attention hands to
+  kernels.decode_attention. The model must use that attention implementation (`use_fused_attention(model)`);
+  a decode step left unattended makes the layer's next update raise;
+- `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads at 2 bytes);
 `nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens.
 """
@@ -16,6 +25,7 @@ Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads 
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 from transformers.cache_utils import (
@@ -28,8 +38,82 @@ from transformers.cache_utils import (
 )
 
 from harness.quant import Scheme, get_scheme
+from kernels.layout import FULL_WIDTH, PackedStore
 
 PREFILL_MODES = ("exact", "quantized")
+BACKENDS = ("auto", "torch", "triton")
+# The attribute of a fused decode step's placeholder key that carries its DecodeStep.
+DECODE_STEP_ATTR = "_kv_packed_decode_step"
+
+
+def resolve_backend(
+    backend: str, device: torch.device, bits: list[int], k_dim: int, v_dim: int, group_size: int
+) -> str:
+    """'torch' or 'triton' for one layer on `device`; auto takes triton on CUDA when the kernels support the layer.
+
+    An explicit triton raises NotImplementedError for what the kernels cannot do, and ValueError for CPU tensors
+    unless Triton runs in its interpreter (TRITON_INTERPRET=1).
+    """
+    if backend == "torch" or (backend == "auto" and device.type != "cuda"):
+        return "torch"
+    from kernels.quantize import check_group_size, check_widths  # imports triton: only for the triton backend
+
+    try:
+        check_widths(bits, k_dim)
+        if any(b != FULL_WIDTH for b in bits):
+            check_group_size(group_size, k_dim)
+        if v_dim != k_dim:
+            raise NotImplementedError(
+                f"the Triton kernels need key and value head_dim equal; got {k_dim}, {v_dim}"
+            )
+    except NotImplementedError:
+        if backend == "auto":
+            return "torch"
+        raise
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"quant.backend: triton needs CUDA tensors (or TRITON_INTERPRET=1); got {device.type}"
+        )
+    return "triton"
+
+
+class DecodeStep:
+    """One fused decode step of a layer: its (keys, values) stores as of this step, the new token included.
+
+    The stores are shallow copies taken before a sliding layer evicts its oldest token (eviction rebinds the
+    store's tensors, so the copies still hold the whole window this step attends). `take` hands them out once.
+    """
+
+    def __init__(self, k_store: PackedStore, v_store: PackedStore):
+        self.stores: tuple[PackedStore, PackedStore] | None = (k_store, v_store)
+
+    @property
+    def attended(self) -> bool:
+        return self.stores is None
+
+    def take(self) -> tuple[PackedStore, PackedStore]:
+        if self.stores is None:
+            raise RuntimeError("a fused decode step was attended twice")
+        stores, self.stores = self.stores, None
+        return stores
+
+
+def decode_step(key: torch.Tensor) -> DecodeStep | None:
+    """The DecodeStep a triton-backend update tagged its placeholder key with, or None for real keys."""
+    return getattr(key, DECODE_STEP_ATTR, None)
+
+
+def _quantize_append(store: PackedStore, x: torch.Tensor) -> None:
+    """Append x (B, Hkv, Tn, D) to `store` with one quantize_into launch; no dequantized copy is kept."""
+    from kernels.quantize import quantize_into
+
+    start, end = store.length, store.length + x.shape[2]
+    store._reserve(end)
+    quantize_into(
+        store.payload, store.scale, store.zero, store.full, store.width, store.byte_offset, store.slot,
+        x, start, store.group_size,
+    )  # fmt: skip
+    store.length = end
 
 
 class QuantizedLayer(CacheLayerMixin):
@@ -38,29 +122,63 @@ class QuantizedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, bits: list[int], scheme: Scheme, prefill: str = "exact"):
+    def __init__(self, bits: list[int], scheme: Scheme, prefill: str = "exact", backend: str = "torch"):
         super().__init__()
-        self.bits, self.scheme, self.prefill = [int(b) for b in bits], scheme, prefill
+        self.bits, self.scheme, self.prefill, self.backend = [int(b) for b in bits], scheme, prefill, backend
         self.k_store = self.v_store = None
+        self.fused = False  # resolved at lazy initialization: the Triton kernels write and attend this layer
+        self._step: DecodeStep | None = None  # the last fused decode step, checked at the next update
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # (B, Hkv, T, D)
         assert H == len(self.bits), f"layer has {H} KV heads but {len(self.bits)} widths were given"
         self.dtype, self.device = key_states.dtype, key_states.device
         self.k_store = self.scheme.new_store(self.bits, D, B, key_states.dtype, key_states.device)
-        self.v_store = self.scheme.new_store(self.bits, value_states.shape[-1], B, value_states.dtype, key_states.device)
+        self.v_store = self.scheme.new_store(
+            self.bits, value_states.shape[-1], B, value_states.dtype, key_states.device
+        )
+        backend = resolve_backend(
+            self.backend, key_states.device, self.bits, D, value_states.shape[-1], self.scheme.group_size
+        )
+        self.fused = backend == "triton"
         self.is_initialized = True
 
-    def _store(self, key_states, value_states):
-        """Append new tokens; return (keys, values) to attend: (B, Hkv, T_visible, D) each."""
+    def append(
+        self, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Store new tokens (B, Hkv, Tn, D) each; torch backend: return (keys, values) of all stored tokens,
+        dequantized, (B, Hkv, length, D) each; triton backend: None."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        first = self.k_store.length == 0
-        keys = self.k_store.append(key_states)
-        values = self.v_store.append(value_states)
+        if not self.fused:
+            return self.k_store.append(key_states), self.v_store.append(value_states)
+        _quantize_append(self.k_store, key_states)
+        _quantize_append(self.v_store, value_states)
+        return None
+
+    def _store(self, key_states, value_states):
+        """Append new tokens; return (keys, values) to attend: (B, Hkv, T_visible, D) each.
+
+        On a fused decode step (triton backend, one new token, not an exact prefill) return the new tokens
+        themselves (B, Hkv, 1, D) as placeholders, the key tagged with the step's DecodeStep.
+        """
+        if self._step is not None and not self._step.attended:
+            raise RuntimeError(
+                "quant.backend=triton: the last decode step's attention did not read the packed cache; "
+                "switch the model with harness.fused_attention.use_fused_attention(model)"
+            )
+        self._step = None
+        first = not self.is_initialized or self.k_store.length == 0
+        stored = self.append(key_states, value_states)
         if first and self.prefill == "exact":
             return key_states, value_states
-        return keys, values
+        if stored is not None:
+            return stored
+        if key_states.shape[-2] > 1:
+            return self.k_store.dequantize(), self.v_store.dequantize()
+        self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store))
+        setattr(key_states, DECODE_STEP_ATTR, self._step)
+        return key_states, value_states
 
     def update(self, key_states, value_states, *args, **kwargs):
         return self._store(key_states, value_states)
@@ -76,6 +194,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.k_store = self.v_store = None
+        self.fused, self._step = False, None
         self.is_initialized = False
 
     def nbytes(self) -> int:
@@ -90,8 +209,15 @@ class QuantizedSlidingLayer(QuantizedLayer):
 
     is_sliding = True
 
-    def __init__(self, bits: list[int], scheme: Scheme, sliding_window: int, prefill: str = "exact"):
-        super().__init__(bits, scheme, prefill)
+    def __init__(
+        self,
+        bits: list[int],
+        scheme: Scheme,
+        sliding_window: int,
+        prefill: str = "exact",
+        backend: str = "torch",
+    ):
+        super().__init__(bits, scheme, prefill, backend)
         self.sliding_window = sliding_window
         self.cumulative_length = 0
 
@@ -119,7 +245,10 @@ class QuantizedSlidingLayer(QuantizedLayer):
 
 
 class QuantizedKVCache(Cache):
-    """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, num_kv_heads], or one int for all)."""
+    """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, num_kv_heads], or one int for all).
+
+    `backend`: "torch", "triton" or "auto" (see the module docstring).
+    """
 
     def __init__(
         self,
@@ -128,27 +257,34 @@ class QuantizedKVCache(Cache):
         scheme: str = "asym_token",
         group_size: int = 32,
         prefill: str = "exact",
+        backend: str = "torch",
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
+        if backend not in BACKENDS:
+            raise ValueError(f"quant.backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
         text_config = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text_config)
         n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         if isinstance(bits, int):
             bits = torch.full((len(types), n_kv), bits, dtype=torch.long)
         if tuple(bits.shape) != (len(types), n_kv):
-            raise ValueError(f"bits: shape {tuple(bits.shape)} does not match the model's ({len(types)}, {n_kv})")
+            raise ValueError(
+                f"bits: shape {tuple(bits.shape)} does not match the model's ({len(types)}, {n_kv})"
+            )
         self.scheme = get_scheme(scheme, group_size)
-        self.prefill = prefill
+        self.prefill, self.backend = prefill, backend
         self.bits = bits.clone()
         layers = [self._layer(t, kw, bits[i].tolist()) for i, (t, kw) in enumerate(zip(types, kwargs))]
         super().__init__(layers=layers)
 
     def _layer(self, layer_type: str, kwargs: dict, bits: list[int]):
         if layer_type == "full_attention":
-            return QuantizedLayer(bits, self.scheme, self.prefill)
+            return QuantizedLayer(bits, self.scheme, self.prefill, self.backend)
         if layer_type in ("sliding_attention", "chunked_attention"):
-            return QuantizedSlidingLayer(bits, self.scheme, kwargs["sliding_window"], self.prefill)
+            return QuantizedSlidingLayer(
+                bits, self.scheme, kwargs["sliding_window"], self.prefill, self.backend
+            )
         if layer_type in ("linear_attention", "conv", "dummy"):
             return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
         raise NotImplementedError(f"QuantizedKVCache: layer type {layer_type!r} is not supported yet")
@@ -165,9 +301,7 @@ class QuantizedKVCache(Cache):
             if isinstance(dst, QuantizedLayer):
                 if src.keys is None or src.keys.numel() == 0:
                     continue
-                dst.lazy_initialization(src.keys, src.values)
-                dst.k_store.append(src.keys)
-                dst.v_store.append(src.values)
+                dst.append(src.keys, src.values)
                 if isinstance(dst, QuantizedSlidingLayer):
                     dst.cumulative_length = src.cumulative_length
             elif isinstance(src, (LinearAttentionCacheLayerMixin, DummyLayer)):
@@ -190,6 +324,7 @@ class QuantizedKVCache(Cache):
         total = 0
         for layer in self.layers:
             if isinstance(layer, LinearAttentionCacheLayerMixin):
-                for states in (layer.conv_states, layer.recurrent_states):  # dicts: state index -> tensor or None
+                # dicts: state index -> tensor or None
+                for states in (layer.conv_states, layer.recurrent_states):
                     total += sum(t.numel() * 2 for t in states.values() if t is not None)
         return total

@@ -118,9 +118,10 @@ def cache_dir() -> Path:
 
 def cached_head_entropies(model, model_name: str, input_ids: torch.Tensor, i0: int = 32) -> pd.DataFrame:
     """head_entropies, read from disk when the same model, tokens and i0 were calibrated before."""
-    key = hashlib.sha256(
-        f"{CACHE_VERSION}|{model_name}|{i0}|{tuple(input_ids.shape)}".encode() + input_ids.numpy().tobytes()
-    ).hexdigest()[:20]
+    # The model's config is part of the key: a registry entry that changes its architecture or init (tiny
+    # models) must not read another model's statistics.
+    identity = f"{CACHE_VERSION}|{model_name}|{model.config.to_json_string()}|{i0}|{tuple(input_ids.shape)}"
+    key = hashlib.sha256(identity.encode() + input_ids.numpy().tobytes()).hexdigest()[:20]
     path = cache_dir() / f"{model_name}-{key}.parquet"
     if path.exists():
         table = pd.read_parquet(path)

@@ -3,7 +3,7 @@ full-precision prefill; then every point's allocation, quantized cache and metri
 
 Resumability: a point's JSON is written atomically under <run_dir>/points/<key>.json and a point whose file
 exists is skipped, so a run killed at any moment (SIGKILL included) resumes with no point lost or repeated.
-results.parquet is rebuilt from points/ (atomically) after every point, so it is always readable.
+results.parquet is rebuilt from points/ (atomically, harness.results) after every point, so it is always readable.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from harness import data, evaluate, metrics
+from harness import data, evaluate, metrics, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
 from harness.grid import point_key
@@ -34,29 +34,6 @@ def write_json_atomic(path: Path, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def read_points(run_dir: Path) -> list[dict]:
-    """Every finished point record under run_dir/points (partial writes are never visible)."""
-    return [json.loads(p.read_text()) for p in sorted((Path(run_dir) / "points").glob("*.json"))]
-
-
-def rows(records: list[dict]) -> pd.DataFrame:
-    """One row per point: its flattened configuration beside its metrics."""
-    flat = []
-    for r in records:
-        config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in r["config"].items()}
-        flat.append({"key": r["key"], "status": r["status"], **config, **r.get("metrics", {})})
-    return pd.DataFrame(flat)
-
-
-def write_parquet(run_dir: Path) -> pd.DataFrame:
-    table = rows(read_points(run_dir))
-    path = Path(run_dir) / "results.parquet"
-    tmp = path.with_name(f".results.parquet.tmp{os.getpid()}")
-    table.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-    return table
 
 
 @dataclass
@@ -74,6 +51,7 @@ class ModelContext:
     prefilled: list  # evaluate.Prefilled per prompt batch
     batch_size: int
     timings: dict = field(default_factory=dict)
+    measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
 
 
 def context_key(point: dict) -> tuple:
@@ -121,13 +99,22 @@ def build_context(point: dict, batch_size: int, device: str, run_dir: Path) -> M
                         prefilled, batch_size, timings)
 
 
-def evaluate_point(ctx: ModelContext, point: dict) -> dict:
-    """Allocate, run generation and teacher-forced evaluation through the quantized cache, measure."""
-    alloc = allocate(
+def allocation(ctx: ModelContext, point: dict):
+    """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks."""
+    return allocate(
         ctx.entropy, point["budget"], policy=point["policy"], alpha=point["alpha"],
         sink_threshold=point["sink_threshold"], sink_fraction=point["sink_fraction"], widths=tuple(point["widths"]),
         budget_mode=point["budget_mode"], seed=point["seed"], entropy_key=point["entropy_key"],
     )
+
+
+def measurement_key(point: dict, alloc) -> tuple:
+    """Everything a measurement depends on beyond the shared context: equal keys give equal metrics."""
+    return (alloc.bits.numpy().tobytes(), point["scheme"], point["group_size"], point["prefill"])
+
+
+def measure(ctx: ModelContext, point: dict, alloc) -> dict:
+    """Run generation and teacher-forced evaluation through the quantized cache for `alloc`; measure."""
     config = ctx.model.config
     cache_kwargs = dict(scheme=point["scheme"], group_size=point["group_size"])
     caches = []
@@ -219,15 +206,23 @@ def run(
         ctx = contexts[ckey]
         t = time.perf_counter()
         try:
-            result = {"status": "ok", **evaluate_point(ctx, point)}
+            alloc = allocation(ctx, point)
         except ValueError as err:  # an allocation the budget cannot pay for: recorded, not fatal
             result = {"status": "infeasible", "error": str(err)}
+        else:
+            # Points whose allocations coincide (e.g. every policy at the largest width) share one measurement.
+            mkey = measurement_key(point, alloc)
+            if mkey not in ctx.measured:
+                ctx.measured[mkey] = (key, measure(ctx, point, alloc))
+            first_key, result = ctx.measured[mkey]
+            result = {"status": "ok", **result, **({"same_measurement_as": first_key} if first_key != key else {})}
         timings["points"][key] = time.perf_counter() - t
         write_json_atomic(run_dir / "points" / f"{key}.json", {"key": key, "config": point, **result})
         write_json_atomic(timings_path, timings)
-        write_parquet(run_dir)
+        results.write_parquet(run_dir)
         if on_point is not None:
             on_point(point, result)
         bar.update(1)
     bar.close()
-    return write_parquet(run_dir)
+    results.write_parquet(run_dir)
+    return results.load(run_dir)

@@ -61,13 +61,35 @@ def format_table(table: pd.DataFrame) -> str:
 
 
 def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
+    """Run this process's shard of the grid into cfg.run_dir, then the report and the W&B summary.
+
+    W&B mirrors every point as it finishes; a tracker failure only warns. Sharded jobs each write their
+    points; the report (merge) runs in every job over whatever points exist, and the W&B summary run is made
+    by unsharded sessions only (after a sharded sweep: python -m harness.report <run_dir>).
+    """
+    from harness.report import write_report
+    from harness.tracking import Tracker, sync_command
+
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     suffix = "" if cfg.num_shards == 1 else f".shard{cfg.shard}"
     (run_dir / f"env{suffix}.json").write_text(json.dumps(environment(cfg.device), indent=1))
-    mine = shard(points, cfg.shard, cfg.num_shards)
-    table = runner.run(mine, run_dir, batch_size=cfg.eval.batch_size, device=cfg.device, tag=suffix)
-    print(format_table(table))
-    print(f"\nresults: {run_dir}/results.parquet ({len(table)} rows)")
+    wandb_cfg = cfg.tracking.wandb
+    tracker = Tracker(wandb_cfg.mode, wandb_cfg.project, wandb_cfg.entity, run_dir=run_dir,
+                      group=f"{run_dir.parent.name}/{run_dir.name}")
+    table, written = None, []
+    try:
+        mine = shard(points, cfg.shard, cfg.num_shards)
+        table = runner.run(mine, run_dir, batch_size=cfg.eval.batch_size, device=cfg.device, tag=suffix,
+                           on_point=tracker.log_point)
+        print(format_table(table))
+        written = write_report(run_dir)
+        print(f"\nresults: {run_dir}/results.parquet ({len(table)} rows), {run_dir}/tables.md and plots")
+    finally:
+        if cfg.num_shards == 1 and table is not None:
+            images = {p.stem: p for p in written if p.suffix == ".png"}
+            tracker.finish(table, images)
+            if wandb_cfg.mode == "offline":
+                print(f"W&B (offline): upload later with: {sync_command(run_dir)}")
     return table

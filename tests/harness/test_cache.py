@@ -57,8 +57,8 @@ def test_eight_bits_close_two_bits_moves(tiny):
         got = chunked_logits(model, ids, QuantizedKVCache(model.config, b, prefill="quantized"), chunk=11)
         assert torch.isfinite(got).all()
         err[b] = ((got - ref).norm() / ref.norm()).item()
-    assert err[8] < 1e-2, (name, err)
-    assert err[2] > 5 * err[8] and err[2] > 1e-3, (name, err)
+    assert err[8] < 3e-2, (name, err)
+    assert err[2] > 10 * err[8] and err[2] > 1e-3, (name, err)
 
 
 @torch.no_grad()

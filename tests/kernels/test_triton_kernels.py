@@ -1,30 +1,20 @@
 """Triton kernels (kernels/quantize.py, kernels/decode_attention.py) against the torch oracle.
 
-Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set below before the kernel
-modules are imported, so the shapes are small); the same tests marked `gpu` run compiled on CUDA.
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set by tests/conftest.py before
+anything imports triton, so the shapes are small); the same tests marked `gpu` run compiled on CUDA.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Triton picks interpreted vs compiled when a @jit function is defined, so a triton.language imported
-    # earlier in this session (transformers imports it during other tests' collection) holds compiled
-    # builtins (tl.min, ...) that the interpreter cannot call. Drop those modules so that they are defined
-    # again under the interpreter; the C extension stays loaded.
-    for name in [m for m in sys.modules if m == "triton" or (m.startswith("triton.") and "._C" not in m)]:
-        del sys.modules[name]
-
-from kernels import reference  # noqa: E402
-from kernels.decode_attention import decode_attention  # noqa: E402
-from kernels.layout import PackedStore  # noqa: E402
-from kernels.quantize import quantize_into  # noqa: E402
+from kernels import reference
+from kernels.decode_attention import decode_attention
+from kernels.layout import PackedStore
+from kernels.quantize import quantize_into
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [

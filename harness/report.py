@@ -1,0 +1,578 @@
+"""The report of a run directory, regenerated from its points/ alone: `python -m harness.report RUN_DIR`.
+
+This module owns what a run is turned into for reading:
+- results.parquet re-written from points/ (the merge step after shards; harness.results does the reading);
+- tables.md: the command and commit, per model and scheme the claim table (uniform, entropy, sinks and
+  entropy + sinks at budget 4, beside the baseline), the full grid, the infeasible points, and every
+  non-uniform point's difference to uniform at the same budget with its paired bootstrap 95% interval;
+- pareto-<model>-<scheme>.png/.svg: quality against true bytes per token with the Pareto frontier;
+- entropy-<model>.png (H2 per layer and query head) and allocation-<model>.png (bits per layer and KV head).
+
+Every table and figure is its own function returning a DataFrame or a matplotlib Figure (Agg canvas, no
+pyplot state), so notebooks/analysis.ipynb shows the same objects inline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+
+import matplotlib
+import numpy as np
+import pandas as pd
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.colors import BoundaryNorm, ListedColormap
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
+from omegaconf import OmegaConf
+
+from harness import results
+from harness.grid import POLICY_FIELDS
+from harness.metrics import corpus_bleu_from_stats, paired_difference_ci
+
+CLAIM_BUDGET = 4
+CLAIM_ALPHA = 0.25
+CATEGORIES = ("uniform", "entropy", "sinks", "entropy+sinks")
+CLAIM_COLUMNS = (
+    "bleu",
+    "token_match",
+    "ppl_ratio",
+    "kl_mean",
+    "mean_bits",
+    "compression_nominal",
+    "compression_true",
+)
+# The metrics compared with uniform and plotted against bytes, and which way is better for each.
+HIGHER_IS_BETTER = {"kl_mean": False, "ppl_ratio": False, "bleu": True, "token_match": True}
+DIFF_METRICS = ("bleu", "token_match", "ppl_ratio", "kl_mean")
+WIDTH_LEVELS = (2, 3, 4, 8, 16)
+DEFAULT_N_BOOT = 1000
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+SVG_SALT = "kvbits"  # fixed ids in SVG output, so a regenerated report is byte-identical
+
+
+# --- point labels ---------------------------------------------------------------------------------------
+
+
+def _has_sink_rule(row: Mapping) -> bool:
+    return pd.notna(row.get("sink_threshold")) or pd.notna(row.get("sink_fraction"))
+
+
+def category(row: Mapping) -> str:
+    """baseline, uniform, entropy, sinks, entropy+sinks (entropy with a sink rule), or the policy's name."""
+    policy = row["policy"]
+    if policy == "entropy" and _has_sink_rule(row):
+        return "entropy+sinks"
+    return policy
+
+
+def _sink_label(row: Mapping) -> str:
+    if pd.notna(row.get("sink_threshold")):
+        return f"sinks H2<{row['sink_threshold']:g}"
+    return f"sinks top {100 * row['sink_fraction']:g}%"
+
+
+def configuration(row: Mapping) -> str:
+    """A point's policy configuration without its budget, e.g. 'entropy a=0.25 + sinks H2<0.5'."""
+    kind = category(row)
+    if kind == "entropy":
+        return f"entropy a={row['alpha']:g}"
+    if kind == "entropy+sinks":
+        return f"entropy a={row['alpha']:g} + {_sink_label(row)}"
+    if kind == "sinks":
+        return _sink_label(row)
+    return kind
+
+
+def claim_rank(row: Mapping) -> tuple:
+    """Order among points of one category: the claim's alpha first, then by alpha, threshold rules first."""
+    alpha = row.get("alpha")
+    alpha = 0.0 if pd.isna(alpha) else float(alpha)
+    threshold, fraction = row.get("sink_threshold"), row.get("sink_fraction")
+    return (
+        alpha != CLAIM_ALPHA,
+        alpha,
+        pd.isna(threshold),
+        0.0 if pd.isna(threshold) else threshold,
+        0.0 if pd.isna(fraction) else fraction,
+    )
+
+
+def _category_rank(row: Mapping) -> int:
+    kind = category(row)
+    order = ("baseline", *CATEGORIES)
+    return order.index(kind) if kind in order else len(order)
+
+
+def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
+    """frame sorted by category, then claim_rank, then key (a stable, meaningful order for tables and legends)."""
+    if frame.empty:
+        return frame
+    ranks = [(_category_rank(r), claim_rank(r), r["key"]) for r in frame.to_dict("records")]
+    order = sorted(range(len(frame)), key=lambda i: ranks[i])
+    return frame.iloc[order]
+
+
+def groups(frame: pd.DataFrame) -> list[tuple[str, str]]:
+    """(model, scheme) of every quantized point, sorted; the baseline (scheme 'none') belongs to its model."""
+    quantized = frame[frame["policy"] != "baseline"]
+    return sorted({(m, s) for m, s in zip(quantized["model"], quantized["scheme"])})
+
+
+# --- tables ---------------------------------------------------------------------------------------------
+
+
+def claim_table(frame: pd.DataFrame, model: str, scheme: str, budget: int = CLAIM_BUDGET) -> pd.DataFrame:
+    """uniform, entropy, sinks, entropy+sinks at budget (first of each, claim_rank order) and the baseline.
+
+    A category with no ok point gets a row saying why (not in the run, or infeasible with its error).
+    """
+    rows = []
+    here = frame[(frame["model"] == model) & (frame["scheme"] == scheme) & (frame["budget"] == budget)]
+    kinds = np.array([category(r) for r in here.to_dict("records")], dtype=object)
+    for kind in CATEGORIES:
+        candidates = _ordered(here[kinds == kind])
+        ok = candidates[candidates["status"] == "ok"]
+        if len(ok):
+            point = ok.iloc[0]
+            rows.append(
+                {
+                    "row": kind,
+                    "configuration": configuration(point),
+                    **{c: point[c] for c in CLAIM_COLUMNS},
+                    "key": point["key"],
+                }
+            )
+        elif len(candidates):
+            rows.append(
+                {
+                    "row": kind,
+                    "configuration": f"infeasible: {candidates.iloc[0]['error']}",
+                    "key": candidates.iloc[0]["key"],
+                }
+            )
+        else:
+            rows.append({"row": kind, "configuration": "not in this run"})
+    base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
+    if len(base):
+        point = base.iloc[0]
+        rows.append(
+            {
+                "row": "baseline",
+                "configuration": "unquantized",
+                **{c: point[c] for c in CLAIM_COLUMNS},
+                "key": point["key"],
+            }
+        )
+    return pd.DataFrame(rows, columns=["row", "configuration", *CLAIM_COLUMNS, "key"])
+
+
+def grid_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Every ok point with every metric, sorted by model, scheme, budget, policy (then configuration)."""
+    ok = frame[frame["status"] == "ok"].copy()
+    ok.insert(0, "configuration", [configuration(r) for r in ok.to_dict("records")])
+    ok = ok.sort_values(["model", "scheme", "budget", "policy", "configuration", "key"])
+    return ok[["model", "scheme", "budget", "configuration", *results.METRICS, "key"]]
+
+
+def infeasible_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Every infeasible point with its error."""
+    bad = frame[frame["status"] == "infeasible"].copy()
+    bad.insert(0, "configuration", [configuration(r) for r in bad.to_dict("records")])
+    bad = bad.sort_values(["model", "scheme", "budget", "policy", "configuration", "key"])
+    return bad[["model", "scheme", "budget", "configuration", "error", "key"]]
+
+
+# --- differences to uniform -----------------------------------------------------------------------------
+
+
+def item_statistics(record: dict) -> dict[str, tuple[Callable[[np.ndarray], float], int]]:
+    """Each compared metric as (statistic of item indices, number of items), from a point's items.
+
+    bleu and token_match resample prompts; ppl_ratio and kl_mean resample teacher-forced sequences.
+    """
+    items = record["items"]
+    stats = np.asarray(items["bleu_stats"], dtype=np.int64)  # (N, 10)
+    match = np.asarray(items["token_match"], dtype=np.float64)  # (N,)
+    nll, nll_base = (
+        np.asarray(items["nll"], dtype=np.float64),
+        np.asarray(items["nll_base"], dtype=np.float64),
+    )
+    kl = np.asarray(items["kl_mean"], dtype=np.float64)  # (S,)
+    return {
+        "bleu": (lambda idx: corpus_bleu_from_stats(stats[idx]), len(stats)),
+        "token_match": (lambda idx: float(match[idx].mean()), len(match)),
+        "ppl_ratio": (lambda idx: math.exp(nll[idx].mean()) / math.exp(nll_base[idx].mean()), len(nll)),
+        "kl_mean": (lambda idx: float(kl[idx].mean()), len(kl)),
+    }
+
+
+def pairing_key(config: Mapping) -> tuple:
+    """Points with equal keys differ only in their allocation policy: same model, scheme, budget, data, sizes."""
+    return (config["budget"],) + tuple((k, str(config[k])) for k in sorted(config) if k not in POLICY_FIELDS)
+
+
+def differences(
+    records: list[dict], n_boot: int = DEFAULT_N_BOOT, seed: int = 0, level: float = 0.95
+) -> pd.DataFrame:
+    """Every ok non-uniform point minus uniform at the same model/scheme/budget, per metric, with its interval.
+
+    One row per (point, metric): difference on all items, and the paired percentile bootstrap interval
+    (harness.metrics.paired_difference_ci: both points on the same resampled prompts or sequences, seeded).
+    excludes_zero marks intervals that lie entirely on one side of zero. A point with no uniform partner
+    gets NaN.
+    """
+    ok = [r for r in records if r["status"] == "ok" and r["config"]["policy"] != "baseline"]
+    uniform = {pairing_key(r["config"]): r for r in ok if r["config"]["policy"] == "uniform"}
+    rows = []
+    for record in ok:
+        config = record["config"]
+        if config["policy"] == "uniform":
+            continue
+        reference = uniform.get(pairing_key(config))
+        mine = item_statistics(record)
+        theirs = item_statistics(reference) if reference is not None else None
+        for metric in DIFF_METRICS:
+            row = {
+                "model": config["model"],
+                "scheme": config["scheme"],
+                "budget": config["budget"],
+                "configuration": configuration(config),
+                "metric": metric,
+                "key": record["key"],
+                "uniform_key": None,
+                "difference": math.nan,
+                "low": math.nan,
+                "high": math.nan,
+                "excludes_zero": False,
+            }
+            if theirs is not None:
+                (stat_a, n_items), (stat_b, _) = mine[metric], theirs[metric]
+                low, high = paired_difference_ci(
+                    stat_a, stat_b, n_items, n_boot=n_boot, seed=seed, level=level
+                )
+                every = np.arange(n_items)
+                row.update(
+                    uniform_key=reference["key"],
+                    difference=stat_a(every) - stat_b(every),
+                    low=low,
+                    high=high,
+                    excludes_zero=bool(low > 0 or high < 0),
+                )
+            rows.append(row)
+    columns = [
+        "model",
+        "scheme",
+        "budget",
+        "configuration",
+        "metric",
+        "difference",
+        "low",
+        "high",
+        "excludes_zero",
+        "key",
+        "uniform_key",
+    ]
+    return pd.DataFrame(rows, columns=columns)
+
+
+def format_difference(difference: float, low: float, high: float, excludes_zero: bool) -> str:
+    """'+0.012 [-0.004, +0.031]', bold when the interval excludes zero; '—' without a uniform partner."""
+    if math.isnan(difference):
+        return "—"
+    text = f"{difference:+.3g} [{low:+.3g}, {high:+.3g}]"
+    return f"**{text}**" if excludes_zero else text
+
+
+def difference_table(diffs: pd.DataFrame) -> pd.DataFrame:
+    """One row per compared point, one formatted column per metric (wide form of differences())."""
+    if diffs.empty:
+        return pd.DataFrame(columns=["model", "scheme", "budget", "configuration", *DIFF_METRICS, "key"])
+    cells = diffs.assign(
+        cell=[
+            format_difference(d, lo, hi, ex)
+            for d, lo, hi, ex in zip(diffs["difference"], diffs["low"], diffs["high"], diffs["excludes_zero"])
+        ]
+    )
+    wide = cells.pivot(
+        index=["model", "scheme", "budget", "configuration", "key"], columns="metric", values="cell"
+    )
+    wide = wide.reset_index().sort_values(["model", "scheme", "budget", "configuration", "key"])
+    return wide[["model", "scheme", "budget", "configuration", *DIFF_METRICS, "key"]]
+
+
+# --- markdown -------------------------------------------------------------------------------------------
+
+
+def _cell(value: object) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    if isinstance(value, float | np.floating):
+        return f"{value:.4g}"
+    return str(value).replace("|", "\\|")
+
+
+def markdown_table(frame: pd.DataFrame) -> str:
+    """A GitHub markdown table of frame (floats to 4 significant digits, missing values blank)."""
+    lines = ["| " + " | ".join(frame.columns) + " |", "|" + "---|" * len(frame.columns)]
+    for row in frame.itertuples(index=False):
+        lines.append("| " + " | ".join(_cell(v) for v in row) + " |")
+    return "\n".join(lines)
+
+
+def provenance(run_dir: Path) -> list[str]:
+    """One line per distinct (command, commit) among the run's env*.json (one per shard), env.json first."""
+    lines = []
+    for path in sorted(run_dir.glob("env*.json"), key=lambda p: (p.name != "env.json", p.name)):
+        env = json.loads(path.read_text())
+        line = f"`{env.get('command')}` (commit `{env.get('git_commit')}`)"
+        if line not in lines:
+            lines.append(line)
+    return lines or ["command unknown: no env.json in this run directory"]
+
+
+def tables_markdown(run_dir: Path, frame: pd.DataFrame, diffs: pd.DataFrame, n_boot: int, seed: int) -> str:
+    """The whole tables.md: provenance first, then claim tables, grid, infeasible points, differences."""
+    parts = [
+        "  \n".join(provenance(run_dir)),
+        f"\n# {run_dir.name}: {len(frame)} points "
+        f"({(frame['status'] == 'ok').sum()} ok, {(frame['status'] == 'infeasible').sum()} infeasible)",
+    ]
+    for model, scheme in groups(frame):
+        parts += [
+            f"\n## {model} / {scheme}: claim table at budget {CLAIM_BUDGET}\n",
+            markdown_table(claim_table(frame, model, scheme)),
+        ]
+    parts += ["\n## Full grid (ok points)\n", markdown_table(grid_table(frame))]
+    bad = infeasible_table(frame)
+    if len(bad):
+        parts += ["\n## Infeasible points\n", markdown_table(bad)]
+    parts += [
+        f"\n## Differences to uniform at the same model, scheme and budget\n\n"
+        f"Point estimate [paired percentile bootstrap 95% interval], {n_boot} resamples of prompts (bleu, "
+        f"token_match) or sequences (ppl_ratio, kl_mean), seed {seed}. Bold: the interval excludes zero.\n",
+        markdown_table(difference_table(diffs)),
+    ]
+    return "\n".join(parts) + "\n"
+
+
+# --- figures --------------------------------------------------------------------------------------------
+
+
+def _figure(width: float, height: float) -> Figure:
+    fig = Figure(figsize=(width, height), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg, independent of whatever pyplot backend the caller has
+    return fig
+
+
+def frontier(
+    points: pd.DataFrame | Iterable[Mapping],
+    metric: str,
+    x: str = "bytes_per_token",
+    higher_is_better: bool | None = None,
+) -> pd.DataFrame:
+    """The Pareto frontier: points no other point beats on metric at the same or fewer bytes, sorted by x.
+
+    Direction defaults from HIGHER_IS_BETTER (bleu, token_match up; kl_mean, ppl_ratio down). Ties: of points
+    with equal x and quality only the first is kept, so the step line has one corner per improvement.
+    """
+    frame = pd.DataFrame(points)
+    higher = HIGHER_IS_BETTER[metric] if higher_is_better is None else higher_is_better
+    frame = frame[np.isfinite(frame[x].astype(float)) & np.isfinite(frame[metric].astype(float))]
+    quality = frame[metric].astype(float) * (1 if higher else -1)  # larger is better from here on
+    order = np.lexsort((-quality.to_numpy(), frame[x].astype(float).to_numpy()))
+    keep, best = [], -math.inf
+    for i in order:
+        if quality.iloc[i] > best:
+            keep.append(i)
+            best = quality.iloc[i]
+    return frame.iloc[keep]
+
+
+def plot_pareto(frame: pd.DataFrame, model: str, scheme: str) -> Figure:
+    """Four panels (kl_mean, ppl_ratio, bleu, token_match) against true bytes per token, frontier as steps."""
+    points = frame[(frame["model"] == model) & (frame["scheme"] == scheme) & (frame["status"] == "ok")]
+    points = points[np.isfinite(points["bytes_per_token"].astype(float))]
+    labels = list(dict.fromkeys(configuration(r) for r in _ordered(points).to_dict("records")))
+    base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
+    fig = _figure(10, 8)
+    axes = fig.subplots(2, 2).ravel()
+    for ax, metric in zip(axes, HIGHER_IS_BETTER):
+        for i, label in enumerate(labels):
+            mine = points[[configuration(r) == label for r in points.to_dict("records")]]
+            ax.scatter(
+                mine["bytes_per_token"],
+                mine[metric],
+                marker=MARKERS[i % len(MARKERS)],
+                facecolors="none",
+                edgecolors=matplotlib.colormaps["tab10"](i % 10),
+                label=label,
+                zorder=3,
+            )
+        edge = frontier(points, metric)
+        if len(edge):
+            # extend the last step to the largest x so the frontier spans every point
+            xs = [*edge["bytes_per_token"], points["bytes_per_token"].max()]
+            ys = [*edge[metric], edge[metric].iloc[-1]]
+            ax.step(xs, ys, where="post", color="black", linewidth=1, label="Pareto frontier", zorder=2)
+        if len(base) and pd.notna(base.iloc[0][metric]):
+            ax.axhline(base.iloc[0][metric], color="grey", linestyle=":", linewidth=1, label="unquantized")
+        ax.set_xscale("log")
+        # budgets span about a decade at most: linear-spaced ticks in plain numbers read better than powers
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.xaxis.set_minor_formatter(NullFormatter())
+        ax.set_xlabel("bytes per token (true, KV cache)")
+        ax.set_ylabel(f"{metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
+        ax.grid(True, which="both", alpha=0.3)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside lower center", ncols=min(4, max(1, len(names))), fontsize="small")
+    fig.suptitle(f"{model} / {scheme}: quality against KV-cache bytes")
+    return fig
+
+
+def _integer_axes(ax, xlabel: str, ylabel: str) -> None:
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+
+
+def plot_entropy(entropy: pd.DataFrame, model: str) -> Figure:
+    """Heat map of H2 per layer (rows) and query head (columns); layers without KV cache (no rows) blank."""
+    num_layers = int(entropy.attrs.get("num_layers", entropy["layer"].max() + 1))
+    grid = entropy.pivot_table(index="layer", columns="q_head", values="H2").reindex(range(num_layers))
+    fig = _figure(max(4.0, 0.25 * grid.shape[1] + 2), max(3.0, 0.25 * num_layers + 1.5))
+    ax = fig.subplots()
+    image = ax.imshow(
+        np.ma.masked_invalid(grid.to_numpy(dtype=float)),
+        aspect="auto",
+        interpolation="nearest",
+        cmap="viridis",
+    )
+    fig.colorbar(image, ax=ax, label="H2 (nats)", format=ScalarFormatter(useOffset=False))
+    _integer_axes(ax, "query head", "layer")
+    ax.set_title(f"{model}: Rényi-2 attention entropy")
+    return fig
+
+
+def allocation_point(records: list[dict], model: str) -> dict | None:
+    """The point whose allocation is drawn: the first entropy+sinks point at budget 4, else the first entropy
+    point (budget 4 first, with or without a sink rule), else the first point with an allocation."""
+    frame = results.table(records)
+    mask = (frame["model"] == model) & (frame["status"] == "ok") & (frame["policy"] != "baseline")
+    if not mask.any():
+        return None
+
+    def preference(row: dict) -> tuple[int, bool]:
+        at_claim = row["budget"] == CLAIM_BUDGET
+        if category(row) == "entropy+sinks" and at_claim:
+            return 0, False
+        return (1 if row["policy"] == "entropy" else 2), not at_claim
+
+    best = min(_ordered(frame[mask]).to_dict("records"), key=preference)  # min keeps the first of equals
+    return next(r for r in records if r["key"] == best["key"])
+
+
+def plot_allocation(record: dict) -> Figure:
+    """Bits per layer (rows) and KV head (columns) of one point, discrete colours; uncached layers blank."""
+    bits = np.asarray(record["allocation"]["bits"], dtype=np.int64)  # (L, Hkv); 0 = no KV cache
+    levels = sorted(set(WIDTH_LEVELS) | set(bits[bits > 0].tolist()))
+    codes = np.ma.masked_where(bits == 0, np.searchsorted(levels, bits))
+    cmap = ListedColormap(matplotlib.colormaps["viridis"](np.linspace(0, 1, len(levels))))
+    norm = BoundaryNorm(np.arange(len(levels) + 1) - 0.5, len(levels))
+    fig = _figure(max(4.0, 0.4 * bits.shape[1] + 2.5), max(3.0, 0.25 * bits.shape[0] + 1.5))
+    ax = fig.subplots()
+    image = ax.imshow(codes, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+    bar = fig.colorbar(image, ax=ax, ticks=range(len(levels)), label="bits")
+    bar.ax.set_yticklabels([str(w) for w in levels])
+    if bits.size <= 400:  # small grids: the width in each cell too
+        for (layer, head), width in np.ndenumerate(bits):
+            if width:
+                ax.text(head, layer, str(width), ha="center", va="center", fontsize="x-small", color="white")
+    _integer_axes(ax, "KV head", "layer")
+    config = record["config"]
+    ax.set_title(
+        f"{config['model']}: {configuration(config)}, budget {config['budget']}, {config['scheme']}",
+        fontsize="medium",
+    )
+    return fig
+
+
+def save(fig: Figure, path: Path, formats: Iterable[str] = ("png",)) -> list[Path]:
+    """fig as path.<format> for each format, with no timestamps or random ids (reproducible bytes)."""
+    written = []
+    with matplotlib.rc_context({"svg.hashsalt": SVG_SALT}):
+        for fmt in formats:
+            out = path.with_suffix(f".{fmt}")
+            metadata = {"Date": None} if fmt in ("svg", "pdf") else None
+            fig.savefig(out, format=fmt, dpi=120, metadata=metadata)
+            written.append(out)
+    return written
+
+
+# --- the report -----------------------------------------------------------------------------------------
+
+
+def default_n_boot(run_dir: Path) -> int:
+    """The run's eval.bootstrap from its config.yaml, else DEFAULT_N_BOOT."""
+    path = run_dir / "config.yaml"
+    if not path.exists():
+        return DEFAULT_N_BOOT
+    return int(OmegaConf.select(OmegaConf.load(path), "eval.bootstrap", default=DEFAULT_N_BOOT))
+
+
+def write_report(
+    run_dir: str | Path, n_boot: int | None = None, seed: int = 0, allocation_key: str | None = None
+) -> list[Path]:
+    """Regenerate results.parquet, tables.md and every figure of run_dir from points/; returns the paths.
+
+    n_boot: bootstrap resamples (default: the run's eval.bootstrap, else 1000); allocation_key: the point
+    drawn in allocation-<model>.png (default: allocation_point's choice per model).
+    """
+    run_dir = Path(run_dir)
+    records = results.load_records(run_dir)
+    frame = results.table(records)
+    n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
+    written = [results.write_parquet(run_dir)]
+    tables = run_dir / "tables.md"
+    tables.write_text(tables_markdown(run_dir, frame, differences(records, n_boot, seed), n_boot, seed))
+    written.append(tables)
+    for model, scheme in groups(frame):
+        written += save(
+            plot_pareto(frame, model, scheme), run_dir / f"pareto-{model}-{scheme}", ("png", "svg")
+        )
+    for model in sorted(set(frame["model"].dropna())):
+        if (run_dir / f"entropy-{model}.parquet").exists():
+            entropy = results.load_entropy(run_dir, model)
+            written += save(plot_entropy(entropy, model), run_dir / f"entropy-{model}")
+        chosen = [r for r in records if r["key"] == allocation_key and r["config"]["model"] == model]
+        point = chosen[0] if chosen else allocation_point(records, model)
+        if point is not None:
+            written += save(plot_allocation(point), run_dir / f"allocation-{model}")
+    return written
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path, help="a run directory (results/<sweep>/<run>) with points/")
+    parser.add_argument(
+        "--n-boot",
+        type=int,
+        default=None,
+        help="bootstrap resamples (default: the run's eval.bootstrap, else 1000)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="bootstrap seed (default 0)")
+    parser.add_argument("--allocation-key", default=None, help="point key drawn in allocation-<model>.png")
+    args = parser.parse_args(argv)
+    if not (args.run_dir / "points").is_dir():
+        parser.error(f"{args.run_dir}: no points/ directory")
+    for path in write_report(args.run_dir, args.n_boot, args.seed, args.allocation_key):
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

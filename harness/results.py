@@ -1,0 +1,101 @@
+"""Reading a run directory: its point records, their flat table, and its calibration tables.
+
+This module owns reading only (harness.runner writes; harness.report and notebooks read through here). The
+point JSONs under <run_dir>/points are the source of truth: results.parquet is a derived copy. Every finished
+JSON counts, whichever process (shard) wrote it; a file that does not parse (a write from a tool that is not
+atomic, caught mid-way) is skipped, as are the runner's hidden temporary files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, POLICY_FIELDS, QUANT_FIELDS
+
+CONFIG_FIELDS = (
+    "model",
+    *POLICY_FIELDS,
+    *QUANT_FIELDS,
+    *EVAL_FIELDS,
+    *CALIBRATION_FIELDS,
+    "data_path",
+    "seed",
+)
+METRICS = (
+    "bleu",
+    "bleu_tok",
+    "token_match",
+    "first_divergence",
+    "ppl",
+    "ppl_base",
+    "ppl_ratio",
+    "kl_mean",
+    "kl_p99",
+    "top1_agree",
+    "mean_bits",
+    "compression_nominal",
+    "compression_true",
+    "bytes_per_token",
+    "n_sinks",
+)
+# Columns every table has, even an empty one, so callers can filter on them without checking.
+COLUMNS = ("key", "status", "error", *CONFIG_FIELDS, *METRICS)
+
+
+def load_records(run_dir: str | Path) -> list[dict]:
+    """Every finished point record under run_dir/points, in file-name (key) order; [] when there are none."""
+    records = []
+    for path in sorted((Path(run_dir) / "points").glob("*.json")):
+        if path.name.startswith("."):
+            continue
+        try:
+            records.append(json.loads(path.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+    return records
+
+
+def flatten(record: dict) -> dict:
+    """One table row of a point record: key, status, error, its configuration beside its metrics.
+
+    List-valued configuration (widths) is stored as its JSON text, as in the runner's results.parquet, so the
+    column has one type.
+    """
+    config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in record["config"].items()}
+    return {
+        "key": record["key"],
+        "status": record["status"],
+        "error": record.get("error"),
+        **config,
+        **record.get("metrics", {}),
+    }
+
+
+def table(records: list[dict]) -> pd.DataFrame:
+    """The flat table of records: the known columns first, then any others the records carry."""
+    frame = pd.DataFrame([flatten(r) for r in records])
+    extra = [c for c in frame.columns if c not in COLUMNS]
+    return frame.reindex(columns=[*COLUMNS, *extra])
+
+
+def load(run_dir: str | Path) -> pd.DataFrame:
+    """One row per finished point of run_dir (flattened configuration, metrics, status, error)."""
+    return table(load_records(run_dir))
+
+
+def write_parquet(run_dir: str | Path) -> Path:
+    """Rebuild run_dir/results.parquet from points/ (the shard merge step); atomic, so readers never see half."""
+    path = Path(run_dir) / "results.parquet"
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    load(run_dir).to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+    return path
+
+
+def load_entropy(run_dir: str | Path, model: str) -> pd.DataFrame:
+    """The calibration table of model: layer, layer_type, q_head, kv_head, H2, H1, n_positions (attrs kept)."""
+    return pd.read_parquet(Path(run_dir) / f"entropy-{model}.parquet")

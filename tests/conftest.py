@@ -1,0 +1,14 @@
+"""Session-wide test setup: without CUDA, Triton kernels run in Triton's CPU interpreter.
+
+Triton picks interpreted or compiled builtins when a @triton.jit function is defined, i.e. when triton (and
+a module defining kernels) is first imported, and transformers imports triton while test modules are being
+collected. pytest loads this file before collecting any test module, so TRITON_INTERPRET is set here,
+before anything imports triton (importing torch does not).
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")

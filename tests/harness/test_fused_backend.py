@@ -1,0 +1,112 @@
+"""QuantizedKVCache(backend="triton") with the fused decode attention against the torch backend.
+
+Without CUDA the kernels run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the
+models and generations are tiny; the same tests marked `gpu` run compiled on CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import harness.fused_attention as fused_attention
+from harness.cache import QuantizedKVCache, resolve_backend
+from harness.fused_attention import use_fused_attention
+from harness.models import load_model
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICES = [
+    pytest.param(
+        "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")
+    ),
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton"
+            ),
+        ],
+    ),
+]
+# (model, bits [layers, KV heads], group size, scheme, prefill, batch); tiny-gemma3's window is 16 and the
+# generations below reach 30 tokens, so its sliding layers evict.
+CASES = [
+    ("tiny-llama", [[2, 4, 16], [16, 3, 8], [4, 2, 2]], 16, "asym_token", "exact", 2),
+    ("tiny-gemma3", [[2, 16], [4, 8], [16, 2], [3, 4]], 32, "sym_token", "quantized", 1),
+]
+NEW_TOKENS = 10
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, bits, group_size, scheme, prefill, batch", CASES, ids=[c[0] for c in CASES])
+@torch.no_grad()
+def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, prefill, batch, monkeypatch):
+    model, _ = load_model(name, device=device)
+    bits = torch.tensor(bits)
+    torch.manual_seed(5)
+    prompt = torch.randint(0, 256, (batch, 20), device=device)
+    kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, output_logits=True)
+    kw.update(return_dict_in_generate=True)
+    cache_kw = dict(group_size=group_size, scheme=scheme, prefill=prefill)
+
+    torch_cache = QuantizedKVCache(model.config, bits, backend="torch", **cache_kw)
+    want = model.generate(prompt, past_key_values=torch_cache, **kw)
+
+    calls = []
+    kernel = fused_attention.decode_attention
+    spy = lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    monkeypatch.setattr(fused_attention, "decode_attention", spy)
+    use_fused_attention(model)
+    triton_cache = QuantizedKVCache(model.config, bits, backend="triton", **cache_kw)
+    got = model.generate(prompt, past_key_values=triton_cache, **kw)
+
+    layers = triton_cache.quantized_layers()
+    assert all(layer.fused for layer in layers)
+    assert not any(layer.fused for layer in torch_cache.quantized_layers())
+    assert all(layer.k_store._dequantized is None and layer.v_store._dequantized is None for layer in layers)
+    assert len(calls) == (NEW_TOKENS - 1) * len(layers), "every decode step of every layer is fused"
+    assert torch.equal(got.sequences, want.sequences), name
+    if device == "cpu":
+        # The prefill is the same computation on both backends (quantize_into is bit-exact with the torch
+        # path); on CUDA, SDPA may pick another kernel for the differently strided K/V.
+        assert torch.equal(got.logits[0], want.logits[0])
+    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
+        err = ((a - b).norm() / a.norm()).item()
+        assert err < 1e-4, (name, step, err)
+    assert triton_cache.nbytes() == torch_cache.nbytes() > 0
+    assert triton_cache.nbytes_fp16() == torch_cache.nbytes_fp16()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@torch.no_grad()
+def test_unfused_attention_on_a_triton_cache_raises(device):
+    """SDPA would attend the decode placeholders only: the layer's next update refuses to go on."""
+    model, _ = load_model("tiny-llama", device=device)
+    cache = QuantizedKVCache(model.config, 4, group_size=16, backend="triton")
+    ids = torch.randint(0, 256, (1, 9), device=device)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    with pytest.raises(RuntimeError, match="use_fused_attention"):
+        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+@torch.no_grad()
+def test_backend_names_and_resolution(monkeypatch):
+    model, _ = load_model("tiny-llama")
+    with pytest.raises(ValueError, match="quant.backend: unknown 'x'; allowed: auto, torch, triton"):
+        QuantizedKVCache(model.config, 4, backend="x")
+    cache = QuantizedKVCache(model.config, 4, group_size=16, backend="auto")
+    model(input_ids=torch.randint(0, 256, (1, 5)), past_key_values=cache, use_cache=True)
+    assert not any(layer.fused for layer in cache.quantized_layers())  # auto on CPU: torch
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_backend("auto", cpu, [4, 16], 32, 32, 16) == "torch"
+    assert resolve_backend("auto", cuda, [4, 16], 32, 32, 16) == "triton"
+    assert resolve_backend("auto", cuda, [4, 16], 96, 96, 48) == "torch"  # group size the kernels lack
+    with pytest.raises(NotImplementedError, match="group_size: 48"):
+        resolve_backend("triton", cuda, [4, 16], 96, 96, 48)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="triton needs CUDA tensors"):
+        resolve_backend("triton", cpu, [4, 16], 32, 32, 16)

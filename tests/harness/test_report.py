@@ -1,0 +1,311 @@
+"""The reporting layer on a real smoke run: loading, tables.md and its intervals, figures, regeneration from
+points/ alone, the Pareto frontier, and the analysis notebook."""
+
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import numpy as np
+import pandas as pd
+import pytest
+from jupyter_client.kernelspec import KernelSpecManager
+from nbclient import NotebookClient
+from sacrebleu.metrics import BLEU
+
+from harness import report, results
+
+ROOT = Path(__file__).resolve().parents[2]
+OUTPUTS = (
+    "tables.md",
+    "pareto-tiny-llama-asym_token.png",
+    "pareto-tiny-llama-asym_token.svg",
+    "entropy-tiny-llama.png",
+    "allocation-tiny-llama.png",
+)
+N_BOOT = 300
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A smoke run and the runner's own results.parquet (read before the report re-writes it)."""
+    run_dir = tmp_path_factory.mktemp("smoke") / "run"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "+sweep=smoke",
+            f"run_dir={run_dir}",
+            "tracking.wandb.mode=disabled",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return run_dir, pd.read_parquet(run_dir / "results.parquet")
+
+
+@pytest.fixture(scope="module")
+def reported(run):
+    run_dir, _ = run
+    report.write_report(run_dir)
+    return run_dir
+
+
+def point_files(run_dir: Path) -> list[Path]:
+    return sorted((run_dir / "points").glob("*.json"))
+
+
+def find(records: list[dict], **config) -> dict:
+    (match,) = [
+        r for r in records if r["status"] == "ok" and all(r["config"][k] == v for k, v in config.items())
+    ]
+    return match
+
+
+def test_load_has_one_row_per_point_and_matches_the_runner_table(run):
+    run_dir, runner_table = run
+    table = results.load(run_dir)
+    keys = [json.loads(p.read_text())["key"] for p in point_files(run_dir)]
+    assert sorted(table["key"]) == sorted(keys) and len(table) == len(keys)
+    assert set(table["status"]) == {"ok", "infeasible"}
+    assert table.loc[table["status"] == "infeasible", "error"].str.contains("budget").all()
+    mine = table.sort_values("key").reset_index(drop=True)[runner_table.columns]
+    pd.testing.assert_frame_equal(
+        mine, runner_table.sort_values("key").reset_index(drop=True), check_dtype=False
+    )
+    assert len(results.load_records(run_dir)) == len(keys)
+    entropy = results.load_entropy(run_dir, "tiny-llama")
+    assert {"layer", "q_head", "kv_head", "H2"} <= set(entropy.columns)
+
+
+def test_load_of_an_empty_or_partly_written_run(tmp_path):
+    assert results.load_records(tmp_path) == []
+    assert results.load(tmp_path).empty and {"key", "status", "bleu"} <= set(results.load(tmp_path).columns)
+    (tmp_path / "points").mkdir()
+    (tmp_path / "points" / "half.json").write_text('{"key": "half", "sta')  # a write caught mid-way
+    (tmp_path / "points" / ".abc.json.tmp123").write_text("{}")  # the runner's temporary file
+    assert results.load(tmp_path).empty
+
+
+def test_tables_md_has_the_command_claim_rows_and_intervals(reported):
+    text = (reported / "tables.md").read_text()
+    env = json.loads((reported / "env.json").read_text())
+    first = text.splitlines()[0]
+    assert env["command"] in first and env["git_commit"] in first
+    claim = text.split("claim table at budget 4")[1].split("\n## ")[0]
+    for row in ("uniform", "entropy", "sinks", "entropy+sinks", "baseline"):
+        assert re.search(rf"^\| {re.escape(row)} \|", claim, re.M), row
+    assert "infeasible: policy.budget" in claim  # the smoke grid's entropy+sinks cannot pay for its sinks
+    diffs = text.split("## Differences to uniform")[1]
+    interval = r"[+-][\d.e+-]+ \[[+-][\d.e+-]+, [+-][\d.e+-]+\]"
+    assert len(re.findall(interval, diffs)) == 2 * 4  # two entropy points, four metrics
+    assert "## Infeasible points" in text
+
+
+def bootstrap_interval(diff_of, n_items: int, n_boot: int, seed: int = 0) -> tuple[float, float]:
+    """The percentile interval of diff_of(idx) over seeded resamples, written out here from numpy alone."""
+    idx = np.random.default_rng(seed).integers(0, n_items, size=(n_boot, n_items))
+    values = np.array([diff_of(i) for i in idx])
+    return tuple(np.quantile(values, [0.025, 0.975]))
+
+
+def corpus_bleu(stats: np.ndarray) -> float:
+    total = stats.sum(axis=0)
+    return (
+        BLEU.compute_bleu(
+            correct=total[2:6].tolist(),
+            total=total[6:10].tolist(),
+            sys_len=int(total[0]),
+            ref_len=int(total[1]),
+            smooth_method="exp",
+        ).score
+        / 100
+    )
+
+
+def test_a_difference_recomputed_from_the_json_items(run, tmp_path):
+    """Give the 2-bit entropy point the 4-bit uniform point's items, so it differs from 2-bit uniform."""
+    run_dir, _ = run
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir / "points", copy / "points")
+    records = results.load_records(copy)
+    point = find(records, policy="entropy", budget=2)
+    uniform = find(records, policy="uniform", budget=2)
+    point["items"] = find(records, policy="uniform", budget=4)["items"]
+    (copy / "points" / f"{point['key']}.json").write_text(json.dumps(point))
+    report.write_report(copy, n_boot=N_BOOT)
+
+    row = next(
+        line
+        for line in (copy / "tables.md").read_text().split("## Differences")[1].splitlines()
+        if point["key"] in line
+    )
+    cells = dict(
+        zip(
+            ["model", "scheme", "budget", "configuration", "bleu", "token_match", "ppl_ratio", "kl_mean"],
+            [c.strip() for c in row.strip("|").split("|")],
+        )
+    )
+    a, b = point["items"], uniform["items"]
+    arr = lambda items, name: np.asarray(items[name], dtype=float)
+    ppl_ratio = lambda items, i: (
+        math.exp(arr(items, "nll")[i].mean()) / math.exp(arr(items, "nll_base")[i].mean())
+    )
+    expected = {
+        "bleu": (
+            lambda i: (
+                corpus_bleu(np.asarray(a["bleu_stats"])[i]) - corpus_bleu(np.asarray(b["bleu_stats"])[i])
+            ),
+            len(a["bleu_stats"]),
+        ),
+        "token_match": (
+            lambda i: arr(a, "token_match")[i].mean() - arr(b, "token_match")[i].mean(),
+            len(a["token_match"]),
+        ),
+        "ppl_ratio": (lambda i: ppl_ratio(a, i) - ppl_ratio(b, i), len(a["nll"])),
+        "kl_mean": (lambda i: arr(a, "kl_mean")[i].mean() - arr(b, "kl_mean")[i].mean(), len(a["kl_mean"])),
+    }
+    nonzero = 0
+    for metric, (diff_of, n) in expected.items():
+        value = diff_of(np.arange(n))
+        low, high = bootstrap_interval(diff_of, n, N_BOOT)
+        got = [float(x) for x in re.findall(r"[+-][\d.]+(?:e[+-]\d+)?", cells[metric])]
+        assert got == pytest.approx([value, low, high], rel=6e-3, abs=1e-12), metric
+        assert cells[metric].startswith("**") == bool(low > 0 or high < 0), metric
+        nonzero += value != 0
+    assert nonzero >= 3  # the swap made a real difference, not the identical-points case
+
+
+def test_plots_exist_as_png_and_svg(reported):
+    for name in OUTPUTS[1:]:
+        data = (reported / name).read_bytes()
+        assert len(data) > 1000, name
+        assert data.startswith(b"\x89PNG") if name.endswith(".png") else b"<svg" in data[:2000], name
+
+
+def test_report_regenerates_identically_from_points_alone(reported, tmp_path):
+    copy = tmp_path / reported.name  # same name: tables.md's title names the run directory
+    shutil.copytree(reported, copy)
+    before = {name: (copy / name).read_bytes() for name in OUTPUTS}
+    table = pd.read_parquet(copy / "results.parquet")
+    for name in (*OUTPUTS, "results.parquet"):
+        (copy / name).unlink()
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.report", str(copy)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    for name, data in before.items():
+        assert (copy / name).read_bytes() == data, name
+    pd.testing.assert_frame_equal(pd.read_parquet(copy / "results.parquet"), table)
+
+
+def test_frontier_in_both_directions():
+    records = [
+        {"key": "a", "bytes_per_token": 100, "kl_mean": 0.5, "bleu": 0.6},
+        {"key": "a2", "bytes_per_token": 100, "kl_mean": 0.4, "bleu": 0.55},  # same bytes, better kl than a
+        {"key": "b", "bytes_per_token": 150, "kl_mean": 0.6, "bleu": 0.7},
+        {"key": "c", "bytes_per_token": 200, "kl_mean": 0.3, "bleu": 0.5},
+        {"key": "d", "bytes_per_token": 250, "kl_mean": 0.35, "bleu": 0.8},
+        {"key": "e", "bytes_per_token": 300, "kl_mean": 0.1, "bleu": 0.9},
+        {
+            "key": "f",
+            "bytes_per_token": 120,
+            "kl_mean": math.nan,
+            "bleu": math.nan,
+        },  # no measurement: ignored
+    ]
+    assert report.frontier(records, "kl_mean")["key"].tolist() == ["a2", "c", "e"]
+    assert report.frontier(records, "bleu")["key"].tolist() == ["a", "b", "d", "e"]
+    assert report.frontier(pd.DataFrame(records), "kl_mean", higher_is_better=True)["key"].tolist() == [
+        "a",
+        "b",
+    ]
+
+
+def test_notebook_is_stripped_and_executes_against_the_run(reported, tmp_path, monkeypatch):
+    path = ROOT / "notebooks" / "analysis.ipynb"
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code and all(c.outputs == [] and c.execution_count is None for c in code)
+    if "python3" not in KernelSpecManager().find_kernel_specs():
+        # no registered python3 kernel: register one for this interpreter in a private Jupyter path
+        spec = tmp_path / "kernels" / "python3"
+        spec.mkdir(parents=True)
+        (spec / "kernel.json").write_text(
+            json.dumps(
+                {
+                    "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                    "display_name": "Python 3",
+                    "language": "python",
+                }
+            )
+        )
+        monkeypatch.setenv("JUPYTER_PATH", str(tmp_path))
+    monkeypatch.setenv("KVBITS_RUN_DIR", str(reported))
+    before = {name: (reported / name).read_bytes() for name in OUTPUTS}
+    NotebookClient(
+        nb, kernel_name="python3", timeout=600, resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    assert not errors, errors
+    images = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})
+    ]
+    assert len(images) >= 3  # the Pareto figure and both heat maps, inline
+    assert {name: (reported / name).read_bytes() for name in OUTPUTS} == before  # it only reads
+
+
+def synthetic(key: str, policy: str, budget: int, alpha: float = 0.0, threshold=None, fraction=None) -> dict:
+    config = {
+        "model": "m",
+        "policy": policy,
+        "budget": budget,
+        "alpha": alpha,
+        "sink_threshold": threshold,
+        "sink_fraction": fraction,
+        "scheme": "asym_token",
+    }
+    return {
+        "key": key,
+        "status": "ok",
+        "config": config,
+        "metrics": {"bleu": 0.5, "bytes_per_token": 10.0 * budget},
+        "allocation": {"bits": [[budget]]},
+    }
+
+
+def test_claim_table_and_allocation_point_pick_the_claimed_configurations():
+    records = [
+        synthetic("e1", "entropy", 4, alpha=1.0),
+        synthetic("e025", "entropy", 4, alpha=0.25),
+        synthetic("e05", "entropy", 4, alpha=0.5),
+        synthetic("esf", "entropy", 4, alpha=0.25, fraction=0.02),
+        synthetic("est", "entropy", 4, alpha=0.25, threshold=0.5),
+        synthetic("s", "sinks", 4, threshold=0.5),
+        synthetic("u", "uniform", 4),
+        synthetic("u2", "uniform", 2),
+        synthetic("e2", "entropy", 2, alpha=0.25, threshold=0.5),
+    ]
+    claim = report.claim_table(results.table(records), "m", "asym_token")
+    assert claim.set_index("row")["key"].to_dict() == {
+        "uniform": "u",
+        "entropy": "e025",
+        "sinks": "s",
+        "entropy+sinks": "est",
+    }
+    assert report.allocation_point(records, "m")["key"] == "est"
+    without_sinks = [r for r in records if r["key"] not in ("est", "esf")]
+    assert report.allocation_point(without_sinks, "m")["key"] == "e025"
+    assert report.allocation_point([records[6], records[7]], "m")["key"] == "u"
