@@ -8,7 +8,31 @@ before anything imports triton (importing torch does not).
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(
+            "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")
+        ),
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton"
+                ),
+            ],
+        ),
+    ]
+)
+def device(request) -> str:
+    """Where a Triton test runs: the CPU interpreter here, a CUDA GPU (tests marked gpu) where there is one."""
+    return request.param

@@ -6,8 +6,6 @@ models and generations are tiny; the same tests marked `gpu` run compiled on CUD
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,21 +14,6 @@ from harness.cache import QuantizedKVCache, resolve_backend
 from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")
-    ),
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(
-                not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton"
-            ),
-        ],
-    ),
-]
 # (model, bits [layers, KV heads], group size, scheme, prefill, batch); tiny-gemma3's window is 16 and the
 # generations below reach 30 tokens, so its sliding layers evict.
 CASES = [
@@ -40,7 +23,6 @@ CASES = [
 NEW_TOKENS = 10
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name, bits, group_size, scheme, prefill, batch", CASES, ids=[c[0] for c in CASES])
 @torch.no_grad()
 def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, prefill, batch, monkeypatch):
@@ -80,7 +62,6 @@ def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, p
     assert triton_cache.nbytes_fp16() == torch_cache.nbytes_fp16()
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @torch.no_grad()
 def test_unfused_attention_on_a_triton_cache_raises(device):
     """SDPA would attend the decode placeholders only: the layer's next update refuses to go on."""

@@ -6,8 +6,6 @@ anything imports triton, so the shapes are small); the same tests marked `gpu` r
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -16,21 +14,6 @@ from kernels.decode_attention import decode_attention
 from kernels.layout import PackedStore
 from kernels.quantize import quantize_into
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICES = [
-    pytest.param(
-        "cpu", marks=pytest.mark.skipif(not INTERPRET, reason="CPU tensors need TRITON_INTERPRET=1")
-    ),
-    pytest.param(
-        "cuda",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(
-                not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton"
-            ),
-        ],
-    ),
-]
 B, T, HQ = 2, 63, 6
 
 
@@ -54,7 +37,6 @@ def _fill_garbage(st: PackedStore) -> None:
     st.full.fill_(float("nan"))
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "bits, head_dim, group_size, symmetric, dtype",
     [
@@ -115,7 +97,6 @@ def _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed):
     return stores
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra",
     [
@@ -150,7 +131,6 @@ def test_decode_attention(device, k_bits, v_bits, head_dim, group_size, symmetri
     torch.testing.assert_close(outs[0], outs[1], rtol=bound, atol=bound)
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def test_decode_attention_extra_only(device):
     """An empty store with an extra segment attends to the extra tokens alone."""
     ks = PackedStore((4, 16), 64, 1, device=device)
