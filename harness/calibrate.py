@@ -52,7 +52,9 @@ class _Recorder:
             return
         h2 = -torch.log((p * p).sum(-1))  # (B, Hq, Tq')
         h1 = -torch.special.xlogy(p, p).sum(-1)
-        stats = torch.stack([h2.sum((0, 2)), h1.sum((0, 2)), torch.full_like(h2[0, :, 0], h2.shape[0] * h2.shape[2])])
+        stats = torch.stack(
+            [h2.sum((0, 2)), h1.sum((0, 2)), torch.full_like(h2[0, :, 0], h2.shape[0] * h2.shape[2])]
+        )
         self.sums[layer] = self.sums.get(layer, 0) + stats
 
 
@@ -78,10 +80,15 @@ def head_entropies(model, input_ids: torch.Tensor, i0: int = 32, batch_size: int
     Returns columns layer, layer_type, q_head, kv_head, H2, H1, n_positions; attrs num_layers, num_kv_heads.
     """
     if input_ids.shape[1] <= i0:
-        raise ValueError(f"calibration: sequences of {input_ids.shape[1]} tokens leave no query position >= i0={i0}")
+        raise ValueError(
+            f"calibration: sequences of {input_ids.shape[1]} tokens leave no query position >= i0={i0}"
+        )
     config = model.config.get_text_config(decoder=True)
     kinds = layer_types(model.config)
-    n_q, n_kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    n_q, n_kv = (
+        config.num_attention_heads,
+        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+    )
     recorder = _Recorder(i0)
     previous = model.config._attn_implementation
     model.set_attn_implementation(PROBE)

@@ -54,7 +54,9 @@ def split(path: str | None = None) -> Split:
     cal = sorted(n for n in docs if is_calibration(n))
     ev = sorted(n for n in docs if not is_calibration(n))
     if not cal or not ev:
-        raise ValueError(f"eval.data.path: {path} has too few documents to split into calibration and evaluation")
+        raise ValueError(
+            f"eval.data.path: {path} has too few documents to split into calibration and evaluation"
+        )
     join = lambda names: "\n\n".join(docs[n] for n in names)  # noqa: E731
     return Split(join(cal), join(ev), tuple(cal), tuple(ev))
 

@@ -18,7 +18,16 @@ from collections.abc import Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
-POLICY_FIELDS = ("policy", "budget", "alpha", "sink_threshold", "sink_fraction", "widths", "budget_mode", "entropy_key")
+POLICY_FIELDS = (
+    "policy",
+    "budget",
+    "alpha",
+    "sink_threshold",
+    "sink_fraction",
+    "widths",
+    "budget_mode",
+    "entropy_key",
+)
 QUANT_FIELDS = ("scheme", "group_size", "prefill")
 EVAL_FIELDS = ("num_prompts", "prompt_tokens", "new_tokens", "num_sequences", "sequence_tokens", "chunk")
 CALIBRATION_FIELDS = ("calibration_sequences", "calibration_tokens", "i0")

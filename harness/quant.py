@@ -29,9 +29,13 @@ class Scheme:
         if not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"quant.group_size: {self.group_size!r} is not a positive integer")
 
-    def new_store(self, bits: list[int], head_dim: int, batch: int, dtype: torch.dtype, device) -> PackedStore:
+    def new_store(
+        self, bits: list[int], head_dim: int, batch: int, dtype: torch.dtype, device
+    ) -> PackedStore:
         if any(b != 16 for b in bits) and head_dim % self.group_size:
-            raise ValueError(f"quant.group_size: {self.group_size} does not divide the model's head_dim {head_dim}")
+            raise ValueError(
+                f"quant.group_size: {self.group_size} does not divide the model's head_dim {head_dim}"
+            )
         return PackedStore(bits, head_dim, batch, self.group_size, self.symmetric, dtype, device)
 
 

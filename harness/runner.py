@@ -22,6 +22,7 @@ from tqdm import tqdm
 from harness import data, evaluate, metrics, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
+from harness.fused_attention import use_fused_attention
 from harness.grid import point_key
 from harness.models import load_model, model_spec
 from harness.policies import allocate
@@ -50,31 +51,54 @@ class ModelContext:
     base_tf: evaluate.TeacherForced
     prefilled: list  # evaluate.Prefilled per prompt batch
     batch_size: int
+    backend: str  # quant.backend: an execution choice, not part of a point's key (like the device)
     timings: dict = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
 
 
 def context_key(point: dict) -> tuple:
     """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
-    fields = ("model", "data_path", "seed", "num_prompts", "prompt_tokens", "new_tokens", "num_sequences",
-              "sequence_tokens", "chunk", "calibration_sequences", "calibration_tokens", "i0")
+    fields = (
+        "model",
+        "data_path",
+        "seed",
+        "num_prompts",
+        "prompt_tokens",
+        "new_tokens",
+        "num_sequences",
+        "sequence_tokens",
+        "chunk",
+        "calibration_sequences",
+        "calibration_tokens",
+        "i0",
+    )
     return tuple(point[f] for f in fields)
 
 
-def build_context(point: dict, batch_size: int, device: str, run_dir: Path) -> ModelContext:
+def build_context(
+    point: dict, batch_size: int, device: str, run_dir: Path, backend: str = "auto"
+) -> ModelContext:
     timings = {}
     t = time.perf_counter()
     model, tokenizer = load_model(point["model"], device=device)
     timings["load_s"] = time.perf_counter() - t
+    if backend != "torch" and model.device.type == "cuda":
+        use_fused_attention(model)  # decode steps of triton-backed caches read the packed K/V directly
 
     text = data.split(point["data_path"])
     limit = model_spec(point["model"]).get("context_limit", 2048)
     if point["prompt_tokens"] + point["new_tokens"] > limit or point["sequence_tokens"] > limit:
         raise ValueError(f"eval: contexts exceed {point['model']}'s context limit of {limit} tokens")
     calib_ids = data.token_windows(
-        tokenizer, text.calibration, point["calibration_sequences"], point["calibration_tokens"], point["seed"]
+        tokenizer,
+        text.calibration,
+        point["calibration_sequences"],
+        point["calibration_tokens"],
+        point["seed"],
     )
-    prompts = data.token_windows(tokenizer, text.evaluation, point["num_prompts"], point["prompt_tokens"], point["seed"])
+    prompts = data.token_windows(
+        tokenizer, text.evaluation, point["num_prompts"], point["prompt_tokens"], point["seed"]
+    )
     sequences = data.token_windows(
         tokenizer, text.evaluation, point["num_sequences"], point["sequence_tokens"], point["seed"] + 1
     )
@@ -95,16 +119,35 @@ def build_context(point: dict, batch_size: int, device: str, run_dir: Path) -> M
         tmp = entropy_path.with_name(f".{entropy_path.name}.tmp{os.getpid()}")
         entropy.to_parquet(tmp)
         os.replace(tmp, entropy_path)
-    return ModelContext(point["model"], model, tokenizer, entropy, prompts, sequences, base_tokens, base_tf,
-                        prefilled, batch_size, timings)
+    return ModelContext(
+        point["model"],
+        model,
+        tokenizer,
+        entropy,
+        prompts,
+        sequences,
+        base_tokens,
+        base_tf,
+        prefilled,
+        batch_size,
+        backend,
+        timings,
+    )
 
 
 def allocation(ctx: ModelContext, point: dict):
     """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks."""
     return allocate(
-        ctx.entropy, point["budget"], policy=point["policy"], alpha=point["alpha"],
-        sink_threshold=point["sink_threshold"], sink_fraction=point["sink_fraction"], widths=tuple(point["widths"]),
-        budget_mode=point["budget_mode"], seed=point["seed"], entropy_key=point["entropy_key"],
+        ctx.entropy,
+        point["budget"],
+        policy=point["policy"],
+        alpha=point["alpha"],
+        sink_threshold=point["sink_threshold"],
+        sink_fraction=point["sink_fraction"],
+        widths=tuple(point["widths"]),
+        budget_mode=point["budget_mode"],
+        seed=point["seed"],
+        entropy_key=point["entropy_key"],
     )
 
 
@@ -116,36 +159,46 @@ def measurement_key(point: dict, alloc) -> tuple:
 def measure(ctx: ModelContext, point: dict, alloc) -> dict:
     """Run generation and teacher-forced evaluation through the quantized cache for `alloc`; measure."""
     config = ctx.model.config
-    cache_kwargs = dict(scheme=point["scheme"], group_size=point["group_size"])
+    cache_kwargs = dict(scheme=point["scheme"], group_size=point["group_size"], backend=ctx.backend)
     caches = []
 
     def from_prefilled(prefilled_cache):
-        cache = QuantizedKVCache.from_prefilled(prefilled_cache, config, alloc.bits, prefill="exact", **cache_kwargs)
+        cache = QuantizedKVCache.from_prefilled(
+            prefilled_cache, config, alloc.bits, prefill="exact", **cache_kwargs
+        )
         caches.append(cache)
         return cache
 
     if point["prefill"] == "exact":
-        tokens = evaluate.decode(ctx.model, ctx.prefilled, point["new_tokens"], cache_from_prefilled=from_prefilled)
+        tokens = evaluate.decode(
+            ctx.model, ctx.prefilled, point["new_tokens"], cache_from_prefilled=from_prefilled
+        )
     else:
+
         def factory():
             cache = QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs)
             caches.append(cache)
             return cache
 
-        tokens = evaluate.greedy_generate(ctx.model, ctx.prompts, point["new_tokens"], factory,
-                                          batch_size=ctx.batch_size)
+        tokens = evaluate.greedy_generate(
+            ctx.model, ctx.prompts, point["new_tokens"], factory, batch_size=ctx.batch_size
+        )
     held = sum(c.nbytes() for c in caches)
     fp16 = sum(c.nbytes_fp16() for c in caches)
 
     tf = evaluate.teacher_forced(
-        ctx.model, ctx.sequences,
+        ctx.model,
+        ctx.sequences,
         lambda: QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs),
-        chunk=point["chunk"], batch_size=ctx.batch_size, baseline=ctx.base_tf,
+        chunk=point["chunk"],
+        batch_size=ctx.batch_size,
+        baseline=ctx.base_tf,
     )
     gen = metrics.generation_metrics(ctx.base_tokens, tokens, ctx.tokenizer.decode)
     tfm = metrics.teacher_forced_metrics(ctx.base_tf, tf)
     result_metrics = {
-        **gen, **tfm,
+        **gen,
+        **tfm,
         "mean_bits": alloc.mean_bits,
         "compression_nominal": 16.0 / alloc.mean_bits,
         "compression_true": fp16 / held,
@@ -153,7 +206,9 @@ def measure(ctx: ModelContext, point: dict, alloc) -> dict:
         "n_sinks": int(alloc.sinks.sum()),
     }
     items = {k: np.asarray(v).tolist() for k, v in metrics.generation_items(ctx.base_tokens, tokens).items()}
-    items.update({k: np.asarray(v).tolist() for k, v in metrics.teacher_forced_items(ctx.base_tf, tf).items()})
+    items.update(
+        {k: np.asarray(v).tolist() for k, v in metrics.teacher_forced_items(ctx.base_tf, tf).items()}
+    )
     decode = ctx.tokenizer.decode
     items["bleu_stats"] = metrics.bleu_sufficient_stats(
         [decode(row) for row in tokens.tolist()], [decode(row) for row in ctx.base_tokens.tolist()]
@@ -170,12 +225,28 @@ def baseline_record(ctx: ModelContext) -> dict:
     """The unquantized-cache reference row of a model: its perplexity, every comparison at identity."""
     ppl = float(torch.exp(ctx.base_tf.nll.double().mean()))
     gen = metrics.generation_metrics(ctx.base_tokens, ctx.base_tokens, ctx.tokenizer.decode)
-    return {**gen, "ppl": ppl, "ppl_base": ppl, "ppl_ratio": 1.0, "kl_mean": 0.0, "kl_p99": 0.0, "top1_agree": 1.0,
-            "mean_bits": 16.0, "compression_nominal": 1.0, "compression_true": 1.0}
+    return {
+        **gen,
+        "ppl": ppl,
+        "ppl_base": ppl,
+        "ppl_ratio": 1.0,
+        "kl_mean": 0.0,
+        "kl_p99": 0.0,
+        "top1_agree": 1.0,
+        "mean_bits": 16.0,
+        "compression_nominal": 1.0,
+        "compression_true": 1.0,
+    }
 
 
 def run(
-    points: list[dict], run_dir: Path, batch_size: int = 8, device: str = "cpu", on_point=None, tag: str = ""
+    points: list[dict],
+    run_dir: Path,
+    batch_size: int = 8,
+    device: str = "cpu",
+    on_point=None,
+    tag: str = "",
+    backend: str = "auto",
 ) -> pd.DataFrame:
     """Evaluate every point not already in run_dir/points; returns the consolidated table.
 
@@ -187,22 +258,38 @@ def run(
     timings_path = run_dir / f"timings{tag}.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {"models": {}, "points": {}}
     contexts: dict[tuple, ModelContext] = {}
-    bar = tqdm(total=len(points), initial=len(points) - len(todo), desc="points", unit="pt", dynamic_ncols=True)
+    bar = tqdm(
+        total=len(points), initial=len(points) - len(todo), desc="points", unit="pt", dynamic_ncols=True
+    )
     for point in todo:
         key = point_key(point)
         bar.set_postfix_str(f"{point['model']} {point['policy']} b={point['budget']} {point['scheme']}")
         ckey = context_key(point)
         if ckey not in contexts:
             contexts.clear()  # one model in memory at a time
-            contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir)
+            contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir, backend)
             timings["models"][point["model"]] = ctx.timings
-            base_point = {**point, "policy": "baseline", "budget": 16, "alpha": 0.0, "sink_threshold": None,
-                          "sink_fraction": None, "scheme": "none"}
+            base_point = {
+                **point,
+                "policy": "baseline",
+                "budget": 16,
+                "alpha": 0.0,
+                "sink_threshold": None,
+                "sink_fraction": None,
+                "scheme": "none",
+            }
             base_path = run_dir / "points" / f"{point_key(base_point)}.json"
             if not base_path.exists():
-                write_json_atomic(base_path, {"key": point_key(base_point), "status": "ok", "config": base_point,
-                                              "metrics": baseline_record(ctx),
-                                              "tokens": ctx.base_tokens.tolist()})
+                write_json_atomic(
+                    base_path,
+                    {
+                        "key": point_key(base_point),
+                        "status": "ok",
+                        "config": base_point,
+                        "metrics": baseline_record(ctx),
+                        "tokens": ctx.base_tokens.tolist(),
+                    },
+                )
         ctx = contexts[ckey]
         t = time.perf_counter()
         try:
@@ -215,7 +302,11 @@ def run(
             if mkey not in ctx.measured:
                 ctx.measured[mkey] = (key, measure(ctx, point, alloc))
             first_key, result = ctx.measured[mkey]
-            result = {"status": "ok", **result, **({"same_measurement_as": first_key} if first_key != key else {})}
+            result = {
+                "status": "ok",
+                **result,
+                **({"same_measurement_as": first_key} if first_key != key else {}),
+            }
         timings["points"][key] = time.perf_counter() - t
         write_json_atomic(run_dir / "points" / f"{key}.json", {"key": key, "config": point, **result})
         write_json_atomic(timings_path, timings)

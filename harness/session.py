@@ -15,19 +15,57 @@ from omegaconf import DictConfig, OmegaConf
 from harness import runner
 from harness.grid import shard
 
-SHOWN = ["model", "policy", "budget", "alpha", "sink_threshold", "sink_fraction", "scheme", "mean_bits",
-         "compression_nominal", "compression_true", "bleu", "bleu_tok", "token_match", "first_divergence", "ppl",
-         "ppl_ratio", "kl_mean", "kl_p99", "top1_agree"]
-PACKAGES = ("torch", "transformers", "accelerate", "gguf", "hydra-core", "pandas", "pyarrow", "sacrebleu", "wandb",
-            "triton", "numpy")
+SHOWN = [
+    "model",
+    "policy",
+    "budget",
+    "alpha",
+    "sink_threshold",
+    "sink_fraction",
+    "scheme",
+    "mean_bits",
+    "compression_nominal",
+    "compression_true",
+    "bleu",
+    "bleu_tok",
+    "token_match",
+    "first_divergence",
+    "ppl",
+    "ppl_ratio",
+    "kl_mean",
+    "kl_p99",
+    "top1_agree",
+]
+PACKAGES = (
+    "torch",
+    "transformers",
+    "accelerate",
+    "gguf",
+    "hydra-core",
+    "pandas",
+    "pyarrow",
+    "sacrebleu",
+    "wandb",
+    "triton",
+    "numpy",
+)
 
 
 def git_commit() -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                             cwd=Path(__file__).resolve().parent)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parent).stdout.strip()
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).resolve().parent,
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return None
@@ -57,7 +95,11 @@ def environment(device: str) -> dict:
 def format_table(table: pd.DataFrame) -> str:
     ok = table[table["status"] == "ok"]
     cols = [c for c in SHOWN if c in ok.columns]
-    return ok[cols].sort_values(["model", "budget", "policy"]).to_string(index=False, float_format=lambda x: f"{x:.4g}")
+    return (
+        ok[cols]
+        .sort_values(["model", "budget", "policy"])
+        .to_string(index=False, float_format=lambda x: f"{x:.4g}")
+    )
 
 
 def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
@@ -76,13 +118,25 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
     suffix = "" if cfg.num_shards == 1 else f".shard{cfg.shard}"
     (run_dir / f"env{suffix}.json").write_text(json.dumps(environment(cfg.device), indent=1))
     wandb_cfg = cfg.tracking.wandb
-    tracker = Tracker(wandb_cfg.mode, wandb_cfg.project, wandb_cfg.entity, run_dir=run_dir,
-                      group=f"{run_dir.parent.name}/{run_dir.name}")
+    tracker = Tracker(
+        wandb_cfg.mode,
+        wandb_cfg.project,
+        wandb_cfg.entity,
+        run_dir=run_dir,
+        group=f"{run_dir.parent.name}/{run_dir.name}",
+    )
     table, written = None, []
     try:
         mine = shard(points, cfg.shard, cfg.num_shards)
-        table = runner.run(mine, run_dir, batch_size=cfg.eval.batch_size, device=cfg.device, tag=suffix,
-                           on_point=tracker.log_point)
+        table = runner.run(
+            mine,
+            run_dir,
+            batch_size=cfg.eval.batch_size,
+            device=cfg.device,
+            tag=suffix,
+            on_point=tracker.log_point,
+            backend=cfg.quant.backend,
+        )
         print(format_table(table))
         written = write_report(run_dir)
         print(f"\nresults: {run_dir}/results.parquet ({len(table)} rows), {run_dir}/tables.md and plots")

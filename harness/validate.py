@@ -10,8 +10,17 @@ from harness.grid import expand
 from harness.models import model_spec, unknown_name_message
 
 GROUPS = ("model", "policy", "quant", "eval", "tracking", "sweep")
-POSITIVE_INTS = ("num_prompts", "prompt_tokens", "new_tokens", "num_sequences", "sequence_tokens", "chunk",
-                 "calibration_sequences", "calibration_tokens", "group_size")
+POSITIVE_INTS = (
+    "num_prompts",
+    "prompt_tokens",
+    "new_tokens",
+    "num_sequences",
+    "sequence_tokens",
+    "chunk",
+    "calibration_sequences",
+    "calibration_tokens",
+    "group_size",
+)
 WANDB_MODES = ("online", "offline", "disabled")
 
 
@@ -41,15 +50,24 @@ def _check_point(point: dict) -> None:
 
     try:
         model_spec(point["model"])
-        validate(point["budget"], point["policy"], point["alpha"], point["sink_threshold"], point["sink_fraction"],
-                 point["widths"], point["budget_mode"])
+        validate(
+            point["budget"],
+            point["policy"],
+            point["alpha"],
+            point["sink_threshold"],
+            point["sink_fraction"],
+            point["widths"],
+            point["budget_mode"],
+        )
         for name in POSITIVE_INTS:
             value = point[name]
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{_key(name)}: {value!r} is not a positive integer")
         get_scheme(point["scheme"], point["group_size"])
         if point["prefill"] not in PREFILL_MODES:
-            raise ValueError(f"quant.prefill: unknown {point['prefill']!r}; allowed: {', '.join(PREFILL_MODES)}")
+            raise ValueError(
+                f"quant.prefill: unknown {point['prefill']!r}; allowed: {', '.join(PREFILL_MODES)}"
+            )
         if point["entropy_key"] not in ("H2", "H1"):
             raise ValueError(f"policy.entropy_key: unknown {point['entropy_key']!r}; allowed: H1, H2")
         if not isinstance(point["seed"], int):
@@ -75,9 +93,17 @@ def validate_config(cfg: DictConfig) -> list[dict]:
     mode = cfg.tracking.wandb.mode
     if mode not in WANDB_MODES:
         raise ConfigError(f"tracking.wandb.mode: unknown {mode!r}; allowed: {', '.join(WANDB_MODES)}")
-    if not (isinstance(cfg.num_shards, int) and cfg.num_shards >= 1 and isinstance(cfg.shard, int)
-            and 0 <= cfg.shard < cfg.num_shards):
+    if not (
+        isinstance(cfg.num_shards, int)
+        and cfg.num_shards >= 1
+        and isinstance(cfg.shard, int)
+        and 0 <= cfg.shard < cfg.num_shards
+    ):
         raise ConfigError(f"shard: {cfg.shard!r} must be an integer in [0, num_shards={cfg.num_shards!r})")
+    from harness.cache import BACKENDS
+
+    if cfg.quant.backend not in BACKENDS:
+        raise ConfigError(f"quant.backend: unknown {cfg.quant.backend!r}; allowed: {', '.join(BACKENDS)}")
     if not isinstance(cfg.eval.batch_size, int) or cfg.eval.batch_size < 1:
         raise ConfigError(f"eval.batch_size: {cfg.eval.batch_size!r} is not a positive integer")
     try:

@@ -128,12 +128,16 @@ class PackedStore:
                     new_deq.index_copy_(1, index, xw)
                 continue
             if new_deq is None:
-                p = reference.quantize(xw, w, self.group_size, symmetric=self.symmetric)  # payload (B, Hw, Tn, pd)
+                p = reference.quantize(
+                    xw, w, self.group_size, symmetric=self.symmetric
+                )  # payload (B, Hw, Tn, pd)
             else:
                 p, values = reference.quantize_dequantize(xw, w, self.group_size, self.symmetric, self.dtype)
                 new_deq.index_copy_(1, index, values)
             nbytes = len(heads) * p.payload.shape[-1]
-            self.payload[:, start:end, first_byte : first_byte + nbytes] = p.payload.transpose(1, 2).reshape(B, Tn, -1)
+            self.payload[:, start:end, first_byte : first_byte + nbytes] = p.payload.transpose(1, 2).reshape(
+                B, Tn, -1
+            )
             self.scale[:, start:end, slots] = p.scale.transpose(1, 2)
             if self.zero is not None:
                 self.zero[:, start:end, slots] = p.zero.transpose(1, 2)
@@ -170,7 +174,9 @@ class PackedStore:
 
     def dequantize(self) -> torch.Tensor:
         """Dequantize every stored token from the packed form: (B, Hkv, length, D) in the store's dtype."""
-        out = torch.empty(self.batch, len(self.bits), self.length, self.head_dim, dtype=self.dtype, device=self.device)
+        out = torch.empty(
+            self.batch, len(self.bits), self.length, self.head_dim, dtype=self.dtype, device=self.device
+        )
         for h, b in enumerate(self.bits):
             if b == FULL_WIDTH:
                 out[:, h] = self.full[:, int(self.slot[h]), : self.length]

@@ -218,7 +218,9 @@ def quantize_dequantize(
 ) -> tuple[Packed, torch.Tensor]:
     """quantize(x) and dequantize() of it in one pass (no unpacking): (Packed, values (..., D) in dtype)."""
     q, scale, zero = _quantize_groups(x, bits, group_size, symmetric)
-    return _packed(q, scale, zero, bits, group_size, symmetric), _values(q, scale, zero, bits, symmetric, dtype)
+    return _packed(q, scale, zero, bits, group_size, symmetric), _values(
+        q, scale, zero, bits, symmetric, dtype
+    )
 
 
 def _saturating_cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -80,8 +80,15 @@ def test_mixed_widths_store_each_head_at_its_width():
 
 
 def test_true_compression_asym4_g32_head_dim_64_is_3_2():
-    config = LlamaConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, head_dim=64)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=128,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).eval()
     cache = QuantizedKVCache(config, 4, scheme="asym_token", group_size=32)

@@ -29,6 +29,7 @@ def compose_cfg(*overrides):
         ("policy.budget_mode=loose", r"^policy.budget_mode: unknown 'loose'"),
         ("quant.scheme=int4", r"^quant.scheme: unknown 'int4'; allowed: "),
         ("quant.prefill=maybe", r"^quant.prefill: unknown 'maybe'"),
+        ("quant.backend=cuda", r"^quant.backend: unknown 'cuda'; allowed: auto, torch, triton"),
         ("quant.group_size=0", r"^quant.group_size: 0 is not a positive integer"),
         ("eval.num_prompts=-3", r"^eval.num_prompts: -3 is not a positive integer"),
         ("tracking.wandb.mode=sometimes", r"^tracking.wandb.mode: unknown 'sometimes'"),
@@ -41,7 +42,9 @@ def test_invalid_config_gives_one_line_naming_the_key(override, message):
 
 
 def test_unknown_group_choice_is_caught_before_hydra():
-    with pytest.raises(ConfigError, match=r"^model: unknown 'smollm' \(did you mean smollm2-135m\?\); allowed: "):
+    with pytest.raises(
+        ConfigError, match=r"^model: unknown 'smollm' \(did you mean smollm2-135m\?\); allowed: "
+    ):
         preflight_overrides(["model=smollm"], CONF)
     with pytest.raises(ConfigError, match=r"^sweep: unknown 'paretoo'"):
         preflight_overrides(["+sweep=paretoo"], CONF)
@@ -56,8 +59,12 @@ def test_valid_default_and_sweep_configs_expand():
 
 @pytest.mark.parametrize("args", [["model=nope"], ["policy.widths=[2,5]"], ["policy.alpha=abc"]])
 def test_command_exits_2_with_one_line(args, tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "harness", *args, f"run_dir={tmp_path}"], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", *args, f"run_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr

@@ -8,8 +8,18 @@ from harness.models import ModelUnavailable, load_model, model_spec
 
 
 def test_registry_lists_every_required_model():
-    required = {"smollm2-135m", "gemma3-270m", "gpt2", "qwen2.5-7b", "qwen3.5-4b", "qwen3.5-9b", "tiny-llama",
-                "tiny-gpt2", "tiny-qwen3_5", "tiny-gemma3"}
+    required = {
+        "smollm2-135m",
+        "gemma3-270m",
+        "gpt2",
+        "qwen2.5-7b",
+        "qwen3.5-4b",
+        "qwen3.5-9b",
+        "tiny-llama",
+        "tiny-gpt2",
+        "tiny-qwen3_5",
+        "tiny-gemma3",
+    }
     assert required <= set(models.model_names())
 
 
@@ -42,7 +52,9 @@ def test_corrupt_gguf_names_the_install_command(monkeypatch, tmp_path):
 
 
 def test_hf_model_without_local_weights_says_so():
-    with pytest.raises(ModelUnavailable, match="qwen2.5-7b: weights of Qwen/Qwen2.5-7B are not on this machine"):
+    with pytest.raises(
+        ModelUnavailable, match="qwen2.5-7b: weights of Qwen/Qwen2.5-7B are not on this machine"
+    ):
         load_model("qwen2.5-7b")
 
 

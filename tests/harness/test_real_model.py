@@ -12,7 +12,9 @@ from harness.models import load_model
 def smollm():
     model, tokenizer = load_model("smollm2-135m")
     sequences = data.token_windows(tokenizer, data.split().evaluation, 2, 256, seed=0)
-    base = evaluate.teacher_forced(model, sequences, evaluate.dynamic_cache_factory(model), chunk=64, batch_size=2)
+    base = evaluate.teacher_forced(
+        model, sequences, evaluate.dynamic_cache_factory(model), chunk=64, batch_size=2
+    )
     return model, sequences, base
 
 
@@ -28,8 +30,12 @@ def test_architecture_is_what_the_design_says(smollm):
 def test_uniform_ppl_ratio_at_8_and_2_bits(smollm, bits, low, high):
     model, sequences, base = smollm
     run = evaluate.teacher_forced(
-        model, sequences, lambda: QuantizedKVCache(model.config, bits, prefill="quantized"), chunk=64,
-        batch_size=2, baseline=base,
+        model,
+        sequences,
+        lambda: QuantizedKVCache(model.config, bits, prefill="quantized"),
+        chunk=64,
+        batch_size=2,
+        baseline=base,
     )
     m = metrics.teacher_forced_metrics(base, run)
     assert low < m["ppl_ratio"] < high, m
@@ -40,7 +46,11 @@ def test_uniform_ppl_ratio_at_8_and_2_bits(smollm, bits, low, high):
 def test_sixteen_bits_matches_the_unquantized_cache(smollm):
     model, sequences, base = smollm
     run = evaluate.teacher_forced(
-        model, sequences, lambda: QuantizedKVCache(model.config, 16, prefill="quantized"), chunk=64, batch_size=2,
+        model,
+        sequences,
+        lambda: QuantizedKVCache(model.config, 16, prefill="quantized"),
+        chunk=64,
+        batch_size=2,
         baseline=base,
     )
     assert torch.equal(run.nll, base.nll) and torch.equal(run.top1, base.top1)

@@ -105,7 +105,9 @@ def test_tables_md_has_the_command_claim_rows_and_intervals(reported):
         assert re.search(rf"^\| {re.escape(row)} \|", claim, re.M), row
     diffs = text.split("## Differences to uniform")[1]
     interval = r"[+-][\d.e+-]+ \[[+-][\d.e+-]+, [+-][\d.e+-]+\]"
-    assert len(re.findall(interval, diffs)) == 3 * 4  # entropy at budgets 2 and 4, entropy+sinks at 4; four metrics
+    assert (
+        len(re.findall(interval, diffs)) == 3 * 4
+    )  # entropy at budgets 2 and 4, entropy+sinks at 4; four metrics
     infeasible = text.split("## Infeasible points")[1].split("\n## ")[0]
     assert "policy.budget: 2 bits/head" in infeasible  # entropy+sinks cannot pay for its sink at budget 2
 

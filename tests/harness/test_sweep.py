@@ -14,13 +14,30 @@ import pytest
 from harness.grid import point_key
 
 ROOT = Path(__file__).resolve().parents[2]
-METRICS = ["bleu", "bleu_tok", "token_match", "first_divergence", "ppl", "ppl_ratio", "kl_mean", "kl_p99",
-           "top1_agree", "mean_bits", "compression_true"]
+METRICS = [
+    "bleu",
+    "bleu_tok",
+    "token_match",
+    "first_divergence",
+    "ppl",
+    "ppl_ratio",
+    "kl_mean",
+    "kl_p99",
+    "top1_agree",
+    "mean_bits",
+    "compression_true",
+]
 
 
 def harness(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "harness", *args, "tracking.wandb.mode=disabled"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args, "tracking.wandb.mode=disabled"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        **kw,
+    )
 
 
 def table(run_dir: Path) -> pd.DataFrame:
@@ -50,9 +67,25 @@ def test_smoke_run_writes_every_point_once(single):
 
 def test_same_config_and_seed_give_identical_metrics_and_two_shards_match(single, tmp_path):
     sharded = tmp_path / "sharded"
-    proc = subprocess.run([sys.executable, "-m", "harness", "--config-dir", "sweeps", "--config-name", "local",
-                           "+sweep=smoke", f"run_dir={sharded}", "run_name=x", "tracking.wandb.mode=disabled"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "--config-dir",
+            "sweeps",
+            "--config-name",
+            "local",
+            "+sweep=smoke",
+            f"run_dir={sharded}",
+            "run_name=x",
+            "tracking.wandb.mode=disabled",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (sharded / "env.shard0.json").exists() and (sharded / "env.shard1.json").exists()
     a, b = table(single), table(sharded)
@@ -63,9 +96,20 @@ def test_same_config_and_seed_give_identical_metrics_and_two_shards_match(single
 def test_sigkill_mid_sweep_then_resume(single, tmp_path):
     run_dir = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "harness", "+sweep=smoke", f"run_dir={run_dir}",
-                             "tracking.wandb.mode=disabled"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "+sweep=smoke",
+            f"run_dir={run_dir}",
+            "tracking.wandb.mode=disabled",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while time.time() < deadline and len(list((run_dir / "points").glob("*.json"))) < 3:
         time.sleep(0.05)
