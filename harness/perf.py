@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--quanto-steps", type=int, default=3, help="quanto's CPU path is slow: fewer steps")
+    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="results/perf/decode_step.csv")
     args = parser.parse_args(argv)
 
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name, (make, steps) in caches.items():
         cache = make()
-        seconds = time_steps(model, cache, first, args.context, steps)
+        seconds = time_steps(model, cache, first, args.context, steps, warmup=args.warmup)
         rows.append(
             {
                 "cache": name,
