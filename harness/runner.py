@@ -156,10 +156,15 @@ def measurement_key(point: dict, alloc) -> tuple:
     return (alloc.bits.numpy().tobytes(), point["scheme"], point["group_size"], point["prefill"])
 
 
+def cache_options(point: dict, backend: str) -> dict:
+    """QuantizedKVCache keyword arguments (besides bits and prefill) for a point."""
+    return dict(scheme=point["scheme"], group_size=point["group_size"], backend=backend)
+
+
 def measure(ctx: ModelContext, point: dict, alloc) -> dict:
     """Run generation and teacher-forced evaluation through the quantized cache for `alloc`; measure."""
     config = ctx.model.config
-    cache_kwargs = dict(scheme=point["scheme"], group_size=point["group_size"], backend=ctx.backend)
+    cache_kwargs = cache_options(point, ctx.backend)
     caches = []
 
     def from_prefilled(prefilled_cache):

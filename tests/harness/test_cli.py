@@ -55,6 +55,13 @@ def test_valid_default_and_sweep_configs_expand():
     assert [p["policy"] for p in validate_config(compose_cfg())] == ["uniform", "entropy"]
     points = validate_config(compose_cfg("+sweep=pareto"))
     assert len(points) >= 30 and {p["budget"] for p in points} == {2, 3, 4, 8}
+    hybrid = validate_config(compose_cfg("+sweep=hybrid"))
+    assert {p["model"] for p in hybrid} == {"smollm2-135m", "gemma3-270m"}
+
+
+@pytest.mark.parametrize("sweep", sorted(p.stem for p in (Path(CONF) / "sweep").glob("*.yaml")))
+def test_every_shipped_sweep_validates(sweep):
+    assert validate_config(compose_cfg(f"+sweep={sweep}"))
 
 
 @pytest.mark.parametrize("args", [["model=nope"], ["policy.widths=[2,5]"], ["policy.alpha=abc"]])
