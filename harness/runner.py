@@ -260,6 +260,11 @@ def run(
     run_dir = Path(run_dir)
     (run_dir / "points").mkdir(parents=True, exist_ok=True)
     todo = [p for p in points if not (run_dir / "points" / f"{point_key(p)}.json").exists()]
+    # Points of one context run back to back (grid order kept within it), so each model loads once.
+    first_seen = {}
+    for p in todo:
+        first_seen.setdefault(context_key(p), len(first_seen))
+    todo.sort(key=lambda p: first_seen[context_key(p)])
     timings_path = run_dir / f"timings{tag}.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {"models": {}, "points": {}}
     contexts: dict[tuple, ModelContext] = {}

@@ -127,3 +127,27 @@ def test_sigkill_mid_sweep_then_resume(single, tmp_path):
     pd.testing.assert_frame_equal(resumed[METRICS], table(single)[METRICS], check_exact=True)
     for name, mtime in mtimes.items():  # finished points were not recomputed
         assert (run_dir / "points" / name).stat().st_mtime_ns == mtime
+
+
+def test_interleaved_models_load_once_each(tmp_path, monkeypatch):
+    """A grid that alternates models (one policy after another) still builds each model's context once."""
+    from hydra import compose, initialize_config_dir
+
+    from harness import runner
+    from harness.grid import expand
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "config", overrides=["+sweep=smoke", "sweep.models=[tiny-llama,tiny-gpt2]", "sweep.budgets=[4]"]
+        )
+    points = expand(cfg)
+    models = [p["model"] for p in points]
+    assert models[:3] == ["tiny-llama", "tiny-gpt2", "tiny-llama"]  # interleaved in grid order
+
+    loads = []
+    real_load = runner.load_model
+    monkeypatch.setattr(runner, "load_model", lambda name, **kw: loads.append(name) or real_load(name, **kw))
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    table = runner.run(points, tmp_path / "run", batch_size=4)
+    assert loads == ["tiny-llama", "tiny-gpt2"]
+    assert set(table.loc[table["policy"] != "baseline", "key"]) == {point_key(p) for p in points}
