@@ -13,7 +13,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from harness.validate import ConfigError, preflight_overrides, validate_config
+from harness.validate import ConfigError, preflight_overrides, protocol, validate_config
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
@@ -25,9 +25,22 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    from harness.session import run_session  # heavy imports only after validation
+    from harness.models import ModelUnavailable
 
-    run_session(cfg, points)
+    try:
+        if protocol(cfg) == "claim":
+            from harness import claim
+
+            claim.run(cfg)
+        else:
+            from harness.session import run_session  # heavy imports only after validation
+
+            run_session(cfg, points)
+    except (
+        ModelUnavailable
+    ) as err:  # e.g. gpt2 without local weights: one line naming what to install or provide
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 def entry() -> None:

@@ -2,7 +2,9 @@
 
 `QuantizedKVCache(config, bits, ...)` plugs into `model.generate(..., past_key_values=cache)` and plain forward
 calls. Per decoder layer it holds:
-- full attention: a `QuantizedLayer` (keys and values in kernels.layout.PackedStore, quantize-on-write);
+- full attention: a `QuantizedLayer` (keys and values in the scheme's stores (harness/quant.py): a
+  kernels.layout.PackedStore, or a harness.stores store for kivi, fp8, rotation, sink tokens and a residual
+  window), quantize-on-write;
 - sliding window: a `QuantizedSlidingLayer`, which keeps the model's window, as DynamicSlidingWindowLayer does;
 - linear attention (conv / recurrent state): the model's own `LinearAttentionLayer`, unquantized and
   reported apart (`linear_state_nbytes`).
@@ -18,7 +20,10 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
   kernels.decode_attention. The model must use that attention implementation (`use_fused_attention(model)`);
   a decode step left unattended makes the layer's next update raise;
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
-Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads at 2 bytes);
+The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
+schemes auto is torch and an explicit triton is a ValueError (harness.quant.check_backend).
+Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads, sink and residual tokens at
+2 bytes per element);
 `nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens.
 """
 
@@ -37,7 +42,8 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from harness.quant import Scheme, get_scheme
+from harness.quant import Scheme, check_backend, get_scheme
+from harness.stores import SinkStore
 from kernels.layout import FULL_WIDTH, PackedStore
 
 PREFILL_MODES = ("exact", "quantized")
@@ -133,9 +139,9 @@ class QuantizedLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape  # (B, Hkv, T, D)
         assert H == len(self.bits), f"layer has {H} KV heads but {len(self.bits)} widths were given"
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.k_store = self.scheme.new_store(self.bits, D, B, key_states.dtype, key_states.device)
+        self.k_store = self.scheme.new_store(self.bits, D, B, key_states.dtype, key_states.device, role="key")
         self.v_store = self.scheme.new_store(
-            self.bits, value_states.shape[-1], B, value_states.dtype, key_states.device
+            self.bits, value_states.shape[-1], B, value_states.dtype, key_states.device, role="value"
         )
         backend = resolve_backend(
             self.backend, key_states.device, self.bits, D, value_states.shape[-1], self.scheme.group_size
@@ -247,7 +253,8 @@ class QuantizedSlidingLayer(QuantizedLayer):
 class QuantizedKVCache(Cache):
     """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, num_kv_heads], or one int for all).
 
-    `backend`: "torch", "triton" or "auto" (see the module docstring).
+    `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens` and
+    `residual` (None: the scheme's default) are harness.quant.Scheme's.
     """
 
     def __init__(
@@ -258,6 +265,8 @@ class QuantizedKVCache(Cache):
         group_size: int = 32,
         prefill: str = "exact",
         backend: str = "torch",
+        sink_tokens: int = 0,
+        residual: int | None = None,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -272,8 +281,9 @@ class QuantizedKVCache(Cache):
             raise ValueError(
                 f"bits: shape {tuple(bits.shape)} does not match the model's ({len(types)}, {n_kv})"
             )
-        self.scheme = get_scheme(scheme, group_size)
-        self.prefill, self.backend = prefill, backend
+        self.scheme = get_scheme(scheme, group_size, sink_tokens, residual)
+        self.scheme.check_widths(bits.unique().tolist())
+        self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         self.bits = bits.clone()
         layers = [self._layer(t, kw, bits[i].tolist()) for i, (t, kw) in enumerate(zip(types, kwargs))]
         super().__init__(layers=layers)
@@ -301,9 +311,14 @@ class QuantizedKVCache(Cache):
             if isinstance(dst, QuantizedLayer):
                 if src.keys is None or src.keys.numel() == 0:
                     continue
-                dst.append(src.keys, src.values)
                 if isinstance(dst, QuantizedSlidingLayer):
                     dst.cumulative_length = src.cumulative_length
+                    dst.lazy_initialization(src.keys, src.values)
+                    dropped = src.cumulative_length - src.keys.shape[-2]  # tokens already out of the window
+                    for store in (dst.k_store, dst.v_store):
+                        if isinstance(store, SinkStore):
+                            store.starts_at(dropped)
+                dst.append(src.keys, src.values)
             elif isinstance(src, (LinearAttentionCacheLayerMixin, DummyLayer)):
                 cache.layers[i] = copy.deepcopy(src)
         return cache

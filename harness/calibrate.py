@@ -39,15 +39,18 @@ def layer_types(config) -> list[str]:
 
 
 class _Recorder:
-    """Sums of H2, H1 and counts per (layer, query head) over the rows seen so far."""
+    """Sums of H2, H1 and counts per (layer, query head) over the rows seen so far.
 
-    def __init__(self, i0: int):
-        self.i0 = i0
+    Rows are query positions i >= i0, or exactly `positions` when given.
+    """
+
+    def __init__(self, i0: int, positions: list[int] | None = None):
+        self.i0, self.positions = i0, positions
         self.sums: dict[int, torch.Tensor] = {}  # layer -> (3, Hq): sum H2, sum H1, count
 
     def record(self, layer: int, weights: torch.Tensor) -> None:
         p = weights.detach().double()  # (B, Hq, Tq, Tk); rows are query positions 0..Tq-1 (no cache)
-        p = p[:, :, self.i0 :]
+        p = p[:, :, self.i0 :] if self.positions is None else p[:, :, self.positions]
         if p.shape[2] == 0:
             return
         h2 = -torch.log((p * p).sum(-1))  # (B, Hq, Tq')
@@ -74,12 +77,18 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, eager_mask)
 
 
 @torch.no_grad()
-def head_entropies(model, input_ids: torch.Tensor, i0: int = 32, batch_size: int = 1) -> pd.DataFrame:
+def head_entropies(
+    model, input_ids: torch.Tensor, i0: int = 32, batch_size: int = 1, positions: list[int] | None = None
+) -> pd.DataFrame:
     """Per (layer, query head) attention entropy of `model` on input_ids (S, T).
+
+    Rows: query positions i >= i0, or only the listed `positions` (the claim protocol's few rows; i0 unused).
 
     Returns columns layer, layer_type, q_head, kv_head, H2, H1, n_positions; attrs num_layers, num_kv_heads.
     """
-    if input_ids.shape[1] <= i0:
+    if positions is not None and not all(0 <= i < input_ids.shape[1] for i in positions):
+        raise ValueError(f"calibration: positions {positions} must lie in [0, {input_ids.shape[1]})")
+    if positions is None and input_ids.shape[1] <= i0:
         raise ValueError(
             f"calibration: sequences of {input_ids.shape[1]} tokens leave no query position >= i0={i0}"
         )
@@ -89,7 +98,7 @@ def head_entropies(model, input_ids: torch.Tensor, i0: int = 32, batch_size: int
         config.num_attention_heads,
         getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
     )
-    recorder = _Recorder(i0)
+    recorder = _Recorder(i0, positions)
     previous = model.config._attn_implementation
     model.set_attn_implementation(PROBE)
     _ACTIVE.append(recorder)

@@ -1,8 +1,9 @@
 """Grid points: the flat configuration of one evaluation, how a sweep expands into them, and their keys.
 
 A point is a flat dict of every setting that can change a metric (model, policy, budget, alpha, sink rule,
-widths, budget mode, scheme, group size, prefill, evaluation sizes, data, seed). Its key is a hash of that
-dict, so a finished point is recognized on re-run whatever order the grid lists it in.
+widths, budget mode, scheme, group size, prefill, sink tokens, residual window, evaluation sizes, data, seed,
+token eviction).
+Its key is a hash of that dict, so a finished point is recognized on re-run whatever order the grid lists it in.
 
 A sweep config (conf/sweep/*.yaml) lists `models`, `budgets`, `schemes` and `policies`: each policy entry sets
 some point fields, and a list value expands into one point per element (a product over all list fields).
@@ -27,10 +28,22 @@ POLICY_FIELDS = (
     "widths",
     "budget_mode",
     "entropy_key",
+    "policy_seed",
 )
-QUANT_FIELDS = ("scheme", "group_size", "prefill")
+QUANT_FIELDS = ("scheme", "group_size", "prefill", "sink_tokens", "residual")
 EVAL_FIELDS = ("num_prompts", "prompt_tokens", "new_tokens", "num_sequences", "sequence_tokens", "chunk")
 CALIBRATION_FIELDS = ("calibration_sequences", "calibration_tokens", "i0")
+EVICTION_FIELDS = ("eviction", "evict_keep", "evict_sinks", "evict_recent")
+# The eviction fields of every point that evicts nothing (configs without the eviction group included).
+NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
+
+
+def _eviction_fields(cfg: DictConfig) -> dict:
+    """A point's eviction fields from the `eviction` group (harness/eviction.py); none when the group is absent."""
+    v = cfg.get("eviction")
+    if v is None:
+        return dict(NO_EVICTION)
+    return {"eviction": v.name, "evict_keep": v.keep, "evict_sinks": v.sink_tokens, "evict_recent": v.recent}
 
 
 def base_point(cfg: DictConfig) -> dict:
@@ -46,9 +59,12 @@ def base_point(cfg: DictConfig) -> dict:
         "widths": list(p.widths),
         "budget_mode": p.budget_mode,
         "entropy_key": p.get("entropy_key", "H2"),
+        "policy_seed": p.get("seed", 0),
         "scheme": q.scheme,
         "group_size": q.group_size,
         "prefill": q.prefill,
+        "sink_tokens": q.get("sink_tokens", 0),
+        "residual": q.get("residual"),  # None: the scheme's default, resolved per point by _dedupe
         "num_prompts": e.num_prompts,
         "prompt_tokens": e.prompt_tokens,
         "new_tokens": e.new_tokens,
@@ -60,6 +76,7 @@ def base_point(cfg: DictConfig) -> dict:
         "i0": e.calibration.i0,
         "data_path": e.data.path,
         "seed": cfg.seed,
+        **_eviction_fields(cfg),
     }
 
 
@@ -105,8 +122,18 @@ def _dedupe(points: list[dict]) -> list[dict]:
     for p in points:
         if p["policy"] == "uniform":
             p = {**p, "alpha": 0.0, "sink_threshold": None, "sink_fraction": None}
-        elif p["policy"] == "sinks":
+        elif p["policy"] in ("sinks", "sensitivity", "layerwise"):
             p = {**p, "alpha": 0.0}
+        if p["policy"] != "random":  # only the random control draws: other policies ignore policy.seed
+            p = {**p, "policy_seed": 0}
+        if p.get("residual") is None:
+            from harness.quant import default_residual  # imports torch: only where a grid is expanded
+
+            p = {**p, "residual": default_residual(p["scheme"])}
+        if p.get("eviction") == "none":
+            p = {**p, **NO_EVICTION}
+        elif p.get("eviction") == "streaming":  # its whole budget after the sinks goes to recent tokens
+            p = {**p, "evict_recent": 1.0}
         k = point_key(p)
         if k not in seen:
             seen.add(k)

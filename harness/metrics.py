@@ -111,7 +111,7 @@ def corpus_bleu_from_stats(stats: np.ndarray) -> float:
         ref_len=int(total[1]),
         smooth_method=SACREBLEU_SMOOTHING,
     )
-    return score.score / 100
+    return min(score.score / 100, 1.0)  # sacrebleu's 100.0 can come back as 100.00000000000004
 
 
 def generation_statistics(

@@ -2,12 +2,19 @@
 
 This module owns the allocation rules and nothing else (no model code, no I/O):
 - `kv_head_entropy`: the entropy table (one row per layer and query head) -> one entropy per KV head;
-- `allocate`: entropy + budget + policy -> an `Allocation` (bits per layer and KV head, 16 = unquantized);
+- `head_errors`: a measured sensitivity table (harness/sensitivity.py) -> each head's error at each width;
+- `allocate`: entropy (+ measured errors) + budget + policy -> an `Allocation` (bits per layer and KV head,
+  16 = unquantized);
 - `validate`: the checks on a policy config, each failure one line naming its config key.
 
 Policies: `uniform` (one width everywhere), `entropy` (b_h = c + alpha * (H_avg - H_h): fewer bits for
 high-entropy heads, low-entropy sink heads kept at 16), `sinks` (sinks at 16, the rest uniform),
-`random` (entropy's widths dealt to random heads: the control) and `inverted` (entropy's slope reversed).
+`random` (entropy's widths dealt to random heads: the control), `inverted` (entropy's slope reversed),
+`sensitivity` (greedy on measured errors: every head starts at the smallest width, then the promotion with the
+largest error reduction per extra bit that the budget still allows, until none fits) and `layerwise` (the same
+greedy with one width per layer, on the layer's summed error). Bits stand for bytes: every quantized head at
+width w stores w bits per element plus the same scales, so equal mean bits are equal true bytes (16-bit heads
+store no scales). The measured policies take 16 as a width only when `widths` lists it; alpha is unused.
 Budget modes: `exact` (the sinks are paid for by the other heads, the total never exceeds budget * n) and
 `claim` (a public write-up's procedure: nearest rounding, the budget applies to the non-sink heads only).
 """
@@ -24,7 +31,9 @@ from dataclasses import dataclass, replace
 import pandas as pd
 import torch
 
-POLICIES = ("uniform", "entropy", "sinks", "random", "inverted")
+ENTROPY_POLICIES = ("uniform", "entropy", "sinks", "random", "inverted")  # the entropy table is enough
+MEASURED_POLICIES = ("sensitivity", "layerwise")  # they need a measured table (harness.sensitivity)
+POLICIES = ENTROPY_POLICIES + MEASURED_POLICIES
 BUDGET_MODES = ("exact", "claim")
 ALLOWED_WIDTHS = (2, 3, 4, 8, 16)
 UNQUANTIZED = 16
@@ -262,6 +271,73 @@ def _claim_round(continuous: torch.Tensor, target: float, widths: list[int]) -> 
         index[torch.where(fits, distance, math.inf).argmin()] += 1
 
 
+def head_errors(sensitivity: pd.DataFrame, shape: tuple[int, int], widths: Sequence[int]) -> torch.Tensor:
+    """float64 [num_layers, num_kv_heads, |widths|]: each head's measured error at each width, 0 at 16.
+
+    `sensitivity` has columns layer, kv_head, bits, error (harness.sensitivity); heads without rows are NaN.
+    """
+    missing = {"layer", "kv_head", "bits", "error"} - set(sensitivity.columns)
+    if missing:
+        raise ValueError(f"sensitivity table: missing columns {sorted(missing)}")
+    out = torch.full((*shape, len(widths)), math.nan, dtype=torch.float64)
+    for j, width in enumerate(widths):
+        if width == UNQUANTIZED:
+            out[..., j] = 0.0
+            continue
+        rows = sensitivity[sensitivity["bits"] == width]
+        if rows.empty:
+            measured = sorted(set(sensitivity["bits"].tolist()))
+            raise ValueError(
+                f"sensitivity table: no measurements at width {width}; measured widths: {measured}"
+            )
+        layer = torch.tensor(rows["layer"].to_numpy(dtype="int64"))  # [rows]
+        kv_head = torch.tensor(rows["kv_head"].to_numpy(dtype="int64"))  # [rows]
+        error = torch.tensor(rows["error"].to_numpy(dtype="float64"))  # [rows]
+        inside = (layer >= 0) & (layer < shape[0]) & (kv_head >= 0) & (kv_head < shape[1])
+        if not inside.all() or not (torch.isfinite(error) & (error >= 0)).all():
+            raise ValueError(f"sensitivity table: rows outside {shape} heads or errors not finite and >= 0")
+        out[layer, kv_head, j] = error
+    return out
+
+
+def _greedy(errors: torch.Tensor, sizes: torch.Tensor, widths: list[int], target: float) -> torch.Tensor:
+    """int64 [u]: a width index per unit (a head, or a layer's heads sharing one width).
+
+    errors: float64 [u, |W|], a unit's error at each width; sizes: float64 [u], its heads (one step of s bits
+    costs s * size bits). Every unit starts at widths[0]; then, repeatedly, the promotion with the largest
+    error reduction per extra bit among those that keep the total within target and do not raise the error
+    (ties: lowest unit, then the cheaper promotion). A promotion may skip widths: measured errors need not be
+    convex in the width, and a step that gains nothing may open the way to one that gains much.
+    """
+    grid = torch.tensor(widths, dtype=torch.float64)  # [|W|]
+    index = torch.zeros(len(sizes), dtype=torch.int64)  # [u]
+    units = torch.arange(len(sizes))
+    total = widths[0] * sizes.sum().item()
+    while True:
+        cost = (grid[None, :] - grid[index][:, None]) * sizes[:, None]  # [u, |W|] extra bits
+        gain = errors[units, index][:, None] - errors  # [u, |W|]
+        allowed = (cost > 0) & (total + cost <= target + TOLERANCE) & (gain >= 0)
+        if not allowed.any():
+            return index
+        rate = torch.where(allowed, gain / cost.clamp(min=1), -math.inf)
+        unit, width = divmod(int(rate.argmax()), len(widths))
+        index[unit] = width
+        total += cost[unit, width].item()
+
+
+def _measured_widths(
+    errors: torch.Tensor, layer: torch.Tensor, per_layer: bool, widths: list[int], target: float
+) -> torch.Tensor:
+    """int64 [m]: widths of m heads (errors float64 [m, |W|], layer int64 [m]) by _greedy within target bits,
+    each head its own unit or (per_layer) one unit per layer on the layer's summed error."""
+    unit = torch.unique(layer, return_inverse=True)[1] if per_layer else torch.arange(len(layer))  # [m]
+    n_units = int(unit.max()) + 1 if len(unit) else 0
+    unit_errors = torch.zeros(n_units, len(widths), dtype=torch.float64).index_add_(0, unit, errors)
+    sizes = torch.bincount(unit, minlength=n_units).double()  # [units]
+    index = _greedy(unit_errors, sizes, widths, target)
+    return torch.tensor(widths, dtype=torch.int64)[index[unit]]
+
+
 def _permute_non_sinks(allocation: Allocation, seed: int) -> Allocation:
     """The same widths (and their b_h) dealt to the non-sink heads in a seeded random order."""
     free = allocation.cached & ~allocation.sinks  # [L, Hkv]
@@ -284,9 +360,19 @@ def allocate(
     seed: int = 0,
     entropy_key: str = "H2",
     aggregate: str = "mean",
+    sensitivity: pd.DataFrame | None = None,
 ) -> Allocation:
-    """Bits per (layer, KV head) for `policy` at `budget` bits per cached head (see the module docstring)."""
+    """Bits per (layer, KV head) for `policy` at `budget` bits per cached head (see the module docstring).
+
+    The measured policies need `sensitivity`, a harness.sensitivity table measured at every quantized width
+    in `widths`; the entropy table still decides which heads are sinks and which are cached.
+    """
     validate(budget, policy, alpha, sink_threshold, sink_fraction, widths, budget_mode)
+    if policy in MEASURED_POLICIES and sensitivity is None:
+        raise ValueError(
+            f"policy.name: {policy} allocates from measured errors; pass sensitivity= "
+            "(harness.sensitivity.cached_sensitivity)"
+        )
     if policy == "random":
         rules = {"sink_threshold": sink_threshold, "sink_fraction": sink_fraction}
         options = {
@@ -307,15 +393,27 @@ def allocate(
         sink_threshold = sink_fraction = None
     sinks = _sink_mask(h, sink_threshold, sink_fraction)  # [n]
     n_sinks = int(sinks.sum())
-    offset = _slope(policy, alpha) * (h.mean() - h)[~sinks]  # [n - n_sinks], H_avg over all n heads
     if budget_mode == "exact":
         _check_affordable(budget, n, n_sinks, quantized[0])
         target = budget * n - UNQUANTIZED * n_sinks
-        continuous = _solve_levels(offset, target, quantized[0], quantized[-1])
-        free_bits = _round_within(continuous, target, quantized)
     else:
-        continuous = (budget + offset).clamp(quantized[0], quantized[-1])
-        free_bits = _claim_round(continuous, budget * (n - n_sinks), quantized)
+        target = budget * (n - n_sinks)
+    if policy in MEASURED_POLICIES:
+        candidates = quantized + ([UNQUANTIZED] if UNQUANTIZED in widths else [])
+        errors = head_errors(sensitivity, tuple(cached.shape), candidates)[cached]  # [n, |W|]
+        if torch.isnan(errors).any():
+            raise ValueError("sensitivity table: lacks measurements for some cached heads")
+        layer = cached.nonzero()[:, 0]  # [n]
+        free_bits = _measured_widths(errors[~sinks], layer[~sinks], policy == "layerwise", candidates, target)
+        continuous = torch.full((n - n_sinks,), math.nan, dtype=torch.float64)  # no pre-rounding value
+    else:
+        offset = _slope(policy, alpha) * (h.mean() - h)[~sinks]  # [n - n_sinks], H_avg over all n heads
+        if budget_mode == "exact":
+            continuous = _solve_levels(offset, target, quantized[0], quantized[-1])
+            free_bits = _round_within(continuous, target, quantized)
+        else:
+            continuous = (budget + offset).clamp(quantized[0], quantized[-1])
+            free_bits = _claim_round(continuous, target, quantized)
     flat_bits = torch.full((n,), UNQUANTIZED, dtype=torch.int64)  # [n]
     flat_bits[~sinks] = free_bits
     flat_continuous = torch.full((n,), math.nan, dtype=torch.float64)  # [n]

@@ -30,7 +30,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarF
 from omegaconf import OmegaConf
 
 from harness import results
-from harness.grid import POLICY_FIELDS
+from harness.grid import EVICTION_FIELDS, POLICY_FIELDS
 from harness.metrics import corpus_bleu_from_stats, paired_difference_ci
 
 CLAIM_BUDGET = 4
@@ -75,16 +75,39 @@ def _sink_label(row: Mapping) -> str:
     return f"sinks top {100 * row['sink_fraction']:g}%"
 
 
-def configuration(row: Mapping) -> str:
-    """A point's policy configuration without its budget, e.g. 'entropy a=0.25 + sinks H2<0.5'."""
+def _policy_label(row: Mapping) -> str:
     kind = category(row)
-    if kind == "entropy":
-        return f"entropy a={row['alpha']:g}"
+    if kind in ("entropy", "inverted"):
+        return f"{kind} a={row['alpha']:g}"
     if kind == "entropy+sinks":
         return f"entropy a={row['alpha']:g} + {_sink_label(row)}"
     if kind == "sinks":
         return _sink_label(row)
+    if kind == "random":
+        return f"random (draw {row.get('policy_seed', 0)})"
     return kind
+
+
+def _storage_label(row: Mapping) -> str:
+    """Cache options beyond the scheme's defaults: fp16 sink tokens, residual window, token eviction."""
+    parts = []
+    if _positive(row.get("sink_tokens")):
+        parts.append(f"{int(row['sink_tokens'])} fp16 sink tokens")
+    if _positive(row.get("residual")) and not str(row.get("scheme", "")).endswith("kivi"):
+        parts.append(f"fp16 residual {int(row['residual'])}")
+    eviction = row.get("eviction")
+    if isinstance(eviction, str) and eviction != "none":
+        parts.append(f"{eviction} keep {row['evict_keep']:g}")
+    return "".join(f" + {p}" for p in parts)
+
+
+def _positive(value) -> bool:
+    return value is not None and not pd.isna(value) and value > 0
+
+
+def configuration(row: Mapping) -> str:
+    """A point's configuration without its budget and scheme, e.g. 'entropy a=0.25 + sinks H2<0.5 + h2o keep 0.33'."""
+    return _policy_label(row) + _storage_label(row)
 
 
 def claim_rank(row: Mapping) -> tuple:
@@ -215,24 +238,52 @@ def pairing_key(config: Mapping) -> tuple:
     return (config["budget"],) + tuple((k, str(config[k])) for k in sorted(config) if k not in POLICY_FIELDS)
 
 
-def differences(
-    records: list[dict], n_boot: int = DEFAULT_N_BOOT, seed: int = 0, level: float = 0.95
-) -> pd.DataFrame:
-    """Every ok non-uniform point minus uniform at the same model/scheme/budget, per metric, with its interval.
+# The plain cache every storage variant is also compared with: uniform widths, per-token asymmetric groups,
+# no fp16 sink or residual tokens, no eviction (fields absent from older records take these values).
+PLAIN = {"policy": "uniform", "scheme": "asym_token", "sink_tokens": 0, "residual": 0, "eviction": "none"}
+STORAGE_FIELDS = ("scheme", "sink_tokens", "residual", *EVICTION_FIELDS)
 
+
+def is_plain(config: Mapping) -> bool:
+    return all(config.get(k, v) == v for k, v in PLAIN.items())
+
+
+def plain_pairing_key(config: Mapping) -> tuple:
+    """Points with equal keys differ only in policy and storage (scheme, fp16 tokens, eviction)."""
+    ignored = {*POLICY_FIELDS, *STORAGE_FIELDS}
+    return (config["budget"],) + tuple((k, str(config[k])) for k in sorted(config) if k not in ignored)
+
+
+def differences(
+    records: list[dict],
+    n_boot: int = DEFAULT_N_BOOT,
+    seed: int = 0,
+    level: float = 0.95,
+    against: str = "uniform",
+) -> pd.DataFrame:
+    """Every ok point minus its reference at the same model and budget, per metric, with its interval.
+
+    against="uniform": the reference is uniform at the same scheme and storage options (every non-uniform point
+    is compared); against="plain": the reference is the plain cache (PLAIN) and every point whose policy or
+    storage differs from it is compared, so schemes, fp16 tokens and eviction meet on the same prompts.
     One row per (point, metric): difference on all items, and the paired percentile bootstrap interval
     (harness.metrics.paired_difference_ci: both points on the same resampled prompts or sequences, seeded).
-    excludes_zero marks intervals that lie entirely on one side of zero. A point with no uniform partner
-    gets NaN.
+    excludes_zero marks intervals that lie entirely on one side of zero. A point with no partner gets NaN.
     """
+    if against == "uniform":
+        key_of, is_reference = pairing_key, lambda c: c["policy"] == "uniform"
+    elif against == "plain":
+        key_of, is_reference = plain_pairing_key, is_plain
+    else:
+        raise ValueError(f"against: unknown {against!r}; allowed: uniform, plain")
     ok = [r for r in records if r["status"] == "ok" and r["config"]["policy"] != "baseline"]
-    uniform = {pairing_key(r["config"]): r for r in ok if r["config"]["policy"] == "uniform"}
+    references = {key_of(r["config"]): r for r in ok if is_reference(r["config"])}
     rows = []
     for record in ok:
         config = record["config"]
-        if config["policy"] == "uniform":
+        if is_reference(config):
             continue
-        reference = uniform.get(pairing_key(config))
+        reference = references.get(key_of(config))
         mine = item_statistics(record)
         theirs = item_statistics(reference) if reference is not None else None
         for metric in DIFF_METRICS:
@@ -334,8 +385,16 @@ def provenance(run_dir: Path) -> list[str]:
     return lines or ["command unknown: no env.json in this run directory"]
 
 
-def tables_markdown(run_dir: Path, frame: pd.DataFrame, diffs: pd.DataFrame, n_boot: int, seed: int) -> str:
-    """The whole tables.md: provenance first, then claim tables, grid, infeasible points, differences."""
+def tables_markdown(
+    run_dir: Path,
+    frame: pd.DataFrame,
+    diffs: pd.DataFrame,
+    n_boot: int,
+    seed: int,
+    plain_diffs: pd.DataFrame | None = None,
+) -> str:
+    """The whole tables.md: provenance first, then claim tables, grid, infeasible points, differences (to
+    uniform, and to the plain cache when the run varies storage)."""
     parts = [
         "  \n".join(provenance(run_dir)),
         f"\n# {run_dir.name}: {len(frame)} points "
@@ -350,12 +409,21 @@ def tables_markdown(run_dir: Path, frame: pd.DataFrame, diffs: pd.DataFrame, n_b
     bad = infeasible_table(frame)
     if len(bad):
         parts += ["\n## Infeasible points\n", markdown_table(bad)]
-    parts += [
-        f"\n## Differences to uniform at the same model, scheme and budget\n\n"
+    interval = (
         f"Point estimate [paired percentile bootstrap 95% interval], {n_boot} resamples of prompts (bleu, "
-        f"token_match) or sequences (ppl_ratio, kl_mean), seed {seed}. Bold: the interval excludes zero.\n",
+        f"token_match) or sequences (ppl_ratio, kl_mean), seed {seed}. Bold: the interval excludes zero.\n"
+    )
+    parts += [
+        "\n## Differences to uniform at the same model, scheme and budget\n\n" + interval,
         markdown_table(difference_table(diffs)),
     ]
+    if plain_diffs is not None and len(plain_diffs):
+        parts += [
+            "\n## Differences to the plain cache (uniform asym_token, no fp16 tokens, no eviction) at the same "
+            "model and budget\n\nCompare bytes_per_token in the full grid: storage options change the bytes at "
+            "a given budget. " + interval,
+            markdown_table(difference_table(plain_diffs)),
+        ]
     return "\n".join(parts) + "\n"
 
 
@@ -392,17 +460,26 @@ def frontier(
     return frame.iloc[keep]
 
 
-def plot_pareto(frame: pd.DataFrame, model: str, scheme: str) -> Figure:
-    """Four panels (kl_mean, ppl_ratio, bleu, token_match) against true bytes per token, frontier as steps."""
-    points = frame[(frame["model"] == model) & (frame["scheme"] == scheme) & (frame["status"] == "ok")]
+def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> Figure:
+    """Four panels (kl_mean, ppl_ratio, bleu, token_match) against true bytes per token, frontier as steps.
+
+    scheme=None: every scheme of the model on one plot, each label prefixed by its scheme.
+    """
+    points = frame[(frame["model"] == model) & (frame["status"] == "ok") & (frame["policy"] != "baseline")]
+    if scheme is not None:
+        points = points[points["scheme"] == scheme]
     points = points[np.isfinite(points["bytes_per_token"].astype(float))]
-    labels = list(dict.fromkeys(configuration(r) for r in _ordered(points).to_dict("records")))
+    if scheme is None:
+        label_of = lambda r: f"{r['scheme']}: {configuration(r)}"
+    else:
+        label_of = configuration
+    labels = list(dict.fromkeys(label_of(r) for r in _ordered(points).to_dict("records")))
     base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
     fig = _figure(10, 8)
     axes = fig.subplots(2, 2).ravel()
     for ax, metric in zip(axes, HIGHER_IS_BETTER):
         for i, label in enumerate(labels):
-            mine = points[[configuration(r) == label for r in points.to_dict("records")]]
+            mine = points[[label_of(r) == label for r in points.to_dict("records")]]
             ax.scatter(
                 mine["bytes_per_token"],
                 mine[metric],
@@ -430,7 +507,7 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str) -> Figure:
         ax.grid(True, which="both", alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
     fig.legend(handles, names, loc="outside lower center", ncols=min(4, max(1, len(names))), fontsize="small")
-    fig.suptitle(f"{model} / {scheme}: quality against KV-cache bytes")
+    fig.suptitle(f"{model} / {scheme or 'all schemes'}: quality against KV-cache bytes")
     return fig
 
 
@@ -539,12 +616,22 @@ def write_report(
     n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
     written = [results.write_parquet(run_dir)]
     tables = run_dir / "tables.md"
-    tables.write_text(tables_markdown(run_dir, frame, differences(records, n_boot, seed), n_boot, seed))
+    varies_storage = any(
+        not is_plain({**r["config"], "policy": "uniform"})
+        for r in records
+        if r["config"]["policy"] != "baseline"
+    )
+    plain_diffs = differences(records, n_boot, seed, against="plain") if varies_storage else None
+    diffs = differences(records, n_boot, seed)
+    tables.write_text(tables_markdown(run_dir, frame, diffs, n_boot, seed, plain_diffs))
     written.append(tables)
     for model, scheme in groups(frame):
         written += save(
             plot_pareto(frame, model, scheme), run_dir / f"pareto-{model}-{scheme}", ("png", "svg")
         )
+    if varies_storage:  # every scheme and storage option of a model on one plot: equal true bytes line up
+        for model in sorted({m for m, _ in groups(frame)}):
+            written += save(plot_pareto(frame, model), run_dir / f"pareto-{model}-all", ("png", "svg"))
     for model in sorted(set(frame["model"].dropna())):
         if (run_dir / f"entropy-{model}.parquet").exists():
             entropy = results.load_entropy(run_dir, model)

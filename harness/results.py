@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, POLICY_FIELDS, QUANT_FIELDS
+from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, EVICTION_FIELDS, POLICY_FIELDS, QUANT_FIELDS
 
 CONFIG_FIELDS = (
     "model",
     *POLICY_FIELDS,
     *QUANT_FIELDS,
+    *EVICTION_FIELDS,
     *EVAL_FIELDS,
     *CALIBRATION_FIELDS,
     "data_path",
@@ -40,6 +41,7 @@ METRICS = (
     "compression_nominal",
     "compression_true",
     "bytes_per_token",
+    "tokens_kept_fraction",
     "n_sinks",
 )
 # Columns every table has, even an empty one, so callers can filter on them without checking.

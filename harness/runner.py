@@ -22,10 +22,13 @@ from tqdm import tqdm
 from harness import data, evaluate, metrics, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
+from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.fused_attention import use_fused_attention
-from harness.grid import point_key
+from harness.grid import NO_EVICTION, point_key
 from harness.models import load_model, model_spec
-from harness.policies import allocate
+from harness.policies import MEASURED_POLICIES, allocate
+from harness.quant import get_scheme
+from harness.sensitivity import cached_sensitivity
 
 
 def write_json_atomic(path: Path, obj) -> None:
@@ -54,6 +57,8 @@ class ModelContext:
     backend: str  # quant.backend: an execution choice, not part of a point's key (like the device)
     timings: dict = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
+    calib_ids: torch.Tensor | None = None  # (C, Tc) calibration tokens, for the measured policies
+    sensitivity: dict = field(default_factory=dict)  # (scheme, widths) -> harness.sensitivity table, lazily
 
 
 def context_key(point: dict) -> tuple:
@@ -132,11 +137,24 @@ def build_context(
         batch_size,
         backend,
         timings,
+        calib_ids=calib_ids,
     )
 
 
 def allocation(ctx: ModelContext, point: dict):
-    """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks."""
+    """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks.
+
+    The measured policies' table is measured once per model, scheme (with its options) and widths.
+    """
+    table = None
+    if point["policy"] in MEASURED_POLICIES:
+        scheme = get_scheme(
+            point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
+        )
+        key = (scheme, tuple(point["widths"]))
+        if key not in ctx.sensitivity:
+            ctx.sensitivity[key] = cached_sensitivity(ctx.model, ctx.name, ctx.calib_ids, *key)
+        table = ctx.sensitivity[key]
     return allocate(
         ctx.entropy,
         point["budget"],
@@ -146,23 +164,44 @@ def allocation(ctx: ModelContext, point: dict):
         sink_fraction=point["sink_fraction"],
         widths=tuple(point["widths"]),
         budget_mode=point["budget_mode"],
-        seed=point["seed"],
+        seed=point.get("policy_seed", 0),
         entropy_key=point["entropy_key"],
+        sensitivity=table,
     )
 
 
 def measurement_key(point: dict, alloc) -> tuple:
     """Everything a measurement depends on beyond the shared context: equal keys give equal metrics."""
-    return (alloc.bits.numpy().tobytes(), point["scheme"], point["group_size"], point["prefill"])
+    return (
+        alloc.bits.numpy().tobytes(),
+        point["scheme"],
+        point["group_size"],
+        point.get("sink_tokens", 0),
+        point.get("residual"),  # None: the scheme's default (grid points carry it resolved)
+        point["prefill"],
+        EvictionSpec.from_point(point),
+    )
 
 
 def cache_options(point: dict, backend: str) -> dict:
     """QuantizedKVCache keyword arguments (besides bits and prefill) for a point."""
-    return dict(scheme=point["scheme"], group_size=point["group_size"], backend=backend)
+    return dict(
+        scheme=point["scheme"],
+        group_size=point["group_size"],
+        sink_tokens=point.get("sink_tokens", 0),
+        residual=point.get("residual"),
+        backend=backend,
+    )
 
 
 def measure(ctx: ModelContext, point: dict, alloc) -> dict:
-    """Run generation and teacher-forced evaluation through the quantized cache for `alloc`; measure."""
+    """Run generation and teacher-forced evaluation through the quantized (and evicting) cache; measure."""
+    spec = EvictionSpec.from_point(point)
+    with attention_for(ctx.model, spec):  # h2o: the attention that reports scores, restored after
+        return _measure(ctx, point, alloc, spec)
+
+
+def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
     config = ctx.model.config
     cache_kwargs = cache_options(point, ctx.backend)
     caches = []
@@ -171,30 +210,35 @@ def measure(ctx: ModelContext, point: dict, alloc) -> dict:
         cache = QuantizedKVCache.from_prefilled(
             prefilled_cache, config, alloc.bits, prefill="exact", **cache_kwargs
         )
-        caches.append(cache)
-        return cache
+        caches.append(with_eviction(cache, spec))
+        return caches[-1]
 
-    if point["prefill"] == "exact":
+    # h2o scores the prompt's own attention, so it prefills through its cache instead of sharing the prefill.
+    if point["prefill"] == "exact" and not spec.needs_scores:
         tokens = evaluate.decode(
             ctx.model, ctx.prefilled, point["new_tokens"], cache_from_prefilled=from_prefilled
         )
     else:
 
         def factory():
-            cache = QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs)
-            caches.append(cache)
-            return cache
+            cache = QuantizedKVCache(config, alloc.bits, prefill=point["prefill"], **cache_kwargs)
+            caches.append(with_eviction(cache, spec))
+            return caches[-1]
 
         tokens = evaluate.greedy_generate(
             ctx.model, ctx.prompts, point["new_tokens"], factory, batch_size=ctx.batch_size
         )
+    # Bytes held after eviction (evicting layers apply their pending eviction first), against fp16 bytes of
+    # every token seen.
     held = sum(c.nbytes() for c in caches)
     fp16 = sum(c.nbytes_fp16() for c in caches)
 
     tf = evaluate.teacher_forced(
         ctx.model,
         ctx.sequences,
-        lambda: QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs),
+        lambda: with_eviction(
+            QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs), spec
+        ),
         chunk=point["chunk"],
         batch_size=ctx.batch_size,
         baseline=ctx.base_tf,
@@ -209,6 +253,7 @@ def measure(ctx: ModelContext, point: dict, alloc) -> dict:
         "compression_true": fp16 / held,
         "bytes_per_token": held / (ctx.prompts.shape[0] * (ctx.prompts.shape[1] + point["new_tokens"])),
         "n_sinks": int(alloc.sinks.sum()),
+        "tokens_kept_fraction": kept_fraction(caches),
     }
     items = {k: np.asarray(v).tolist() for k, v in metrics.generation_items(ctx.base_tokens, tokens).items()}
     items.update(
@@ -241,6 +286,7 @@ def baseline_record(ctx: ModelContext) -> dict:
         "mean_bits": 16.0,
         "compression_nominal": 1.0,
         "compression_true": 1.0,
+        "tokens_kept_fraction": 1.0,
     }
 
 
@@ -287,6 +333,7 @@ def run(
                 "sink_threshold": None,
                 "sink_fraction": None,
                 "scheme": "none",
+                **NO_EVICTION,
             }
             base_path = run_dir / "points" / f"{point_key(base_point)}.json"
             if not base_path.exists():

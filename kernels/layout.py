@@ -197,6 +197,35 @@ class PackedStore:
             self._dequantized = self._dequantized[:, :, drop : self.length].clone()
         self.length = n
 
+    def select(self, index: torch.Tensor) -> None:
+        """Keep only the stored tokens at `index` (B, n_keep) int64, sorted per batch row (token eviction).
+
+        Every row keeps n_keep tokens (the layout is rectangular), in the order given. The kept tokens are copied
+        into tensors of capacity n_keep, so the evicted ones are freed and nbytes() drops. The dequantized copy
+        (torch path) is selected alike.
+        """
+        B, n = index.shape
+        if B != self.batch:
+            raise ValueError(f"select: index has {B} batch rows, the store {self.batch}")
+        index = index.to(self.device)
+        if n and (int(index.min()) < 0 or int(index.max()) >= self.length):
+            raise IndexError(f"select: token index outside [0, {self.length})")
+
+        def take(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
+            """t (B, ..., cap at `dim`, ...) -> (B, ..., n_keep, ...): the indexed tokens of each batch row."""
+            if t is None:
+                return None
+            view = [B] + [1] * (t.dim() - 1)
+            view[dim] = n
+            shape = list(t.shape)
+            shape[dim] = n
+            return t.gather(dim, index.view(view).expand(shape))
+
+        self.payload, self.scale, self.zero = take(self.payload, 1), take(self.scale, 1), take(self.zero, 1)
+        self.full = take(self.full, 2)
+        self._dequantized = take(self._dequantized, 2)
+        self.length = n
+
     def nbytes(self) -> int:
         """Bytes held for the stored tokens: payload, scales, zeros and 16-bit heads (counted at 2 bytes)."""
         n = self.batch * self.length

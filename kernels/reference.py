@@ -32,6 +32,9 @@ Packing of the codes of one row (D codes), little-endian within bytes:
                     n // 8 (a code may straddle two bytes). Requires D % 8 == 0. Payload uint8 (..., 3 * D // 8).
     Both rules are the same bit stream: code j occupies stream bits [b*j, b*j + b).
 scale, zero: float16 (..., D // g); zero is None for sym.
+
+Per-channel keys (KIVI), fp8 (e4m3) and the Hadamard rotation have their own contracts in the last
+quantization section below.
 """
 
 from __future__ import annotations
@@ -245,6 +248,99 @@ def dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool = False) -> torch.Tensor:
     """dequantize(quantize(x)) in x.dtype."""
     return dequantize(quantize(x, bits, group_size, symmetric), dtype=x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# per-channel keys (KIVI), fp8 and the Hadamard rotation: formats of harness/stores.py (torch path only)
+
+
+def _check_tokens(tokens: int, group_size: int) -> int:
+    if (
+        isinstance(group_size, bool)
+        or not isinstance(group_size, int)
+        or group_size < 1
+        or tokens % group_size
+    ):
+        raise ValueError(
+            f"group_size: {group_size!r} does not divide the {tokens} tokens; allowed: a positive divisor of {tokens}"
+        )
+    return group_size
+
+
+def channel_quantize_dequantize(
+    x: torch.Tensor, bits: int, group_size: int, dtype: torch.dtype = torch.float32
+) -> tuple[Packed, torch.Tensor]:
+    """KIVI's keys: x (..., T, D) quantized per channel over groups of g = group_size consecutive tokens (asym).
+
+    The contract above applied to x regrouped as (..., T // g, D, g): row (i, d) holds the g codes of channel d
+    over tokens [i * g, (i + 1) * g), with one scale and zero (..., T // g, D, 1). T must be a multiple of g.
+    Returns (Packed with dim g, values (..., T, D) in dtype).
+    """
+    *lead, T, D = x.shape
+    g = _check_tokens(T, group_size)
+    rows = x.reshape(*lead, T // g, g, D).transpose(-1, -2)  # (..., T // g, D, g)
+    packed, values = quantize_dequantize(rows, bits, g, symmetric=False, dtype=dtype)
+    return packed, values.transpose(-1, -2).reshape(*lead, T, D)
+
+
+def channel_dequantize(p: Packed, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Inverse layout of channel_quantize_dequantize: Packed rows (..., T // g, D) of g codes -> (..., T, D)."""
+    values = dequantize(p, dtype)  # (..., T // g, D, g)
+    *lead, n_groups, D, g = values.shape
+    return values.transpose(-1, -2).reshape(*lead, n_groups * g, D)
+
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def fp8_quantize_dequantize(
+    x: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """e4m3 with one fp16 absmax scale per row of x (..., D): (payload, scale, values).
+
+        x32   = clamp(float32(x), -65504, 65504)
+        scale = fp16(max(|x32|) / 448);  s = float32(scale)
+        q     = float8_e4m3fn(clamp(x32 / s, -448, 448))     torch's cast (round to nearest even); q = 0 where s == 0
+        deq   = float32(q) * s                                saturating cast to dtype
+    payload: uint8 (..., D), the e4m3 bit patterns; scale: float16 (...,); values (..., D) in dtype.
+    """
+    if not x.dtype.is_floating_point:
+        raise TypeError(f"x: dtype {x.dtype} is not allowed; allowed: a floating dtype")
+    x32 = x.to(torch.float32).clamp(-FP16_MAX, FP16_MAX)
+    scale = (x32.abs().amax(dim=-1) / FP8_MAX).to(torch.float16)  # (...,)
+    s = scale.float().unsqueeze(-1)  # (..., 1)
+    q = torch.where(s == 0, 0.0, (x32 / s).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
+    payload = q.view(torch.uint8)
+    return payload, scale, fp8_dequantize(payload, scale, dtype)
+
+
+def fp8_dequantize(
+    payload: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """uint8 e4m3 payload (..., D) and fp16 scale (...,) -> values (..., D) in dtype."""
+    y = payload.view(torch.float8_e4m3fn).to(torch.float32) * scale.to(torch.float32).unsqueeze(-1)
+    return _saturating_cast(y, dtype)
+
+
+def hadamard(n: int, device=None) -> torch.Tensor:
+    """The orthonormal Sylvester-Hadamard matrix (n, n) in float32: symmetric, so H @ H = I. n a power of two."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n & (n - 1):
+        raise ValueError(f"n: {n!r} is not allowed for a Hadamard rotation; allowed: a power of two")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / n**0.5).to(torch.float32).to(device)
+
+
+def hadamard_rotate(
+    x: torch.Tensor, dtype: torch.dtype = torch.float32, h: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32(x) @ H along the last dim (..., D), saturating cast to dtype; its own inverse (up to rounding).
+
+    `h`: hadamard(D) when the caller keeps it (built here otherwise).
+    """
+    y = x.to(torch.float32) @ (hadamard(x.shape[-1], x.device) if h is None else h)
+    return _saturating_cast(y, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

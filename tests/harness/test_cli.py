@@ -41,6 +41,21 @@ def test_invalid_config_gives_one_line_naming_the_key(override, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["quant=kivi", "eviction=streaming"], r"^eviction: streaming cannot evict from kivi's"),
+        (["eviction=h2o", "quant.residual=8"], r"^eviction: h2o keeps different tokens per batch row"),
+    ],
+)
+def test_eviction_that_a_scheme_cannot_hold_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        validate_config(compose_cfg(*overrides))
+    validate_config(
+        compose_cfg("eviction=streaming", "quant.sink_tokens=4")
+    )  # composes: same tokens every row
+
+
 def test_unknown_group_choice_is_caught_before_hydra():
     with pytest.raises(
         ConfigError, match=r"^model: unknown 'smollm' \(did you mean smollm2-135m\?\); allowed: "
@@ -76,3 +91,13 @@ def test_command_exits_2_with_one_line(args, tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert not any(tmp_path.iterdir())  # nothing ran
+
+
+def test_random_control_draws_apart_from_the_text_seed():
+    points = validate_config(compose_cfg("policy.name=random", "policy.seed=5", "seed=2"))
+    random_point = next(p for p in points if p["policy"] == "random")
+    uniform_point = next(p for p in points if p["policy"] == "uniform")
+    assert (random_point["policy_seed"], random_point["seed"]) == (5, 2)
+    assert uniform_point["policy_seed"] == 0  # ignored by every other policy: one key per evaluation
+    with pytest.raises(ConfigError, match=r"^policy.seed: 'x' is not an integer"):
+        validate_config(compose_cfg("policy.name=random", "policy.seed=x"))

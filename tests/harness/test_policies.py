@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from harness.policies import (
     ALLOWED_WIDTHS,
     BUDGET_MODES,
-    POLICIES,
+    ENTROPY_POLICIES,
     UNQUANTIZED,
     allocate,
     kv_head_entropy,
@@ -321,7 +321,7 @@ def allocate_or_refused(df: pd.DataFrame, policy: str, config: dict):
 
 
 @PROPERTY_SETTINGS
-@given(df=entropy_tables(), config=configs(), policy=st.sampled_from(POLICIES))
+@given(df=entropy_tables(), config=configs(), policy=st.sampled_from(ENTROPY_POLICIES))
 def test_exact_mode_respects_budget_widths_and_sinks(df, config, policy):
     alloc = allocate_or_refused(df, policy, config)
     if alloc is None:
@@ -394,7 +394,7 @@ def test_random_has_the_entropy_histogram(df, config, seed, mode):
 
 
 @PROPERTY_SETTINGS
-@given(df=entropy_tables(), config=configs(), policy=st.sampled_from(POLICIES))
+@given(df=entropy_tables(), config=configs(), policy=st.sampled_from(ENTROPY_POLICIES))
 def test_claim_mode_budgets_the_non_sink_heads(df, config, policy):
     alloc = allocate(df, policy=policy, budget_mode="claim", **config)
     cached = ~torch.isnan(kv_head_entropy(df))

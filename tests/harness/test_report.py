@@ -311,3 +311,34 @@ def test_claim_table_and_allocation_point_pick_the_claimed_configurations():
     without_sinks = [r for r in records if r["key"] not in ("est", "esf")]
     assert report.allocation_point(without_sinks, "m")["key"] == "e025"
     assert report.allocation_point([records[6], records[7]], "m")["key"] == "u"
+
+
+def test_storage_variants_are_compared_with_the_plain_cache(run, tmp_path):
+    """A kivi copy of a uniform point pairs with the plain uniform point at its budget; the report adds the
+    plain-cache section and an all-schemes Pareto plot."""
+    run_dir, _ = run
+    copy_dir = tmp_path / "run"
+    shutil.copytree(run_dir, copy_dir)
+    records = results.load_records(copy_dir)
+    plain = find(records, policy="uniform", budget=4)
+    variant = json.loads(json.dumps(plain))
+    variant["config"].update(scheme="kivi", residual=32)
+    variant["key"] = "kivi-variant"
+    rng = np.random.default_rng(0)
+    kl_items = np.asarray(plain["items"]["kl_mean"])
+    variant["items"]["kl_mean"] = (kl_items + rng.uniform(0.1, 0.2, len(kl_items))).tolist()
+    (copy_dir / "points" / "kivi-variant.json").write_text(json.dumps(variant))
+
+    diffs = report.differences([*records, variant], n_boot=50, against="plain")
+    kl = diffs[(diffs["key"] == "kivi-variant") & (diffs["metric"] == "kl_mean")].iloc[0]
+    assert kl["uniform_key"] == plain["key"]
+    expected = np.mean(variant["items"]["kl_mean"]) - np.mean(plain["items"]["kl_mean"])
+    assert math.isclose(kl["difference"], expected, rel_tol=1e-12) and kl["excludes_zero"]
+    assert plain["key"] not in set(diffs["key"])  # the reference is not compared with itself
+
+    written = {p.name for p in report.write_report(copy_dir, n_boot=50)}
+    assert {"pareto-tiny-llama-all.png", "pareto-tiny-llama-kivi.png"} <= written
+    text = (copy_dir / "tables.md").read_text()
+    assert "## Differences to the plain cache" in text.split("## Differences to uniform")[1]
+    with pytest.raises(ValueError, match="against: unknown"):
+        report.differences(records, against="dense")

@@ -1,0 +1,500 @@
+"""KV-cache capacity: the bytes a cache holds for a model, a context, a batch and an allocation of widths, and the
+longest context that fits a memory size. `python -m harness.capacity --help`.
+
+This module owns the arithmetic and nothing else (no weights, no tensors). Two conventions, as DESIGN.md 3.4:
+- true bytes: what harness.cache.QuantizedKVCache.nbytes() reports for a real cache holding the same tokens,
+  summed per layer, KV head and role (keys and values are both stored): packed payload (2/4/8-bit codes packed
+  into uint8, 3-bit densely at 3 bits per code: kernels.reference.packed_dim), fp16 scales (and zeros for asym)
+  per group of g along head_dim, 16-bit heads, sink tokens and the residual window at 2 bytes per element;
+  sliding-window layers hold window - 1 tokens after an update (as QuantizedSlidingLayer), sink tokens leave a
+  sliding window like any token; linear-attention state (conv + recurrent, at 2 bytes per element, as
+  QuantizedKVCache.linear_state_nbytes) is reported apart and counted only in `total_bytes`.
+- nominal bytes: fp16 bytes x mean_bits / 16 (the claim's "16 / mean bits" compression), where mean_bits is the
+  plain mean of the widths over the cached (layer, KV head) pairs, as harness.policies.Allocation.mean_bits.
+
+Model shapes come from a transformers config (a registered model's, a local config.json, or a preset of a model
+we do not have, built through transformers' own config class so per-layer head_dim and KV heads are its), or
+from explicit numbers. Storage formats are registered in TOKEN_BYTES (bytes of one stored token of one head);
+a new per-token scheme is one entry there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kernels.layout import FP16_BYTES, FULL_WIDTH
+from kernels.reference import packed_dim
+
+GIB = 2**30
+GB = 10**9
+KINDS = ("full", "sliding", "linear", "shared")  # "shared": reuses another layer's KV (Gemma 4), stores none
+ROTATE = "rotate+"
+MAX_TOKENS = 2**40  # max_context's search bound: a cache that still fits there is unbounded (no full layers)
+
+
+# ------------------------------------------------------------------------------------------------ formats
+
+
+def _asym_token(bits: int, head_dim: int, group_size: int) -> int:
+    return packed_dim(head_dim, bits) + 2 * (head_dim // group_size) * FP16_BYTES  # codes, scale, zero
+
+
+def _sym_token(bits: int, head_dim: int, group_size: int) -> int:
+    return packed_dim(head_dim, bits) + (head_dim // group_size) * FP16_BYTES  # codes, scale
+
+
+def _fp8(bits: int, head_dim: int, group_size: int) -> int:
+    return head_dim + FP16_BYTES  # one e4m3 byte per element, one fp16 scale per (token, head)
+
+
+# Bytes of one quantized token of one KV head (keys or values) at a width below 16, by base scheme name.
+TOKEN_BYTES = {"asym_token": _asym_token, "sym_token": _sym_token, "fp8": _fp8}
+
+
+def scheme_names() -> list[str]:
+    return [*TOKEN_BYTES, *(ROTATE + name for name in TOKEN_BYTES)]
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How K/V are stored: a per-token scheme (rotate+ stores what its base stores), its group size, the first
+    `sink_tokens` tokens of the sequence and the `residual` most recent tokens kept at 16 bits."""
+
+    scheme: str = "asym_token"
+    group_size: int = 32
+    sink_tokens: int = 0
+    residual: int = 0
+
+    def __post_init__(self):
+        if self.scheme not in scheme_names():
+            raise ValueError(
+                f"quant.scheme: {self.scheme!r} is not modelled by harness.capacity; "
+                f"allowed: {', '.join(scheme_names())}"
+            )
+        for key, value, low in (
+            ("quant.group_size", self.group_size, 1),
+            ("quant.sink_tokens", self.sink_tokens, 0),
+            ("quant.residual", self.residual, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{key}: {value!r} is not an integer >= {low}")
+
+    def token_bytes(self, bits: int, head_dim: int) -> int:
+        """Bytes of one stored token of one head at `bits` (16: unquantized, 2 bytes per element)."""
+        if bits == FULL_WIDTH:
+            return head_dim * FP16_BYTES
+        base = self.scheme.removeprefix(ROTATE)
+        if base == "fp8" and bits != 8:
+            raise ValueError(f"bits: {bits} with quant.scheme {self.scheme}; allowed: 8, 16")
+        if base != "fp8" and head_dim % self.group_size:
+            raise ValueError(f"quant.group_size: {self.group_size} does not divide head_dim {head_dim}")
+        return TOKEN_BYTES[base](bits, head_dim, self.group_size)
+
+
+# ------------------------------------------------------------------------------------------------- shapes
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """One decoder layer's cache: `kind` in KINDS; keys and values both (kv_heads, head_dim) per token."""
+
+    kind: str
+    kv_heads: int = 0
+    head_dim: int = 0
+    window: int | None = (
+        None  # sliding layers: the model's sliding_window (the layer holds window - 1 tokens)
+    )
+    state_bytes: int = 0  # linear layers: conv + recurrent state per sequence, 2 bytes per element
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"layer kind: unknown {self.kind!r}; allowed: {', '.join(KINDS)}")
+        if self.kind == "sliding" and (self.window is None or self.window < 2):
+            raise ValueError(f"sliding_window: {self.window!r}; a sliding layer needs a window >= 2")
+
+    @property
+    def cached(self) -> bool:
+        return self.kind in ("full", "sliding")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    layers: tuple[LayerShape, ...]
+    context_limit: int | None = None
+
+    def cached_layers(self) -> list[int]:
+        return [i for i, layer in enumerate(self.layers) if layer.cached]
+
+
+def _linear_state_bytes(config) -> int:
+    """Conv + recurrent state bytes per sequence of one gated-delta-net layer (Qwen3.5 / Qwen3-Next)."""
+    key_dim = config.linear_num_key_heads * config.linear_key_head_dim
+    value_dim = config.linear_num_value_heads * config.linear_value_head_dim
+    conv = (2 * key_dim + value_dim) * config.linear_conv_kernel_dim  # (conv_dim, kernel)
+    recurrent = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    return (conv + recurrent) * FP16_BYTES
+
+
+def shape_from_config(config, name: str = "config", context_limit: int | None = None) -> ModelShape:
+    """A ModelShape from a transformers config, with the layer types and per-layer geometry transformers'
+    caches use (get_layer_types_and_kwargs, per_layer_config)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    text = config.get_text_config(decoder=True)
+    types, kwargs = get_layer_types_and_kwargs(text)
+    layers = []
+    for layer_type, kw, layer in zip(types, kwargs, text.per_layer_config):
+        heads = getattr(layer, "num_attention_heads", None) or text.num_attention_heads
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        head_dim = getattr(layer, "head_dim", None) or text.hidden_size // heads
+        if layer_type == "full_attention":
+            layers.append(LayerShape("full", kv_heads, head_dim))
+        elif layer_type in ("sliding_attention", "chunked_attention"):
+            layers.append(LayerShape("sliding", kv_heads, head_dim, window=kw["sliding_window"]))
+        elif layer_type == "linear_attention":
+            layers.append(LayerShape("linear", state_bytes=_linear_state_bytes(text)))
+        elif layer_type == "dummy":
+            layers.append(LayerShape("shared"))
+        else:
+            raise NotImplementedError(f"harness.capacity: layer type {layer_type!r} is not modelled")
+    limit = context_limit or getattr(text, "max_position_embeddings", None)
+    return ModelShape(name, tuple(layers), limit)
+
+
+def shape_from_registry(name: str) -> ModelShape:
+    """The shape of a model in conf/model (tiny: its config; gguf: the GGUF's metadata; hf: a local config)."""
+    from transformers import AutoConfig
+
+    from harness.models import ModelUnavailable, gguf_path, model_spec
+
+    spec = model_spec(name)
+    if spec["source"] == "tiny":
+        config = AutoConfig.for_model(spec["arch"], **spec["config"])
+    elif spec["source"] == "gguf_package":
+        path = gguf_path(spec)
+        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    else:
+        where = spec.get("path") or spec["hf_id"]
+        try:
+            config = AutoConfig.from_pretrained(where, local_files_only=True)
+        except OSError as err:
+            raise ModelUnavailable(f"model {name}: no local config for {where}; {spec['install']}") from err
+    return shape_from_config(config, name, spec.get("context_limit"))
+
+
+def shape_from_json(path: str | Path) -> ModelShape:
+    """The shape of a model from its config.json (model_type selects transformers' config class)."""
+    from transformers import AutoConfig
+
+    values = json.loads(Path(path).read_text())
+    if "model_type" not in values:
+        raise ValueError(f"capacity.config: {path} has no model_type")
+    return shape_from_config(AutoConfig.for_model(values.pop("model_type"), **values), Path(path).stem)
+
+
+def explicit_shape(
+    full: tuple[int, int, int] | None = None,
+    sliding: tuple[int, int, int, int] | None = None,
+    linear: tuple[int, int] | None = None,
+    name: str = "explicit",
+) -> ModelShape:
+    """A shape from numbers: full = (layers, kv_heads, head_dim), sliding = (layers, kv_heads, head_dim, window),
+    linear = (layers, state bytes per sequence). Layer order does not change any byte count."""
+    layers = []
+    if full:
+        layers += [LayerShape("full", full[1], full[2])] * full[0]
+    if sliding:
+        layers += [LayerShape("sliding", sliding[1], sliding[2], window=sliding[3])] * sliding[0]
+    if linear:
+        layers += [LayerShape("linear", state_bytes=linear[1])] * linear[0]
+    if not layers:
+        raise ValueError("capacity: give at least one of --full, --sliding, --linear")
+    return ModelShape(name, tuple(layers))
+
+
+# Models we do not have, as transformers config kwargs. gemma4-31b: google/gemma-4-31B's text config as quoted
+# by several public parsers (not read from Google's file here): 60 layers, 5 sliding (window 1024, 16 KV heads
+# x 256) then 1 global (4 KV heads x 512, attention_k_eq_v: V is K before RoPE, normed, and is stored too).
+PRESETS = {
+    "gemma4-31b": dict(
+        model_type="gemma4_text",
+        num_hidden_layers=60,
+        hidden_size=5376,
+        intermediate_size=21504,
+        num_attention_heads=32,
+        num_key_value_heads=16,
+        head_dim=256,
+        num_global_key_value_heads=4,
+        global_head_dim=512,
+        attention_k_eq_v=True,
+        sliding_window=1024,
+        max_position_embeddings=262144,
+    ),
+}
+
+
+def shape_from_preset(name: str) -> ModelShape:
+    from transformers import AutoConfig
+
+    from harness.models import unknown_name_message
+
+    if name not in PRESETS:
+        raise ValueError(unknown_name_message("capacity.preset", name, sorted(PRESETS)))
+    values = dict(PRESETS[name])
+    return shape_from_config(AutoConfig.for_model(values.pop("model_type"), **values), name)
+
+
+# ------------------------------------------------------------------------------------------------- bytes
+
+
+def layer_bits(shape: ModelShape, bits) -> list[list[int]]:
+    """Widths per layer and KV head from one int, or per layer (a [L, H] tensor or nested lists; rows of layers
+    without a KV cache are ignored, so a harness.policies.Allocation's bits fit)."""
+    if isinstance(bits, int) and not isinstance(bits, bool):
+        return [[bits] * layer.kv_heads for layer in shape.layers]
+    rows = bits.tolist() if hasattr(bits, "tolist") else [list(row) for row in bits]
+    if len(rows) != len(shape.layers):
+        raise ValueError(f"bits: {len(rows)} rows for a model of {len(shape.layers)} layers")
+    out = []
+    for i, (row, layer) in enumerate(zip(rows, shape.layers)):
+        if not layer.cached:
+            out.append([])
+            continue
+        if len(row) != layer.kv_heads:
+            raise ValueError(
+                f"bits: layer {i} has {layer.kv_heads} KV heads but {len(row)} widths were given"
+            )
+        out.append([int(b) for b in row])
+    return out
+
+
+def held_tokens(layer: LayerShape, tokens: int, storage: Storage) -> tuple[int, int]:
+    """(tokens kept at 16 bits, tokens quantized) that `layer` holds after `tokens` tokens, as the cache's stores
+    keep them: sinks are sequence positions [0, sink_tokens), the residual the newest tokens after them."""
+    held = tokens if layer.kind == "full" else min(tokens, layer.window - 1)
+    sinks = max(0, min(storage.sink_tokens, tokens) - (tokens - held))  # sinks still inside a sliding window
+    residual = min(storage.residual, held - sinks)
+    return sinks + residual, held - sinks - residual
+
+
+def mean_bits(shape: ModelShape, bits) -> float:
+    widths = [b for row in layer_bits(shape, bits) for b in row]
+    return sum(widths) / len(widths)
+
+
+@dataclass
+class CacheBytes:
+    """What a cache holds for `batch` sequences of `tokens` tokens (a row of the capacity table)."""
+
+    tokens: int
+    batch: int
+    true_bytes: int  # the K/V stores, as QuantizedKVCache.nbytes()
+    fp16_bytes: int  # an unquantized 2-byte cache of the same tokens, as QuantizedKVCache.nbytes_fp16()
+    mean_bits: float
+    linear_state_bytes: int  # as QuantizedKVCache.linear_state_nbytes(); not in true_bytes
+    by_kind: dict = field(default_factory=dict)  # kind -> true bytes of that kind's layers
+
+    @property
+    def nominal_bytes(self) -> float:
+        return self.fp16_bytes * self.mean_bits / FULL_WIDTH
+
+    @property
+    def total_bytes(self) -> int:
+        return self.true_bytes + self.linear_state_bytes
+
+    @property
+    def compression_true(self) -> float:
+        return self.fp16_bytes / self.true_bytes if self.true_bytes else math.nan
+
+    @property
+    def compression_nominal(self) -> float:
+        return FULL_WIDTH / self.mean_bits
+
+
+def cache_bytes(
+    shape: ModelShape, tokens: int, bits, storage: Storage = Storage(), batch: int = 1
+) -> CacheBytes:
+    """True, fp16 and nominal bytes of `batch` sequences after `tokens` tokens; `bits` as in layer_bits."""
+    for key, value in (("capacity.context", tokens), ("capacity.batch", batch)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{key}: {value!r} is not a non-negative integer")
+    widths = layer_bits(shape, bits)
+    true = fp16 = state = 0
+    by_kind: dict[str, int] = {}
+    for layer, row in zip(shape.layers, widths):
+        state += layer.state_bytes * batch
+        if not layer.cached:
+            continue
+        unquantized, quantized = held_tokens(layer, tokens, storage)
+        per_role = sum(
+            unquantized * storage.token_bytes(FULL_WIDTH, layer.head_dim)
+            + quantized * storage.token_bytes(b, layer.head_dim)
+            for b in row
+        )  # one of keys / values, every head of the layer
+        layer_true = 2 * batch * per_role
+        true += layer_true
+        by_kind[layer.kind] = by_kind.get(layer.kind, 0) + layer_true
+        fp16 += 2 * batch * (unquantized + quantized) * layer.kv_heads * layer.head_dim * FP16_BYTES
+    return CacheBytes(tokens, batch, true, fp16, mean_bits(shape, bits), state, by_kind)
+
+
+def _peak_bytes(shape: ModelShape, tokens: int, bits, storage: Storage, batch: int) -> int:
+    """The most bytes (K/V and linear state) held at any length up to `tokens`.
+
+    Per layer the bytes are piecewise linear in the length, with kinks where sinks fill, the residual fills, a
+    sliding window fills and its sinks have left; the maximum over [0, tokens] lies at one of those or at tokens.
+    """
+    s, r = storage.sink_tokens, storage.residual
+    kinks = {s, s + r}
+    for layer in shape.layers:
+        if layer.kind == "sliding":
+            kinks |= {layer.window - 1, layer.window - 1 + s}
+    lengths = [t for t in kinks if t < tokens] + [tokens]
+    return max(cache_bytes(shape, t, bits, storage, batch).total_bytes for t in lengths)
+
+
+def max_context(
+    shape: ModelShape, memory_bytes: int, bits, storage: Storage = Storage(), batch: int = 1
+) -> int | None:
+    """The longest context whose cache never exceeds memory_bytes on the way there (K/V plus linear state);
+    -1 if not even an empty cache fits, None if every length fits (no full-attention layer)."""
+    fits = lambda t: _peak_bytes(shape, t, bits, storage, batch) <= memory_bytes  # noqa: E731
+    if not fits(0):
+        return -1
+    if fits(MAX_TOKENS):
+        return None
+    low, high = 0, MAX_TOKENS  # fits(low), not fits(high)
+    while high - low > 1:
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def _ints(text: str, count: int, flag: str) -> tuple[int, ...]:
+    parts = text.split(":")
+    if len(parts) != count or not all(p.isdigit() for p in parts):
+        raise ValueError(f"{flag}: {text!r}; expected {count} integers joined by ':'")
+    return tuple(int(p) for p in parts)
+
+
+def _bits_from(path: str) -> list[list[int]]:
+    """The allocation of a harness point JSON (results/<sweep>/<run>/points/<key>.json)."""
+    record = json.loads(Path(path).read_text())
+    if "allocation" not in record:
+        raise ValueError(f"capacity.bits_from: {path} holds no allocation (a point JSON of a quantized run)")
+    return record["allocation"]["bits"]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness.capacity", description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a name from conf/model")
+    src.add_argument("--config", help="a local config.json")
+    src.add_argument("--preset", help=f"a model we do not have: {', '.join(PRESETS)}")
+    src.add_argument("--full", help="explicit full-attention layers: LAYERS:KV_HEADS:HEAD_DIM")
+    p.add_argument("--sliding", help="explicit sliding layers (with --full): LAYERS:KV_HEADS:HEAD_DIM:WINDOW")
+    p.add_argument("--linear", help="explicit linear layers (with --full): LAYERS:STATE_BYTES_PER_SEQUENCE")
+    p.add_argument("--context", type=int, nargs="+", required=True, help="tokens held (one or more)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--bits", type=int, nargs="+", default=[4], help="uniform widths to report (16 = fp16)")
+    p.add_argument("--bits-from", help="a point JSON whose allocation gives the widths (replaces --bits)")
+    p.add_argument("--scheme", default="asym_token", help=f"one of {', '.join(scheme_names())}")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--sink-tokens", type=int, default=0)
+    p.add_argument("--residual", type=int, default=0)
+    p.add_argument(
+        "--memory-gib", type=float, nargs="*", default=[], help="report the longest context that fits"
+    )
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of the table")
+    return p
+
+
+def _shape(args) -> ModelShape:
+    if args.model:
+        return shape_from_registry(args.model)
+    if args.config:
+        return shape_from_json(args.config)
+    if args.preset:
+        return shape_from_preset(args.preset)
+    return explicit_shape(
+        _ints(args.full, 3, "--full"),
+        _ints(args.sliding, 4, "--sliding") if args.sliding else None,
+        _ints(args.linear, 2, "--linear") if args.linear else None,
+    )
+
+
+def _describe(shape: ModelShape) -> str:
+    groups: dict[tuple, int] = {}
+    for layer in shape.layers:
+        key = (layer.kind, layer.kv_heads, layer.head_dim, layer.window, layer.state_bytes)
+        groups[key] = groups.get(key, 0) + 1
+    parts = []
+    for (kind, heads, dim, window, state), n in groups.items():
+        if kind == "linear":
+            parts.append(f"{n} linear ({state} B state/seq)")
+        elif kind == "shared":
+            parts.append(f"{n} KV-shared")
+        else:
+            parts.append(f"{n} {kind} ({heads} KV heads x {dim}{f', window {window}' if window else ''})")
+    return f"{shape.name}: " + ", ".join(parts)
+
+
+def rows(args) -> tuple[ModelShape, list[dict]]:
+    shape = _shape(args)
+    storage = Storage(args.scheme, args.group_size, args.sink_tokens, args.residual)
+    allocations = (
+        [("allocation", _bits_from(args.bits_from))] if args.bits_from else [(b, b) for b in args.bits]
+    )
+    out = []
+    for label, bits in allocations:
+        for tokens in args.context:
+            c = cache_bytes(shape, tokens, bits, storage, args.batch)
+            row = {
+                "bits": label,
+                "context": tokens,
+                "batch": args.batch,
+                "mean_bits": c.mean_bits,
+                "true_GiB": c.true_bytes / GIB,
+                "true_GB": c.true_bytes / GB,
+                "nominal_GiB": c.nominal_bytes / GIB,
+                "fp16_GiB": c.fp16_bytes / GIB,
+                "compression_true": c.compression_true,
+                "compression_nominal": c.compression_nominal,
+                "linear_state_GiB": c.linear_state_bytes / GIB,
+                **{f"{kind}_GiB": b / GIB for kind, b in sorted(c.by_kind.items())},
+                "true_bytes": c.true_bytes,
+            }
+            for gib in args.memory_gib:
+                row[f"max_context@{gib:g}GiB"] = max_context(shape, int(gib * GIB), bits, storage, args.batch)
+            out.append(row)
+    return shape, out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    try:
+        shape, table = rows(args)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if args.json:
+        print(json.dumps(table, indent=1))
+        return
+    import pandas as pd
+
+    print(_describe(shape))
+    print(f"scheme {args.scheme} g={args.group_size} sink_tokens={args.sink_tokens} residual={args.residual}")
+    print(pd.DataFrame(table).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""The claim protocol: the public write-up's own measurement (CLAIMS.md "What is known"), on any registered model.
+
+`sweep.protocol: claim` (conf/sweep/claim_*.yaml) selects it. On `num_sequences` windows of `sequence_tokens`
+tokens from the evaluation text, with no KV cache (the whole sequence is recomputed for each of `new_tokens`
+greedy tokens) and quantize-dequantize of every K and V inside attention (harness/qdq_attention.py):
+- entropy (`policy.entropy_key`: H1 Shannon, as the claim's code, or H2 Rényi) from the first
+  `calibration_sequences` of those same sequences at the query positions `calibration_positions` only
+  (calibration and test overlap, as in the claim);
+- widths with `budget_mode=claim` (harness/policies.py): Uniform, Adaptive (alpha), Skip `skip` + adaptive
+  (the `skip` lowest-entropy KV heads at 16 bits, the budget on the others);
+- "Combined": uniform at the budget plus a top-k mask keeping ceil(visible / topk_factor) weights per attention
+  row, renormalized; its "Nx" is 16 / mean bits x topk_factor, the claim's count (the mask frees no memory);
+- BLEU = sentence BLEU on token ids without smoothing, averaged over sequences, against the unquantized
+  model's own greedy continuation (computed through the same eager attention); token match; PPL ratio =
+  perplexity of the sequences with QDQ attention over without; "Nx" = 16 / realized mean bits (sinks at 16).
+Results go to run_dir (results/claims/<model>/<run>/): tables.md (command on top), rows.json, config.yaml,
+env.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from harness.models import model_spec
+
+PROTOCOL = "claim"
+KEYS = (
+    "num_sequences",
+    "sequence_tokens",
+    "new_tokens",
+    "calibration_sequences",
+    "calibration_positions",
+    "budget",
+    "alpha",
+    "skip",
+    "widths",
+    "topk_factor",
+)
+SYMMETRIC = {"asym_token": False, "sym_token": True}  # quant.scheme -> kernels.reference's symmetric flag
+POSITIVE = ("num_sequences", "sequence_tokens", "new_tokens", "calibration_sequences", "topk_factor")
+
+
+@dataclass(frozen=True)
+class ClaimSettings:
+    """One claim-protocol run: the model, the claim's sizes, and the allocation and scheme settings."""
+
+    model: str
+    num_sequences: int
+    sequence_tokens: int
+    new_tokens: int
+    calibration_sequences: int
+    calibration_positions: tuple[int, ...]
+    budget: int
+    alpha: float
+    skip: int
+    widths: tuple[int, ...]
+    topk_factor: int
+    entropy_key: str = "H1"
+    scheme: str = "asym_token"
+    group_size: int = 32
+    seed: int = 0
+    data_path: str | None = None
+
+
+def settings(cfg: DictConfig) -> ClaimSettings:
+    """The run's settings from the composed config; ValueError (one line naming the key) for bad input."""
+    sweep = OmegaConf.to_container(cfg.sweep, resolve=True)
+    models = sweep.get("models") or []
+    if len(models) != 1:
+        raise ValueError(f"sweep.models: the claim protocol runs one model per run; got {models}")
+    model_spec(models[0])
+    claim = sweep.get("claim") or {}
+    unknown = sorted(set(claim) - set(KEYS))
+    missing = [k for k in KEYS if k not in claim]
+    if unknown or missing:
+        raise ValueError(
+            f"sweep.claim: {'unknown ' + str(unknown) if unknown else 'missing ' + str(missing)}; "
+            f"allowed: {', '.join(KEYS)}"
+        )
+    for key in ("calibration_positions", "widths"):
+        if not isinstance(claim[key], list):
+            raise ValueError(f"sweep.claim.{key}: expected a list; got {claim[key]!r}")
+        claim[key] = tuple(claim[key])
+    return ClaimSettings(
+        model=models[0],
+        **claim,
+        entropy_key=cfg.policy.get("entropy_key", "H2"),
+        scheme=cfg.quant.scheme,
+        group_size=cfg.quant.group_size,
+        seed=cfg.seed,
+        data_path=cfg.eval.data.path,
+    )
+
+
+def rows(s: ClaimSettings) -> list[dict]:
+    """The claim's configurations: label and allocation arguments (harness.policies.allocate), plus top-k."""
+    b, a = s.budget, s.alpha
+    claim = dict(budget=b, widths=s.widths, budget_mode="claim", entropy_key=s.entropy_key)
+    return [
+        dict(label=f"Uniform {b}-bit", policy="uniform", alpha=0.0, skip=0, topk_factor=None, **claim),
+        dict(label=f"Adaptive {b}-bit (alpha {a:g})", policy="entropy", alpha=a, skip=0, topk_factor=None, **claim),
+        dict(
+            label=f"Skip {s.skip} + adaptive {b}-bit", policy="entropy", alpha=a, skip=s.skip, topk_factor=None, **claim
+        ),
+        dict(
+            label=f"Combined {16 / b * s.topk_factor:g}x", policy="uniform", alpha=0.0, skip=0,
+            topk_factor=s.topk_factor, **claim,
+        ),
+    ]  # fmt: skip
+
+
+def validate(cfg: DictConfig) -> list[dict]:
+    """Check a claim-protocol config; return its rows (the claim's 'points')."""
+    from harness.policies import validate as validate_policy
+
+    s = settings(cfg)
+    for name in POSITIVE:
+        value = getattr(s, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"sweep.claim.{name}: {value!r} is not a positive integer")
+    if not isinstance(s.skip, int) or s.skip < 0:
+        raise ValueError(f"sweep.claim.skip: {s.skip!r} is not an integer >= 0")
+    if s.calibration_sequences > s.num_sequences:
+        raise ValueError(
+            f"sweep.claim.calibration_sequences: {s.calibration_sequences} exceeds num_sequences={s.num_sequences}"
+        )
+    if not s.calibration_positions or not all(
+        isinstance(i, int) and 0 <= i < s.sequence_tokens for i in s.calibration_positions
+    ):
+        raise ValueError(
+            f"sweep.claim.calibration_positions: {list(s.calibration_positions)} must be query positions "
+            f"in [0, {s.sequence_tokens})"
+        )
+    limit = model_spec(s.model).get("context_limit", 2048)
+    if s.sequence_tokens + s.new_tokens > limit:
+        raise ValueError(
+            f"sweep.claim.sequence_tokens: + new_tokens exceeds {s.model}'s context limit {limit}"
+        )
+    if s.entropy_key not in ("H1", "H2"):
+        raise ValueError(f"policy.entropy_key: unknown {s.entropy_key!r}; allowed: H1, H2")
+    if s.scheme not in SYMMETRIC:
+        raise ValueError(
+            f"quant.scheme: {s.scheme!r} with the claim protocol; allowed: {', '.join(SYMMETRIC)}"
+        )
+    if isinstance(s.group_size, bool) or not isinstance(s.group_size, int) or s.group_size < 1:
+        raise ValueError(f"quant.group_size: {s.group_size!r} is not a positive integer")
+    try:
+        validate_policy(s.budget, "entropy", s.alpha, None, None, s.widths, "claim")
+    except ValueError as err:  # budget, alpha and widths are set under sweep.claim here
+        raise ValueError(str(err).replace("policy.", "sweep.claim.", 1)) from None
+    return rows(s)
+
+
+# ------------------------------------------------------------------------------------------------ measure
+
+
+def greedy_no_cache(model, ids, new_tokens: int):
+    """Greedy tokens (N, M) after ids (N, T), recomputing the whole sequence at each step (no KV cache)."""
+    seq = ids
+    for _ in range(new_tokens):
+        logits = model(input_ids=seq, use_cache=False, logits_to_keep=1).logits[:, -1]  # (N, V)
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], dim=1)
+    return seq[:, ids.shape[1] :]
+
+
+def sequence_nll(model, ids):
+    """Mean next-token NLL per sequence (N,) float64 of ids (N, T), one sequence per forward."""
+    out = []
+    for row in ids:
+        logits = model(input_ids=row[None], use_cache=False).logits[0, :-1].float()  # (T-1, V)
+        out.append(torch.nn.functional.cross_entropy(logits, row[1:]).double())
+    return torch.stack(out)
+
+
+def architecture(config) -> str:
+    """The claim's architecture label: standard or hybrid (which layer kinds), + GQA when KV heads are shared."""
+    from harness.calibrate import layer_types
+
+    kinds = sorted(set(layer_types(config)))
+    text = config.get_text_config(decoder=True)
+    n_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    label = "standard" if kinds == ["full"] else f"hybrid ({' + '.join(kinds)})"
+    return label + (" + GQA" if n_kv < text.num_attention_heads else "")
+
+
+def measure(model, s: ClaimSettings, ids) -> list[dict]:
+    """Every claim row on sequences ids (N, T) of `model`: allocation, BLEU, token match, PPL ratio, Nx."""
+    from tqdm import tqdm
+
+    from harness import metrics
+    from harness.calibrate import head_entropies
+    from harness.policies import allocate, kv_head_entropy
+    from harness.qdq_attention import QDQSpec, qdq_attention
+
+    entropy = head_entropies(model, ids[: s.calibration_sequences], positions=list(s.calibration_positions))
+    n_heads = int((~kv_head_entropy(entropy, s.entropy_key).isnan()).sum())
+    with torch.no_grad():
+        plain = QDQSpec(torch.full((entropy.attrs["num_layers"], entropy.attrs["num_kv_heads"]), 16))
+        with qdq_attention(model, plain):
+            base_tokens = greedy_no_cache(model, ids, s.new_tokens)
+            base_nll = sequence_nll(model, ids)
+        out = []
+        for row in tqdm(rows(s), desc=f"claim protocol on {s.model}", unit="row"):
+            alloc = allocate(
+                entropy, row["budget"], row["policy"], row["alpha"],
+                sink_fraction=row["skip"] / n_heads if row["skip"] else None,
+                widths=row["widths"], budget_mode="claim", entropy_key=row["entropy_key"],
+            )  # fmt: skip
+            spec = QDQSpec(alloc.bits, s.group_size, SYMMETRIC[s.scheme], row["topk_factor"])
+            with qdq_attention(model, spec):
+                tokens = greedy_no_cache(model, ids, s.new_tokens)
+                nll = sequence_nll(model, ids)
+            items = metrics.generation_items(base_tokens, tokens)
+            out.append(
+                {
+                    "label": row["label"],
+                    "model": s.model,
+                    "architecture": architecture(model.config),
+                    "bleu_tok": float(items["bleu_tok"].mean()),
+                    "token_match": float(items["token_match"].mean()),
+                    "first_divergence": float(items["first_divergence"].mean()),
+                    "ppl": math.exp(nll.mean()),
+                    "ppl_base": math.exp(base_nll.mean()),
+                    "ppl_ratio": math.exp(nll.mean() - base_nll.mean()),
+                    "mean_bits": alloc.mean_bits,
+                    "compression": 16 / alloc.mean_bits * (row["topk_factor"] or 1),
+                    "n_sinks": int(alloc.sinks.sum()),
+                    "histogram": alloc.histogram(),
+                    "bits": alloc.bits.tolist(),
+                    "items": {
+                        **{k: v.tolist() for k, v in items.items()},
+                        "nll": nll.tolist(),
+                        "nll_base": base_nll.tolist(),
+                    },  # per sequence
+                    "tokens": tokens.tolist(),
+                }
+            )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- tables
+
+
+def _ppl_increase(ratio: float) -> str:
+    return f">{math.floor(ratio)}x" if ratio >= 10 else f"{(ratio - 1) * 100:+.1f}%"
+
+
+def claim2_table(measured: list[dict]) -> str:
+    """Claim 2's table (Config, BLEU, Token match, PPL ratio, Nx) of the non-combined rows."""
+    lines = ["| Config | BLEU | Token match | PPL ratio | Nx |", "|---|---|---|---|---|"]
+    for r in measured:
+        if not r["label"].startswith("Combined"):
+            lines.append(
+                f"| {r['label']} | {r['bleu_tok']:.3f} | {r['token_match']:.1%} | {r['ppl_ratio']:.3f} "
+                f"| {r['compression']:.2f}x |"
+            )
+    return "\n".join(lines)
+
+
+def claim1_table(measured: list[dict]) -> str:
+    """Claim 1's table (Model, Architecture, Combined BLEU, PPL increase): one line per combined row."""
+    combined = [r for r in measured if r["label"].startswith("Combined")]
+    header = f"| Model | Architecture | {combined[0]['label']} BLEU | PPL increase |" if combined else ""
+    lines = [header, "|---|---|---|---|"]
+    for r in combined:
+        lines.append(
+            f"| {r['model']} | {r['architecture']} | {r['bleu_tok']:.3f} | {_ppl_increase(r['ppl_ratio'])} |"
+        )
+    return "\n".join(lines)
+
+
+def render(s: ClaimSettings, measured: list[dict], command: str) -> str:
+    """tables.md: the command, what was measured, then Claim 2's and Claim 1's tables."""
+    positions = ", ".join(map(str, s.calibration_positions))
+    return f"""# Claim protocol on {s.model}
+
+Command: `{command}`
+
+Claim protocol on {s.model} (not the claim's models unless gpt2): {s.num_sequences} evaluation sequences of
+{s.sequence_tokens} tokens (seed {s.seed}), {s.new_tokens} greedy tokens each with no KV cache, quantize-dequantize
+of every K and V inside attention ({s.scheme}, groups of {s.group_size}). Entropy {s.entropy_key} from the first
+{s.calibration_sequences} of the same sequences at query positions {positions} (calibration and test overlap, as
+in the claim); budget_mode=claim. BLEU: sentence BLEU on token ids, no smoothing, against the unquantized model's
+greedy continuation, mean over sequences. Nx = 16 / realized mean bits, heads kept at 16 bits counted (the claim
+printed 4.00x for every row). Combined = uniform {s.budget}-bit plus a top-k mask keeping the ceil(visible /
+{s.topk_factor}) largest weights of each attention row, renormalized, counted as {s.topk_factor}x as the claim did;
+the mask frees no memory.
+
+## Claim 2 (claim protocol on {s.model})
+
+{claim2_table(measured)}
+
+## Claim 1 (claim protocol on {s.model})
+
+{claim1_table(measured)}
+"""
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Run the claim protocol of a validated config into cfg.run_dir; print and return its rows."""
+    from harness import data
+    from harness.models import load_model
+    from harness.session import environment
+
+    s = settings(cfg)
+    model, tokenizer = load_model(s.model, device=cfg.device)
+    text = data.split(s.data_path)
+    ids = data.token_windows(tokenizer, text.evaluation, s.num_sequences, s.sequence_tokens, s.seed)
+    ids = ids.to(model.device)
+    measured = measure(model, s, ids)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = environment(cfg.device)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    (run_dir / "env.json").write_text(json.dumps(env, indent=1))
+    (run_dir / "rows.json").write_text(json.dumps({"settings": asdict(s), "rows": measured}, indent=1))
+    tables = render(s, measured, env["command"])
+    (run_dir / "tables.md").write_text(tables)
+    print(tables, file=sys.stdout)
+    return measured

@@ -1,0 +1,487 @@
+"""Passkey retrieval through a quantized KV cache: a random 5-digit key hidden at a depth of repetitive filler,
+a question, a few greedy tokens, exact match of the key. `python -m harness.passkey --help`.
+
+This module owns the prompts, the scorer and the run loop; harness/passkey_report.py renders the results.
+- Prompt (exactly `context` tokens): special tokens the tokenizer adds, an instruction, filler, the needle
+  ("The pass key is 12345. Remember it. 12345 is the pass key."), filler, the question ("What is the pass key?
+  The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
+  joined as token ids, so the length is exact for any tokenizer.
+- Score: the first run of digits in the decoded answer equals the key.
+- Policies: conf/policy/<name>.yaml (with harness.policies.allocate on the model's calibration entropies, made
+  as harness/runner.py makes them) at each budget, plus the unquantized baseline (a DynamicCache).
+- prefill=exact (default): per batch of trials ONE full-precision chunked prefill of everything before the
+  question, shared by every policy and budget; each quantized cache is QuantizedKVCache.from_prefilled of it, and
+  the question and the answer tokens then read the document through the quantized cache.
+  prefill=quantized: every policy prefills the whole prompt itself through its quantized cache (quantize-on-write;
+  no sharing, one prefill per policy and budget).
+Results: results/passkey/<run>/points/<model>__c<context>__d<depth>__<policy>__b<budget>__<settings hash>.json,
+one per point, written atomically once all its trials are done; a point whose file exists is skipped, and a
+(context, depth) whose points all exist costs no prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+PREFILL_MODES = ("exact", "quantized")
+BASELINE = "baseline"
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    ids: torch.Tensor  # (context,) int64
+    key: str
+    needle_start: int  # token index where the needle begins
+    question_tokens: int  # the last question_tokens ids are the question
+
+
+class PromptBuilder:
+    """Passkey prompts of an exact token length for one tokenizer (the fixed pieces are tokenized once)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        self.encode = encode
+        self.head = tokenizer("")["input_ids"] + encode(INSTRUCTION)  # BOS where the tokenizer adds one
+        self.question = encode(QUESTION)
+        self.sentence = encode(FILLER)
+        self.filler: list[int] = []
+
+    def _filler(self, n: int) -> list[int]:
+        while len(self.filler) < n:  # tokenized in sentence-sized pieces, so any prefix is a valid filler
+            self.filler += self.sentence
+        return self.filler[:n]
+
+    def minimum_context(self, key: str = "99999") -> int:
+        return len(self.head) + len(self.encode(NEEDLE.format(key=key))) + len(self.question)
+
+    def build(self, context: int, depth: float, key: str) -> PasskeyPrompt:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"passkey.depths: {depth} is outside [0, 1]")
+        needle = self.encode(NEEDLE.format(key=key))
+        n_filler = context - len(self.head) - len(needle) - len(self.question)
+        if n_filler < 0:
+            raise ValueError(
+                f"passkey.contexts: {context} tokens cannot hold the prompt; the minimum is {context - n_filler}"
+            )
+        before = round(depth * n_filler)
+        ids = self.head + self._filler(before) + needle + self._filler(n_filler - before) + self.question
+        return PasskeyPrompt(
+            torch.tensor(ids, dtype=torch.long), key, len(self.head) + before, len(self.question)
+        )
+
+
+def trial_key(seed: int, model: str, context: int, depth: float, trial: int) -> str:
+    """The 5-digit key of one trial: the same for every policy and budget, independent of run order."""
+    digest = hashlib.sha256(f"{seed}|{model}|{context}|{depth:g}|{trial}".encode()).digest()
+    return str(10000 + int.from_bytes(digest[:8], "little") % 90000)
+
+
+def extract_answer(text: str) -> str | None:
+    """The first run of digits in a decoded answer, or None."""
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
+
+
+def score(text: str, key: str) -> bool:
+    """Exact match: the answer's first number is the key (a longer or shorter number is wrong)."""
+    return extract_answer(text) == key
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def _forward(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+    """Last-position logits (B, V) of ids (B, L) at positions start..start+L-1, through cache."""
+    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)  # (B, L)
+    out = model(
+        input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+    )
+    return out.logits[:, -1]
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, cache, chunk: int, start: int = 0) -> torch.Tensor:
+    """Feed ids (B, L) into cache in chunks of `chunk` tokens (bounded attention memory); last logits (B, V)."""
+    logits = None
+    for s in range(0, ids.shape[1], chunk):
+        logits = _forward(model, ids[:, s : s + chunk], start + s, cache)
+    return logits
+
+
+@torch.no_grad()
+def answer(model, cache, question: torch.Tensor, start: int, new_tokens: int) -> torch.Tensor:
+    """Greedy answer tokens (B, new_tokens): the question (B, q) at `start` through cache, then single steps."""
+    tokens = [_forward(model, question, start, cache).argmax(-1)]  # new_tokens x (B,)
+    for step in range(1, new_tokens):
+        tokens.append(
+            _forward(model, tokens[-1][:, None], start + question.shape[1] + step - 1, cache).argmax(-1)
+        )
+    return torch.stack(tokens, 1)
+
+
+def answer_from_prefilled(
+    model, document_cache, question: torch.Tensor, start: int, new_tokens: int, bits=None, **cache_options
+):
+    """prefill=exact: answer tokens (B, M) and the cache read, from a full-precision DynamicCache of the document.
+
+    bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits`.
+    """
+    from harness.cache import QuantizedKVCache
+
+    if bits is None:
+        cache = copy.deepcopy(document_cache)
+    else:
+        cache = QuantizedKVCache.from_prefilled(
+            document_cache, model.config, bits, prefill="exact", **cache_options
+        )
+    return answer(model, cache, question, start, new_tokens), cache
+
+
+# ------------------------------------------------------------------------------------------------ points
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides (model, context, depth, policy, budget) that can change an answer."""
+
+    trials: int = 20
+    seed: int = 0
+    scheme: str = "asym_token"
+    group_size: int = 32
+    prefill: str = "exact"
+    new_tokens: int = 8
+    chunk: int = 1024
+    calibration_sequences: int = 8
+    calibration_tokens: int = 512
+    i0: int = 32
+
+    def __post_init__(self):
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(
+                f"passkey.prefill: unknown {self.prefill!r}; allowed: {', '.join(PREFILL_MODES)}"
+            )
+        for key in (
+            "trials",
+            "group_size",
+            "new_tokens",
+            "chunk",
+            "calibration_sequences",
+            "calibration_tokens",
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def point_name(model: str, context: int, depth: float, policy: str, budget: float, settings: Settings) -> str:
+    return f"{model}__c{context}__d{depth:g}__{policy}__b{budget:g}__{settings.digest()}"
+
+
+def policy_config(name: str) -> dict:
+    """conf/policy/<name>.yaml, composed by Hydra (defaults included), as a plain dict."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from harness.models import unknown_name_message
+
+    names = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
+    if name not in names:
+        raise ValueError(unknown_name_message("passkey.policies", name, names))
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"policy={name}"])
+    return OmegaConf.to_container(cfg.policy, resolve=True)
+
+
+def allocations(
+    entropy, policies: list[str], budgets: list[float], seed: int
+) -> dict[tuple[str, float], object]:
+    """(policy, budget) -> harness.policies.Allocation, or the ValueError text of an infeasible budget."""
+    from harness.policies import allocate
+
+    out = {}
+    for name in policies:
+        p = policy_config(name)
+        for budget in budgets:
+            try:
+                out[(name, budget)] = allocate(
+                    entropy,
+                    budget,
+                    policy=p["name"],
+                    alpha=p["alpha"],
+                    sink_threshold=p["sink_threshold"],
+                    sink_fraction=p["sink_fraction"],
+                    widths=tuple(p["widths"]),
+                    budget_mode=p["budget_mode"],
+                    seed=seed,
+                    entropy_key=p.get("entropy_key", "H2"),
+                )
+            except ValueError as err:
+                out[(name, budget)] = str(err)
+    return out
+
+
+def calibration_entropy(model, tokenizer, name: str, settings: Settings):
+    """The model's per-head entropies from the calibration split, as harness.runner.build_context makes them."""
+    from harness import data
+    from harness.calibrate import cached_head_entropies
+
+    ids = data.token_windows(
+        tokenizer, data.split(None).calibration, settings.calibration_sequences, settings.calibration_tokens,
+        settings.seed,
+    )  # fmt: skip
+    return cached_head_entropies(model, name, ids, i0=settings.i0)
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class Job:
+    """What one model's run evaluates."""
+
+    model: str
+    contexts: list[int]
+    depths: list[float]
+    policies: list[str]
+    budgets: list[float]
+    settings: Settings
+    batch_size: int = 4
+
+
+def _pending(job: Job, points_dir: Path, context: int, depth: float) -> list[tuple[str, float]]:
+    wanted = [(BASELINE, 16)] + [(p, b) for p in job.policies for b in job.budgets]
+    return [
+        pb
+        for pb in wanted
+        if not (points_dir / f"{point_name(job.model, context, depth, *pb, job.settings)}.json").exists()
+    ]
+
+
+def run_model(job: Job, run_dir: Path, progress=print) -> int:
+    """Evaluate every missing point of `job` into run_dir/points; returns the number of points written."""
+    from transformers import DynamicCache
+
+    from harness.cache import QuantizedKVCache
+    from harness.models import load_model
+    from harness.runner import write_json_atomic
+
+    points_dir = Path(run_dir) / "points"
+    points_dir.mkdir(parents=True, exist_ok=True)
+    todo = [(c, d) for c in job.contexts for d in job.depths if _pending(job, points_dir, c, d)]
+    if not todo:
+        return 0
+    model, tokenizer = load_model(job.model)
+    builder = PromptBuilder(tokenizer)
+    s = job.settings
+    allocs = allocations(
+        calibration_entropy(model, tokenizer, job.model, s), job.policies, job.budgets, s.seed
+    )
+    cache_options = dict(scheme=s.scheme, group_size=s.group_size)
+    written = 0
+    for context, depth in todo:
+        pending = _pending(job, points_dir, context, depth)
+        prompts = [
+            builder.build(context, depth, trial_key(s.seed, job.model, context, depth, t))
+            for t in range(s.trials)
+        ]
+        tokens = {pb: [] for pb in pending}  # (policy, budget) -> list of (B, M) answer tokens
+        held = {pb: [0, 0] for pb in pending}  # true bytes, fp16 bytes of the caches read
+        seconds = {pb: 0.0 for pb in pending}
+        prefill_s = 0.0
+        for first in range(0, s.trials, job.batch_size):
+            batch = prompts[first : first + job.batch_size]
+            ids = torch.stack([p.ids for p in batch])  # (B, context)
+            q = batch[0].question_tokens
+            document, question = ids[:, : context - q], ids[:, context - q :]
+            t0 = time.perf_counter()
+            document_cache = DynamicCache(config=model.config)
+            prefill(model, document, document_cache, s.chunk)
+            prefill_s += time.perf_counter() - t0
+            for pb in pending:
+                alloc = None if pb[0] == BASELINE else allocs[pb]
+                if isinstance(alloc, str):
+                    continue  # infeasible: recorded below
+                t0 = time.perf_counter()
+                bits = None if alloc is None else alloc.bits
+                if s.prefill == "exact" or bits is None:
+                    out, cache = answer_from_prefilled(
+                        model, document_cache, question, context - q, s.new_tokens, bits, **cache_options
+                    )
+                else:
+                    cache = QuantizedKVCache(model.config, bits, prefill="quantized", **cache_options)
+                    prefill(model, document, cache, s.chunk)
+                    out = answer(model, cache, question, context - q, s.new_tokens)
+                seconds[pb] += time.perf_counter() - t0
+                tokens[pb].append(out)
+                if bits is not None:
+                    held[pb][0] += cache.nbytes()
+                    held[pb][1] += cache.nbytes_fp16()
+        for pb in pending:
+            name = point_name(job.model, context, depth, *pb, s)
+            config = dict(
+                model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__
+            )
+            record = {"key": name, "config": config}
+            alloc = None if pb[0] == BASELINE else allocs[pb]
+            if isinstance(alloc, str):
+                record.update(status="infeasible", error=alloc)
+            else:
+                texts = [tokenizer.decode(row) for row in torch.cat(tokens[pb]).tolist()]
+                correct = [score(text, p.key) for text, p in zip(texts, prompts)]
+                record.update(
+                    status="ok",
+                    accuracy=sum(correct) / len(correct),
+                    correct=correct,
+                    keys=[p.key for p in prompts],
+                    answers=texts,
+                    needle_starts=[p.needle_start for p in prompts],
+                    mean_bits=16.0 if alloc is None else alloc.mean_bits,
+                    compression_nominal=1.0 if alloc is None else 16.0 / alloc.mean_bits,
+                    compression_true=1.0 if alloc is None else held[pb][1] / held[pb][0],
+                    answer_s=seconds[pb],
+                    shared_prefill_s=prefill_s,
+                )
+            write_json_atomic(points_dir / f"{name}.json", record)
+            written += 1
+        progress(
+            f"{job.model} context {context} depth {depth:g}: {len(pending)} points, prefill {prefill_s:.1f} s"
+        )
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness.passkey", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    p.add_argument(
+        "--contexts", type=int, nargs="+", help="prompt tokens; default 1024, 2048, ... up to the limit"
+    )
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--trials", type=int, default=20, help="trials per (context, depth)")
+    p.add_argument("--policies", nargs="+", default=["uniform", "entropy"], help="names from conf/policy")
+    p.add_argument("--budgets", type=float, nargs="+", default=[2, 3, 4])
+    p.add_argument("--scheme", default="asym_token")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--prefill", default="exact", help=f"one of {', '.join(PREFILL_MODES)}")
+    p.add_argument("--new-tokens", type=int, default=8, help="greedy answer tokens")
+    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens")
+    p.add_argument("--batch", type=int, default=4, help="trials per prefill batch")
+    p.add_argument("--calibration-sequences", type=int, default=8)
+    p.add_argument("--calibration-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--run", default="default", help="results/passkey/<run>/; re-running the same run resumes")
+    p.add_argument("--root", default="results/passkey")
+    p.add_argument(
+        "--report-only", action="store_true", help="rebuild tables.md and the plot, evaluate nothing"
+    )
+    return p
+
+
+def default_contexts(model: str) -> list[int]:
+    from harness.models import model_spec
+
+    limit = model_spec(model).get("context_limit", 2048)
+    return [1024 * 2**i for i in range(16) if 1024 * 2**i <= limit]
+
+
+def jobs(args) -> list[Job]:
+    """The validated jobs of the command line (ValueError naming the option for bad input)."""
+    from harness.models import model_spec
+    from harness.policies import validate
+    from harness.quant import get_scheme
+
+    settings = Settings(
+        args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
+        args.calibration_sequences, args.calibration_tokens,
+    )  # fmt: skip
+    get_scheme(args.scheme, args.group_size)
+    if args.batch < 1:
+        raise ValueError(f"passkey.batch: {args.batch} is not a positive integer")
+    if any(not 0 <= d <= 1 for d in args.depths):
+        raise ValueError(f"passkey.depths: {args.depths}; allowed: numbers in [0, 1]")
+    for name in args.policies:
+        p = policy_config(name)
+        for budget in args.budgets:
+            validate(
+                budget,
+                p["name"],
+                p["alpha"],
+                p["sink_threshold"],
+                p["sink_fraction"],
+                p["widths"],
+                p["budget_mode"],
+            )
+    out = []
+    for model in args.models:
+        limit = model_spec(model).get("context_limit", 2048)
+        contexts = args.contexts or default_contexts(model)
+        if max(contexts) > limit:
+            raise ValueError(
+                f"passkey.contexts: {max(contexts)} exceeds {model}'s context_limit of {limit} tokens"
+            )
+        out.append(Job(model, contexts, args.depths, args.policies, args.budgets, settings, args.batch))
+    return out
+
+
+def write_environment(path: Path, argv: list[str] | None) -> None:
+    """Package versions, git commit and the command (harness.session's record, with this command)."""
+    from harness.session import environment
+
+    env = environment("cpu")
+    env["command"] = "python -m harness.passkey " + " ".join(sys.argv[1:] if argv is None else argv)
+    path.write_text(json.dumps(env, indent=1))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from harness.passkey_report import write_report
+
+    args = parser().parse_args(argv)
+    run_dir = Path(args.root) / args.run
+    try:
+        todo = [] if args.report_only else jobs(args)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if todo:
+            write_environment(run_dir / "env.json", argv)
+        for job in todo:
+            t0 = time.perf_counter()
+            n = run_model(job, run_dir)
+            print(f"{job.model}: {n} points in {time.perf_counter() - t0:.1f} s")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if not args.report_only:
+        with open(run_dir / "commands.txt", "a") as f:  # a resumed run may add sizes: every command is kept
+            f.write("python -m harness.passkey " + " ".join(sys.argv[1:] if argv is None else argv) + "\n")
+    for path in write_report(run_dir):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""harness.passkey: prompt placement and length, the scorer, 16-bit equality with a DynamicCache, resumability."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from harness import passkey
+from harness.models import load_model
+from harness.passkey_report import accuracy_table, fail_contexts, load_points
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return {name: load_model(name) for name in ("tiny-llama", "tiny-gemma3")}
+
+
+@pytest.mark.parametrize("context,depth", [(300, 0.0), (301, 0.1), (517, 0.5), (777, 0.9), (1000, 1.0)])
+def test_prompt_length_and_depth(tiny, context, depth):
+    tokenizer = tiny["tiny-llama"][1]
+    builder = passkey.PromptBuilder(tokenizer)
+    key = passkey.trial_key(0, "m", context, depth, 3)
+    prompt = builder.build(context, depth, key)
+    assert prompt.ids.shape == (context,)
+    needle = builder.encode(passkey.NEEDLE.format(key=key))
+    assert prompt.ids[prompt.needle_start : prompt.needle_start + len(needle)].tolist() == needle
+    fixed = len(builder.head) + len(needle) + len(builder.question)
+    filler = context - fixed
+    assert (
+        abs(prompt.needle_start - len(builder.head) - depth * filler) <= 0.5
+    )  # depth of the filler, rounded
+    text = tokenizer.decode(prompt.ids.tolist())
+    assert text.endswith(passkey.QUESTION) and text.count(key) == 2
+    assert prompt.ids[-prompt.question_tokens :].tolist() == builder.question
+
+
+def test_prompt_too_short_names_the_option(tiny):
+    builder = passkey.PromptBuilder(tiny["tiny-llama"][1])
+    with pytest.raises(ValueError, match="passkey.contexts"):
+        builder.build(builder.minimum_context() - 1, 0.5, "12345")
+
+
+def test_trial_keys_are_five_digits_and_stable():
+    keys = [passkey.trial_key(1, "m", 1024, 0.5, t) for t in range(50)]
+    assert all(len(k) == 5 and k.isdigit() for k in keys)
+    assert len(set(keys)) > 40
+    assert keys == [passkey.trial_key(1, "m", 1024, 0.5, t) for t in range(50)]
+
+
+@pytest.mark.parametrize(
+    "text,key,expected",
+    [
+        (" 12345. Remember", "12345", True),
+        ("12345", "12345", True),
+        (" 123456", "12345", False),  # a longer number is not the key
+        (" 1234", "12345", False),
+        (" the key 54321 then 12345", "12345", False),  # only the first number counts
+        (" no digits", "12345", False),
+        (" 12 345", "12345", False),
+    ],
+)
+def test_score(text, key, expected):
+    assert passkey.score(text, key) is expected
+
+
+@pytest.mark.parametrize("name,context", [("tiny-llama", 333), ("tiny-gemma3", 301)])  # gemma3: window 16
+def test_sixteen_bits_give_the_dynamic_cache_answer(tiny, name, context):
+    model, tokenizer = tiny[name]
+    builder = passkey.PromptBuilder(tokenizer)
+    prompts = [builder.build(context, d, passkey.trial_key(7, name, context, d, 0)) for d in (0.25, 0.75)]
+    ids = torch.stack([p.ids for p in prompts])  # (2, context)
+    q = prompts[0].question_tokens
+    document = DynamicCache(config=model.config)
+    passkey.prefill(model, ids[:, :-q], document, chunk=64)
+    base, _ = passkey.answer_from_prefilled(model, document, ids[:, -q:], context - q, 6)
+
+    reference = DynamicCache(config=model.config)  # the same prompt through one unshared DynamicCache
+    passkey.prefill(model, ids[:, :-q], reference, chunk=97)
+    assert torch.equal(base, passkey.answer(model, reference, ids[:, -q:], context - q, 6))
+
+    text = model.config.get_text_config(decoder=True)
+    bits = torch.full((text.num_hidden_layers, text.num_key_value_heads), 16)
+    quantized, cache = passkey.answer_from_prefilled(model, document, ids[:, -q:], context - q, 6, bits)
+    assert torch.equal(quantized, base)
+    assert cache.nbytes() == cache.nbytes_fp16() > 0
+    assert document.get_seq_length() == context - q  # the shared prefill is never written to
+
+
+def _args(run: str, root, **over):
+    argv = [
+        "--models", "tiny-llama", "--contexts", "300", "--depths", "0.5", "--trials", "3", "--batch", "2",
+        "--policies", "uniform", "--budgets", "2", "--calibration-sequences", "2", "--calibration-tokens", "48",
+        "--root", str(root), "--run", run,
+    ]  # fmt: skip
+    for key, value in over.items():
+        argv[argv.index(f"--{key}") + 1] = value
+    return passkey.parser().parse_args(argv)
+
+
+def test_run_writes_points_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "calibration"))
+    run_dir = tmp_path / "runs" / "r"
+    (job,) = passkey.jobs(_args("r", tmp_path / "runs"))
+    assert passkey.run_model(job, run_dir, progress=lambda _: None) == 2  # baseline and uniform @ 2
+    points = sorted((run_dir / "points").glob("*.json"))
+    assert [p.name.split("__")[3] for p in points] == ["baseline", "uniform"]
+    record = json.loads(points[1].read_text())
+    assert record["status"] == "ok" and len(record["correct"]) == 3 and record["mean_bits"] == 2.0
+    assert record["compression_true"] == pytest.approx(16 / (2 + 2 * 16 / 32))  # asym g=32: 2 fp16 per group
+    stamps = [p.stat().st_mtime_ns for p in points]
+
+    calls = []
+    monkeypatch.setattr("harness.models.load_model", lambda *a, **k: calls.append(a))
+    assert passkey.run_model(job, run_dir, progress=lambda _: None) == 0  # all done: nothing loaded
+    assert calls == [] and [p.stat().st_mtime_ns for p in points] == stamps
+    (other,) = passkey.jobs(_args("r", tmp_path / "runs", trials="4"))  # other settings: other points
+    assert other.settings.digest() != job.settings.digest()
+
+
+def test_failure_rule():
+    accuracy = accuracy_table(_frame(), "m")
+    assert fail_contexts(accuracy) == {"uniform @ 2 bits": 2048, "uniform @ 4 bits": None}
+
+
+def _frame():
+    import pandas as pd
+
+    rows = []
+    for context, base, two, four in ((1024, 10, 9, 10), (2048, 8, 3, 8), (4096, 0, 0, 0)):
+        for policy, budget, correct in (("baseline", 16, base), ("uniform", 2, two), ("uniform", 4, four)):
+            rows.append(
+                dict(
+                    model="m", context=context, depth=0.5, policy=policy, budget=budget, status="ok",
+                    label=f"{policy} @ {budget:g} bits" if policy != "baseline" else "baseline (fp)",
+                    correct=correct, trials=10,
+                )
+            )  # fmt: skip
+    return pd.DataFrame(rows)
+
+
+def test_bad_options_are_one_line_errors(tmp_path):
+    with pytest.raises(ValueError, match="passkey.contexts"):
+        passkey.jobs(_args("x", tmp_path, contexts="4096"))  # tiny-llama's limit is 2048
+    with pytest.raises(ValueError, match="passkey.policies"):
+        passkey.jobs(_args("x", tmp_path, policies="entropi"))
+    with pytest.raises(ValueError, match="policy.budget"):
+        passkey.jobs(_args("x", tmp_path, budgets="1"))
+    with pytest.raises(ValueError, match="passkey.depths"):
+        passkey.jobs(_args("x", tmp_path, depths="1.5"))
+
+
+def test_report_reads_points(tmp_path):
+    points = tmp_path / "points"
+    points.mkdir()
+    for row in _frame().to_dict("records"):
+        n = row["trials"]
+        record = {
+            "status": "ok",
+            "config": {k: row[k] for k in ("model", "context", "depth", "policy", "budget")},
+            "correct": [True] * row["correct"] + [False] * (n - row["correct"]),
+        }
+        (points / f"{row['policy']}{row['budget']}{row['context']}.json").write_text(json.dumps(record))
+    frame = load_points(tmp_path)
+    assert accuracy_table(frame, "m").loc["uniform @ 2 bits", 2048] == pytest.approx(0.3)
+    from harness.passkey_report import write_report
+
+    assert [p.name for p in write_report(tmp_path)] == ["tables.md", "passkey.png"]
+    assert "| uniform @ 2 bits | 2048 |" in (tmp_path / "tables.md").read_text()

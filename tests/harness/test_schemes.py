@@ -1,0 +1,465 @@
+"""Quantization schemes (kivi, fp8, rotate+, sink tokens, residual window) against an oracle built from
+kernels/reference.py, their byte accounting by hand, and through QuantizedKVCache on tiny models."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from harness.cache import QuantizedKVCache, QuantizedSlidingLayer
+from harness.models import load_model
+from harness.quant import Scheme, check_backend, get_scheme
+from harness.validate import ConfigError, validate_config
+from kernels import reference
+
+ROOT = Path(__file__).resolve().parents[2]
+SCHEMES = ["asym_token", "sym_token", "kivi", "fp8", "rotate+asym_token", "rotate+kivi", "rotate+fp8"]
+
+
+def oracle(scheme: Scheme, x: torch.Tensor, bits: list[int], role: str) -> torch.Tensor:
+    """What a store of `scheme` returns after holding all of x (B, H, T, D), written from reference.py alone."""
+    S = min(scheme.sink_tokens, x.shape[2])
+    rest = x[:, :, S:]
+    per_channel = scheme.base == "kivi" and role == "key"
+    n_quant = max(rest.shape[2] - scheme.residual, 0)
+    if per_channel:
+        n_quant = n_quant // scheme.group_size * scheme.group_size
+    out = x.clone()
+    for h, b in enumerate(bits):
+        if b == 16:
+            continue
+        q = rest[:, h, :n_quant]  # (B, n_quant, D)
+        if scheme.rotate:
+            q = reference.hadamard_rotate(q)
+        if scheme.base == "fp8":
+            values = reference.fp8_quantize_dequantize(q, torch.float32)[2]
+        elif per_channel:
+            values = reference.channel_quantize_dequantize(q, b, scheme.group_size)[1]
+        else:
+            sym = scheme.base == "sym_token"
+            values = reference.quantize_dequantize(q, b, scheme.group_size, sym, torch.float32)[1]
+        if scheme.rotate:
+            values = reference.hadamard_rotate(values)
+        out[:, h, S : S + n_quant] = values.to(x.dtype)
+    return out
+
+
+def widths_for(scheme: str) -> list[int]:
+    return [8, 16, 8] if scheme.endswith("fp8") else [2, 16, 3, 4, 8]
+
+
+def feed(store, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
+    """Append x (B, H, T, D) in chunks of the given sizes; return the last append's values."""
+    start = 0
+    for n in chunks:
+        got = store.append(x[:, :, start : start + n])
+        start += n
+    assert start == x.shape[2]
+    return got
+
+
+# ---------------------------------------------------------------------------------------------------------
+# stores against the oracle
+
+
+@pytest.mark.parametrize("name", SCHEMES)
+@pytest.mark.parametrize("sinks, residual", [(0, None), (3, 5)])
+@pytest.mark.parametrize("role", ["key", "value"])
+def test_store_matches_oracle(name, sinks, residual, role):
+    scheme = get_scheme(name, group_size=8, sink_tokens=sinks, residual=residual)
+    bits = widths_for(name)
+    torch.manual_seed(SCHEMES.index(name) + 10 * sinks + (role == "key"))
+    x = torch.randn(2, len(bits), 45, 32) * torch.logspace(-2, 1, 32)  # channels of very different ranges
+    store = scheme.new_store(bits, 32, 2, torch.float32, "cpu", role=role)
+    unchanged = x.clone()
+    got = feed(store, x, [7, 1, 1, 19, 8, 9])
+    assert torch.equal(x, unchanged)  # a store never writes into its input
+    want = oracle(scheme, x, bits, role)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(store.dequantize(), want, rtol=1e-5, atol=1e-5)
+    assert store.length == 45 and store.nbytes_fp16() == 2 * len(bits) * 45 * 32 * 2
+    assert torch.equal(got[:, :, :sinks], x[:, :, :sinks])  # sink tokens exactly preserved
+    assert torch.equal(got[:, 1], x[:, 1])  # a 16-bit head is exact under every scheme
+
+
+def test_kivi_keys_error_is_bounded_per_channel_and_group():
+    """Each (group of g tokens, channel) gets its own asym scale: the error of a channel is at most half a step
+    of that channel's own range, which per-token quantization of channels this unequal would exceed."""
+    g, bits = 8, 4
+    torch.manual_seed(0)
+    x = torch.randn(1, 1, 40, 16) * torch.logspace(-3, 2, 16)  # (B, H, T, D)
+    store = get_scheme("kivi", group_size=g, residual=0).new_store([bits], 16, 1, torch.float32, "cpu", "key")
+    got = feed(store, x, [3, 13, 24])
+    groups = x.reshape(1, 1, 5, g, 16)
+    span = (groups.amax(3) - groups.amin(3)).repeat_interleave(g, 2)  # (1, 1, 40, 16)
+    lo = groups.amin(3).abs().repeat_interleave(g, 2)
+    bound = span / (2**bits - 1) / 2 + (span + lo) * 2.0**-10  # half a step, plus fp16 scale/zero rounding
+    assert ((got - x).abs() <= bound).all()
+    per_token = reference.fake_quantize(x, bits, 16)  # one group per token over all channels
+    assert ((per_token - x).abs() > bound).any()
+
+
+def test_hadamard_is_orthonormal_and_rotation_round_trips():
+    for n in (1, 2, 8, 64):
+        h = reference.hadamard(n)
+        torch.testing.assert_close(h @ h.T, torch.eye(n), rtol=0, atol=1e-6)
+        assert torch.equal(h, h.T) and torch.equal(h.abs(), torch.full((n, n), n**-0.5))
+    for bad in (0, 3, 96):
+        with pytest.raises(ValueError, match="power of two"):
+            reference.hadamard(bad)
+    torch.manual_seed(1)
+    x = torch.randn(3, 1, 5, 32)
+    x[..., 3] *= 40  # an outlier channel: what rotation spreads out
+    store = get_scheme("rotate+asym_token", group_size=32).new_store([2], 32, 3, torch.float32, "cpu")
+    got = store.append(x)
+    rotated = reference.hadamard_rotate(x)
+    q = reference.fake_quantize(rotated, 2, 32)
+    torch.testing.assert_close(got, reference.hadamard_rotate(q), rtol=1e-5, atol=1e-5)
+    # orthonormal: the error is the rotated-domain quantization error, and here smaller than without rotation
+    torch.testing.assert_close((got - x).norm(), (q - rotated).norm(), rtol=1e-4, atol=0)
+    assert (got - x).norm() < (reference.fake_quantize(x, 2, 32) - x).norm()
+    with pytest.raises(ValueError, match="quant.scheme: rotate\\+asym_token needs a power-of-two head_dim"):
+        get_scheme("rotate+asym_token", group_size=8).new_store([4], 24, 1, torch.float32, "cpu")
+
+
+def test_fp8_matches_torch_e4m3_cast():
+    torch.manual_seed(2)
+    x = torch.randn(2, 2, 9, 16, dtype=torch.float16) * torch.logspace(-3, 3, 9, dtype=torch.float16)[:, None]
+    store = get_scheme("fp8").new_store([8, 16], 16, 2, torch.float16, "cpu")
+    got = store.append(x)
+    scale = (x[:, 0].float().abs().amax(-1, keepdim=True) / 448).half().float()  # per (token, head)
+    want = ((x[:, 0].float() / scale).to(torch.float8_e4m3fn).float() * scale).half()
+    assert torch.equal(got[:, 0], want) and torch.equal(got[:, 1], x[:, 1])
+    assert store.nbytes() == 2 * 9 * (16 + 2) + 2 * 9 * 16 * 2  # e4m3 payload + fp16 scale; 16-bit head
+    with pytest.raises(
+        ValueError, match=r"^quant.scheme: fp8 stores quantized heads at 8 bits; got widths \[4\]"
+    ):
+        get_scheme("fp8").new_store([8, 4], 16, 1, torch.float32, "cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bytes, by hand
+
+
+def test_bytes_of_kivi_with_sinks_and_residual_by_hand():
+    # B=1, heads at [4, 16], D=16, g=8, 2 sinks, residual 4, 23 tokens: 21 after the sinks.
+    scheme = get_scheme("kivi", group_size=8, sink_tokens=2, residual=4)
+    x = torch.randn(1, 2, 23, 16)
+    keys = scheme.new_store([4, 16], 16, 1, torch.float32, "cpu", role="key")
+    values = scheme.new_store([4, 16], 16, 1, torch.float32, "cpu", role="value")
+    feed(keys, x, [5, 1, 17])
+    feed(values, x, [5, 1, 17])
+    sinks, fp_token = 2 * (2 * 16 * 2), 2 * 16 * 2  # 2 tokens x 2 heads x 16 x 2 bytes; one fp16 token
+    # keys: (21 - 4) // 8 = 2 groups quantized (16 tokens), 5 in the residual. A 4-bit group: 16 channels x
+    # (8 codes = 4 bytes + fp16 scale + fp16 zero); the 16-bit head holds its 16 tokens at 2 bytes.
+    assert keys.nbytes() == sinks + 5 * fp_token + 2 * 16 * (4 + 4) + 16 * 16 * 2 == 1216
+    # values: 17 tokens quantized per token (8 payload bytes + 2 groups of 16 x (scale + zero)), 4 residual.
+    assert values.nbytes() == sinks + 4 * fp_token + 17 * (8 + 2 * 4) + 17 * 16 * 2 == 1200
+    assert keys.nbytes_fp16() == values.nbytes_fp16() == 23 * 2 * 16 * 2
+
+
+def test_kivi_keeps_a_partly_evicted_group_and_counts_it():
+    scheme = get_scheme("kivi", group_size=8, residual=0)
+    x = torch.randn(1, 1, 16, 8)
+    store = scheme.new_store([2], 8, 1, torch.float32, "cpu", role="key")
+    store.append(x)
+    want = oracle(scheme, x, [2], "key")
+    group = 8 * (2 + 4)  # 8 channels x (8 2-bit codes = 2 bytes + fp16 scale and zero)
+    assert store.nbytes() == 2 * group
+    store.keep_last(13)  # evicts 3 tokens of the first group: the group stays stored
+    assert store.length == 13 and store.nbytes() == 2 * group
+    assert torch.equal(store.dequantize(), want[:, :, 3:])
+    store.keep_last(7)  # the first group is gone, one token of the second evicted
+    assert store.nbytes() == group and torch.equal(store.dequantize(), want[:, :, 9:])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# nasty inputs
+
+NASTY = [0.0, 1e-8, -1e-8, 3.0, -3.0, 1e4, 65504.0, -65504.0, 1e30, -1e30]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(SCHEMES),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32]),
+    values=st.lists(st.sampled_from(NASTY), min_size=1, max_size=4),
+    constant=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_no_nan_or_inf_on_nasty_inputs(name, dtype, values, constant, seed):
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor(values, dtype=torch.float32)
+    x = pool[torch.randint(0, len(values), (1, 3, 18, 16), generator=g)]
+    if constant:
+        x = x[:, :, :1, :1].expand_as(x).contiguous()
+    x = x.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype)
+    bits = [8, 16, 8] if name.endswith("fp8") else [2, 3, 8]
+    for role in ("key", "value"):
+        store = get_scheme(name, group_size=8, residual=2).new_store(bits, 16, 1, dtype, "cpu", role=role)
+        got = feed(store, x, [11, 7])
+        assert got.dtype == dtype and torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# eviction support
+
+
+@pytest.mark.parametrize("name", ["asym_token", "fp8", "rotate+sym_token"])
+def test_select_keeps_the_chosen_tokens_through_sinks_and_residual(name):
+    scheme = get_scheme(name, group_size=8, sink_tokens=2, residual=3)
+    bits = [8, 16]
+    torch.manual_seed(3)
+    x = torch.randn(2, 2, 12, 16)
+    store = scheme.new_store(bits, 16, 2, torch.float32, "cpu")
+    feed(store, x, [4, 8])  # sinks 0-1, quantized 2-8, residual 9-11
+    before = store.nbytes()
+    index = torch.tensor([[0, 1, 3, 6, 9, 10, 11], [0, 1, 2, 5, 9, 10, 11]])  # each row: 2 sinks, 3 residual
+    store.select(index)
+    full = oracle(scheme, x, bits, "value")
+    want = torch.stack([full[b, :, index[b]] for b in range(2)])  # (B, H, 7, D)
+    one_token = get_scheme(name, group_size=8).new_store(bits, 16, 1, torch.float32, "cpu")
+    one_token.append(x[:1, :, :1])
+    assert store.length == 7 and store.nbytes() == before - 2 * 5 * one_token.nbytes()  # 5 quantized evicted
+    torch.testing.assert_close(store.dequantize(), want, rtol=1e-5, atol=1e-6)
+    new = torch.randn(2, 2, 1, 16)
+    got = store.append(new)  # token 9 leaves the residual for quantized storage
+    moved = oracle(get_scheme(name, group_size=8, sink_tokens=2, residual=2), x, bits, "value")[:, :, 9]
+    torch.testing.assert_close(got[:, :, 4], moved, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[:, :, [5, 6]], x[:, :, [10, 11]]) and torch.equal(got[:, :, 7:], new)
+    with pytest.raises(NotImplementedError, match="batch rows keep different numbers"):
+        store.select(torch.tensor([[0, 1, 2, 3], [0, 2, 3, 4]]))
+
+
+def test_kivi_keys_cannot_evict_single_tokens():
+    store = get_scheme("kivi", group_size=8, residual=0).new_store([4], 16, 1, torch.float32, "cpu", "key")
+    store.append(torch.randn(1, 1, 16, 16))
+    with pytest.raises(NotImplementedError, match="kivi keys are quantized per channel"):
+        store.select(torch.tensor([[0, 2, 5]]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# through QuantizedKVCache on tiny models
+
+CACHE_CASES = [(name, {}) for name in SCHEMES] + [
+    ("kivi", dict(sink_tokens=3, residual=4)),
+    ("rotate+fp8", dict(sink_tokens=2, residual=1)),
+    ("sym_token", dict(sink_tokens=5)),
+]
+CASE_IDS = [name + "".join(f"-{k}{v}" for k, v in opts.items()) for name, opts in CACHE_CASES]
+
+
+def chunked_logits(model, ids, cache, chunk):
+    """Logits of ids (B, T) fed in chunks through `cache`: (B, T, V)."""
+    out = []
+    for s in range(0, ids.shape[1], chunk):
+        out.append(model(input_ids=ids[:, s : s + chunk], past_key_values=cache, use_cache=True).logits)
+    return torch.cat(out, 1)
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
+def tiny(request):
+    return load_model(request.param)[0]
+
+
+@torch.no_grad()
+def test_sixteen_bits_and_all_sink_tokens_equal_dynamic_cache(tiny):
+    torch.manual_seed(4)
+    ids = torch.randint(0, 256, (1, 29))  # longer than tiny-gemma3's window of 16
+    ref = chunked_logits(tiny, ids, DynamicCache(config=tiny.config), chunk=10)
+    for name, opts in CACHE_CASES:
+        cache = QuantizedKVCache(tiny.config, 16, scheme=name, group_size=8, prefill="quantized", **opts)
+        assert torch.equal(chunked_logits(tiny, ids, cache, chunk=10), ref), (name, opts)
+        low = 8 if name.endswith("fp8") else 2
+        sinks = QuantizedKVCache(
+            tiny.config, low, scheme=name, group_size=8, prefill="quantized", sink_tokens=37
+        )
+        assert torch.equal(chunked_logits(tiny, ids, sinks, chunk=10), ref), (name, "sinks")
+
+
+@pytest.mark.parametrize("name, opts", CACHE_CASES, ids=CASE_IDS)
+@torch.no_grad()
+def test_cache_returns_the_schemes_oracle_at_low_bits(name, opts):
+    model, _ = load_model("tiny-llama")
+    bits = torch.tensor(
+        [[8, 16, 8], [16, 8, 8], [8, 8, 16]] if name.endswith("fp8") else [[2, 4, 16], [8, 3, 2], [16, 4, 4]]
+    )
+    torch.manual_seed(5)
+    prompt = torch.randint(0, 256, (2, 21))
+    dyn = DynamicCache(config=model.config)
+    model(input_ids=prompt, past_key_values=dyn, use_cache=True)
+    cache = QuantizedKVCache(model.config, bits, scheme=name, group_size=8, **opts)  # exact prefill
+    model(input_ids=prompt, past_key_values=cache, use_cache=True)  # stores the K/V DynamicCache holds
+    scheme = cache.scheme
+    for i, (ref, layer) in enumerate(zip(dyn.layers, cache.layers)):
+        k_new, v_new = torch.randn(2, 3, 19, 32), torch.randn(2, 3, 19, 32)  # 40 tokens: kivi quantizes 8
+        keys, values = layer.update(k_new, v_new)
+        widths = bits[i].tolist()
+        want_k = oracle(scheme, torch.cat([ref.keys, k_new], 2), widths, "key")
+        want_v = oracle(scheme, torch.cat([ref.values, v_new], 2), widths, "value")
+        torch.testing.assert_close(keys, want_k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(values, want_v, rtol=1e-5, atol=1e-5)
+    assert 0 < cache.nbytes() < cache.nbytes_fp16() == 3 * 2 * 2 * 40 * 3 * 32 * 2
+
+
+SLIDING_CASES = [("kivi", 0), ("asym_token", 3), ("rotate+kivi", 2)]  # (scheme, sink tokens), residual 2
+
+
+@pytest.mark.parametrize("name, sinks", SLIDING_CASES, ids=[c[0] for c in SLIDING_CASES])
+@torch.no_grad()
+def test_sliding_layers_return_the_oracle_window(name, sinks):
+    model, _ = load_model("tiny-gemma3")
+    window = model.config.sliding_window  # 16: a sliding layer holds the last 15 tokens
+    cache = QuantizedKVCache(
+        model.config, 4, scheme=name, group_size=8, prefill="quantized", residual=2, sink_tokens=sinks
+    )
+    torch.manual_seed(6)
+    xk, xv = torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32)
+    for layer in cache.layers:
+        seen = 0
+        for n in (5, 9, 1, 1, 13, 11):
+            keys, values = layer.update(xk[:, :, seen : seen + n], xv[:, :, seen : seen + n])
+            held = min(seen, window - 1) if isinstance(layer, QuantizedSlidingLayer) else seen
+            seen += n
+            assert keys.shape[2] == values.shape[2] == held + n
+            want_k = oracle(cache.scheme, xk[:, :, :seen], [4, 4], "key")[:, :, seen - held - n :]
+            want_v = oracle(cache.scheme, xv[:, :, :seen], [4, 4], "value")[:, :, seen - held - n :]
+            torch.testing.assert_close(keys, want_k, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(values, want_v, rtol=1e-5, atol=1e-5)
+    if name == "kivi":
+        # 40 tokens, g = 8, residual 2: keys 0-31 quantized in 4 groups, 32-39 unquantized; the window holds
+        # 25-39, so one group (24-31, token 24 evicted) stays, counted whole: 2 heads x 32 channels x (8 4-bit
+        # codes = 4 bytes + fp16 scale and zero), plus 8 tokens x 2 heads x 32 x 2 bytes. Values: 25-37
+        # quantized per token (2 heads x (16 payload bytes + 4 groups x 4 bytes)), 38-39 unquantized.
+        sliding = cache.layers[0]
+        assert sliding.k_store.nbytes() == 2 * 32 * (4 + 4) + 8 * 2 * 32 * 2 == 1536
+        assert sliding.v_store.nbytes() == 13 * 2 * (16 + 4 * 4) + 2 * 2 * 32 * 2 == 1088
+
+
+@torch.no_grad()
+def test_from_prefilled_sliding_window_past_its_sinks_matches_the_update_path():
+    """A prefilled sliding window that already dropped the sequence's first tokens holds no sink tokens."""
+    model, _ = load_model("tiny-gemma3")
+    torch.manual_seed(7)
+    ids = torch.randint(0, 256, (1, 40))  # past tiny-gemma3's window of 16
+    dyn = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=dyn, use_cache=True)
+    options = dict(scheme="asym_token", group_size=8, sink_tokens=2)
+    prefilled = QuantizedKVCache.from_prefilled(dyn, model.config, 4, **options)
+    updated = QuantizedKVCache(model.config, 4, prefill="exact", **options)
+    model(input_ids=ids, past_key_values=updated, use_cache=True)
+    assert prefilled.nbytes() == updated.nbytes()
+    for a, b in zip(prefilled.layers, updated.layers):
+        torch.testing.assert_close(a.k_store.dequantize(), b.k_store.dequantize(), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# backends, configuration and the command line
+
+
+def test_triton_only_for_plain_token_schemes():
+    assert check_backend(get_scheme("asym_token"), "auto") == "auto"
+    for scheme in (
+        get_scheme("kivi"),
+        get_scheme("sym_token", sink_tokens=4),
+        get_scheme("rotate+asym_token"),
+    ):
+        assert check_backend(scheme, "auto") == check_backend(scheme, "torch") == "torch"
+        with pytest.raises(ValueError, match="^quant.backend: triton supports only asym_token and sym_token"):
+            check_backend(scheme, "triton")
+    model, _ = load_model("tiny-llama")
+    assert (
+        QuantizedKVCache(model.config, 4, scheme="asym_token", residual=3, backend="auto").backend == "torch"
+    )
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["quant=fp8", "policy.widths=[2,4]"],
+            r"^quant.scheme: fp8 stores quantized heads at 8 bits; got widths \[2, 4\]",
+        ),
+        (["quant.sink_tokens=-1"], r"^quant.sink_tokens: -1 is not a non-negative integer"),
+        (["quant.residual=1.5"], r"^quant.residual: 1.5 is not a non-negative integer"),
+        (["quant.scheme=rotate+int4"], r"^quant.scheme: unknown 'rotate\+int4'.*; allowed: asym_token, "),
+        (["quant=kivi", "quant.group_size=12"], r"^quant.group_size: 12 with kivi.*allowed: a multiple of 8"),
+        (
+            ["quant=kivi", "quant.backend=triton"],
+            r"^quant.backend: triton supports only asym_token and sym_token",
+        ),
+    ],
+)
+def test_bad_scheme_options_give_one_line_naming_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        validate_config(compose_cfg(*overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_points_carry_each_schemes_residual():
+    points = validate_config(compose_cfg("+sweep=smoke", "sweep.schemes=[asym_token,kivi,rotate+kivi]"))
+    assert {(p["scheme"], p["residual"], p["sink_tokens"]) for p in points} == {
+        ("asym_token", 0, 0),
+        ("kivi", 32, 0),
+        ("rotate+kivi", 32, 0),
+    }
+    assert {p["residual"] for p in validate_config(compose_cfg("quant=kivi", "quant.residual=4"))} == {4}
+    point = validate_config(
+        compose_cfg("quant=fp8", "policy=uniform", "policy.budget=8", "policy.widths=[8]")
+    )[0]
+    assert (point["scheme"], point["residual"]) == ("fp8", 0)
+
+
+def harness(*args, run_dir):
+    return subprocess.run(
+        [sys.executable, "-m", "harness", *args, f"run_dir={run_dir}", "tracking.wandb.mode=disabled"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_command_runs_kivi_with_sinks(tmp_path):
+    proc = harness(
+        "model=tiny-llama",
+        "eval=tiny",
+        "quant=kivi",
+        "quant.group_size=8",
+        "quant.residual=4",
+        "quant.sink_tokens=2",
+        "policy=uniform",
+        "policy.budget=2",
+        "eval.num_prompts=2",
+        "eval.new_tokens=4",
+        "eval.num_sequences=1",
+        "eval.sequence_tokens=32",
+        run_dir=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import pandas as pd
+
+    rows = pd.read_parquet(tmp_path / "results.parquet").set_index("policy")
+    row = rows.loc["uniform"]
+    assert (row["status"], row["scheme"], row["residual"], row["sink_tokens"]) == ("ok", "kivi", 4, 2)
+    # fp16 sinks, residual and the partial key group cost bytes: true compression stays below nominal (8x)
+    assert 1 < row["compression_true"] < row["compression_nominal"] == 8
+
+
+def test_command_rejects_fp8_with_other_widths(tmp_path):
+    proc = harness("quant=fp8", "policy.widths=[2,4]", run_dir=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: quant.scheme: fp8"), proc.stderr
+    assert not any(tmp_path.iterdir())
