@@ -7,7 +7,11 @@ calls. Per decoder layer it holds:
   window), quantize-on-write;
 - sliding window: a `QuantizedSlidingLayer`, which keeps the model's window, as DynamicSlidingWindowLayer does;
 - linear attention (conv / recurrent state): the model's own `LinearAttentionLayer`, unquantized and
-  reported apart (`linear_state_nbytes`).
+  reported apart (`linear_state_nbytes`);
+- a layer that reuses another layer's K/V (Gemma 4's KV sharing; transformers' "dummy" type): the model's
+  `DummyLayer`, which stores nothing.
+Widths: `bits` is [num_layers, max KV heads of a layer] (`kv_heads`); a layer with fewer KV heads (Gemma 4's
+global layers) uses the first entries of its row, the rest is padding that is never stored.
 Reads go through the quantized form: `update` returns the dequantized values of everything stored, the new
 tokens included (quantize-on-write), except with `prefill="exact"`, where the first call (the prompt) attends
 its own full-precision K/V, as a prefill computed once in full precision and then stored quantized would.
@@ -41,6 +45,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
     get_layer_types_and_kwargs,
 )
+from transformers.configuration_utils import get_head_shapes
 
 from harness.quant import Scheme, check_backend, get_scheme
 from harness.stores import SinkStore
@@ -81,6 +86,16 @@ def resolve_backend(
             f"quant.backend: triton needs CUDA tensors (or TRITON_INTERPRET=1); got {device.type}"
         )
     return "triton"
+
+
+def kv_heads(config) -> list[int]:
+    """KV heads of each decoder layer, from its per-layer config as transformers reads it (get_head_shapes).
+
+    Layers without a KV cache of their own (linear attention, KV sharing) still report their config's count.
+    """
+    text_config = config.get_text_config(decoder=True)
+    counts, _ = get_head_shapes(text_config)
+    return counts if isinstance(counts, list) else [counts] * text_config.num_hidden_layers
 
 
 class DecodeStep:
@@ -251,7 +266,8 @@ class QuantizedSlidingLayer(QuantizedLayer):
 
 
 class QuantizedKVCache(Cache):
-    """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, num_kv_heads], or one int for all).
+    """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, max(kv_heads(config))], rows of
+    layers with fewer KV heads padded; or one int for all).
 
     `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens` and
     `residual` (None: the scheme's default) are harness.quant.Scheme's.
@@ -274,18 +290,23 @@ class QuantizedKVCache(Cache):
             raise ValueError(f"quant.backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
         text_config = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text_config)
-        n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        heads = kv_heads(config)
         if isinstance(bits, int):
-            bits = torch.full((len(types), n_kv), bits, dtype=torch.long)
-        if tuple(bits.shape) != (len(types), n_kv):
+            bits = torch.full((len(types), max(heads)), bits, dtype=torch.long)
+        if tuple(bits.shape) != (len(types), max(heads)):
             raise ValueError(
-                f"bits: shape {tuple(bits.shape)} does not match the model's ({len(types)}, {n_kv})"
+                f"bits: shape {tuple(bits.shape)} does not match the model's ({len(types)}, {max(heads)}) "
+                "(layers, most KV heads of a layer)"
             )
         self.scheme = get_scheme(scheme, group_size, sink_tokens, residual)
-        self.scheme.check_widths(bits.unique().tolist())
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         self.bits = bits.clone()
-        layers = [self._layer(t, kw, bits[i].tolist()) for i, (t, kw) in enumerate(zip(types, kwargs))]
+        layers = [
+            self._layer(t, kw, bits[i, : heads[i]].tolist()) for i, (t, kw) in enumerate(zip(types, kwargs))
+        ]  # each layer's own KV heads: the rest of its row is padding
+        self.scheme.check_widths(
+            [b for layer in layers if isinstance(layer, QuantizedLayer) for b in layer.bits]
+        )
         super().__init__(layers=layers)
 
     def _layer(self, layer_type: str, kwargs: dict, bits: list[int]):

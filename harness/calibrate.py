@@ -3,7 +3,9 @@
 For layer l, query head h and query position i, p is the post-softmax attention row over the keys the mask
 lets position i see (causal and sliding-window masks included). Rényi order 2: H2(p) = -ln(sum_j p_j^2);
 Shannon: H1(p) = -sum_j p_j ln p_j (nats). A head's value is the mean over query positions i >= i0 and over
-the calibration sequences. Linear-attention layers have no attention rows and no KV cache: no rows here.
+the calibration sequences. Linear-attention layers have no attention rows and no KV cache, and layers that
+reuse another layer's K/V (Gemma 4's KV sharing) no cache of their own: no rows here. Under GQA query head
+h of layer l reads KV head h // (Hq / Hkv(l)); Gemma 4's global layers have fewer KV heads than its sliding.
 
 The probabilities come from each model's own eager attention function (so softcapping, sinks and masks are the
 model's), called through a registered attention implementation that records statistics and discards the
@@ -20,22 +22,29 @@ from pathlib import Path
 import pandas as pd
 import torch
 from transformers import AttentionInterface
+from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
+from harness.cache import kv_heads
+
 PROBE = "harness_entropy_probe"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: no rows for KV-shared layers
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "sliding"}
 
 
 def layer_types(config) -> list[str]:
-    """'full', 'sliding' or 'linear' per decoder layer ('linear' = any layer without a KV cache)."""
-    config = config.get_text_config(decoder=True)
-    n = config.num_hidden_layers
-    types = getattr(config, "layer_types", None)
-    if types is None:
-        kind = "sliding" if getattr(config, "sliding_window", None) else "full"
-        return [kind] * n
+    """'full', 'sliding' or 'linear' per decoder layer, from the cache layer types transformers gives it
+    (get_layer_types_and_kwargs). 'linear' = any layer without a KV cache of its own: linear attention, or a
+    layer that reuses another layer's K/V (KV sharing)."""
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     return [LAYER_TYPES.get(t, "linear") for t in types]
+
+
+def table_attrs(config) -> dict:
+    """An entropy table's attrs: num_layers, num_kv_heads (the most of any layer: an allocation's width) and
+    kv_heads (per layer; a layer with fewer KV heads pads its allocation row)."""
+    heads = kv_heads(config)
+    return dict(num_layers=len(heads), num_kv_heads=max(heads), kv_heads=heads)
 
 
 class _Recorder:
@@ -84,7 +93,7 @@ def head_entropies(
 
     Rows: query positions i >= i0, or only the listed `positions` (the claim protocol's few rows; i0 unused).
 
-    Returns columns layer, layer_type, q_head, kv_head, H2, H1, n_positions; attrs num_layers, num_kv_heads.
+    Returns columns layer, layer_type, q_head, kv_head, H2, H1, n_positions; attrs as `table_attrs`.
     """
     if positions is not None and not all(0 <= i < input_ids.shape[1] for i in positions):
         raise ValueError(f"calibration: positions {positions} must lie in [0, {input_ids.shape[1]})")
@@ -92,12 +101,7 @@ def head_entropies(
         raise ValueError(
             f"calibration: sequences of {input_ids.shape[1]} tokens leave no query position >= i0={i0}"
         )
-    config = model.config.get_text_config(decoder=True)
-    kinds = layer_types(model.config)
-    n_q, n_kv = (
-        config.num_attention_heads,
-        getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-    )
+    kinds, n_kv = layer_types(model.config), kv_heads(model.config)
     recorder = _Recorder(i0, positions)
     previous = model.config._attn_implementation
     model.set_attn_implementation(PROBE)
@@ -110,6 +114,9 @@ def head_entropies(
         model.set_attn_implementation(previous)
     rows = []
     for layer, stats in sorted(recorder.sums.items()):
+        if kinds[layer] == "linear":
+            continue  # attends another layer's K/V (KV sharing): no cache of its own
+        n_q = stats.shape[1]
         for h in range(n_q):
             count = int(stats[2, h])
             rows.append(
@@ -117,14 +124,14 @@ def head_entropies(
                     layer=layer,
                     layer_type=kinds[layer],
                     q_head=h,
-                    kv_head=h // (n_q // n_kv),
+                    kv_head=h // (n_q // n_kv[layer]),
                     H2=float(stats[0, h] / count),
                     H1=float(stats[1, h] / count),
                     n_positions=count,
                 )
             )
     table = pd.DataFrame(rows)
-    table.attrs.update(num_layers=len(kinds), num_kv_heads=n_kv)
+    table.attrs.update(table_attrs(model.config))
     return table
 
 
@@ -147,9 +154,5 @@ def cached_head_entropies(model, model_name: str, input_ids: torch.Tensor, i0: i
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         table.to_parquet(tmp)
         tmp.replace(path)
-    config = model.config.get_text_config(decoder=True)
-    table.attrs.update(
-        num_layers=config.num_hidden_layers,
-        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-    )
+    table.attrs.update(table_attrs(model.config))
     return table

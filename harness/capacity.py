@@ -255,22 +255,24 @@ def shape_from_preset(name: str) -> ModelShape:
 
 def layer_bits(shape: ModelShape, bits) -> list[list[int]]:
     """Widths per layer and KV head from one int, or per layer (a [L, H] tensor or nested lists; rows of layers
-    without a KV cache are ignored, so a harness.policies.Allocation's bits fit)."""
+    without a KV cache are ignored, and a row as long as the most KV heads of a cached layer is padding past
+    the layer's own heads, so a harness.policies.Allocation's bits fit)."""
     if isinstance(bits, int) and not isinstance(bits, bool):
         return [[bits] * layer.kv_heads for layer in shape.layers]
     rows = bits.tolist() if hasattr(bits, "tolist") else [list(row) for row in bits]
     if len(rows) != len(shape.layers):
         raise ValueError(f"bits: {len(rows)} rows for a model of {len(shape.layers)} layers")
+    width = max((layer.kv_heads for layer in shape.layers if layer.cached), default=0)  # padded rows
     out = []
     for i, (row, layer) in enumerate(zip(rows, shape.layers)):
         if not layer.cached:
             out.append([])
             continue
-        if len(row) != layer.kv_heads:
+        if len(row) not in (layer.kv_heads, width):
             raise ValueError(
                 f"bits: layer {i} has {layer.kv_heads} KV heads but {len(row)} widths were given"
             )
-        out.append([int(b) for b in row])
+        out.append([int(b) for b in row[: layer.kv_heads]])
     return out
 
 

@@ -181,13 +181,13 @@ def sequence_nll(model, ids):
 
 def architecture(config) -> str:
     """The claim's architecture label: standard or hybrid (which layer kinds), + GQA when KV heads are shared."""
+    from harness.cache import kv_heads
     from harness.calibrate import layer_types
 
     kinds = sorted(set(layer_types(config)))
     text = config.get_text_config(decoder=True)
-    n_kv = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     label = "standard" if kinds == ["full"] else f"hybrid ({' + '.join(kinds)})"
-    return label + (" + GQA" if n_kv < text.num_attention_heads else "")
+    return label + (" + GQA" if min(kv_heads(config)) < text.num_attention_heads else "")
 
 
 def measure(model, s: ClaimSettings, ids) -> list[dict]:

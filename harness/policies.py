@@ -46,7 +46,7 @@ TOLERANCE = 1e-9  # bits: float slack when comparing an integer total with budge
 class Allocation:
     """One policy's bits per (layer, KV head) and how it got there."""
 
-    bits: torch.Tensor  # int64 [num_layers, num_kv_heads]; 16 = unquantized; uncached rows hold 0
+    bits: torch.Tensor  # int64 [num_layers, num_kv_heads]; 16 = unquantized; uncached rows and padding hold 0
     mean_bits: float  # realized mean over the cached heads (sinks count 16)
     sinks: torch.Tensor  # bool [num_layers, num_kv_heads]
     continuous: torch.Tensor  # float64 [num_layers, num_kv_heads]; pre-rounding b_h, NaN for sinks/uncached
@@ -158,10 +158,25 @@ def _table_shape(attrs: dict, layer: torch.Tensor, kv_head: torch.Tensor) -> tup
     return num_layers, num_kv_heads
 
 
+def _real_heads(attrs: dict, num_layers: int, num_kv_heads: int) -> torch.Tensor:
+    """bool [num_layers, num_kv_heads]: each layer l's first attrs["kv_heads"][l] heads (all, without it)."""
+    if "kv_heads" not in attrs:
+        return torch.ones(num_layers, num_kv_heads, dtype=torch.bool)
+    counts = torch.tensor([int(n) for n in attrs["kv_heads"]], dtype=torch.int64)  # [L]
+    if len(counts) != num_layers or not ((counts >= 0) & (counts <= num_kv_heads)).all():
+        raise ValueError(
+            f"entropy table: kv_heads {list(attrs['kv_heads'])} do not fit num_layers={num_layers}, "
+            f"num_kv_heads={num_kv_heads}"
+        )
+    return torch.arange(num_kv_heads)[None, :] < counts[:, None]
+
+
 def kv_head_entropy(entropy: pd.DataFrame, entropy_key: str = "H2", aggregate: str = "mean") -> torch.Tensor:
     """float64 [num_layers, num_kv_heads]: each KV head's entropy, aggregated over its query heads.
 
-    Layers without rows (no KV cache) are NaN; a cached layer must have rows for every KV head.
+    Layers without rows (no KV cache) are NaN, and so is the padding of a layer with fewer KV heads than
+    num_kv_heads (attrs kv_heads: KV heads per layer, as harness.calibrate writes); a cached layer must have
+    rows for every KV head it has.
     """
     if entropy_key not in ENTROPY_KEYS:
         raise ValueError(_unknown("policy.entropy_key", entropy_key, ENTROPY_KEYS))
@@ -176,11 +191,14 @@ def kv_head_entropy(entropy: pd.DataFrame, entropy_key: str = "H2", aggregate: s
     if not torch.isfinite(values).all():
         raise ValueError(f"entropy table: {entropy_key} has non-finite values")
     num_layers, num_kv_heads = _table_shape(entropy.attrs, layer, kv_head)
+    real = _real_heads(entropy.attrs, num_layers, num_kv_heads)  # [L, Hkv]
+    if not real[layer, kv_head].all():
+        raise ValueError("entropy table: rows for KV heads beyond their layer's kv_heads")
     out = torch.full((num_layers * num_kv_heads,), math.nan, dtype=torch.float64)
     reduce = "mean" if aggregate == "mean" else "amin"
     out = out.scatter_reduce(0, layer * num_kv_heads + kv_head, values, reduce, include_self=False)
     out = out.view(num_layers, num_kv_heads)  # [L, Hkv]
-    if torch.isnan(out[layer.unique()]).any():
+    if (torch.isnan(out) & real)[layer.unique()].any():
         raise ValueError("entropy table: a layer with rows lacks rows for some of its KV heads")
     return out
 

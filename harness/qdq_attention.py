@@ -30,7 +30,7 @@ UNQUANTIZED = 16
 class QDQSpec:
     """What the QDQ attention applies: widths per (layer, KV head), scheme, and the optional top-k mask."""
 
-    bits: torch.Tensor  # int64 [num_layers, num_kv_heads]; 16 = unquantized
+    bits: torch.Tensor  # int64 [num_layers, num_kv_heads]; 16 = unquantized; padded past a layer's Hkv
     group_size: int = 32
     symmetric: bool = False
     topk_factor: int | None = None  # keep ceil(visible / topk_factor) weights per attention row
@@ -66,7 +66,7 @@ _ACTIVE: list[QDQSpec] = []
 def _qdq_attention(module, query, key, value, attention_mask, **kwargs):
     """query (B, Hq, Tq, D), key/value (B, Hkv, Tk, D) -> (output (B, Tq, Hq, D), weights (B, Hq, Tq, Tk))."""
     spec = _ACTIVE[-1]
-    bits = spec.bits[module.layer_idx].tolist()
+    bits = spec.bits[module.layer_idx, : key.shape[1]].tolist()  # past its Hkv heads a row is padding
     key = qdq_heads(key, bits, spec.group_size, spec.symmetric)
     value = qdq_heads(value, bits, spec.group_size, spec.symmetric)
     eager = sys.modules[type(module).__module__].eager_attention_forward

@@ -40,11 +40,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from harness.calibrate import cache_dir
+from harness.cache import kv_heads
+from harness.calibrate import cache_dir, layer_types
 from harness.quant import Scheme
 
 PROBE = "harness_sensitivity_probe"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: no rows for KV-shared layers
 UNQUANTIZED = 16
 Quantizer = Callable[[torch.Tensor, int, str], torch.Tensor]  # (x (B, Hkv, T, D), width, role) -> same shape
 
@@ -61,10 +62,13 @@ def scheme_quantizer(scheme: Scheme) -> Quantizer:
 
 
 class _Meter:
-    """Squared output errors (per KV head and width) and squared outputs (per KV head), summed per layer."""
+    """Squared output errors (per KV head and width) and squared outputs (per KV head), summed per layer.
 
-    def __init__(self, quantize: Quantizer, widths: Sequence[int]):
-        self.quantize, self.widths = quantize, list(widths)
+    Only `layers` (those with a KV cache of their own) are measured; the others just attend.
+    """
+
+    def __init__(self, quantize: Quantizer, widths: Sequence[int], layers: set[int]):
+        self.quantize, self.widths, self.layers = quantize, list(widths), layers
         self.error: dict[int, torch.Tensor] = {}  # layer -> (Hkv, |W|) float64
         self.norm: dict[int, torch.Tensor] = {}  # layer -> (Hkv,) float64
 
@@ -75,6 +79,8 @@ class _Meter:
         attention.
         """
         out = attend(query, key, value)[0]  # (B, T, Hq, D)
+        if layer not in self.layers:  # reads another layer's K/V (KV sharing): nothing of its own to store
+            return out
         n_kv = key.shape[1]
         assert out.shape[2] == query.shape[1], f"attention output {tuple(out.shape)} is not (B, T, Hq, D)"
         grouped = out.double().unflatten(2, (n_kv, -1))  # (B, T, Hkv, g, D)
@@ -95,9 +101,9 @@ class _Meter:
     def table(self, num_layers: int, num_kv_heads: int) -> pd.DataFrame:
         rows = []
         for layer in sorted(self.error):
-            ratio = self.error[layer] / self.norm[layer][:, None]  # (Hkv, |W|)
+            ratio = self.error[layer] / self.norm[layer][:, None]  # (Hkv(layer), |W|)
             relative = torch.where(self.error[layer] == 0, 0.0, ratio).sqrt()
-            for h in range(num_kv_heads):
+            for h in range(len(relative)):
                 for j, width in enumerate(self.widths):
                     rows.append(dict(layer=layer, kv_head=h, bits=width, error=float(relative[h, j])))
         table = pd.DataFrame(rows, columns=["layer", "kv_head", "bits", "error"])
@@ -120,11 +126,10 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, eager_mask)
 
 
 def _cache_shape(model) -> tuple[int, int]:
-    """(num_layers, num_kv_heads) of the model's decoder: the shape of an allocation."""
-    config = model.config.get_text_config(decoder=True)
-    return config.num_hidden_layers, getattr(
-        config, "num_key_value_heads", None
-    ) or config.num_attention_heads
+    """(num_layers, most KV heads of a layer) of the model's decoder: the shape of an allocation (layers with
+    fewer KV heads pad their rows)."""
+    heads = kv_heads(model.config)
+    return len(heads), max(heads)
 
 
 def _quantized_widths(widths: Sequence[int]) -> list[int]:
@@ -143,12 +148,14 @@ def head_sensitivity(
     """The proxy error of every cached (layer, KV head) at every quantized width in `widths`, on input_ids.
 
     input_ids: (S, T), fed batch_size sequences at a time. Returns columns layer, kv_head, bits, error (one
-    row per head and width; 16 is never measured: its error is 0); attrs num_layers, num_kv_heads. Layers
-    without attention (linear) have no rows.
+    row per head and width; 16 is never measured: its error is 0); attrs num_layers, num_kv_heads (the most of
+    any layer). Layers without a KV cache of their own (linear attention, KV sharing) have no rows; a layer
+    has rows for its own KV heads only.
     """
     widths = _quantized_widths(widths)
     scheme.check_widths(widths)
-    meter = _Meter(scheme_quantizer(scheme), widths)
+    cached = {i for i, kind in enumerate(layer_types(model.config)) if kind != "linear"}
+    meter = _Meter(scheme_quantizer(scheme), widths, cached)
     previous = model.config._attn_implementation
     model.set_attn_implementation(PROBE)
     _ACTIVE.append(meter)

@@ -1,9 +1,11 @@
 """Every architecture of the claim, as a tiny random model, through calibrate -> allocate -> cache -> metrics.
 
 gpt2 (no GQA), qwen2 (GQA), qwen3_5 (linear + full attention: only full layers are cached), gemma3 (sliding +
-full) and gemma4 (sliding + global, the global layers with a wider head). test_cache.py and test_calibrate.py
-check each piece in depth; here each model runs the whole chain with an entropy + sinks allocation, greedy
-generate() through QuantizedKVCache, the bytes it holds counted by hand, and the generation metrics.
+full), gemma4 (sliding + global, the global layers with a wider head) and gemma4-kv (global layers with fewer
+KV heads than sliding ones, and KV-shared layers without a cache of their own). test_cache.py and
+test_calibrate.py check each piece in depth; here each model runs the whole chain with an entropy + sinks
+allocation, greedy generate() through QuantizedKVCache, the bytes it holds counted by hand, and the generation
+metrics.
 """
 
 import pytest
@@ -11,12 +13,12 @@ import torch
 from transformers import DynamicCache
 
 from harness import metrics
-from harness.cache import QuantizedKVCache, QuantizedLayer
+from harness.cache import QuantizedKVCache, QuantizedLayer, kv_heads
 from harness.calibrate import head_entropies, layer_types
 from harness.models import load_model
 from harness.policies import allocate
 
-ARCHS = ["tiny-gpt2", "tiny-qwen2", "tiny-qwen3_5", "tiny-gemma3", "tiny-gemma4"]
+ARCHS = ["tiny-gpt2", "tiny-qwen2", "tiny-qwen3_5", "tiny-gemma3", "tiny-gemma4", "tiny-gemma4-kv"]
 PROMPT, NEW, GROUP = 18, 8, 16  # prompt + new tokens run past the sliding window of 16
 GENERATE = dict(
     max_new_tokens=NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True, output_logits=True
@@ -27,11 +29,6 @@ GENERATE = dict(
 def arch(request):
     model, tokenizer = load_model(request.param)
     return request.param, model, tokenizer
-
-
-def heads(model) -> tuple[int, int]:
-    text = model.config.get_text_config(decoder=True)
-    return text.num_attention_heads, getattr(text, "num_key_value_heads", None) or text.num_attention_heads
 
 
 def head_dims(model) -> dict[int, int]:
@@ -52,22 +49,26 @@ def test_calibrate_allocate_generate_and_measure(arch):
     name, model, tokenizer = arch
     kinds = layer_types(model.config)
     cached = [i for i, k in enumerate(kinds) if k != "linear"]
-    n_q, n_kv = heads(model)
+    n_q, n_kv = model.config.get_text_config(decoder=True).num_attention_heads, kv_heads(model.config)
+    if name == "tiny-gemma4-kv":  # the config does what it says: fewer global KV heads, two KV-shared layers
+        assert n_kv == [2, 2, 1, 2, 1] and kinds == ["sliding", "sliding", "full", "linear", "linear"]
     torch.manual_seed(len(name))
 
     table = head_entropies(model, torch.randint(0, 256, (2, 40)), i0=8)
-    assert sorted(table.layer.unique()) == cached, name  # rows only for layers with a KV cache
+    assert sorted(table.layer.unique()) == cached, name  # rows only for layers with a KV cache of their own
     assert (table.groupby("layer").size() == n_q).all()
     assert table.layer_type.tolist() == [kinds[i] for i in table.layer]
-    assert (table.kv_head == table.q_head // (n_q // n_kv)).all()
+    assert (table.kv_head == table.q_head // (n_q // table.layer.map(n_kv.__getitem__))).all()
 
     # One sink head; budget_mode=claim puts the 3-bit budget on the others, so even 2 cached heads can pay for it.
-    n = len(cached) * n_kv
+    n = sum(n_kv[i] for i in cached)
     alloc = allocate(
         table, 3, "entropy", alpha=2.0, sink_fraction=1 / n, widths=(2, 3, 4, 8), budget_mode="claim"
     )
-    assert alloc.bits.shape == (len(kinds), n_kv)
-    assert (alloc.bits.sum(1) > 0).tolist() == [k != "linear" for k in kinds]
+    assert alloc.bits.shape == (len(kinds), max(n_kv))
+    # a layer's own KV heads are cached, the padding of a layer with fewer is not, nor layers without a cache
+    assert alloc.cached.sum(1).tolist() == [n_kv[i] if k != "linear" else 0 for i, k in enumerate(kinds)]
+    assert all(alloc.cached[i, : n_kv[i]].all() for i in cached)
     assert int(alloc.sinks.sum()) == 1 and (alloc.bits[alloc.sinks] == 16).all()
     lowest = table.groupby(["layer", "kv_head"]).H2.mean().idxmin()  # the sink is the lowest-entropy KV head
     assert alloc.sinks[lowest].item()
@@ -92,8 +93,8 @@ def test_calibrate_allocate_generate_and_measure(arch):
         )
         assert cache.layers[layer].k_store.length == held, (name, layer)
         dim = head_dims(model)[layer]
-        want += 2 * store_bytes(alloc.bits[layer].tolist(), dim, held, batch=2)
-        want_fp16 += 2 * 2 * held * n_kv * dim * 2
+        want += 2 * store_bytes(alloc.bits[layer, : n_kv[layer]].tolist(), dim, held, batch=2)
+        want_fp16 += 2 * 2 * held * n_kv[layer] * dim * 2
     assert cache.nbytes() == want and cache.nbytes_fp16() == want_fp16, name
     assert [isinstance(layer, QuantizedLayer) for layer in cache.layers] == [k != "linear" for k in kinds]
 

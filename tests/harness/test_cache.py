@@ -79,6 +79,32 @@ def test_mixed_widths_store_each_head_at_its_width():
                 assert torch.equal(got[:, h], want), (layer, h, b)
 
 
+@torch.no_grad()
+def test_per_layer_kv_heads_pad_the_bits_and_shared_layers_hold_nothing():
+    model, _ = load_model("tiny-gemma4-kv")  # KV heads 2, 2, 1 (global); layers 3, 4 reuse layers 1, 2's K/V
+    bits = torch.tensor([[2, 16], [4, 8], [3, 0], [0, 0], [0, 0]])  # 0: padding, no cache
+    with pytest.raises(ValueError, match=r"bits: shape \(5, 1\)"):
+        QuantizedKVCache(model.config, bits[:, :1])
+    QuantizedKVCache(model.config, torch.where(bits > 0, 8, 0), scheme="fp8")  # checks stored widths only
+    torch.manual_seed(5)
+    ids = torch.randint(0, 256, (2, 29))  # past the window of 16
+    ref_cache = DynamicCache(config=model.config)
+    model(input_ids=ids, past_key_values=ref_cache, use_cache=True)
+    cache = QuantizedKVCache(model.config, bits, group_size=16)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds == ["QuantizedSlidingLayer"] * 2 + ["QuantizedLayer"] + ["DummyLayer"] * 2
+    for layer, heads in enumerate([2, 2, 1]):
+        ref_layer, q_layer = ref_cache.layers[layer], cache.layers[layer]
+        assert q_layer.bits == bits[layer, :heads].tolist()
+        for store, ref in ((q_layer.k_store, ref_layer.keys), (q_layer.v_store, ref_layer.values)):
+            got = store.dequantize()  # (B, Hkv, T, D)
+            assert got.shape == ref.shape, layer
+            for h, b in enumerate(q_layer.bits):
+                want = ref[:, h] if b == 16 else reference.fake_quantize(ref[:, h], b, 16)
+                assert torch.equal(got[:, h], want), (layer, h, b)
+
+
 def test_true_compression_asym4_g32_head_dim_64_is_3_2():
     config = LlamaConfig(
         vocab_size=64,

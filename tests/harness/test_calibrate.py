@@ -61,6 +61,15 @@ def test_gqa_mapping_and_real_heads_differ():
     assert (table["H2"] <= table["H1"] + 1e-12).all()  # Rényi entropy is non-increasing in its order
 
 
+def test_per_layer_kv_heads_and_kv_shared_layers():
+    model, _ = load_model("tiny-gemma4-kv")  # 4 query heads; KV heads 2, 2, 1 (global); 2 KV-shared layers
+    assert calibrate.layer_types(model.config) == ["sliding", "sliding", "full", "linear", "linear"]
+    table = head_entropies(model, torch.randint(0, 256, (2, 40)), i0=8)
+    assert sorted(table.layer.unique()) == [0, 1, 2]  # shared layers attend, but hold no cache of their own
+    assert table.groupby("layer").kv_head.apply(list).tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
+    assert table.attrs == {"num_layers": 5, "num_kv_heads": 2, "kv_heads": [2, 2, 1, 2, 1]}
+
+
 def test_disk_cache_returns_the_same_table(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
     model, _ = load_model("tiny-llama")

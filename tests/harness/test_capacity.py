@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import capacity
-from harness.cache import QuantizedKVCache
+from harness.cache import QuantizedKVCache, kv_heads
 from harness.models import load_model
 
 GIB = 2**30
@@ -17,16 +17,17 @@ GIB = 2**30
 @pytest.fixture(scope="module")
 def models():
     return {
-        name: load_model(name)[0] for name in ("tiny-llama", "tiny-gemma3", "tiny-gemma4", "tiny-qwen3_5")
+        name: load_model(name)[0]
+        for name in ("tiny-llama", "tiny-gemma3", "tiny-gemma4", "tiny-gemma4-kv", "tiny-qwen3_5")
     }
 
 
 def _random_bits(model, seed: int) -> torch.Tensor:
-    """Mixed widths [L, Hkv] from {2, 3, 4, 8, 16}."""
-    text = model.config.get_text_config(decoder=True)
+    """Mixed widths [L, max Hkv] from {2, 3, 4, 8, 16}, padding included (both sides must ignore it)."""
+    heads = kv_heads(model.config)
     g = torch.Generator().manual_seed(seed)
     widths = torch.tensor([2, 3, 4, 8, 16])
-    return widths[torch.randint(0, 5, (text.num_hidden_layers, text.num_key_value_heads), generator=g)]
+    return widths[torch.randint(0, 5, (len(heads), max(heads)), generator=g)]
 
 
 CASES = [
@@ -37,6 +38,7 @@ CASES = [
     ("tiny-gemma3", "sym_token", 2, 4, 9, 1),  # inside the window, sinks still held, then pushed out
     ("tiny-gemma3", "rotate+asym_token", 4, 0, 13, 1),
     ("tiny-gemma4", "asym_token", 0, 3, 21, 1),  # global layers with head_dim 64, sliding ones 32
+    ("tiny-gemma4-kv", "asym_token", 2, 0, 19, 2),  # global 1 KV head, sliding 2; KV-shared layers
     ("tiny-qwen3_5", "asym_token", 0, 0, 19, 2),  # linear-attention state reported apart
 ]
 

@@ -75,6 +75,34 @@ def test_kv_head_entropy_without_attrs_uses_the_rows():
     assert torch.isnan(out[0]).all() and out[1].tolist() == [1.0, 2.0, 3.0]
 
 
+def test_layers_with_fewer_kv_heads_pad_their_rows():
+    # Gemma 4 style: layer 0 has 2 KV heads, layer 1 (global) 1, layer 2 no cache of its own (KV sharing).
+    attrs = dict(num_layers=3, num_kv_heads=2, kv_heads=[2, 1, 2])
+    df = pd.concat([table({0: [[1.0, 3.0], [2.0, 2.0]]}), table({1: [[5.0, 7.0]]})], ignore_index=True)
+    df.attrs.update(attrs)
+    out = kv_head_entropy(df)
+    assert out[0].tolist() == [2.0, 2.0] and out[1, 0].item() == 6.0
+    assert torch.isnan(out[1, 1]) and torch.isnan(out[2]).all()  # padding and the uncached layer
+    alloc = allocate(df, 4, "uniform")
+    assert alloc.bits.tolist() == [[4, 4], [4, 0], [0, 0]]  # 3 cached heads at 4 bits: padding holds 0
+    assert alloc.cached.tolist() == [[True, True], [True, False], [False, False]]
+    assert alloc.mean_bits == 4 and alloc.histogram() == {4: 3}
+    mixed = allocate(df, 3, "entropy", alpha=2.0)
+    assert torch.equal(mixed.cached, alloc.cached) and mixed.bits.sum() <= 3 * 3
+
+    extra = table({1: [[5.0], [7.0]]})  # a second KV head in the global layer
+    extra.attrs.update(attrs)
+    with pytest.raises(ValueError, match="beyond their layer's kv_heads"):
+        kv_head_entropy(extra)
+    missing = df[df.kv_head == 0].copy()  # layer 0 without its second KV head
+    missing.attrs.update(attrs)
+    with pytest.raises(ValueError, match="lacks rows for some of its KV heads"):
+        kv_head_entropy(missing)
+    df.attrs.update(kv_heads=[2, 1])
+    with pytest.raises(ValueError, match="kv_heads"):
+        kv_head_entropy(df)
+
+
 # ------------------------------------------------------------------------------------ hand-worked cases
 
 

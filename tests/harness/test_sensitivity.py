@@ -111,15 +111,19 @@ def test_proxy_of_one_head_matches_a_direct_torch_computation(scheme, width, lay
     assert (errors[width] > errors[8]).all()  # more bits, less error, on every head
 
 
-@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3_5", "tiny-gpt2"])
+@pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3_5", "tiny-gpt2", "tiny-gemma4-kv"])
 def test_other_architectures_measure_exactly_their_attention_heads(name):
-    model, _ = load_model(name)  # sliding + full layers; linear + full layers; no GQA
+    # sliding + full layers; linear + full layers; no GQA; fewer global KV heads and KV-shared layers
+    model, _ = load_model(name)
     ids = torch.randint(0, 256, (1, 40))
     table = head_sensitivity(model, ids, get_scheme("asym_token", 16), widths=(2, 8))
     entropy = head_entropies(model, ids, i0=4)
-    assert sorted(set(zip(table.layer, table.kv_head))) == sorted(set(zip(entropy.layer, entropy.kv_head)))
+    heads = sorted(set(zip(entropy.layer, entropy.kv_head)))
+    assert sorted(set(zip(table.layer, table.kv_head))) == heads
     errors = table.pivot_table(index=["layer", "kv_head"], columns="bits", values="error")
     assert (errors[2] > errors[8]).all() and (errors[8] > 0).all()
+    alloc = allocate(entropy, 4, "sensitivity", widths=(2, 8), sensitivity=table)
+    assert sorted(map(tuple, alloc.cached.nonzero().tolist())) == heads
 
 
 # ------------------------------------------------------------------------------------------------- greedy
