@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
+from harness.attention_swap import attending_with
 from harness.cache import kv_heads
 
 PROBE = "harness_entropy_probe"
@@ -103,15 +104,9 @@ def head_entropies(
         )
     kinds, n_kv = layer_types(model.config), kv_heads(model.config)
     recorder = _Recorder(i0, positions)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(PROBE)
-    _ACTIVE.append(recorder)
-    try:
+    with attending_with(model, PROBE, _ACTIVE, recorder):
         for start in range(0, input_ids.shape[0], batch_size):
             model(input_ids=input_ids[start : start + batch_size].to(model.device), use_cache=False)
-    finally:
-        _ACTIVE.pop()
-        model.set_attn_implementation(previous)
     rows = []
     for layer, stats in sorted(recorder.sums.items()):
         if kinds[layer] == "linear":

@@ -12,14 +12,13 @@ Linear-attention layers never call attention: they are untouched.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
+from harness.attention_swap import attending_with
 from kernels import reference
 
 QDQ = "harness_claim_qdq"
@@ -86,14 +85,6 @@ AttentionInterface.register(QDQ, _qdq_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(QDQ, eager_mask)
 
 
-@contextmanager
-def qdq_attention(model, spec: QDQSpec) -> Iterator[None]:
-    """Run `model` with the QDQ attention of `spec` inside the block (its own attention is restored after)."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(QDQ)
-    _ACTIVE.append(spec)
-    try:
-        yield
-    finally:
-        _ACTIVE.pop()
-        model.set_attn_implementation(previous)
+def qdq_attention(model, spec: QDQSpec):
+    """A context in which `model` attends with the QDQ attention of `spec` (its own is restored after)."""
+    return attending_with(model, QDQ, _ACTIVE, spec)

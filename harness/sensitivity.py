@@ -40,6 +40,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
+from harness.attention_swap import attending_with
 from harness.cache import kv_heads
 from harness.calibrate import cache_dir, layer_types
 from harness.quant import Scheme
@@ -156,15 +157,9 @@ def head_sensitivity(
     scheme.check_widths(widths)
     cached = {i for i, kind in enumerate(layer_types(model.config)) if kind != "linear"}
     meter = _Meter(scheme_quantizer(scheme), widths, cached)
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(PROBE)
-    _ACTIVE.append(meter)
-    try:
+    with attending_with(model, PROBE, _ACTIVE, meter):
         for start in range(0, input_ids.shape[0], batch_size):
             model(input_ids=input_ids[start : start + batch_size].to(model.device), use_cache=False)
-    finally:
-        _ACTIVE.pop()
-        model.set_attn_implementation(previous)
     return meter.table(*_cache_shape(model))
 
 
