@@ -475,7 +475,9 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
         label_of = configuration
     labels = list(dict.fromkeys(label_of(r) for r in _ordered(points).to_dict("records")))
     base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
-    fig = _figure(10, 8)
+    legend_columns = 2 if len(labels) > 12 else 4
+    legend_rows = -(-(len(labels) + 2) // legend_columns)
+    fig = _figure(12 if len(labels) > 12 else 10, 7 + 0.2 * legend_rows)
     axes = fig.subplots(2, 2).ravel()
     for ax, metric in zip(axes, HIGHER_IS_BETTER):
         for i, label in enumerate(labels):
@@ -483,7 +485,9 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
             ax.scatter(
                 mine["bytes_per_token"],
                 mine[metric],
-                marker=MARKERS[i % len(MARKERS)],
+                # its own marker per label; past ten labels the marker shifts against the colour cycle, so no two
+                # labels share both
+                marker=MARKERS[(i + i // 10) % len(MARKERS)],
                 facecolors="none",
                 edgecolors=matplotlib.colormaps["tab10"](i % 10),
                 label=label,
@@ -506,7 +510,13 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
         ax.set_ylabel(f"{metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
         ax.grid(True, which="both", alpha=0.3)
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="outside lower center", ncols=min(4, max(1, len(names))), fontsize="small")
+    fig.legend(
+        handles,
+        names,
+        loc="outside lower center",
+        ncols=min(legend_columns, max(1, len(names))),
+        fontsize="small",
+    )
     fig.suptitle(f"{model} / {scheme or 'all schemes'}: quality against KV-cache bytes")
     return fig
 
