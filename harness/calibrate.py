@@ -134,20 +134,26 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVBITS_CACHE", Path.home() / ".cache" / "kvbits")) / "calibration"
 
 
+def disk_cached(stem: str, identity: str, input_ids: torch.Tensor, compute) -> pd.DataFrame:
+    """compute(), read from cache_dir()/<stem>-<key>.parquet when the same identity text and input_ids (C, T)
+    were seen before; a new table is written atomically."""
+    key = hashlib.sha256(identity.encode() + input_ids.numpy().tobytes()).hexdigest()[:20]
+    path = cache_dir() / f"{stem}-{key}.parquet"
+    if path.exists():
+        return pd.read_parquet(path)
+    table = compute()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    table.to_parquet(tmp)
+    tmp.replace(path)
+    return table
+
+
 def cached_head_entropies(model, model_name: str, input_ids: torch.Tensor, i0: int = 32) -> pd.DataFrame:
     """head_entropies, read from disk when the same model, tokens and i0 were calibrated before."""
     # The model's config is part of the key: a registry entry that changes its architecture or init (tiny
     # models) must not read another model's statistics.
     identity = f"{CACHE_VERSION}|{model_name}|{model.config.to_json_string()}|{i0}|{tuple(input_ids.shape)}"
-    key = hashlib.sha256(identity.encode() + input_ids.numpy().tobytes()).hexdigest()[:20]
-    path = cache_dir() / f"{model_name}-{key}.parquet"
-    if path.exists():
-        table = pd.read_parquet(path)
-    else:
-        table = head_entropies(model, input_ids, i0=i0)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        table.to_parquet(tmp)
-        tmp.replace(path)
+    table = disk_cached(model_name, identity, input_ids, lambda: head_entropies(model, input_ids, i0=i0))
     table.attrs.update(table_attrs(model.config))
     return table

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -42,7 +40,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from harness.attention_swap import attending_with
 from harness.cache import kv_heads
-from harness.calibrate import cache_dir, layer_types
+from harness.calibrate import disk_cached, layer_types
 from harness.quant import Scheme
 
 PROBE = "harness_sensitivity_probe"
@@ -172,16 +170,12 @@ def cached_sensitivity(
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
     config_json = model.config.to_json_string()
     identity = f"{CACHE_VERSION}|{model_name}|{config_json}|{options}|{widths}|{tuple(input_ids.shape)}"
-    key = hashlib.sha256(identity.encode() + input_ids.numpy().tobytes()).hexdigest()[:20]
-    path = cache_dir() / f"{model_name}-sensitivity-{key}.parquet"
-    if path.exists():
-        table = pd.read_parquet(path)
-    else:
-        table = head_sensitivity(model, input_ids, scheme, widths)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        table.to_parquet(tmp)
-        tmp.replace(path)
+    table = disk_cached(
+        f"{model_name}-sensitivity",
+        identity,
+        input_ids,
+        lambda: head_sensitivity(model, input_ids, scheme, widths),
+    )
     num_layers, num_kv_heads = _cache_shape(model)
     table.attrs.update(num_layers=num_layers, num_kv_heads=num_kv_heads)
     return table
