@@ -277,7 +277,7 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
     for split in ("calibration", "evaluation"):
         needs = [w for w in dict.fromkeys(windows) if w.split == split]
         asked = ", ".join(f"{w.count} x {w.length} = {w.count * w.length} ({w.what})" for w in needs)
-        parts.append(f"{split} split {available[split]} tokens, needs {asked}")
+        parts.append(f"{split} split {available[split]} tokens, " + (f"needs {asked}" if needs else "unused"))
     keys = list(dict.fromkeys(k for w in short for k in w.keys))
     source = data_path or "pydoc_data.topics"
     raise ConfigError(

@@ -147,6 +147,8 @@ BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it
      ["eval.calibration.tokens", "calibration split", "evaluation split"]),
     (["model=tiny-llama", "eval=tiny", "eval.data.path={short}", "eval.num_sequences=500"], "eval.num_sequences",
      ["eval.sequence_tokens", "evaluation split"]),
+    (["+sweep=claim_smollm2", "sweep.models=[tiny-llama]", "sweep.claim.num_sequences=999",
+      "sweep.claim.sequence_tokens=999"], "sweep.claim.num_sequences", ["sweep.claim.sequence_tokens"]),
     (["quant.group_size=48"], "quant.group_size", ["head_dim 64"]),
     (["model=gemma3-270m", "quant.group_size=512"], "quant.group_size", ["head_dim 256"]),
     (["eviction.keep=1.5"], "eviction.keep", ["(0, 1]"]),
