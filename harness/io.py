@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -56,6 +57,23 @@ def write_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_dir_atomic(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """Call write(tmp) on a hidden temporary folder beside `path`, then rename it to `path`: readers see the
+    whole folder or none. When another process got there first, its folder stays and this one is dropped."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        write(tmp)
+        tmp.rename(path)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return path
 
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
-import shutil
 import struct
-import tempfile
 from pathlib import Path
 
-from harness.io import cache_root, write_json_atomic
+from harness.io import cache_root, write_dir_atomic, write_json_atomic
 from harness.models import ModelUnavailable, gguf_path, model_spec
 
 GGUF_MAGIC = b"GGUF"
@@ -130,13 +128,7 @@ def _gguf_tokenizer(name: str, path: Path):
     if saved.is_dir():
         return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
     tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{saved.name}.", dir=saved.parent))
-    tok.save_pretrained(str(tmp))
-    try:
-        tmp.rename(saved)  # a whole folder or none: another process may have saved it first
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_dir_atomic(saved, lambda tmp: tok.save_pretrained(str(tmp)))
     return tok
 
 

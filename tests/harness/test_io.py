@@ -112,3 +112,19 @@ def test_run_dir_must_be_writable_and_the_probe_leaves_nothing(tmp_path):
         io.check_writable(tmp_path / "file" / "run")
     with pytest.raises(ValueError, match=r"^run_dir: /proc/nope is not writable"):
         io.check_writable("/proc/nope")
+
+
+def test_atomic_folder_appears_whole_and_a_folder_saved_first_stays(tmp_path):
+    def save(words: str):
+        def write(tmp: Path) -> None:
+            for i, word in enumerate(words.split()):
+                (tmp / f"{i}.txt").write_text(word)
+
+        return write
+
+    target = tmp_path / "cache" / "tokenizer"
+    io.write_dir_atomic(target, save("a b c"))
+    assert sorted(p.read_text() for p in target.iterdir()) == ["a", "b", "c"]
+    io.write_dir_atomic(target, save("x y"))  # another process saved it first: its folder stays whole
+    assert sorted(p.read_text() for p in target.iterdir()) == ["a", "b", "c"]
+    assert [p.name for p in target.parent.iterdir()] == ["tokenizer"]  # no temporary folder left

@@ -106,3 +106,18 @@ def test_token_counts_are_the_tokenizers_and_cached(tmp_path, monkeypatch):
     assert preload.token_counts("tiny-llama", texts) == expected
     with pytest.raises(AssertionError):  # another text is a new count
         preload.token_counts("tiny-llama", {**texts, "evaluation": texts["evaluation"] + "x"})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_the_kept_tokenizer_tokenizes_as_the_converted_one(name, tmp_path, monkeypatch):
+    from harness import data
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    converted = preload.tokenizer(name)  # converted from the GGUF, then saved
+    kept = preload.tokenizer(name)  # read back from the disk cache
+    assert len(list((tmp_path / "tokenizers").iterdir())) == 1
+    text = data.split(None)
+    for sample in (text.calibration[:100_000], text.evaluation[-100_000:]):
+        ids = converted(sample, add_special_tokens=False)["input_ids"]
+        assert kept(sample, add_special_tokens=False)["input_ids"] == ids and len(ids) > 10_000
