@@ -87,6 +87,17 @@ def _check_point(point: dict, backend: str = "auto") -> None:
         if isinstance(point["policy_seed"], bool) or not isinstance(point["policy_seed"], int):
             raise ValueError(f"policy.seed: {point['policy_seed']!r} is not an integer")
         _check_eviction_composes(EvictionSpec.from_point(point), scheme)
+        limit = model_spec(point["model"]).get("context_limit", 2048)
+        if point["prompt_tokens"] + point["new_tokens"] > limit:
+            raise ValueError(
+                f"eval.prompt_tokens / eval.new_tokens: {point['prompt_tokens']} + {point['new_tokens']} exceeds "
+                f"{point['model']}'s context limit; allowed: a sum up to {limit}"
+            )
+        if point["sequence_tokens"] > limit:
+            raise ValueError(
+                f"eval.sequence_tokens: {point['sequence_tokens']} exceeds {point['model']}'s context limit; "
+                f"allowed: up to {limit}"
+            )
         if point["i0"] < 0 or point["i0"] >= point["calibration_tokens"]:
             raise ValueError(f"eval.calibration.i0: {point['i0']} must lie in [0, eval.calibration.tokens)")
     except ConfigError:

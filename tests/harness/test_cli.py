@@ -37,6 +37,8 @@ def compose_cfg(*overrides):
         ("quant.backend=cuda", r"^quant.backend: unknown 'cuda'; allowed: auto, torch, triton"),
         ("quant.group_size=0", r"^quant.group_size: 0 is not a positive integer"),
         ("eval.num_prompts=-3", r"^eval.num_prompts: -3 is not a positive integer"),
+        ("eval.sequence_tokens=9000", r"^eval.sequence_tokens: 9000 exceeds .*; allowed: up to 8192"),
+        ("eval.new_tokens=8000", r"^eval.prompt_tokens / eval.new_tokens: 256 \+ 8000 exceeds .* up to 8192"),
         ("tracking.wandb.mode=sometimes", r"^tracking.wandb.mode: unknown 'sometimes'"),
     ],
 )
