@@ -1,8 +1,9 @@
 """`python -m harness [overrides]`: compose the Hydra config, validate it, run the grid, print the table.
 
 Without `+sweep=NAME` it evaluates uniform and the configured policy at the configured budget (plus the
-unquantized baseline); with one it runs that sweep's grid. Invalid input stops before any model loads with one
-line naming the key and what is allowed (exit code 2).
+unquantized baseline); with one it runs that sweep's grid. Invalid input stops before any model weights load with one
+line naming the key and what is allowed (exit code 2): the config, then run_dir (writable; results/ only from a
+clean tree unless allow_dirty=true), then what the model's config and tokenizer say (harness.validate).
 """
 
 from __future__ import annotations
@@ -13,20 +14,31 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from harness.validate import ConfigError, preflight_overrides, protocol, validate_config
+from harness.validate import (
+    ConfigError,
+    check_model_inputs,
+    check_run_dir,
+    preflight_overrides,
+    protocol,
+    validate_config,
+)
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    try:
-        points = validate_config(cfg)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    from harness.io import set_threads
     from harness.models import ModelUnavailable
 
+    try:
+        points = validate_config(cfg)
+        set_threads(cfg.threads)  # before any work, tokenizing included
+        check_run_dir(cfg)
+        check_model_inputs(cfg, points)  # the model's config and tokenizer, never its weights
+    except (ConfigError, ModelUnavailable) as err:  # ModelUnavailable: e.g. gpt2 without local weights
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     try:
         if protocol(cfg) == "claim":
             from harness import claim
@@ -36,9 +48,7 @@ def main(cfg: DictConfig) -> None:
             from harness.session import run_session  # heavy imports only after validation
 
             run_session(cfg, points)
-    except (
-        ModelUnavailable
-    ) as err:  # e.g. gpt2 without local weights: one line naming what to install or provide
+    except ModelUnavailable as err:  # one line naming what to install or provide
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 

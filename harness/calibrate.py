@@ -15,7 +15,6 @@ model's), called through a registered attention implementation that records stat
 from __future__ import annotations
 
 import hashlib
-import os
 import sys
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from harness.attention_swap import attending_with
 from harness.cache import kv_heads
+from harness.io import cache_root, write_parquet_atomic
 
 PROBE = "harness_entropy_probe"
 CACHE_VERSION = 2  # 2: no rows for KV-shared layers
@@ -131,7 +131,7 @@ def head_entropies(
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVBITS_CACHE", Path.home() / ".cache" / "kvbits")) / "calibration"
+    return cache_root() / "calibration"
 
 
 def disk_cached(stem: str, identity: str, input_ids: torch.Tensor, compute) -> pd.DataFrame:
@@ -143,9 +143,7 @@ def disk_cached(stem: str, identity: str, input_ids: torch.Tensor, compute) -> p
         return pd.read_parquet(path)
     table = compute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    table.to_parquet(tmp)
-    tmp.replace(path)
+    write_parquet_atomic(path, table)
     return table
 
 

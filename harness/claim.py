@@ -13,8 +13,8 @@ greedy tokens) and quantize-dequantize of every K and V inside attention (harnes
 - BLEU = sentence BLEU on token ids without smoothing, averaged over sequences, against the unquantized
   model's own greedy continuation (computed through the same eager attention); token match; PPL ratio =
   perplexity of the sequences with QDQ attention over without; "Nx" = 16 / realized mean bits (sinks at 16).
-Results go to run_dir (results/claims/<model>/<run>/): tables.md (command on top), rows.json, config.yaml,
-env.json.
+Results go to run_dir (results/claims/<model>/<run>/): config.yaml and env.json (written before the model
+loads), then tables.md (command on top) and rows.json (each row with the thread count and commit).
 """
 
 from __future__ import annotations
@@ -306,25 +306,28 @@ the mask frees no memory.
 
 
 def run(cfg: DictConfig) -> list[dict]:
-    """Run the claim protocol of a validated config into cfg.run_dir; print and return its rows."""
+    """Run the claim protocol of a validated config into cfg.run_dir; print and return its rows.
+
+    config.yaml and env.json are written before the model loads, so the record names the code that ran.
+    """
     from harness import data
+    from harness.io import command_line, environment, provenance, write_environment, write_text_atomic
     from harness.models import load_model
-    from harness.session import environment
 
     s = settings(cfg)
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+    env = environment(command_line("python -m harness"), cfg.device, cfg.get("allow_dirty", False))
+    write_environment(run_dir, env)
     model, tokenizer = load_model(s.model, device=cfg.device)
     text = data.split(s.data_path)
     bos = data.uses_bos(tokenizer, s.bos)
     ids = data.token_windows(tokenizer, text.evaluation, s.num_sequences, s.sequence_tokens, s.seed, bos=bos)
     ids = ids.to(model.device)
-    measured = measure(model, s, ids)
-    run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    env = environment(cfg.device)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    (run_dir / "env.json").write_text(json.dumps(env, indent=1))
-    (run_dir / "rows.json").write_text(json.dumps({"settings": asdict(s), "rows": measured}, indent=1))
+    measured = [{**row, **provenance(env)} for row in measure(model, s, ids)]
+    write_text_atomic(run_dir / "rows.json", json.dumps({"settings": asdict(s), "rows": measured}, indent=1))
     tables = render(s, measured, env["command"])
-    (run_dir / "tables.md").write_text(tables)
+    write_text_atomic(run_dir / "tables.md", tables)
     print(tables, file=sys.stdout)
     return measured

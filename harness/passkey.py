@@ -298,13 +298,16 @@ def _pending(job: Job, points_dir: Path, context: int, depth: float) -> list[tup
     ]
 
 
-def run_model(job: Job, run_dir: Path, progress=print) -> int:
-    """Evaluate every missing point of `job` into run_dir/points; returns the number of points written."""
+def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None = None) -> int:
+    """Evaluate every missing point of `job` into run_dir/points; returns the number of points written.
+
+    `provenance` (harness.io.provenance: thread count, commit) is recorded in every point, outside its name.
+    """
     from transformers import DynamicCache
 
     from harness.cache import QuantizedKVCache
+    from harness.io import write_json_atomic
     from harness.models import load_model
-    from harness.runner import write_json_atomic
 
     points_dir = Path(run_dir) / "points"
     points_dir.mkdir(parents=True, exist_ok=True)
@@ -362,7 +365,7 @@ def run_model(job: Job, run_dir: Path, progress=print) -> int:
             config = dict(
                 model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__
             )
-            record = {"key": name, "config": config}
+            record = {"key": name, "config": config, **(provenance or {})}
             alloc = None if pb[0] == BASELINE else allocs[pb]
             if isinstance(alloc, str):
                 record.update(status="infeasible", error=alloc)
@@ -414,6 +417,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bos", default="auto", help="auto, always or never: BOS before every prompt (eval.bos)")
     p.add_argument("--budget-unit", default="bytes", help="bytes (true bytes, default) or bits")
+    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: every core")
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="run into results/ from a git tree with uncommitted changes (recorded in env.json)",
+    )
     p.add_argument("--run", default="default", help="results/passkey/<run>/; re-running the same run resumes")
     p.add_argument("--root", default="results/passkey")
     p.add_argument(
@@ -469,35 +478,33 @@ def jobs(args) -> list[Job]:
     return out
 
 
-def write_environment(path: Path, argv: list[str] | None) -> None:
-    """Package versions, git commit and the command (harness.session's record, with this command)."""
-    from harness.session import environment
-
-    env = environment("cpu")
-    env["command"] = "python -m harness.passkey " + " ".join(sys.argv[1:] if argv is None else argv)
-    path.write_text(json.dumps(env, indent=1))
-
-
 def main(argv: list[str] | None = None) -> None:
+    from harness import io
     from harness.passkey_report import write_report
 
     args = parser().parse_args(argv)
     run_dir = Path(args.root) / args.run
+    command = io.command_line("python -m harness.passkey", argv)
     try:
         todo = [] if args.report_only else jobs(args)
+        if todo:  # before any model loads: threads applied, a clean tree for results/, env.json written
+            io.set_threads(args.threads, key="--threads")
+            io.check_writable(run_dir, key="--root / --run")
+            io.check_clean(run_dir, args.allow_dirty, key="--allow-dirty")
         run_dir.mkdir(parents=True, exist_ok=True)
         if todo:
-            write_environment(run_dir / "env.json", argv)
+            env = io.environment(command, "cpu", args.allow_dirty)
+            io.write_environment(run_dir, env)
         for job in todo:
             t0 = time.perf_counter()
-            n = run_model(job, run_dir)
+            n = run_model(job, run_dir, provenance=io.provenance(env))
             print(f"{job.model}: {n} points in {time.perf_counter() - t0:.1f} s")
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     if not args.report_only:
         with open(run_dir / "commands.txt", "a") as f:  # a resumed run may add sizes: every command is kept
-            f.write("python -m harness.passkey " + " ".join(sys.argv[1:] if argv is None else argv) + "\n")
+            f.write(command + "\n")
     for path in write_report(run_dir):
         print(f"wrote {path}")
 

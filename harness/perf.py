@@ -3,7 +3,8 @@
 `python -m harness.perf [--model smollm2-135m --batch 8 --context 2048 --bits 4 --steps 12]` prefills one
 context, gives every cache the same K/V (each through its own update path, as a prefill would), then times
 single-token decode steps (median after warm-up; each step appends one token) and writes
-results/perf/decode_step.csv with the command, machine and versions beside the numbers.
+results/perf/decode_step.csv with the command, machine and versions beside the numbers (and the full record,
+written before the model loads, in decode_step.env.json).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, QuantizedCache
 
+from harness import io
 from harness.cache import QuantizedKVCache
 from harness.models import load_model
 
@@ -55,7 +57,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quanto-steps", type=int, default=3, help="quanto's CPU path is slow: fewer steps")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="results/perf/decode_step.csv")
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads (torch.set_num_threads); default: every core"
+    )
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="write into results/ from a git tree with uncommitted changes (recorded in the env record)",
+    )
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    command = io.command_line("python -m harness.perf", argv)
+    try:  # before the model loads: threads applied, a clean tree for results/, <out>.env.json written
+        io.set_threads(args.threads, key="--threads")
+        io.check_writable(out.parent, key="--out")
+        io.check_clean(out.parent, args.allow_dirty, key="--allow-dirty")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    env = io.environment(command, "cpu", args.allow_dirty)
+    io.write_environment(out.parent, env, out.with_suffix(".env.json").name)
 
     model, _ = load_model(args.model)
     torch.manual_seed(0)
@@ -98,18 +119,19 @@ def main(argv: list[str] | None = None) -> None:
     for row in rows:
         row["ratio_to_dynamic"] = row["median_step_s"] / base
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "w", newline="") as f:
-        f.write(f"# command: python -m harness.perf {' '.join(sys.argv[1:] if argv is None else argv)}\n")
-        f.write(
-            f"# model {args.model}, batch {args.batch}, context {args.context}, {args.steps} timed steps; "
-            f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads\n"
-        )
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", newline="") as f:
+            f.write(f"# command: {command} (environment: {out.with_suffix('.env.json').name})\n")
+            f.write(
+                f"# model {args.model}, batch {args.batch}, context {args.context}, {args.steps} timed steps; "
+                f"{platform.processor() or platform.machine()}, torch {torch.__version__}, "
+                f"{env['threads']} threads, commit {env['git_commit']}\n"
+            )
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+    io.write_atomic(out, write)
     for row in rows:
         print(f"{row['cache']:45s} {row['ratio_to_dynamic']:.2f}x DynamicCache")
 

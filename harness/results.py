@@ -9,12 +9,12 @@ atomic, caught mid-way) is skipped, as are the runner's hidden temporary files.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pandas as pd
 
 from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, EVICTION_FIELDS, POLICY_FIELDS, QUANT_FIELDS
+from harness.io import write_parquet_atomic
 
 CONFIG_FIELDS = (
     "model",
@@ -44,8 +44,10 @@ METRICS = (
     "tokens_kept_fraction",
     "n_sinks",
 )
+# Where a row was measured (harness.io.provenance), beside its configuration but outside its key.
+PROVENANCE = ("threads", "git_commit")
 # Columns every table has, even an empty one, so callers can filter on them without checking.
-COLUMNS = ("key", "status", "error", *CONFIG_FIELDS, *METRICS)
+COLUMNS = ("key", "status", "error", *CONFIG_FIELDS, *PROVENANCE, *METRICS)
 
 
 def load_records(run_dir: str | Path) -> list[dict]:
@@ -75,6 +77,7 @@ def flatten(record: dict) -> dict:
         "error": record.get("error"),
         **config,
         **record.get("resolved", {}),
+        **{k: record.get(k) for k in PROVENANCE},
         **record.get("metrics", {}),
     }
 
@@ -93,11 +96,7 @@ def load(run_dir: str | Path) -> pd.DataFrame:
 
 def write_parquet(run_dir: str | Path) -> Path:
     """Rebuild run_dir/results.parquet from points/ (the shard merge step); atomic, so readers never see half."""
-    path = Path(run_dir) / "results.parquet"
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    load(run_dir).to_parquet(tmp, index=False)
-    os.replace(tmp, path)
-    return path
+    return write_parquet_atomic(Path(run_dir) / "results.parquet", load(run_dir), index=False)
 
 
 def load_entropy(run_dir: str | Path, model: str) -> pd.DataFrame:

@@ -9,7 +9,6 @@ results.parquet is rebuilt from points/ (atomically, harness.results) after ever
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,19 +25,11 @@ from harness.capacity import ModelShape, Storage, element_price, shape_from_conf
 from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.fused_attention import use_fused_attention
 from harness.grid import NO_EVICTION, point_key
+from harness.io import write_json_atomic, write_parquet_atomic
 from harness.models import load_model, model_spec
 from harness.policies import MEASURED_POLICIES, allocate
 from harness.quant import get_scheme
 from harness.sensitivity import cached_sensitivity
-
-
-def write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, default=float)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -132,9 +123,7 @@ def build_context(
     timings["baseline_s"] = time.perf_counter() - t
     entropy_path = Path(run_dir) / f"entropy-{point['model']}.parquet"
     if not entropy_path.exists():  # shards may race here: write atomically
-        tmp = entropy_path.with_name(f".{entropy_path.name}.tmp{os.getpid()}")
-        entropy.to_parquet(tmp)
-        os.replace(tmp, entropy_path)
+        write_parquet_atomic(entropy_path, entropy)
     return ModelContext(
         point["model"],
         model,
@@ -318,11 +307,16 @@ def run(
     on_point=None,
     tag: str = "",
     backend: str = "auto",
+    provenance: dict | None = None,
 ) -> pd.DataFrame:
     """Evaluate every point not already in run_dir/points; returns the consolidated table.
 
     `tag` names this process's timings file (timings<tag>.json), so shards sharing a run_dir never race on it.
+    `provenance` (harness.io.provenance: thread count, commit) goes into every point record beside its config,
+    not into the config: it does not change a point's key, so a run resumed at another thread count adds no
+    point, and its rows say which ran where.
     """
+    provenance = provenance or {}
     run_dir = Path(run_dir)
     (run_dir / "points").mkdir(parents=True, exist_ok=True)
     todo = [p for p in points if not (run_dir / "points" / f"{point_key(p)}.json").exists()]
@@ -364,6 +358,7 @@ def run(
                         "status": "ok",
                         "config": base_point,
                         "resolved": resolved(ctx),
+                        **provenance,
                         "metrics": baseline_record(ctx),
                         "tokens": ctx.base_tokens.tolist(),
                     },
@@ -386,7 +381,7 @@ def run(
                 **({"same_measurement_as": first_key} if first_key != key else {}),
             }
         timings["points"][key] = time.perf_counter() - t
-        record = {"key": key, "config": point, "resolved": resolved(ctx), **result}
+        record = {"key": key, "config": point, "resolved": resolved(ctx), **provenance, **result}
         write_json_atomic(run_dir / "points" / f"{key}.json", record)
         write_json_atomic(timings_path, timings)
         results.write_parquet(run_dir)

@@ -35,12 +35,14 @@ from pathlib import Path
 
 import pandas as pd
 import torch
+from omegaconf import DictConfig
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from harness.attention_swap import attending_with
 from harness.cache import kv_heads
 from harness.calibrate import disk_cached, layer_types
+from harness.io import write_atomic, write_text_atomic
 from harness.quant import Scheme
 
 PROBE = "harness_sensitivity_probe"
@@ -255,24 +257,37 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. eval=small quant.scheme=sym_token"
     )
+    from harness import io
+    from harness.models import ModelUnavailable
+
     argv = sys.argv[1:] if argv is None else argv
     args = parser.parse_args(argv)
-    try:
-        context = _check_context(args)
-    except ValueError as err:
+    command = io.command_line("python -m harness.sensitivity", argv)
+    try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
+        cfg, point, scheme = _check_context(args)
+        out = (
+            args.out
+            or Path("results/sensitivity") / f"check-{point['model']}-{scheme.name}-w{args.width}.csv"
+        )
+        io.set_threads(cfg.threads)
+        io.check_writable(out.parent, key="--out")
+        io.check_clean(out.parent, cfg.allow_dirty)
+    except (ValueError, ModelUnavailable) as err:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
-    _run_check(args, *context, command="python -m harness.sensitivity " + " ".join(argv))
+    env = io.environment(command, "cpu", cfg.allow_dirty)
+    io.write_environment(out.parent, env, out.with_suffix(".env.json").name)
+    _run_check(args, point, scheme, out, command=command)
 
 
-def _check_context(args) -> tuple[dict, Scheme]:
-    """The point the overrides describe and its scheme, validated before any model loads."""
+def _check_context(args) -> tuple[DictConfig, dict, Scheme]:
+    """The composed config, the point the overrides describe and its scheme, validated before any model loads."""
     from hydra import compose, initialize_config_dir
 
     from harness.__main__ import CONF_DIR
     from harness.grid import base_point
     from harness.quant import get_scheme
-    from harness.validate import preflight_overrides, validate_config
+    from harness.validate import check_model_inputs, preflight_overrides, validate_config
 
     overrides = [f"model={args.model}", *args.overrides]
     preflight_overrides(overrides, CONF_DIR)
@@ -288,10 +303,11 @@ def _check_context(args) -> tuple[dict, Scheme]:
         point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
     )
     scheme.check_widths([args.width])
-    return point, scheme
+    check_model_inputs(cfg, [point])
+    return cfg, point, scheme
 
 
-def _run_check(args, point: dict, scheme: Scheme, command: str) -> None:
+def _run_check(args, point: dict, scheme: Scheme, out: Path, command: str) -> None:
     from harness import data
     from harness.models import load_model
 
@@ -318,11 +334,9 @@ def _run_check(args, point: dict, scheme: Scheme, command: str) -> None:
     table = cached_sensitivity(model, point["model"], calibration, scheme, widths)
     heads = sample_heads(table, args.check_heads, point["seed"])
     rows, rho = proxy_check(model, sequences, table, heads, args.width, scheme, point["chunk"])
-    out = args.out or Path("results/sensitivity") / f"check-{point['model']}-{scheme.name}-w{args.width}.csv"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rows.to_csv(out, index=False)
+    write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
     summary = dict(command=command, spearman=rho, heads=len(rows), width=args.width, point=point)
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1, default=str))
+    write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1, default=str))
     print(rows.to_string(index=False))
     print(
         f"spearman(proxy, kl_mean) = {rho:.3f} over {len(rows)} heads "

@@ -1,12 +1,8 @@
-"""One invocation of the harness: run directory, environment record, the grid run, and the printed table."""
+"""One invocation of the grid runner: run directory, config and environment record (written first), the grid
+run, the printed table."""
 
 from __future__ import annotations
 
-import json
-import platform
-import subprocess
-import sys
-from importlib import metadata
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness import runner
 from harness.grid import shard
+from harness.io import command_line, environment, provenance, write_environment, write_text_atomic
 
 SHOWN = [
     "model",
@@ -36,60 +33,6 @@ SHOWN = [
     "kl_p99",
     "top1_agree",
 ]
-PACKAGES = (
-    "torch",
-    "transformers",
-    "accelerate",
-    "gguf",
-    "hydra-core",
-    "pandas",
-    "pyarrow",
-    "sacrebleu",
-    "wandb",
-    "triton",
-    "numpy",
-)
-
-
-def git_commit() -> str | None:
-    try:
-        out = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            check=True,
-            cwd=Path(__file__).resolve().parent,
-        )
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parent,
-        ).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def environment(device: str) -> dict:
-    import torch
-
-    versions = {}
-    for name in PACKAGES:
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return {
-        "command": "python -m harness " + " ".join(sys.argv[1:]),
-        "git_commit": git_commit(),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "device": device,
-        "cpu_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "packages": versions,
-    }
 
 
 def format_table(table: pd.DataFrame) -> str:
@@ -114,9 +57,10 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     suffix = "" if cfg.num_shards == 1 else f".shard{cfg.shard}"
-    (run_dir / f"env{suffix}.json").write_text(json.dumps(environment(cfg.device), indent=1))
+    env = environment(command_line("python -m harness"), cfg.device, cfg.allow_dirty)
+    write_environment(run_dir, env, f"env{suffix}.json")  # before any model loads: what this start ran on
     wandb_cfg = cfg.tracking.wandb
     tracker = Tracker(
         wandb_cfg.mode,
@@ -136,6 +80,7 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
             tag=suffix,
             on_point=tracker.log_point,
             backend=cfg.quant.backend,
+            provenance=provenance(env),
         )
         print(format_table(table))
         written = write_report(run_dir)

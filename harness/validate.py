@@ -1,11 +1,19 @@
-"""Configuration checks that run before any model loads: one line naming the key and what is allowed."""
+"""Configuration checks that run before any model loads: one line naming the key and what is allowed.
+
+Three stages, cheapest first: `validate_config` (the composed config and every grid point, no file read),
+`check_run_dir` (run_dir writable; a clean git tree for results/), `check_model_inputs` (what the model's
+config and tokenizer say about the point: group size against head_dim, text long enough for the windows;
+seconds, never the weights).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from harness import io
 from harness.data import BOS_RULES
 from harness.grid import expand
 from harness.models import model_spec, unknown_name_message
@@ -83,6 +91,17 @@ def _check_point(point: dict, backend: str = "auto") -> None:
         if isinstance(point["policy_seed"], bool) or not isinstance(point["policy_seed"], int):
             raise ValueError(f"policy.seed: {point['policy_seed']!r} is not an integer")
         _check_eviction_composes(EvictionSpec.from_point(point), scheme)
+        limit = model_spec(point["model"]).get("context_limit", 2048)
+        if point["prompt_tokens"] + point["new_tokens"] > limit:
+            raise ValueError(
+                f"eval.prompt_tokens / eval.new_tokens: {point['prompt_tokens']} + {point['new_tokens']} exceeds "
+                f"{point['model']}'s context limit; allowed: a sum up to {limit}"
+            )
+        if point["sequence_tokens"] > limit:
+            raise ValueError(
+                f"eval.sequence_tokens: {point['sequence_tokens']} exceeds {point['model']}'s context limit; "
+                f"allowed: up to {limit}"
+            )
         if point["i0"] < 0 or point["i0"] >= point["calibration_tokens"]:
             raise ValueError(f"eval.calibration.i0: {point['i0']} must lie in [0, eval.calibration.tokens)")
     except ConfigError:
@@ -136,6 +155,13 @@ def validate_config(cfg: DictConfig) -> list[dict]:
         and 0 <= cfg.shard < cfg.num_shards
     ):
         raise ConfigError(f"shard: {cfg.shard!r} must be an integer in [0, num_shards={cfg.num_shards!r})")
+    try:
+        io.check_threads(cfg.get("threads"))
+        _check_eviction_group(cfg)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    if not isinstance(cfg.get("allow_dirty", False), bool):
+        raise ConfigError(f"allow_dirty: {cfg.allow_dirty!r} is not allowed; allowed: true, false")
     from harness.cache import BACKENDS
 
     if cfg.quant.backend not in BACKENDS:
@@ -156,3 +182,138 @@ def validate_config(cfg: DictConfig) -> list[dict]:
     for point in points:
         _check_point(point, cfg.quant.backend)
     return points
+
+
+def _check_eviction_group(cfg: DictConfig) -> None:
+    """The eviction group's values, whichever eviction is chosen: with eviction=none a point forgets them, so a
+    mistyped share would otherwise pass unseen."""
+    from harness.eviction import EvictionSpec
+
+    e = cfg.get("eviction")
+    if e is not None:
+        EvictionSpec(e.name, e.keep, e.sink_tokens, e.recent)
+
+
+def check_run_dir(cfg: DictConfig) -> None:
+    """run_dir can be written, and a run into results/ comes from a clean tree unless allow_dirty=true."""
+    try:
+        io.check_writable(cfg.run_dir)
+        io.check_clean(cfg.run_dir, cfg.get("allow_dirty", False))
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+
+
+# ------------------------------------------------------------------------------------ what the model says
+
+
+@dataclass(frozen=True)
+class Windows:
+    """`count` token windows of `length` cut from one split of the text, and the keys that set them."""
+
+    split: str  # "calibration" | "evaluation"
+    count: int
+    length: int
+    keys: tuple[str, str]  # (count key, length key)
+    what: str
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What one point asks of its model: a storage scheme at some widths, and windows of its text."""
+
+    model: str
+    scheme: str
+    group_size: int
+    widths: tuple[int, ...]
+    data_path: str | None
+    windows: tuple[Windows, ...]
+
+
+def _inputs_of_point(point: dict) -> ModelInputs:
+    windows = (
+        Windows("calibration", point["calibration_sequences"], point["calibration_tokens"],
+                ("eval.calibration.num_sequences", "eval.calibration.tokens"), "calibration windows"),
+        Windows("evaluation", point["num_prompts"], point["prompt_tokens"],
+                ("eval.num_prompts", "eval.prompt_tokens"), "prompts"),
+        Windows("evaluation", point["num_sequences"], point["sequence_tokens"],
+                ("eval.num_sequences", "eval.sequence_tokens"), "sequences"),
+    )  # fmt: skip
+    widths = tuple(point["widths"])
+    return ModelInputs(
+        point["model"], point["scheme"], point["group_size"], widths, point["data_path"], windows
+    )
+
+
+def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
+    from harness.claim import settings
+
+    s = settings(cfg)
+    keys = ("sweep.claim.num_sequences", "sweep.claim.sequence_tokens")
+    windows = (Windows("evaluation", s.num_sequences, s.sequence_tokens, keys, "sequences"),)
+    return ModelInputs(s.model, s.scheme, s.group_size, s.widths, s.data_path, windows)
+
+
+def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
+    """A scheme that quantizes groups along head_dim needs a group size dividing every head_dim."""
+    from harness.quant import get_scheme
+    from kernels.layout import FULL_WIDTH
+
+    scheme = get_scheme(inputs.scheme, inputs.group_size)
+    if all(w == FULL_WIDTH for w in inputs.widths):
+        return
+    if scheme.rotate and any(d & (d - 1) for d in dims):
+        raise ConfigError(
+            f"quant.scheme: {scheme.name} needs a power-of-two head_dim; {inputs.model}'s is "
+            f"{', '.join(map(str, sorted(dims)))}; allowed: the scheme without rotate+"
+        )
+    if scheme.base == "fp8" or all(d % inputs.group_size == 0 for d in dims):
+        return
+    common = [g for g in range(1, min(dims) + 1) if all(d % g == 0 for d in dims)]
+    raise ConfigError(
+        f"quant.group_size: {inputs.group_size} does not divide {inputs.model}'s head_dim "
+        f"{', '.join(map(str, sorted(dims)))}; allowed: {', '.join(map(str, common))}"
+    )
+
+
+def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> None:
+    """Every window set fits its split of the text, counted with the model's own tokenizer."""
+    from harness import data, preload
+
+    try:
+        text = data.split(data_path)
+    except ValueError as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+    available = preload.token_counts(model, {"calibration": text.calibration, "evaluation": text.evaluation})
+    # A window set fits when its split holds count whole windows (harness.data.token_windows cuts them so).
+    short = [w for w in dict.fromkeys(windows) if available[w.split] // w.length < w.count]
+    if not short:
+        return
+    parts = []
+    for split in ("calibration", "evaluation"):
+        needs = [w for w in dict.fromkeys(windows) if w.split == split]
+        asked = ", ".join(f"{w.count} x {w.length} = {w.count * w.length} ({w.what})" for w in needs)
+        parts.append(f"{split} split {available[split]} tokens, " + (f"needs {asked}" if needs else "unused"))
+    keys = list(dict.fromkeys(k for w in short for k in w.keys))
+    source = data_path or "pydoc_data.topics"
+    raise ConfigError(
+        f"{' / '.join(keys)}: the text ({source}) is too short for {model}'s windows: {'; '.join(parts)}; "
+        f"lower {' or '.join(keys)}, or give more text with eval.data.path"
+    )
+
+
+def check_model_inputs(cfg: DictConfig, points: list[dict]) -> None:
+    """Checks that need the model's config or tokenizer, never its weights (harness.preload): the group size
+    against every head_dim, then the text against the windows asked for."""
+    from harness import preload
+
+    inputs = [_inputs_of_claim(cfg)] if protocol(cfg) == "claim" else [_inputs_of_point(p) for p in points]
+    dims: dict[str, set[int]] = {}
+    for item in inputs:
+        if item.model not in dims:
+            dims[item.model] = preload.head_dims(item.model)
+        _check_head_dims(item, dims[item.model])
+    texts: dict[tuple, list[Windows]] = {}
+    for item in inputs:
+        texts.setdefault((item.model, item.data_path), []).extend(item.windows)
+    for (model, data_path), windows in texts.items():
+        _check_text(model, data_path, windows)

@@ -1,7 +1,10 @@
 """Bad input stops before any model loads: one line naming the key and what is allowed, exit code 2."""
 
+import os
+import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,9 @@ from hydra import compose, initialize_config_dir
 
 from harness.validate import ConfigError, preflight_overrides, validate_config
 
-CONF = str(Path(__file__).resolve().parents[2] / "conf")
+ROOT = Path(__file__).resolve().parents[2]
+CONF = str(ROOT / "conf")
+REFUSED_LOAD = 99  # the exit code of a guarded process that tried to load model weights
 
 
 def compose_cfg(*overrides):
@@ -32,6 +37,8 @@ def compose_cfg(*overrides):
         ("quant.backend=cuda", r"^quant.backend: unknown 'cuda'; allowed: auto, torch, triton"),
         ("quant.group_size=0", r"^quant.group_size: 0 is not a positive integer"),
         ("eval.num_prompts=-3", r"^eval.num_prompts: -3 is not a positive integer"),
+        ("eval.sequence_tokens=9000", r"^eval.sequence_tokens: 9000 exceeds .*; allowed: up to 8192"),
+        ("eval.new_tokens=8000", r"^eval.prompt_tokens / eval.new_tokens: 256 \+ 8000 exceeds .* up to 8192"),
         ("tracking.wandb.mode=sometimes", r"^tracking.wandb.mode: unknown 'sometimes'"),
     ],
 )
@@ -79,20 +86,6 @@ def test_every_shipped_sweep_validates(sweep):
     assert validate_config(compose_cfg(f"+sweep={sweep}"))
 
 
-@pytest.mark.parametrize("args", [["model=nope"], ["policy.widths=[2,5]"], ["policy.alpha=abc"]])
-def test_command_exits_2_with_one_line(args, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness", *args, f"run_dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert not any(tmp_path.iterdir())  # nothing ran
-
-
 def test_random_control_draws_apart_from_the_text_seed():
     points = validate_config(compose_cfg("policy.name=random", "policy.seed=5", "seed=2"))
     random_point = next(p for p in points if p["policy"] == "random")
@@ -101,3 +94,94 @@ def test_random_control_draws_apart_from_the_text_seed():
     assert uniform_point["policy_seed"] == 0  # ignored by every other policy: one key per evaluation
     with pytest.raises(ConfigError, match=r"^policy.seed: 'x' is not an integer"):
         validate_config(compose_cfg("policy.name=random", "policy.seed=x"))
+
+
+# --------------------------------------------------------------------------- bad input through the real CLI
+
+
+@pytest.fixture(scope="module")
+def guarded(tmp_path_factory):
+    """Run `python -m harness ARGS` in a process where loading any model exits with REFUSED_LOAD.
+
+    The guard is a sitecustomize module (imported by Python at start-up) that replaces
+    harness.models.load_model, through which every weight load goes; disk caches live in a fresh folder.
+    """
+    folder = tmp_path_factory.mktemp("guard")
+    (folder / "sitecustomize.py").write_text(
+        textwrap.dedent(f"""
+            import sys
+            import harness.models
+
+            def refuse(*args, **kwargs):
+                print("a model load was attempted", file=sys.stderr)
+                sys.exit({REFUSED_LOAD})
+
+            harness.models.load_model = refuse
+        """)
+    )
+    env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}", "KVBITS_CACHE": str(folder / "cache")}
+
+    def run(*args):
+        return subprocess.run(
+            [sys.executable, "-m", "harness", *args, "tracking.wandb.mode=disabled"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def short_text(tmp_path_factory):
+    """35 KB of prose: too little for the default calibration windows (8 x 512 tokens)."""
+    from pydoc_data.topics import topics
+
+    path = tmp_path_factory.mktemp("text") / "short.txt"
+    path.write_text("\n\n".join(topics.values())[:35_000])
+    return path
+
+
+BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it must name)
+    (["eval.data.path={short}", "eval.num_prompts=4"], "eval.calibration.num_sequences",
+     ["eval.calibration.tokens", "calibration split", "evaluation split"]),
+    (["model=tiny-llama", "eval=tiny", "eval.data.path={short}", "eval.num_sequences=500"], "eval.num_sequences",
+     ["eval.sequence_tokens", "evaluation split"]),
+    (["+sweep=claim_smollm2", "sweep.models=[tiny-llama]", "sweep.claim.num_sequences=999",
+      "sweep.claim.sequence_tokens=999"], "sweep.claim.num_sequences", ["sweep.claim.sequence_tokens"]),
+    (["quant.group_size=48"], "quant.group_size", ["head_dim 64"]),
+    (["model=gemma3-270m", "quant.group_size=512"], "quant.group_size", ["head_dim 256"]),
+    (["eviction.keep=1.5"], "eviction.keep", ["(0, 1]"]),
+    (["run_dir=/proc/nope"], "run_dir", ["not writable"]),
+    (["threads=0"], "threads", ["positive integer"]),
+    (["model=nope"], "model", ["allowed: "]),
+    (["policy.widths=[2,5]"], "policy.widths", ["allowed: 2, 3, 4, 8, 16"]),
+    (["policy.budget=9"], "policy.budget", []),
+    (["policy.alpha=abc"], "policy.alpha", ["'abc'"]),
+    (["policy.sink_fraction=1.5"], "policy.sink_fraction", ["[0, 1]"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("args, key, names", BAD_INPUT, ids=[" ".join(case[0]) for case in BAD_INPUT])
+def test_bad_input_stops_before_any_weights_load(guarded, short_text, tmp_path, args, key, names):
+    run_dir = tmp_path / "run"
+    args = [a.format(short=short_text) for a in args]
+    if not any(a.startswith("run_dir=") for a in args):
+        args.append(f"run_dir={run_dir}")
+    proc = guarded(*args)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"error: {re.escape(key)}( / [\w.]+)*: ", lines[0]), proc.stderr
+    assert all(name in lines[0] for name in names), lines[0]
+    assert not run_dir.exists()  # nothing ran
+
+
+def test_the_guard_catches_a_model_load(guarded, tmp_path):
+    proc = guarded("model=tiny-llama", "eval=tiny", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == REFUSED_LOAD and "a model load was attempted" in proc.stderr, proc.stderr[
+        -2000:
+    ]
+    # The run's record was written when it started, before the (refused) load.
+    assert (tmp_path / "run" / "env.json").exists() and (tmp_path / "run" / "config.yaml").exists()

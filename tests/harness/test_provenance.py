@@ -1,0 +1,75 @@
+"""Provenance of a run: the thread count applied and recorded, identical metrics at a fixed count, keys that
+leave the count out (so committed runs still resume), and env.json written before any model loads."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from harness.grid import expand, point_key
+
+ROOT = Path(__file__).resolve().parents[2]
+METRICS = ["bleu", "token_match", "ppl", "ppl_ratio", "kl_mean", "kl_p99", "top1_agree", "compression_true"]
+
+
+def harness(*args):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "harness",
+            "model=tiny-llama",
+            "eval=tiny",
+            "tracking.wandb.mode=disabled",
+            *args,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc
+
+
+def rows(run_dir: Path) -> pd.DataFrame:
+    return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
+
+
+def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_adds_nothing(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    harness("threads=1", "seed=3", f"run_dir={a}")
+    harness("threads=1", "seed=3", f"run_dir={b}")
+    first, second = rows(a), rows(b)
+    assert len(first) == 3 and first["key"].tolist() == second["key"].tolist()  # baseline, uniform, entropy
+    pd.testing.assert_frame_equal(first[METRICS], second[METRICS], check_exact=True)
+    assert (first["threads"] == 1).all() and first["git_commit"].notna().all()
+    env = json.loads((a / "env.json").read_text())
+    assert env["threads"] == 1 and env["git_commit"] == first["git_commit"][0] and not env["allow_dirty"]
+
+    # The thread count is recorded beside the configuration, never in the key: a resume at another count adds
+    # no point, and keeps the first start's record.
+    harness("threads=2", "seed=3", f"run_dir={a}")
+    assert rows(a)["key"].tolist() == first["key"].tolist() and (rows(a)["threads"] == 1).all()
+    assert json.loads((a / "env.json").read_text())["threads"] == 2
+    assert json.loads((a / "env.1.json").read_text())["threads"] == 1
+
+
+COMMITTED = sorted(
+    path.parent
+    for path in (ROOT / "results").rglob("config.yaml")
+    if (path.parent / "points").is_dir() and "protocol" not in (OmegaConf.load(path).get("sweep") or {})
+)
+
+
+@pytest.mark.parametrize("run_dir", COMMITTED, ids=[str(p.relative_to(ROOT)) for p in COMMITTED])
+def test_committed_runs_resume_with_the_new_keys(run_dir):
+    """Re-running a committed run directory (now with threads and allow_dirty in its config) adds no point."""
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cfg.threads, cfg.allow_dirty = 1, False
+    done = {p.stem for p in (run_dir / "points").glob("*.json")}
+    assert {point_key(p) for p in expand(cfg)} <= done

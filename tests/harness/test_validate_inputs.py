@@ -1,0 +1,106 @@
+"""harness.validate.check_model_inputs against what would fail later: harness.data.token_windows cutting the
+windows, and the scheme's stores refusing a group size (the checks must refuse exactly those, before a load)."""
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import data, preload
+from harness.quant import get_scheme
+from harness.validate import ConfigError, check_model_inputs, validate_config
+
+CONF = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+def compose_cfg(*overrides):
+    with initialize_config_dir(config_dir=CONF, version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cache(tmp_path_factory):
+    old = os.environ.get("KVBITS_CACHE")
+    os.environ["KVBITS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if old is None:
+        del os.environ["KVBITS_CACHE"]
+    else:
+        os.environ["KVBITS_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A random text file of 40 documents (both splits get some), fresh on every run."""
+    rng = np.random.default_rng()
+    words = ["".join(chr(c) for c in rng.integers(97, 123, rng.integers(1, 9))) for _ in range(200)]
+    docs = [" ".join(rng.choice(words, rng.integers(20, 400))) for _ in range(40)]
+    path = tmp_path_factory.mktemp("text") / "corpus.txt"
+    path.write_text("\n\n".join(docs))
+    return path
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    calibration=st.tuples(st.integers(1, 30), st.integers(9, 700)),  # tokens > i0 (8)
+    prompts=st.tuples(st.integers(1, 30), st.integers(1, 700)),
+    sequences=st.tuples(st.integers(1, 30), st.integers(1, 700)),
+)
+def test_text_check_refuses_exactly_what_token_windows_cannot_cut(corpus, calibration, prompts, sequences):
+    cfg = compose_cfg(
+        "model=tiny-llama",
+        "eval=tiny",
+        f"eval.data.path={corpus}",
+        f"eval.calibration.num_sequences={calibration[0]}",
+        f"eval.calibration.tokens={calibration[1]}",
+        f"eval.num_prompts={prompts[0]}",
+        f"eval.prompt_tokens={prompts[1]}",
+        f"eval.num_sequences={sequences[0]}",
+        f"eval.sequence_tokens={sequences[1]}",
+    )
+    points = validate_config(cfg)
+    text, tok = data.split(str(corpus)), preload.tokenizer("tiny-llama")
+    failing = []
+    for split, (count, length), keys in [
+        (text.calibration, calibration, "eval.calibration.num_sequences"),
+        (text.evaluation, prompts, "eval.num_prompts"),
+        (text.evaluation, sequences, "eval.num_sequences"),
+    ]:
+        try:
+            data.token_windows(tok, split, count, length)
+        except ValueError:
+            failing.append(keys)
+    if not failing:
+        check_model_inputs(cfg, points)
+        return
+    with pytest.raises(ConfigError) as err:
+        check_model_inputs(cfg, points)
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(failing[0])
+    assert all(key in line for key in failing) and "calibration split" in line and "evaluation split" in line
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma4"])
+@pytest.mark.parametrize("group_size", [1, 8, 24, 32, 48, 64, 96, 128])
+def test_group_size_check_refuses_exactly_what_the_stores_refuse(model, group_size):
+    cfg = compose_cfg(f"model={model}", "eval=tiny", f"quant.group_size={group_size}")
+    points = validate_config(cfg)
+    scheme = get_scheme("asym_token", group_size)
+    refused = []
+    for head_dim in preload.head_dims(model):
+        try:
+            scheme.new_store([4], head_dim, 1, torch.float32, "cpu")
+        except ValueError:
+            refused.append(head_dim)
+    if not refused:
+        check_model_inputs(cfg, points)
+        return
+    with pytest.raises(
+        ConfigError, match=rf"^quant.group_size: {group_size} does not divide {model}'s head_dim"
+    ):
+        check_model_inputs(cfg, points)
