@@ -59,10 +59,17 @@ def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_add
     assert json.loads((a / "env.1.json").read_text())["threads"] == 1
 
 
+def _current_schema(config: Path) -> bool:
+    """Runs made since points carry eval.bos and policy.budget_unit; earlier runs were made under other rules
+    (no BOS, budgets in bits) and are rerun, not resumed."""
+    cfg = OmegaConf.load(config)
+    return "protocol" not in (cfg.get("sweep") or {}) and "budget_unit" in cfg.policy and "bos" in cfg.eval
+
+
 COMMITTED = sorted(
     path.parent
     for path in (ROOT / "results").rglob("config.yaml")
-    if (path.parent / "points").is_dir() and "protocol" not in (OmegaConf.load(path).get("sweep") or {})
+    if (path.parent / "points").is_dir() and _current_schema(path)
 )
 
 
