@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness import precision
 from harness.models import model_spec
 
 PROTOCOL = "claim"
@@ -67,6 +68,7 @@ class ClaimSettings:
     group_size: int = 32
     seed: int = 0
     data_path: str | None = None
+    dtype: str = "float32"  # model.dtype, resolved (harness/precision.py)
 
 
 def settings(cfg: DictConfig) -> ClaimSettings:
@@ -96,6 +98,7 @@ def settings(cfg: DictConfig) -> ClaimSettings:
         group_size=cfg.quant.group_size,
         seed=cfg.seed,
         data_path=cfg.eval.data.path,
+        dtype=precision.resolve(cfg.model.get("dtype", precision.DEFAULT), cfg.get("device", "cpu")),
     )
 
 
@@ -222,6 +225,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
                 {
                     "label": row["label"],
                     "model": s.model,
+                    "dtype": s.dtype,
                     "architecture": architecture(model.config),
                     "bleu_tok": float(items["bleu_tok"].mean()),
                     "token_match": float(items["token_match"].mean()),
@@ -310,14 +314,14 @@ def run(cfg: DictConfig) -> list[dict]:
     from harness.session import environment
 
     s = settings(cfg)
-    model, tokenizer = load_model(s.model, device=cfg.device)
+    model, tokenizer = load_model(s.model, device=cfg.device, dtype=s.dtype)
     text = data.split(s.data_path)
     ids = data.token_windows(tokenizer, text.evaluation, s.num_sequences, s.sequence_tokens, s.seed)
     ids = ids.to(model.device)
     measured = measure(model, s, ids)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    env = environment(cfg.device)
+    env = environment(cfg.device, s.dtype)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     (run_dir / "env.json").write_text(json.dumps(env, indent=1))
     (run_dir / "rows.json").write_text(json.dumps({"settings": asdict(s), "rows": measured}, indent=1))

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from harness import precision
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -176,8 +178,11 @@ class Settings:
     calibration_sequences: int = 8
     calibration_tokens: int = 512
     i0: int = 32
+    dtype: str = "float32"  # the model's, resolved (harness/precision.py)
 
     def __post_init__(self):
+        if self.dtype not in precision.DTYPES:
+            raise ValueError(f"passkey.dtype: unknown {self.dtype!r}; allowed: {', '.join(precision.DTYPES)}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(
                 f"passkey.prefill: unknown {self.prefill!r}; allowed: {', '.join(PREFILL_MODES)}"
@@ -195,7 +200,10 @@ class Settings:
                 raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:8]
+        """A hash of the settings; a float32 dtype is left out, so points made before it was recorded keep their
+        names."""
+        fields = {k: v for k, v in self.__dict__.items() if not (k == "dtype" and v == "float32")}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def point_name(model: str, context: int, depth: float, policy: str, budget: float, settings: Settings) -> str:
@@ -295,7 +303,7 @@ def run_model(job: Job, run_dir: Path, progress=print) -> int:
     todo = [(c, d) for c in job.contexts for d in job.depths if _pending(job, points_dir, c, d)]
     if not todo:
         return 0
-    model, tokenizer = load_model(job.model)
+    model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
     builder = PromptBuilder(tokenizer)
     s = job.settings
     allocs = allocations(
@@ -396,6 +404,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-sequences", type=int, default=8)
     p.add_argument("--calibration-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--dtype", default=precision.DEFAULT, help=f"model dtype: {', '.join(precision.dtype_names())}"
+    )
     p.add_argument("--run", default="default", help="results/passkey/<run>/; re-running the same run resumes")
     p.add_argument("--root", default="results/passkey")
     p.add_argument(
@@ -419,7 +430,7 @@ def jobs(args) -> list[Job]:
 
     settings = Settings(
         args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
-        args.calibration_sequences, args.calibration_tokens,
+        args.calibration_sequences, args.calibration_tokens, dtype=precision.resolve(args.dtype, key="passkey.dtype"),
     )  # fmt: skip
     get_scheme(args.scheme, args.group_size)
     if args.batch < 1:
@@ -450,11 +461,11 @@ def jobs(args) -> list[Job]:
     return out
 
 
-def write_environment(path: Path, argv: list[str] | None) -> None:
+def write_environment(path: Path, argv: list[str] | None, dtype: str) -> None:
     """Package versions, git commit and the command (harness.session's record, with this command)."""
     from harness.session import environment
 
-    env = environment("cpu")
+    env = environment("cpu", dtype)
     env["command"] = "python -m harness.passkey " + " ".join(sys.argv[1:] if argv is None else argv)
     path.write_text(json.dumps(env, indent=1))
 
@@ -468,7 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         todo = [] if args.report_only else jobs(args)
         run_dir.mkdir(parents=True, exist_ok=True)
         if todo:
-            write_environment(run_dir / "env.json", argv)
+            write_environment(run_dir / "env.json", argv, todo[0].settings.dtype)
         for job in todo:
             t0 = time.perf_counter()
             n = run_model(job, run_dir)

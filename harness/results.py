@@ -15,9 +15,11 @@ from pathlib import Path
 import pandas as pd
 
 from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, EVICTION_FIELDS, POLICY_FIELDS, QUANT_FIELDS
+from harness.precision import DEFAULT as DEFAULT_DTYPE
 
 CONFIG_FIELDS = (
     "model",
+    "dtype",
     *POLICY_FIELDS,
     *QUANT_FIELDS,
     *EVICTION_FIELDS,
@@ -62,10 +64,10 @@ def load_records(run_dir: str | Path) -> list[dict]:
 
 
 def flatten(record: dict) -> dict:
-    """One table row of a point record: key, status, error, its configuration beside its metrics.
+    """One table row of a point record: key, status, error, its configuration and runtime beside its metrics.
 
     List-valued configuration (widths) is stored as its JSON text, as in the runner's results.parquet, so the
-    column has one type.
+    column has one type. Records made before the model dtype was recorded ran in float32 and say so here.
     """
     config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in record["config"].items()}
     return {
@@ -73,6 +75,8 @@ def flatten(record: dict) -> dict:
         "status": record["status"],
         "error": record.get("error"),
         **config,
+        "dtype": record["config"].get("dtype", DEFAULT_DTYPE),
+        **record.get("runtime", {}),
         **record.get("metrics", {}),
     }
 

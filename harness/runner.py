@@ -4,6 +4,7 @@ full-precision prefill; then every point's allocation, quantized cache and metri
 Resumability: a point's JSON is written atomically under <run_dir>/points/<key>.json and a point whose file
 exists is skipped, so a run killed at any moment (SIGKILL included) resumes with no point lost or repeated.
 results.parquet is rebuilt from points/ (atomically, harness.results) after every point, so it is always readable.
+Each record also says what ran it beyond its configuration (`runtime`: whether the CPU computes bf16 natively).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from harness import data, evaluate, metrics, results
+from harness import data, evaluate, metrics, precision, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
 from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
@@ -65,6 +66,7 @@ def context_key(point: dict) -> tuple:
     """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
     fields = (
         "model",
+        "dtype",
         "data_path",
         "seed",
         "num_prompts",
@@ -85,7 +87,7 @@ def build_context(
 ) -> ModelContext:
     timings = {}
     t = time.perf_counter()
-    model, tokenizer = load_model(point["model"], device=device)
+    model, tokenizer = load_model(point["model"], device=device, dtype=point["dtype"])
     timings["load_s"] = time.perf_counter() - t
     if backend != "torch" and model.device.type == "cuda":
         use_fused_attention(model)  # decode steps of triton-backed caches read the packed K/V directly
@@ -314,6 +316,7 @@ def run(
     timings_path = run_dir / f"timings{tag}.json"
     timings = json.loads(timings_path.read_text()) if timings_path.exists() else {"models": {}, "points": {}}
     contexts: dict[tuple, ModelContext] = {}
+    runtime = precision.describe(device)
     bar = tqdm(
         total=len(points), initial=len(points) - len(todo), desc="points", unit="pt", dynamic_ncols=True
     )
@@ -343,6 +346,7 @@ def run(
                         "key": point_key(base_point),
                         "status": "ok",
                         "config": base_point,
+                        "runtime": runtime,
                         "metrics": baseline_record(ctx),
                         "tokens": ctx.base_tokens.tolist(),
                     },
@@ -365,7 +369,8 @@ def run(
                 **({"same_measurement_as": first_key} if first_key != key else {}),
             }
         timings["points"][key] = time.perf_counter() - t
-        write_json_atomic(run_dir / "points" / f"{key}.json", {"key": key, "config": point, **result})
+        record = {"key": key, "config": point, "runtime": runtime, **result}
+        write_json_atomic(run_dir / "points" / f"{key}.json", record)
         write_json_atomic(timings_path, timings)
         results.write_parquet(run_dir)
         if on_point is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from harness import runner
+from harness import precision, runner
 from harness.grid import shard
 
 SHOWN = [
@@ -71,7 +71,9 @@ def git_commit() -> str | None:
         return None
 
 
-def environment(device: str) -> dict:
+def environment(device: str, dtype: str | None = None) -> dict:
+    """Command, commit, versions, device, threads, and precision: the model dtype asked for (resolved) and
+    whether this machine computes bfloat16 natively."""
     import torch
 
     versions = {}
@@ -87,6 +89,8 @@ def environment(device: str) -> dict:
         "platform": platform.platform(),
         "device": device,
         "cpu_threads": torch.get_num_threads(),
+        "dtype": dtype,
+        **precision.describe(device),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "packages": versions,
     }
@@ -116,7 +120,8 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     suffix = "" if cfg.num_shards == 1 else f".shard{cfg.shard}"
-    (run_dir / f"env{suffix}.json").write_text(json.dumps(environment(cfg.device), indent=1))
+    dtype = precision.resolve(cfg.model.get("dtype", precision.DEFAULT), cfg.device)
+    (run_dir / f"env{suffix}.json").write_text(json.dumps(environment(cfg.device, dtype), indent=1))
     wandb_cfg = cfg.tracking.wandb
     tracker = Tracker(
         wandb_cfg.mode,
