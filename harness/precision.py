@@ -25,10 +25,11 @@ def dtype_names() -> list[str]:
     return [*DTYPES, AUTO]
 
 
-def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
-    """The CPU's feature flags from the first `flags` (x86) or `Features` (aarch64) line; empty if unreadable."""
+def cpu_flags(cpuinfo: Path | None = None) -> set[str]:
+    """The CPU's feature flags from the first `flags` (x86) or `Features` (aarch64) line of `cpuinfo` (default
+    /proc/cpuinfo); empty where it cannot be read."""
     try:
-        text = cpuinfo.read_text()
+        text = Path(cpuinfo or CPUINFO).read_text()
     except OSError:
         return set()
     for line in text.splitlines():
@@ -38,7 +39,7 @@ def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
     return set()
 
 
-def native_bf16(device: str = "cpu", cpuinfo: Path = CPUINFO) -> bool:
+def native_bf16(device: str = "cpu", cpuinfo: Path | None = None) -> bool:
     """Whether `device` computes bfloat16 natively (CPU: any of BF16_FLAGS; CUDA: torch's own check)."""
     if str(device).startswith("cuda"):
         import torch
