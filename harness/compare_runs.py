@@ -7,8 +7,9 @@ This module owns the comparison only; each run's own numbers and intervals come 
 - Per matched point: ppl_ratio and kl_mean in each run and their difference (B - A).
 - Per difference to uniform (harness.report.differences: the paired bootstrap 95% interval over the same
   prompts or sequences, same resamples in both runs): the difference and its interval in each run, whether B
-  keeps A's sign and A's significance (interval excluding zero), and each run's verdict: better, worse, or
-  n.s. (not significant). The verdicts agreeing everywhere is what "the dtype changes no conclusion" means.
+  keeps A's sign and A's significance (interval excluding zero), and each run's verdict: better, worse, n.s.
+  (not significant), or "no interval" (fewer paired items than a report draws one over). The verdicts agreeing
+  everywhere is what "the dtype changes no conclusion" means.
 - Per run: the dtype(s) it ran in, the baseline perplexity per model, and the seconds spent per stage.
 Writes DIR/compare.md (the command on top), DIR/points.csv and DIR/differences.csv; prints the markdown.
 """
@@ -75,9 +76,12 @@ def point_table(records_a: list[dict], records_b: list[dict]) -> pd.DataFrame:
     return frame.sort_values(["model", "scheme", "budget", "configuration"], ignore_index=True)
 
 
-def verdict(metric: str, difference: float, excludes_zero: bool) -> str:
-    """'better' or 'worse' than uniform when the interval excludes zero, else 'n.s.'."""
-    if not excludes_zero or math.isnan(difference):
+def verdict(metric: str, difference: float, low: float, excludes_zero: bool) -> str:
+    """'better' or 'worse' than uniform when the interval excludes zero, 'n.s.' when it does not, 'no interval'
+    when there is none (low is NaN)."""
+    if math.isnan(difference) or math.isnan(low):
+        return "no interval"
+    if not excludes_zero:
         return "n.s."
     return "better" if (difference > 0) == HIGHER_IS_BETTER[metric] else "worse"
 
@@ -98,18 +102,20 @@ def difference_table(
         on=["identity", "metric"],
         suffixes=("_a", "_b"),
     )
-    merged["verdict_a"] = [
-        verdict(m, d, e)
-        for m, d, e in zip(merged["metric"], merged["difference_a"], merged["excludes_zero_a"])
-    ]
-    merged["verdict_b"] = [
-        verdict(m, d, e)
-        for m, d, e in zip(merged["metric"], merged["difference_b"], merged["excludes_zero_b"])
-    ]
+    for run in ("a", "b"):
+        merged[f"verdict_{run}"] = [
+            verdict(*args)
+            for args in zip(
+                merged["metric"],
+                merged[f"difference_{run}"],
+                merged[f"low_{run}"],
+                merged[f"excludes_zero_{run}"],
+            )
+        ]
     merged["keeps_sign"] = np.sign(merged["difference_a"]) == np.sign(merged["difference_b"])
     merged["keeps_significance"] = merged["excludes_zero_a"] == merged["excludes_zero_b"]
     merged["keeps_verdict"] = merged["verdict_a"] == merged["verdict_b"]
-    columns = ["model", "scheme", "budget", "configuration", "metric"]
+    columns = ["model", "scheme", "budget", "configuration", "metric", "n"]
     columns += [f"{c}_{s}" for s in ("a", "b") for c in ("difference", "low", "high", "verdict")]
     columns += ["keeps_sign", "keeps_significance", "keeps_verdict", "key_a", "key_b"]
     return merged[columns].sort_values(columns[:5], ignore_index=True)
@@ -181,7 +187,7 @@ def render(
             markdown_table(by_metric),
             "",
             f"**Verdicts {'agree' if agree else 'differ'}**: {_count(diffs, 'keeps_verdict')} differences to "
-            "uniform have the same verdict (better, worse, n.s. at 95%) in both runs.",
+            "uniform have the same verdict (better, worse, n.s. at 95%, or no interval) in both runs.",
             "",
         ]
         changed = diffs[~(diffs["keeps_verdict"] & diffs["keeps_sign"] & diffs["keeps_significance"])]

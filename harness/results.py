@@ -64,7 +64,8 @@ def load_records(run_dir: str | Path) -> list[dict]:
 
 
 def flatten(record: dict) -> dict:
-    """One table row of a point record: key, status, error, its configuration and runtime beside its metrics.
+    """One table row of a point record: key, status, error, its configuration, what it resolved to when it ran
+    (`resolved`, e.g. bos_used, native_bf16) and its metrics.
 
     List-valued configuration (widths) is stored as its JSON text, as in the runner's results.parquet, so the
     column has one type. Records made before the model dtype was recorded ran in float32 and say so here.
@@ -76,7 +77,7 @@ def flatten(record: dict) -> dict:
         "error": record.get("error"),
         **config,
         "dtype": record["config"].get("dtype", DEFAULT_DTYPE),
-        **record.get("runtime", {}),
+        **record.get("resolved", {}),
         **record.get("metrics", {}),
     }
 

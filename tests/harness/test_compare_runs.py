@@ -20,7 +20,7 @@ N = 20  # prompts and sequences per point: enough for a bootstrap interval
 
 def record(config: dict, kl: np.ndarray, nll: np.ndarray, nll_base: np.ndarray, match: np.ndarray) -> dict:
     """A point record as the runner writes it, from per-item values (N,) each."""
-    stats = np.tile([10, 10, 8, 6, 4, 2, 10, 9, 8, 7], (N, 1))  # same BLEU everywhere: difference 0
+    stats = np.tile([10, 10, 8, 6, 4, 2, 10, 9, 8, 7], (len(kl), 1))  # same BLEU everywhere: difference 0
     return {
         "key": point_key(config),
         "config": config,
@@ -112,11 +112,31 @@ def test_a_flipped_conclusion_is_caught_and_a_kept_one_is_not(runs):
 
 
 def test_verdict_follows_the_metric_direction():
-    assert compare_runs.verdict("kl_mean", -0.1, True) == "better"
-    assert compare_runs.verdict("kl_mean", 0.1, True) == "worse"
-    assert compare_runs.verdict("bleu", 0.1, True) == "better"
-    assert compare_runs.verdict("bleu", -0.1, False) == "n.s."
-    assert compare_runs.verdict("ppl_ratio", math.nan, False) == "n.s."
+    assert compare_runs.verdict("kl_mean", -0.1, -0.2, True) == "better"
+    assert compare_runs.verdict("kl_mean", 0.1, 0.05, True) == "worse"
+    assert compare_runs.verdict("bleu", 0.1, 0.05, True) == "better"
+    assert compare_runs.verdict("bleu", -0.1, -0.3, False) == "n.s."
+    assert compare_runs.verdict("ppl_ratio", 0.1, math.nan, False) == "no interval"  # fewer than 16 items
+    assert compare_runs.verdict("ppl_ratio", math.nan, math.nan, False) == "no interval"
+
+
+def test_points_with_too_few_items_get_no_verdict(tmp_path):
+    rng = np.random.default_rng(1)
+    few = 8
+    runs = []
+    for dtype in ("float32", "bfloat16"):
+        base = rng.uniform(2, 3, few)
+        runs.append(
+            write_run(
+                tmp_path / dtype,
+                [
+                    record(config(dtype, p), rng.uniform(0, 1, few), base + 0.1, base, np.ones(few))
+                    for p in ("uniform", "entropy")
+                ],
+            )
+        )
+    _, _, diffs, _ = compare_runs.compare(*runs, n_boot=50)
+    assert set(diffs["verdict_a"]) == set(diffs["verdict_b"]) == {"no interval"} and (diffs["n"] == few).all()
 
 
 def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp_path):

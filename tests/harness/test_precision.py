@@ -127,7 +127,7 @@ def test_rows_of_records_without_a_dtype_say_float32():
         **old,
         "key": "b",
         "config": {**old["config"], "dtype": "bfloat16"},
-        "runtime": {"native_bf16": True},
+        "resolved": {"native_bf16": True},
     }
     frame = results.table([old, new])
     assert frame["dtype"].tolist() == ["float32", "bfloat16"]
