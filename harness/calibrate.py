@@ -9,7 +9,9 @@ h of layer l reads KV head h // (Hq / Hkv(l)); Gemma 4's global layers have fewe
 
 The probabilities come from each model's own eager attention function (so softcapping, sinks and masks are the
 model's), called through a registered attention implementation that records statistics and discards the
-(B, H, T, T) matrices layer by layer.
+(B, H, T, T) matrices layer by layer. That call runs in float32 whatever the model's dtype: in a bfloat16 model
+the queries, keys, values and mask are upcast first, so scores, softmax and entropies are float32, and the
+attention output is rounded back to the model's dtype for the layers after it.
 """
 
 from __future__ import annotations
@@ -75,11 +77,17 @@ _ACTIVE: list[_Recorder] = []
 
 
 def _probe_attention(module, query, key, value, attention_mask, **kwargs):
-    """The module's own eager attention, with its probabilities handed to the active recorder."""
+    """The module's own eager attention in float32, with its probabilities handed to the active recorder.
+
+    query (B, Hq, T, D), key/value (B, Hkv, T, D) in the model's dtype -> (output (B, T, Hq, D) in that dtype,
+    None). In a float32 model the upcasts are no-ops.
+    """
     eager = sys.modules[type(module).__module__].eager_attention_forward
-    out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()  # additive: 0 or the dtype's minimum, finite in float32
+    out, weights = eager(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
     _ACTIVE[-1].record(module.layer_idx, weights)
-    return out, None
+    return out.to(query.dtype), None
 
 
 AttentionInterface.register(PROBE, _probe_attention)
@@ -130,6 +138,13 @@ def head_entropies(
     return table
 
 
+def model_identity(model, model_name: str) -> str:
+    """What a table cached on disk depends on about the model: its name, its config, and its dtype when that is
+    not float32 (float32 tables keep the identity they had before the dtype was recorded)."""
+    dtype = str(model.dtype).removeprefix("torch.")
+    return f"{model_name}|{model.config.to_json_string()}" + ("" if dtype == "float32" else f"|{dtype}")
+
+
 def cache_dir() -> Path:
     return cache_root() / "calibration"
 
@@ -151,7 +166,7 @@ def cached_head_entropies(model, model_name: str, input_ids: torch.Tensor, i0: i
     """head_entropies, read from disk when the same model, tokens and i0 were calibrated before."""
     # The model's config is part of the key: a registry entry that changes its architecture or init (tiny
     # models) must not read another model's statistics.
-    identity = f"{CACHE_VERSION}|{model_name}|{model.config.to_json_string()}|{i0}|{tuple(input_ids.shape)}"
+    identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{i0}|{tuple(input_ids.shape)}"
     table = disk_cached(model_name, identity, input_ids, lambda: head_entropies(model, input_ids, i0=i0))
     table.attrs.update(table_attrs(model.config))
     return table

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from harness import precision
 from harness.models import model_spec
 
 PROTOCOL = "claim"
@@ -68,6 +69,7 @@ class ClaimSettings:
     seed: int = 0
     data_path: str | None = None
     bos: str = "auto"  # eval.bos (harness.data.uses_bos)
+    dtype: str = "float32"  # model.dtype, resolved (harness/precision.py)
 
 
 def settings(cfg: DictConfig) -> ClaimSettings:
@@ -98,6 +100,7 @@ def settings(cfg: DictConfig) -> ClaimSettings:
         seed=cfg.seed,
         data_path=cfg.eval.data.path,
         bos=cfg.eval.get("bos", "auto"),
+        dtype=precision.resolve(cfg.model.get("dtype", precision.DEFAULT), cfg.get("device", "cpu")),
     )
 
 
@@ -224,6 +227,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
                 {
                     "label": row["label"],
                     "model": s.model,
+                    "dtype": s.dtype,
                     "architecture": architecture(model.config),
                     "bleu_tok": float(items["bleu_tok"].mean()),
                     "token_match": float(items["token_match"].mean()),
@@ -318,9 +322,9 @@ def run(cfg: DictConfig) -> list[dict]:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    env = environment(command_line("python -m harness"), cfg.device, cfg.get("allow_dirty", False))
+    env = environment(command_line("python -m harness"), cfg.device, cfg.get("allow_dirty", False), s.dtype)
     write_environment(run_dir, env)
-    model, tokenizer = load_model(s.model, device=cfg.device)
+    model, tokenizer = load_model(s.model, device=cfg.device, dtype=s.dtype)
     text = data.split(s.data_path)
     bos = data.uses_bos(tokenizer, s.bos)
     ids = data.token_windows(tokenizer, text.evaluation, s.num_sequences, s.sequence_tokens, s.seed, bos=bos)

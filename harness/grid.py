@@ -2,8 +2,10 @@
 
 A point is a flat dict of every setting that can change a metric (model, policy, budget, alpha, sink rule,
 widths, budget mode, scheme, group size, prefill, sink tokens, residual window, evaluation sizes, data, seed,
-token eviction).
+token eviction, model dtype).
 Its key is a hash of that dict, so a finished point is recognized on re-run whatever order the grid lists it in.
+The model dtype (`model.dtype`, resolved: float32 or bfloat16) enters the hash only when it is not float32, so
+points made before dtypes were recorded keep their keys and their runs still resume.
 
 A sweep config (conf/sweep/*.yaml) lists `models`, `budgets`, `schemes` and `policies`: each policy entry sets
 some point fields, and a list value expands into one point per element (a product over all list fields).
@@ -18,6 +20,8 @@ import json
 from collections.abc import Iterable
 
 from omegaconf import DictConfig, OmegaConf
+
+from harness import precision
 
 POLICY_FIELDS = (
     "policy",
@@ -60,6 +64,7 @@ def base_point(cfg: DictConfig) -> dict:
     p, q, e = cfg.policy, cfg.quant, cfg.eval
     return {
         "model": cfg.model.name,
+        "dtype": precision.resolve(cfg.model.get("dtype", precision.DEFAULT), cfg.get("device", "cpu")),
         "policy": p.name,
         "budget": p.budget,
         "alpha": p.alpha,
@@ -92,7 +97,9 @@ def base_point(cfg: DictConfig) -> dict:
 
 
 def point_key(point: dict) -> str:
-    """A short stable hash of the point's full configuration."""
+    """A short stable hash of the point's full configuration (a float32 dtype left out, see the docstring)."""
+    if point.get("dtype") == precision.DEFAULT:
+        point = {k: v for k, v in point.items() if k != "dtype"}
     return hashlib.sha256(json.dumps(point, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

@@ -187,10 +187,15 @@ def command_line(program: str, argv: list[str] | None = None) -> str:
     return " ".join([program, *(sys.argv[1:] if argv is None else argv)])
 
 
-def environment(command: str, device: str = "cpu", allow_dirty: bool = False) -> dict:
+def environment(
+    command: str, device: str = "cpu", allow_dirty: bool = False, dtype: str | None = None
+) -> dict:
     """The record of a run, taken when it starts: command, time, git commit and dirty state, versions,
-    thread count (as applied by set_threads), device."""
+    thread count (as applied by set_threads), device, and precision: the model dtype (resolved) and whether
+    this machine computes bfloat16 natively."""
     import torch
+
+    from harness import precision
 
     versions = {}
     for name in PACKAGES:
@@ -211,6 +216,8 @@ def environment(command: str, device: str = "cpu", allow_dirty: bool = False) ->
         "platform": platform.platform(),
         "device": device,
         "threads": torch.get_num_threads(),
+        "dtype": dtype,
+        **precision.describe(device),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "packages": versions,
     }

@@ -5,6 +5,9 @@ Sources (the `source` key of a model file):
 - hf: a Hugging Face id or local path, loaded only when the weights are already on this machine;
 - tiny: a small random model of a given architecture built from the file's config with a fixed seed,
   with a byte-level tokenizer, for tests.
+Weights are loaded in the dtype asked for (harness/precision.py: float32 or bfloat16; default the file's
+`dtype`): a GGUF's weights are dequantized and cast once at load, a tiny model is built in float32 (so every
+dtype starts from the same random weights) and cast once.
 Nothing here reaches a model hub: every load passes local_files_only.
 """
 
@@ -19,8 +22,9 @@ from pathlib import Path
 import torch
 import yaml
 
+from harness.precision import torch_dtype
+
 CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class ModelUnavailable(RuntimeError):
@@ -123,9 +127,13 @@ def load_hf(spec: dict, dtype: torch.dtype):
 
 
 def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None):
-    """Load a registered model in eval mode with its tokenizer: -> (model, tokenizer)."""
+    """Load a registered model in eval mode with its tokenizer: -> (model, tokenizer).
+
+    dtype: a torch dtype or a resolved name (float32, bfloat16); None: the registry file's `dtype`.
+    """
     spec = model_spec(name)
-    dtype = DTYPES[dtype or spec.get("dtype", "float32")] if not isinstance(dtype, torch.dtype) else dtype
+    if not isinstance(dtype, torch.dtype):
+        dtype = torch_dtype(dtype or spec.get("dtype", "float32"))
     source = spec["source"]
     if source == "tiny":
         model, tokenizer = build_tiny(spec)

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from harness import precision
 from harness.capacity import Storage, element_price, shape_from_config
 from harness.data import BOS_RULES, uses_bos
 from harness.policies import BUDGET_UNITS
@@ -182,6 +183,7 @@ class Settings:
     i0: int = 32
     bos: str = "auto"  # eval.bos: every prompt and calibration window starts with BOS (harness.data.uses_bos)
     budget_unit: str = "bytes"  # policy.budget_unit of every policy (harness.policies)
+    dtype: str = "float32"  # the model's, resolved (harness/precision.py)
 
     def __post_init__(self):
         if self.bos not in BOS_RULES:
@@ -190,6 +192,8 @@ class Settings:
             raise ValueError(
                 f"passkey.budget_unit: unknown {self.budget_unit!r}; allowed: {', '.join(BUDGET_UNITS)}"
             )
+        if self.dtype not in precision.DTYPES:
+            raise ValueError(f"passkey.dtype: unknown {self.dtype!r}; allowed: {', '.join(precision.DTYPES)}")
         if self.prefill not in PREFILL_MODES:
             raise ValueError(
                 f"passkey.prefill: unknown {self.prefill!r}; allowed: {', '.join(PREFILL_MODES)}"
@@ -207,7 +211,10 @@ class Settings:
                 raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(self.__dict__, sort_keys=True).encode()).hexdigest()[:8]
+        """A hash of the settings; a float32 dtype is left out, so points made before it was recorded keep their
+        names."""
+        fields = {k: v for k, v in self.__dict__.items() if not (k == "dtype" and v == "float32")}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
 
 
 def point_name(model: str, context: int, depth: float, policy: str, budget: float, settings: Settings) -> str:
@@ -314,7 +321,7 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     todo = [(c, d) for c in job.contexts for d in job.depths if _pending(job, points_dir, c, d)]
     if not todo:
         return 0
-    model, tokenizer = load_model(job.model)
+    model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
     s = job.settings
     builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
     price = element_price(shape_from_config(model.config, job.model), Storage(s.scheme, s.group_size))
@@ -423,6 +430,9 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run into results/ from a git tree with uncommitted changes (recorded in env.json)",
     )
+    p.add_argument(
+        "--dtype", default=precision.DEFAULT, help=f"model dtype: {', '.join(precision.dtype_names())}"
+    )
     p.add_argument("--run", default="default", help="results/passkey/<run>/; re-running the same run resumes")
     p.add_argument("--root", default="results/passkey")
     p.add_argument(
@@ -447,6 +457,7 @@ def jobs(args) -> list[Job]:
     settings = Settings(
         args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
         args.calibration_sequences, args.calibration_tokens, bos=args.bos, budget_unit=args.budget_unit,
+        dtype=precision.resolve(args.dtype, key="passkey.dtype"),
     )  # fmt: skip
     get_scheme(args.scheme, args.group_size)
     if args.batch < 1:
@@ -493,7 +504,7 @@ def main(argv: list[str] | None = None) -> None:
             io.check_clean(run_dir, args.allow_dirty, key="--allow-dirty")
         run_dir.mkdir(parents=True, exist_ok=True)
         if todo:
-            env = io.environment(command, "cpu", args.allow_dirty)
+            env = io.environment(command, "cpu", args.allow_dirty, todo[0].settings.dtype)
             io.write_environment(run_dir, env)
         for job in todo:
             t0 = time.perf_counter()

@@ -15,9 +15,11 @@ import pandas as pd
 
 from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, EVICTION_FIELDS, POLICY_FIELDS, QUANT_FIELDS
 from harness.io import write_parquet_atomic
+from harness.precision import DEFAULT as DEFAULT_DTYPE
 
 CONFIG_FIELDS = (
     "model",
+    "dtype",
     *POLICY_FIELDS,
     *QUANT_FIELDS,
     *EVICTION_FIELDS,
@@ -65,10 +67,10 @@ def load_records(run_dir: str | Path) -> list[dict]:
 
 def flatten(record: dict) -> dict:
     """One table row of a point record: key, status, error, its configuration, what it resolved to when it ran
-    (`resolved`, e.g. bos_used) and its metrics.
+    (`resolved`, e.g. bos_used, native_bf16) and its metrics.
 
     List-valued configuration (widths) is stored as its JSON text, as in the runner's results.parquet, so the
-    column has one type.
+    column has one type. Records made before the model dtype was recorded ran in float32 and say so here.
     """
     config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in record["config"].items()}
     return {
@@ -76,6 +78,7 @@ def flatten(record: dict) -> dict:
         "status": record["status"],
         "error": record.get("error"),
         **config,
+        "dtype": record["config"].get("dtype", DEFAULT_DTYPE),
         **record.get("resolved", {}),
         **{k: record.get(k) for k in PROVENANCE},
         **record.get("metrics", {}),

@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from harness import data, evaluate, metrics, results
+from harness import data, evaluate, metrics, precision, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, Storage, element_price, shape_from_config
@@ -59,6 +59,7 @@ def context_key(point: dict) -> tuple:
     """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
     fields = (
         "model",
+        "dtype",
         "data_path",
         "seed",
         "num_prompts",
@@ -80,7 +81,7 @@ def build_context(
 ) -> ModelContext:
     timings = {}
     t = time.perf_counter()
-    model, tokenizer = load_model(point["model"], device=device)
+    model, tokenizer = load_model(point["model"], device=device, dtype=point["dtype"])
     timings["load_s"] = time.perf_counter() - t
     if backend != "torch" and model.device.type == "cuda":
         use_fused_attention(model)  # decode steps of triton-backed caches read the packed K/V directly
@@ -276,8 +277,9 @@ def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
 
 
 def resolved(ctx: ModelContext) -> dict:
-    """What a point's configuration resolved to when it ran (rules that depend on the model): its row records it."""
-    return {"bos_used": ctx.bos}
+    """What a point's configuration resolved to when it ran (rules that depend on the model or the machine, such
+    as whether the CPU computes bf16 natively): its row records it."""
+    return {"bos_used": ctx.bos, **precision.describe(ctx.model.device.type)}
 
 
 def baseline_record(ctx: ModelContext) -> dict:

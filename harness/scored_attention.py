@@ -10,6 +10,8 @@ harness.eviction.SCORER_ATTR); this attention then
   the model's other details included) for its probabilities p (B, Hq, Tq, Tk), and hands the layer their
   column sums over query heads and query positions, sum_{h, i} p[b, h, i, j] (B, Tk).
 The probabilities are computed on top of the output: scoring costs one more attention pass per scored layer.
+That pass runs in float32 whatever the model's dtype (bfloat16 queries and keys are upcast), so the scores that
+rank tokens are not rounded to bfloat16.
 The mask function is SDPA's; where SDPA's mask is skipped (None: causal or a single query), the eager pass gets
 the causal mask aligned to the last key, which is what SDPA then applies.
 """
@@ -55,12 +57,13 @@ def scored_attention(
     scorer = getattr(key, SCORER_ATTR, None)
     if scorer is not None:
         eager = sys.modules[type(module).__module__].eager_attention_forward
-        mask = _additive_mask(attention_mask, query.shape[2], key.shape[2], query.dtype, query.device)
+        mask = _additive_mask(attention_mask, query.shape[2], key.shape[2], torch.float32, query.device)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         kwargs.pop("dropout", None)
-        _, weights = eager(module, query, key, value, mask, scaling=scaling, dropout=0.0, **kwargs)
-        scorer.record_attention(weights.float().sum(dim=(1, 2)))  # (B, Hq, Tq, Tk) -> (B, Tk)
+        q, k, v = query.float(), key.float(), value.float()  # no-ops in a float32 model
+        _, weights = eager(module, q, k, v, mask, scaling=scaling, dropout=0.0, **kwargs)
+        scorer.record_attention(weights.sum(dim=(1, 2)))  # (B, Hq, Tq, Tk) float32 -> (B, Tk)
     return out, None
 
 

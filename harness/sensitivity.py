@@ -41,7 +41,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
 from harness.attention_swap import attending_with
 from harness.cache import kv_heads
-from harness.calibrate import disk_cached, layer_types
+from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.io import write_atomic, write_text_atomic
 from harness.quant import Scheme
 
@@ -170,8 +170,9 @@ def cached_sensitivity(
     model config, calibration tokens, scheme (name, group size, options) and widths."""
     widths = _quantized_widths(widths)
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
-    config_json = model.config.to_json_string()
-    identity = f"{CACHE_VERSION}|{model_name}|{config_json}|{options}|{widths}|{tuple(input_ids.shape)}"
+    identity = (
+        f"{CACHE_VERSION}|{model_identity(model, model_name)}|{options}|{widths}|{tuple(input_ids.shape)}"
+    )
     table = disk_cached(
         f"{model_name}-sensitivity",
         identity,
@@ -311,7 +312,7 @@ def _run_check(args, point: dict, scheme: Scheme, out: Path, command: str) -> No
     from harness import data
     from harness.models import load_model
 
-    model, tokenizer = load_model(point["model"])
+    model, tokenizer = load_model(point["model"], dtype=point["dtype"])
     text = data.split(point["data_path"])
     bos = data.uses_bos(tokenizer, point["bos"])
     calibration = data.token_windows(

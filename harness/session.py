@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
-from harness import runner
+from harness import precision, runner
 from harness.grid import shard
 from harness.io import command_line, environment, provenance, write_environment, write_text_atomic
 
@@ -59,7 +59,8 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
     run_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
     suffix = "" if cfg.num_shards == 1 else f".shard{cfg.shard}"
-    env = environment(command_line("python -m harness"), cfg.device, cfg.allow_dirty)
+    dtype = precision.resolve(cfg.model.get("dtype", precision.DEFAULT), cfg.device)
+    env = environment(command_line("python -m harness"), cfg.device, cfg.allow_dirty, dtype)
     write_environment(run_dir, env, f"env{suffix}.json")  # before any model loads: what this start ran on
     wandb_cfg = cfg.tracking.wandb
     tracker = Tracker(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness import io
+from harness import io, precision
 from harness.data import BOS_RULES
 from harness.grid import expand
 from harness.models import model_spec, unknown_name_message
@@ -61,6 +61,10 @@ def _check_point(point: dict, backend: str = "auto") -> None:
 
     try:
         model_spec(point["model"])
+        if point["dtype"] not in precision.DTYPES:  # a sweep entry may set it; `auto` is resolved before here
+            raise ValueError(
+                f"model.dtype: {point['dtype']!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
+            )
         validate(
             point["budget"],
             point["policy"],
@@ -168,6 +172,10 @@ def validate_config(cfg: DictConfig) -> list[dict]:
         raise ConfigError(f"quant.backend: unknown {cfg.quant.backend!r}; allowed: {', '.join(BACKENDS)}")
     if not isinstance(cfg.eval.batch_size, int) or cfg.eval.batch_size < 1:
         raise ConfigError(f"eval.batch_size: {cfg.eval.batch_size!r} is not a positive integer")
+    try:
+        precision.resolve(cfg.model.get("dtype", precision.DEFAULT), cfg.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if protocol(cfg) == "claim":
         from harness import claim
 

@@ -1,0 +1,154 @@
+"""model.dtype: native bf16 detection, `auto`, validation, and the dtype in point keys, rows and passkey names."""
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness import precision, results
+from harness.grid import expand, point_key
+from harness.models import load_model
+from harness.passkey import Settings
+from harness.validate import ConfigError, _check_point, validate_config
+
+ROOT = Path(__file__).resolve().parents[2]
+X86 = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f {extra}\nbogomips\t: 1\n"
+
+
+def cfg(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.mark.parametrize(
+    "text, native",
+    [
+        (X86.format(extra="avx512_bf16 avx512_vnni"), True),
+        (X86.format(extra="amx_tile amx_bf16"), True),
+        (X86.format(extra="avx512_vnni amx_tile"), False),  # AMX without its bf16 unit
+        ("processor\t: 0\nFeatures\t: fp asimd bf16 i8mm\n", True),  # aarch64
+        ("processor\t: 0\nFeatures\t: fp asimd\n", False),
+        ("", False),
+    ],
+)
+def test_native_bf16_from_cpu_flags(tmp_path, monkeypatch, text, native):
+    info = tmp_path / "cpuinfo"
+    info.write_text(text)
+    assert precision.native_bf16("cpu", info) is native
+    monkeypatch.setattr(precision, "CPUINFO", info)
+    assert precision.resolve("auto") == ("bfloat16" if native else "float32")
+    assert precision.resolve("float32") == "float32" and precision.resolve("bfloat16") == "bfloat16"
+    assert precision.describe()["native_bf16"] is native
+
+
+def test_unreadable_cpuinfo_means_not_native(tmp_path):
+    assert precision.cpu_flags(tmp_path / "absent") == set()
+    assert precision.native_bf16("cpu", tmp_path / "absent") is False
+
+
+def test_this_machine_is_reported_as_torch_sees_it():
+    """/proc/cpuinfo's answer agrees with torch's own CPU probe where torch has one (x86)."""
+    probe = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+    if probe is None or not Path("/proc/cpuinfo").exists():
+        pytest.skip("no torch probe or no /proc/cpuinfo here")
+    assert ("avx512_bf16" in precision.cpu_flags()) == probe()
+
+
+def test_dtype_names_and_bad_names():
+    assert precision.torch_dtype("bfloat16") is torch.bfloat16
+    assert precision.torch_dtype("float32") is torch.float32
+    for bad in ("float16", "bf16", ""):
+        with pytest.raises(ValueError, match="model.dtype: unknown .*allowed: float32, bfloat16, auto"):
+            precision.resolve(bad)
+
+
+def test_bad_dtype_stops_before_loading_with_exit_2():
+    with pytest.raises(
+        ConfigError, match=r"^model.dtype: unknown 'float16'; allowed: float32, bfloat16, auto$"
+    ):
+        validate_config(cfg("model.dtype=float16"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "model.dtype=half", "tracking.wandb.mode=disabled"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: model.dtype: unknown 'half'; allowed: float32, bfloat16, auto"
+    ]
+
+
+def test_a_grid_point_holds_a_resolved_dtype():
+    point = expand(cfg())[0]
+    _check_point(point)
+    for bad in (
+        "auto",
+        "float16",
+    ):  # a sweep entry may set the field: `auto` is resolved only from model.dtype
+        with pytest.raises(
+            ConfigError, match=f"model.dtype: '{bad}' in a grid point; allowed: float32, bfloat16"
+        ):
+            _check_point({**point, "dtype": bad})
+
+
+def test_dtype_is_in_every_point_and_in_the_key_only_when_not_float32():
+    fp32 = validate_config(cfg("+sweep=smoke"))
+    bf16 = validate_config(cfg("+sweep=smoke", "model.dtype=bfloat16"))
+    assert {p["dtype"] for p in fp32} == {"float32"} and {p["dtype"] for p in bf16} == {"bfloat16"}
+    for a, b in zip(fp32, bf16, strict=True):
+        assert {**a, "dtype": "bfloat16"} == b
+        without = {k: v for k, v in a.items() if k != "dtype"}
+        assert point_key(a) == point_key(without)  # points made before the field existed keep their keys
+        assert point_key(b) != point_key(a)
+    auto = expand(cfg("+sweep=smoke", "model.dtype=auto"))
+    assert {p["dtype"] for p in auto} == {precision.resolve("auto")}
+
+
+def test_every_committed_point_keeps_its_key():
+    paths = [p for p in ROOT.glob("results/**/points/*.json") if "passkey" not in p.parts]
+    records = [json.loads(p.read_text()) for p in paths]
+    records = [r for r in records if "config" in r and "key" in r]
+    assert records, "no committed points to check"
+    for r in records:
+        assert "dtype" not in r["config"]
+        assert point_key({**r["config"], "dtype": "float32"}) == r["key"]
+
+
+def test_rows_of_records_without_a_dtype_say_float32():
+    old = {"key": "a", "status": "ok", "config": {"model": "m", "policy": "uniform"}, "metrics": {"ppl": 2.0}}
+    new = {
+        **old,
+        "key": "b",
+        "config": {**old["config"], "dtype": "bfloat16"},
+        "resolved": {"native_bf16": True},
+    }
+    frame = results.table([old, new])
+    assert frame["dtype"].tolist() == ["float32", "bfloat16"]
+    assert frame["native_bf16"].isna().tolist() == [True, False] and bool(frame["native_bf16"].iloc[1])
+
+
+def test_passkey_settings_name_float32_points_as_before():
+    plain = Settings()
+    assert plain.dtype == "float32"
+    fields = {k: v for k, v in plain.__dict__.items() if k != "dtype"}
+    before = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
+    assert plain.digest() == before
+    assert Settings(dtype="bfloat16").digest() != before
+    with pytest.raises(ValueError, match="passkey.dtype: unknown 'auto'"):
+        Settings(dtype="auto")  # the command line resolves auto before building settings
+
+
+def test_tiny_model_is_built_in_float32_then_cast_once():
+    fp32, _ = load_model("tiny-llama")
+    bf16, _ = load_model("tiny-llama", dtype="bfloat16")
+    params = dict(bf16.named_parameters())
+    for name, p in fp32.named_parameters():
+        assert params[name].dtype == torch.bfloat16
+        assert torch.equal(params[name], p.to(torch.bfloat16)), name
