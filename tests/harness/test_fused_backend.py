@@ -19,6 +19,9 @@ from harness.models import load_model
 CASES = [
     ("tiny-llama", [[2, 4, 16], [16, 3, 8], [4, 2, 2]], 16, "asym_token", "exact", 2),
     ("tiny-gemma3", [[2, 16], [4, 8], [16, 2], [3, 4]], 32, "sym_token", "quantized", 1),
+    # KV sharing: the last two layers attend the stores of the last sliding and global layers before them
+    # (the global layers have one KV head, so their second entry is padding).
+    ("tiny-gemma4-kv", [[2, 4], [8, 16], [4, 3], [3, 2], [2, 8]], 16, "asym_token", "exact", 1),
 ]
 NEW_TOKENS = 10
 
@@ -49,7 +52,9 @@ def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, p
     assert all(layer.fused for layer in layers)
     assert not any(layer.fused for layer in torch_cache.quantized_layers())
     assert all(layer.k_store._dequantized is None and layer.v_store._dequantized is None for layer in layers)
-    assert len(calls) == (NEW_TOKENS - 1) * len(layers), "every decode step of every layer is fused"
+    # Every decode step of every attention layer is fused, the KV-sharing layers (which hold no store) included.
+    attention_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    assert len(calls) == (NEW_TOKENS - 1) * attention_layers
     assert torch.equal(got.sequences, want.sequences), name
     if device == "cpu":
         # The prefill is the same computation on both backends (quantize_into is bit-exact with the torch
