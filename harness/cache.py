@@ -126,10 +126,7 @@ def _quantize_append(store: PackedStore, x: torch.Tensor) -> None:
 
     start, end = store.length, store.length + x.shape[2]
     store._reserve(end)
-    quantize_into(
-        store.payload, store.scale, store.zero, store.full, store.width, store.byte_offset, store.slot,
-        x, start, store.group_size,
-    )  # fmt: skip
+    quantize_into(store, x, start)
     store.length = end
 
 

@@ -96,3 +96,22 @@ def test_backend_names_and_resolution(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="triton needs CUDA tensors"):
         resolve_backend("triton", cpu, [4, 16], 32, 32, 16)
+
+
+@torch.no_grad()
+def test_fused_decode_refuses_a_mask_that_hides_tokens(device):
+    """A padded batch hides stored tokens from a decode step; the kernel attends every one, so it refuses
+    (checked on the device: raised here on CPU, a device-side assertion on CUDA, which this test leaves alone)."""
+    if device == "cuda":
+        pytest.skip("a device-side assertion would poison the CUDA context of the rest of the session")
+    model, _ = load_model("tiny-llama", device=device)
+    use_fused_attention(model)
+    cache = QuantizedKVCache(model.config, 4, group_size=16, backend="triton")
+    ids = torch.randint(0, 256, (2, 6), device=device)
+    mask = torch.ones(2, 6, dtype=torch.long, device=device)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)  # nothing hidden: fine
+    model(input_ids=ids[:, :1], attention_mask=mask[:, :1].repeat(1, 7), past_key_values=cache)
+    mask = torch.ones(2, 8, dtype=torch.long, device=device)
+    mask[1, 0] = 0  # the second sequence's first token is padding
+    with pytest.raises(RuntimeError, match="attends to every stored token"):
+        model(input_ids=ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)

@@ -59,20 +59,18 @@ def test_quantize_bit_exact(device, bits, head_dim, group_size, symmetric, dtype
     ref.append(x, keep_dequantized=False)
     st = PackedStore(bits, capacity=80, **kw)
     _fill_garbage(st)
-    quantize_into(
-        st.payload, st.scale, st.zero, st.full, st.width, st.byte_offset, st.slot, x, pos, group_size
-    )
+    quantize_into(st, x, pos)
 
     new = slice(pos, pos + tn)
     assert torch.equal(st.payload[:, new], ref.payload[:, new])
     # Compare fp16 bit patterns so that -0.0 vs 0.0 or a NaN left unwritten is caught.
-    assert torch.equal(st.scale[:, new].view(torch.int16), ref.scale[:, new].view(torch.int16))
+    assert torch.equal(st.scale[:, :, new].view(torch.int16), ref.scale[:, :, new].view(torch.int16))
     if not symmetric:
-        assert torch.equal(st.zero[:, new].view(torch.int16), ref.zero[:, new].view(torch.int16))
+        assert torch.equal(st.zero[:, :, new].view(torch.int16), ref.zero[:, :, new].view(torch.int16))
     assert torch.equal(st.full[:, :, new], ref.full[:, :, new])
     # Nothing outside [pos, pos + Tn) was written.
     assert (st.payload[:, :pos] == 0xA5).all() and (st.payload[:, pos + tn :] == 0xA5).all()
-    assert st.scale[:, :pos].isnan().all() and st.scale[:, pos + tn :].isnan().all()
+    assert st.scale[:, :, :pos].isnan().all() and st.scale[:, :, pos + tn :].isnan().all()
     assert st.full[:, :, :pos].isnan().all() and st.full[:, :, pos + tn :].isnan().all()
 
 
@@ -80,7 +78,7 @@ def test_quantize_rejects_unsupported_group_size():
     st = PackedStore((4, 4), head_dim=96, batch=1, group_size=48)
     x = torch.zeros(1, 2, 1, 96)
     with pytest.raises(NotImplementedError, match="group_size: 48"):
-        quantize_into(st.payload, st.scale, st.zero, st.full, st.width, st.byte_offset, st.slot, x, 0, 48)
+        quantize_into(st, x, 0)
 
 
 def _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed):
