@@ -268,19 +268,14 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
             continue
         splits = _default_splits(L, B * hkv, 32, dev)
         fetched = kst.nbytes() + vst.nbytes() + qkv_bytes + partial_bytes(B, hq, splits, D)
-        r = run.add(
-            shape,
-            "fused",
-            t,
-            mean,
-            run.time_ms(partial(decode_attention, q, kst, vst, scale)),
-            fetched,
-            note=f"splits={splits}",
+        # Against SDPA over the dequantized stores (a guard against timing a broken kernel), where it fits.
+        err = (
+            rel_err(decode_attention(q, kst, vst, scale), dequant_sdpa(q, kst, vst, scale))
+            if B * L <= 8 * 32768
+            else ""
         )
-        if B * L <= 8 * 32768:
-            r["rel_err"] = rel_err(
-                decode_attention(q, kst, vst, scale), sdpa(q, kst.dequantize(), vst.dequantize(), scale)
-            )
+        ms = run.time_ms(partial(decode_attention, q, kst, vst, scale))
+        run.add(shape, "fused", t, mean, ms, fetched, rel_err=err, note=f"splits={splits}")
         if headline_cfg and name != "16":
             deq_bytes = kst.nbytes() + vst.nbytes() + 2 * kv_bytes + qkv_bytes
             try:
