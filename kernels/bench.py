@@ -1,9 +1,10 @@
 """Kernel benchmark of the fused packed-KV decode path against 16-bit flash-decoding baselines.
 
 This module owns the kernel benchmark. At each (head shape, batch, context) it times one layer's decode:
-- `sdpa_<backend>`: torch SDPA over bf16 K/V with one backend forced (flash, efficient, cudnn, math; the
-  backends that refuse the shape are left out) and `sdpa_default` (the backend torch picks, named in `note`);
-- `flex_decode`: FlexAttention (compiled) over the same K/V, where torch has it;
+- `sdpa_<backend>`: torch SDPA over 16-bit K/V (bf16 on CUDA) with one backend forced (flash, efficient,
+  cudnn; the backends that refuse the shape are left out) and `sdpa_default` (the backend torch picks, named
+  in `note`);
+- `flex_decode` (head shape 32x8, batch 8): FlexAttention (compiled) over the same K/V, where torch has it;
 - `fp8_dequant_sdpa`: K/V stored as e4m3 with a per-token scale (harness's fp8 format), dequantized to bf16,
   then SDPA: what a cache without a fused fp8 kernel pays;
 - `fused`: kernels.decode_attention over PackedStores at widths 2, 3, 4, 8, a mixed map and all 16;
@@ -37,7 +38,9 @@ from pathlib import Path
 import torch
 
 GiB = 1 << 30
-DTYPE = torch.bfloat16
+# Query and 16-bit K/V: bf16 on CUDA (tensor-core dots); fp16 in a dry run, as Triton's interpreter computes
+# tl.dot on bf16 wrongly.
+DTYPES = {"cuda": torch.bfloat16, "cpu": torch.float16}
 HEAD_SHAPES = {"32x8": (32, 8, 128), "smollm2": (9, 3, 64), "gemma3": (4, 1, 256)}  # (Hq, Hkv, D)
 HEADLINE = {"config": "32x8", "batch": 8, "context": 32768}  # DESIGN.md section 8's targets
 DRY_SHAPES = {"32x8": (4, 2, 32), "smollm2": (3, 1, 64)}
@@ -45,9 +48,9 @@ COLUMNS = [
     "config", "hq", "hkv", "head_dim", "batch", "context", "method", "widths", "mean_bits", "time_us",
     "bytes_read", "gbps", "frac_copy_bw", "rel_err", "note",
 ]  # fmt: skip
-SDPA_BACKENDS = {
-    "flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"
-}  # fmt: skip
+# The fused SDPA backends (math, which materializes the scores and repeats K/V per query head, is no
+# flash-decoding baseline; sdpa_default shows it if torch picks it).
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 
 
 class Bench:
@@ -55,6 +58,7 @@ class Bench:
 
     def __init__(self, device: str, csv_path: Path, deadline: float):
         self.device, self.deadline = torch.device(device), deadline
+        self.dtype = DTYPES[self.device.type]
         self.csv_path = csv_path
         self.rows: list[dict] = []
         with open(csv_path, "w", newline="") as f:
@@ -159,7 +163,9 @@ def fp8_sdpa(q, kp, ks, vp, vs, scale: float) -> torch.Tensor:
     """e4m3 K/V payloads (B, Hkv, L, D) with fp16 per-token scales (B, Hkv, L): dequantize to bf16, then SDPA."""
     from kernels import reference
 
-    return sdpa(q, reference.fp8_dequantize(kp, ks, DTYPE), reference.fp8_dequantize(vp, vs, DTYPE), scale)
+    return sdpa(
+        q, reference.fp8_dequantize(kp, ks, q.dtype), reference.fp8_dequantize(vp, vs, q.dtype), scale
+    )
 
 
 def dequant_sdpa(q, kst, vst, scale: float) -> torch.Tensor:
@@ -184,7 +190,7 @@ def flex_decode(dry_run: bool) -> Callable | None:
     if dry_run:
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
         return flex_attention
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention)
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> str:
@@ -202,9 +208,9 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
     qkv_bytes = 2 * B * hq * D * 2  # q read, out written
     kv_bytes = 2 * B * hkv * L * D * 2
     try:
-        q = torch.randn(B, hq, D, dtype=DTYPE, device=dev)
-        k = torch.randn(B, hkv, L, D, dtype=DTYPE, device=dev)
-        v = torch.randn(B, hkv, L, D, dtype=DTYPE, device=dev)
+        q = torch.randn(B, hq, D, dtype=run.dtype, device=dev)
+        k = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
+        v = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
     except torch.OutOfMemoryError:
         run.add(shape, "sdpa_default", "16", 16, None, kv_bytes, note="oom")
         return
@@ -233,7 +239,7 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
         kv_bytes + qkv_bytes,
         note=picked,
     )
-    if flex is not None and (headline_cfg or args.dry_run):
+    if flex is not None and headline_cfg and (shape["batch"] == HEADLINE["batch"] or args.dry_run):
         try:
             run.add(
                 shape,
@@ -248,8 +254,8 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
 
     # fp8 (e4m3, per-token scale) K/V: dequantize to bf16, then the default SDPA.
     try:
-        kp, ks, _ = reference.fp8_quantize_dequantize(k, DTYPE)
-        vp, vs, _ = reference.fp8_quantize_dequantize(v, DTYPE)
+        kp, ks, _ = reference.fp8_quantize_dequantize(k, run.dtype)
+        vp, vs, _ = reference.fp8_quantize_dequantize(v, run.dtype)
         fp8_fn = partial(fp8_sdpa, q, kp, ks, vp, vs, scale)
         fp8_bytes = 2 * (B * hkv * L * (D + 2)) + 2 * kv_bytes + qkv_bytes  # e4m3 + scales, bf16 out and back
         run.add(shape, "fp8_dequant_sdpa", "fp8", 8 + 16 / D, run.time_ms(fp8_fn), fp8_bytes)
@@ -397,8 +403,10 @@ def bench_quantize(run: Bench, shape: dict, maps: dict, tokens: int, group_size:
 
     B, hkv, D = shape["batch"], shape["hkv"], shape["head_dim"]
     for name, bits in maps.items():
-        st = PackedStore(bits, D, B, group_size=group_size, dtype=DTYPE, device=run.device, capacity=tokens)
-        x = torch.randn(B, hkv, tokens, D, dtype=DTYPE, device=run.device)
+        st = PackedStore(
+            bits, D, B, group_size=group_size, dtype=run.dtype, device=run.device, capacity=tokens
+        )
+        x = torch.randn(B, hkv, tokens, D, dtype=run.dtype, device=run.device)
         ms = run.time_ms(lambda st=st, x=x: quantize_into(st, x, 0))
         st.length = tokens
         nbytes = x.numel() * x.element_size() + st.nbytes()

@@ -11,7 +11,7 @@ Layout, token-major so that one kernel launch per layer can write every head of 
     zero     float16  (B, n_quant, cap, D // g)  one head's consecutive tokens are contiguous; zero is None
                                                   when symmetric
     full     dtype    (B, n_full, cap, D)        heads at 16 bits (kept in the model's dtype), slot[h]
-    width, byte_offset, slot: int32 (Hkv,)       the per-head tables the kernels read
+    byte_offset, slot: int32 (Hkv,)              the per-head tables the attention kernel reads
 Positions >= length are unused capacity. Capacity grows geometrically so appending a decode token is
 amortized O(1) instead of a full copy per step.
 """
@@ -84,7 +84,7 @@ class PackedStore:
                 n_quant += 1
         self.row_bytes, self.n_quant, self.n_full = row_bytes, n_quant, n_full
         as_table = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
-        self.width, self.byte_offset, self.slot = as_table(bits), as_table(offset), as_table(slot)
+        self.byte_offset, self.slot = as_table(offset), as_table(slot)
 
         n_groups = head_dim // group_size if n_quant else 0
         cap = max(1, capacity)

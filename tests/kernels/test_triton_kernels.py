@@ -107,6 +107,18 @@ def _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed):
         ((2, 4, 16), (16, 2, 4), 96, 32, False, torch.float32, 0),
         ((3, 8, 16), (8, 2, 3), 96, 32, True, torch.float32, 17),
         ((4, 2, 16), (2, 4, 8), 128, 64, False, torch.float16, 5),
+        pytest.param(
+            (8, 4, 2),
+            (2, 16, 3),
+            64,
+            16,
+            True,
+            torch.bfloat16,
+            3,
+            marks=pytest.mark.skipif(
+                INTERPRET, reason="Triton's interpreter (3.9) computes tl.dot on bf16 wrongly"
+            ),
+        ),  # fmt: skip
     ],
 )
 def test_decode_attention(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra):
@@ -131,6 +143,19 @@ def test_decode_attention(device, k_bits, v_bits, head_dim, group_size, symmetri
         assert err < bound, (num_splits, err)
         outs.append(out.double())
     torch.testing.assert_close(outs[0], outs[1], rtol=bound, atol=bound)
+
+
+def test_decode_attention_many_splits(device):
+    """More splits than the combine merges in one step (COMBINE_BLOCK): its loop over split blocks."""
+    gen = torch.Generator().manual_seed(8)
+    L, D = 300, 32
+    ks, vs = (PackedStore((4, 2), D, 1, group_size=16, device=device, capacity=L) for _ in range(2))
+    for st in (ks, vs):
+        st.append(torch.randn(1, 2, L, D, generator=gen).to(device), keep_dequantized=False)
+    q = torch.randn(1, 4, D, generator=gen).to(device)
+    ref = reference.attention_reference(q[:, :, None], ks.dequantize(), vs.dequantize(), 0.2)[:, :, 0]
+    out = decode_attention(q, ks, vs, 0.2, num_splits=19, block_n=16)  # 19 splits of 16 tokens
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-4
 
 
 def test_decode_attention_extra_only(device):
