@@ -200,7 +200,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> str:
 def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
     """Every method at one (head shape, batch, context); out-of-memory shapes are noted and skipped."""
     from kernels import reference
-    from kernels.decode_attention import _default_splits, decode_attention
+    from kernels.decode_attention import decode_attention, plan_splits
 
     B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
     dev, g, scale = run.device, args.group_size, D**-0.5
@@ -272,7 +272,7 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
         except torch.OutOfMemoryError:
             run.add(shape, "fused", t, mean, None, 0, note="oom")
             continue
-        splits = _default_splits(L, B * hkv, 32, dev)
+        splits = plan_splits(kst, vst, L, 32, dev)[2]
         fetched = kst.nbytes() + vst.nbytes() + qkv_bytes + partial_bytes(B, hq, splits, D)
         # Against SDPA over the dequantized stores (a guard against timing a broken kernel), where it fits.
         err = (

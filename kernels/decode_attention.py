@@ -327,6 +327,11 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
     return max(1, min(triton.cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
+def _chunk(span: int, splits: int, block_n: int) -> int:
+    """Tokens per split: `span` tokens over `splits` splits, rounded up to whole tiles."""
+    return triton.cdiv(triton.cdiv(max(span, 1), splits), block_n) * block_n
+
+
 def _store_args(st) -> list:
     assert st.payload.stride(-1) == 1 and st.scale.stride(-1) == 1 and st.full.stride(-1) == 1
     assert st.zero is None or st.zero.stride() == st.scale.stride(), "zero must share scale's strides"
@@ -415,7 +420,8 @@ def decode_attention(
         sm_scale: softmax scale (e.g. D ** -0.5).
         k_extra, v_extra: optional float (B, Hkv, Tx, D), last dim contiguous: full-precision tokens attended
             in the same softmax as the stored ones (order does not matter; no masking is applied).
-        num_splits: KV splits of the stored tokens (default: PROGRAMS_PER_SM programs per SM).
+        num_splits: KV splits of the stored tokens (default: PROGRAMS_PER_SM programs per SM in each width
+            bucket's launch).
         out: optional (B, Hq, D) output tensor, last dim contiguous; default a new tensor of q's dtype.
         block_n: tokens per tile, a power of two >= 16; a split holds a whole number of tiles.
         length: None (L = the stores' length), or an int32 tensor of one element on q's device holding L, read
@@ -445,15 +451,21 @@ def decode_attention(
 
     d_b = triton.next_power_of_2(D)
     qg = Hq // Hkv
-    splits = num_splits or _default_splits(span, B * Hkv, block_n, q.device)
-    chunk = triton.cdiv(triton.cdiv(max(span, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(span, 1), chunk)  # drop splits that would be empty after rounding to tiles
+    buckets = width_buckets(tuple(k_store.bits), tuple(v_store.bits), q.device)
+    # Each bucket's launch is split for its own program count (a bucket of few heads gets more splits, so it
+    # fills the GPU alone); all write one partials table with the largest split count, where a program past
+    # its own bucket's splits finds no token and writes an empty partial (weight 0 in the combine).
+    chunks = [
+        _chunk(span, num_splits or _default_splits(span, B * len(h), block_n, q.device), block_n)
+        for *_, h in buckets
+    ]
+    splits = max(triton.cdiv(max(span, 1), c) for c in chunks)
     n_cols = splits + int(has_extra)
 
     m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
     kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    for kw, vw, heads in width_buckets(tuple(k_store.bits), tuple(v_store.bits), q.device):
+    for (kw, vw, heads), chunk in zip(buckets, chunks):
         _decode_split_kernel[(B * len(heads), n_cols)](
             q,
             q.stride(0),
