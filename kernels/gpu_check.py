@@ -140,7 +140,8 @@ def metadata() -> dict:
 
     meta = {
         "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-        "transformers": transformers.__version__, "cuda": torch.version.cuda, "gpu": "dry-run-cpu",
+        "transformers": transformers.__version__, "cuda": torch.version.cuda,
+        "gpu": "dry-run-cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "no-cuda-device",
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
     }  # fmt: skip
     if torch.cuda.is_available():
