@@ -4,7 +4,8 @@ This module owns that run. From the repository root on a CUDA machine it runs, e
 with its own time limit (so a stage that hangs or crashes costs only its own share, and what it wrote stays):
 1. install: the wheels in `.whl/` (`make gpu-wheels` downloads them) into /tmp/site, put first on PYTHONPATH
    for every later stage: for a machine that has torch, triton and transformers but not the rest (no network);
-2. metadata: GPU name, driver, CUDA, Python / torch / triton / transformers versions (metadata.json);
+2. metadata: GPU name, driver, CUDA, Python / torch / triton / transformers versions, git commit
+   (metadata.json);
 3. tests: `pytest -m gpu` (kernels against the oracle, the CUDA graph replay, generate() triton == torch on
    the tiny models, mixed widths), as tests.xml;
 4. bench: `python -m kernels.bench` (decode.csv, decode.png);
@@ -144,6 +145,8 @@ def metadata() -> dict:
         "gpu": "dry-run-cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "no-cuda-device",
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
     }  # fmt: skip
+    meta["commit"] = _git("rev-parse", "HEAD") or "unknown (no git checkout)"
+    meta["dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         meta.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
@@ -155,6 +158,15 @@ def metadata() -> dict:
         except (OSError, subprocess.TimeoutExpired):
             meta["driver"] = "unknown (nvidia-smi did not answer)"
     return meta
+
+
+def _git(*args: str) -> str:
+    """git's output for this checkout, or "" where there is no git or no repository."""
+    try:
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
 
 
 def gpu_folder_name(name: str) -> str:

@@ -34,7 +34,7 @@ def test_dry_run_exercises_every_stage(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     meta = json.loads((folder / "metadata.json").read_text())
     assert meta["gpu"] == "dry-run-cpu" and meta["triton_interpret"] is True
-    assert {"torch", "triton", "transformers", "python"} <= set(meta)
+    assert {"torch", "triton", "transformers", "python", "commit", "dirty"} <= set(meta)
     readme = (folder / "README.md").read_text()
     assert "DRY RUN" in readme
     for stage in ("metadata", "tests", "bench", "e2e", "runner"):
