@@ -202,6 +202,28 @@ def test_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
         kv_packed_attention(torch.nn.Identity(), q, _StepKey(x, ks, vs), x, mask, scaling=0.125)
 
 
+@torch.no_grad()
+def test_model_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
+    """A whole decode step of a model on a triton cache (cache update, quantize, fused attention, the model's
+    own ops) reads no device value on the host."""
+    from harness.cache import QuantizedKVCache
+    from harness.fused_attention import use_fused_attention
+    from harness.models import load_model
+
+    model, _ = load_model("tiny-llama", device=device)
+    use_fused_attention(model)
+    cache = QuantizedKVCache(
+        model.config, torch.tensor([[2, 4, 16], [8, 3, 4], [16, 16, 2]]), group_size=16, backend="triton"
+    )
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(9)).to(device)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    monkeypatch.setattr(torch.Tensor, "tolist", _no_tolist)
+    with _NoHostSync():
+        model(input_ids=ids[:, 1:2], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 11
+
+
 def _StepKey(x, ks, vs):
     """A placeholder key tagged with a decode step over (ks, vs), as harness.cache's triton backend makes."""
     from harness.cache import DECODE_STEP_ATTR, DecodeStep
