@@ -87,7 +87,7 @@ def build_context(
     t = time.perf_counter()
     model, tokenizer = load_model(point["model"], device=device)
     timings["load_s"] = time.perf_counter() - t
-    if backend != "torch":
+    if backend == "triton" or (backend == "auto" and model.device.type == "cuda"):
         # Decode steps of triton-backed caches read the packed K/V directly (CUDA, or CPU tensors under
         # TRITON_INTERPRET=1); every other call of this attention is plain SDPA.
         use_fused_attention(model)
