@@ -263,6 +263,8 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
     except torch.OutOfMemoryError:
         run.add(shape, "fp8_dequant_sdpa", "fp8", 8, None, kv_bytes, note="oom")
 
+    if headline_cfg:
+        step_16bit(run, shape, q, k, v, scale)
     for name, bits in list(maps.items()):
         if run.out_of_time():
             return
@@ -296,7 +298,7 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
             except torch.OutOfMemoryError:
                 run.add(shape, "dequant_sdpa", t, mean, None, deq_bytes, note="oom")
         if headline_cfg:
-            step(run, shape, t, mean, q, kst, vst, k, v, scale, fetched)
+            step_fused(run, shape, t, mean, q, kst, vst, k, v, scale, fetched)
         at_headline = args.dry_run or all(shape[x] == HEADLINE[x] for x in ("batch", "context"))
         if headline_cfg and name in ("2", "4") and at_headline:
             tune(
@@ -314,9 +316,9 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
         del kst, vst
 
 
-def step(run: Bench, shape, t, mean, q, kst, vst, k, v, scale, attn_bytes) -> None:
-    """A per-layer decode step: write the new token's K/V, then attend (the fused path against bf16 K/V in
-    preallocated buffers with the default SDPA). The stores and buffers are rewound after each call."""
+def step_fused(run: Bench, shape, t, mean, q, kst, vst, k, v, scale, attn_bytes) -> None:
+    """A per-layer decode step of the fused path: quantize the new token's K and V into the stores, then
+    attend (the same position is rewritten at every call)."""
     from kernels.decode_attention import decode_attention
     from kernels.quantize import quantize_into
 
@@ -328,19 +330,24 @@ def step(run: Bench, shape, t, mean, q, kst, vst, k, v, scale, attn_bytes) -> No
         quantize_into(vst, new_v, L - 1)
         return decode_attention(q, kst, vst, scale)
 
-    write = 2 * B * hkv * D * 2 + (kst.nbytes() + vst.nbytes()) // max(L, 1)
+    write = 2 * B * hkv * D * k.element_size() + (kst.nbytes() + vst.nbytes()) // max(L, 1)
     run.add(shape, "step_fused", t, mean, run.time_ms(fused), attn_bytes + write)
-    if t == "16" or t == "2":
-        pos = torch.tensor([L - 1], device=k.device)
 
-        def bf16():
-            k.index_copy_(2, pos, new_k)
-            v.index_copy_(2, pos, new_v)
-            return sdpa(q, k, v, scale)
 
-        run.add(
-            shape, "step_bf16", "16", 16, run.time_ms(bf16), 2 * B * hkv * L * D * 2 + 4 * B * hkv * D * 2
-        )
+def step_16bit(run: Bench, shape, q, k, v, scale) -> None:
+    """A per-layer decode step on 16-bit K/V in preallocated buffers (a static cache): copy the new token's
+    K and V in, then the default SDPA."""
+    B, hkv, L, D = k.shape
+    new_k, new_v = k[:, :, -1:].clone(), v[:, :, -1:].clone()
+    pos = torch.tensor([L - 1], device=k.device)
+
+    def static():
+        k.index_copy_(2, pos, new_k)
+        v.index_copy_(2, pos, new_v)
+        return sdpa(q, k, v, scale)
+
+    nbytes = (2 * B * hkv * L * D + 4 * B * hkv * D) * k.element_size()
+    run.add(shape, "step_bf16", "16", 16, run.time_ms(static), nbytes)
 
 
 def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bool) -> None:

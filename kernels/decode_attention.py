@@ -327,9 +327,21 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
     return max(1, min(triton.cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
-def _chunk(span: int, splits: int, block_n: int) -> int:
-    """Tokens per split: `span` tokens over `splits` splits, rounded up to whole tiles."""
-    return triton.cdiv(triton.cdiv(max(span, 1), splits), block_n) * block_n
+def plan_splits(
+    k_store, v_store, span: int, block_n: int, device: torch.device, num_splits: int | None = None
+):
+    """(width buckets, tokens per split of each bucket's launch, split columns of the partials table).
+
+    Each bucket's launch is split for its own program count (a bucket of few heads gets more splits, so that
+    it fills the GPU alone); all write one partials table with the largest split count, where a program past
+    its own bucket's splits finds no token and writes an empty partial (weight 0 in the combine).
+    """
+    buckets = width_buckets(tuple(k_store.bits), tuple(v_store.bits), device)
+    chunks = []
+    for *_, heads in buckets:
+        n = num_splits or _default_splits(span, k_store.batch * len(heads), block_n, device)
+        chunks.append(triton.cdiv(triton.cdiv(max(span, 1), n), block_n) * block_n)  # whole tiles
+    return buckets, chunks, max(triton.cdiv(max(span, 1), c) for c in chunks)
 
 
 def _store_args(st) -> list:
@@ -451,15 +463,7 @@ def decode_attention(
 
     d_b = triton.next_power_of_2(D)
     qg = Hq // Hkv
-    buckets = width_buckets(tuple(k_store.bits), tuple(v_store.bits), q.device)
-    # Each bucket's launch is split for its own program count (a bucket of few heads gets more splits, so it
-    # fills the GPU alone); all write one partials table with the largest split count, where a program past
-    # its own bucket's splits finds no token and writes an empty partial (weight 0 in the combine).
-    chunks = [
-        _chunk(span, num_splits or _default_splits(span, B * len(h), block_n, q.device), block_n)
-        for *_, h in buckets
-    ]
-    splits = max(triton.cdiv(max(span, 1), c) for c in chunks)
+    buckets, chunks, splits = plan_splits(k_store, v_store, span, block_n, q.device, num_splits)
     n_cols = splits + int(has_extra)
 
     m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
