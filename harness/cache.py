@@ -102,21 +102,17 @@ class DecodeStep:
     """One fused decode step of a layer: its (keys, values) stores as of this step, the new token included.
 
     The stores are shallow copies taken before a sliding layer evicts its oldest token (eviction rebinds the
-    store's tensors, so the copies still hold the whole window this step attends). `take` hands them out once.
+    store's tensors, so the copies still hold the whole window this step attends). `take` hands them out to
+    every layer that attends them: the owning layer, and the layers that reuse its K/V (Gemma 4's KV sharing).
     """
 
     def __init__(self, k_store: PackedStore, v_store: PackedStore):
-        self.stores: tuple[PackedStore, PackedStore] | None = (k_store, v_store)
-
-    @property
-    def attended(self) -> bool:
-        return self.stores is None
+        self.stores = (k_store, v_store)
+        self.attended = False
 
     def take(self) -> tuple[PackedStore, PackedStore]:
-        if self.stores is None:
-            raise RuntimeError("a fused decode step was attended twice")
-        stores, self.stores = self.stores, None
-        return stores
+        self.attended = True
+        return self.stores
 
 
 def decode_step(key: torch.Tensor) -> DecodeStep | None:
@@ -130,10 +126,7 @@ def _quantize_append(store: PackedStore, x: torch.Tensor) -> None:
 
     start, end = store.length, store.length + x.shape[2]
     store._reserve(end)
-    quantize_into(
-        store.payload, store.scale, store.zero, store.full, store.width, store.byte_offset, store.slot,
-        x, start, store.group_size,
-    )  # fmt: skip
+    quantize_into(store, x, start)
     store.length = end
 
 

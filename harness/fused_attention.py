@@ -45,10 +45,18 @@ def kv_packed_attention(
         )
     k_store, v_store = step.take()
     if attention_mask is not None:
-        # (B, 1, 1, L) over the L stored tokens: bool (True = attend) or additive float (0 = attend).
+        # (B, 1, 1, L) over the L stored tokens: bool (True = attend) or additive float (0 = attend). The check
+        # of the values runs on the device (no host synchronization): on CPU it raises here, on CUDA as a
+        # device-side assertion at the next synchronization.
+        if attention_mask.shape[-1] != k_store.length:
+            raise NotImplementedError(
+                f"kv_packed_sdpa: the decode mask covers {attention_mask.shape[-1]} tokens, the stores hold "
+                f"{k_store.length}; the fused decode kernel attends to every stored token"
+            )
         visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        if visible.shape[-1] != k_store.length or not bool(visible.all()):
-            raise NotImplementedError("kv_packed_sdpa: the fused decode kernel attends to every stored token")
+        torch._assert_async(
+            visible.all(), "kv_packed_sdpa: the fused decode kernel attends to every stored token"
+        )
     sm_scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = decode_attention(query[:, :, 0], k_store, v_store, sm_scale)  # (B, Hq, D)
     return out.unsqueeze(1), None

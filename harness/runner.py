@@ -83,8 +83,10 @@ def build_context(
     t = time.perf_counter()
     model, tokenizer = load_model(point["model"], device=device, dtype=point["dtype"])
     timings["load_s"] = time.perf_counter() - t
-    if backend != "torch" and model.device.type == "cuda":
-        use_fused_attention(model)  # decode steps of triton-backed caches read the packed K/V directly
+    if backend == "triton" or (backend == "auto" and model.device.type == "cuda"):
+        # Decode steps of triton-backed caches read the packed K/V directly (CUDA, or CPU tensors under
+        # TRITON_INTERPRET=1); every other call of this attention is plain SDPA.
+        use_fused_attention(model)
 
     text = data.split(point["data_path"])
     limit = model_spec(point["model"]).get("context_limit", 2048)

@@ -1,15 +1,19 @@
 """Split-KV (flash-decoding) attention for one decode step, reading packed K and V directly.
 
 This module owns the read side of the fused path: for query q (B, Hq, D) it attends over the tokens of two
-PackedStores (kernels/layout.py) holding one layer's keys and values, each KV head at its own width read from
-the store's `width` table, plus an optional full-precision extra segment per KV head (attention sinks, a
-residual window) inside the same softmax. Nothing dequantized ever reaches memory: codes are unpacked and
-scaled in registers, tile by tile. Stage 1 writes per-split partial results (running max, sum, unnormalized
-output); stage 2 merges the splits with log-sum-exp.
+PackedStores (kernels/layout.py) holding one layer's keys and values, each KV head at its own width, plus an
+optional full-precision extra segment per KV head (attention sinks, a residual window) inside the same
+softmax. Nothing dequantized ever reaches memory: codes are unpacked and scaled in registers, tile by tile.
+Stage 1 writes per-split partial results (running max, sum, unnormalized output) into a preallocated
+workspace, with one launch per (key width, value width) bucket of KV heads, so each launch is compiled for
+its own widths; stage 2 merges the splits with log-sum-exp. With `length` given as a device tensor the
+launches read the token count on the device and depend on no host value that changes from step to step: a
+decode step can be captured in a CUDA graph and replayed as the stores grow (within their capacity).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -20,6 +24,10 @@ from kernels.quantize import check_group_size, check_widths
 
 LOG2E = math.log2(math.e)
 BLOCK_N = 32  # default tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not
+PROGRAMS_PER_SM = 4  # split-KV target: enough programs in flight per SM to keep memory requests queued
+MAX_SPLITS = 256
+COMBINE_BLOCK = 16  # splits merged per step of the combine kernel
+CPU_SMS = 4  # what _default_splits assumes off CUDA (the interpreter)
 
 
 @triton.jit
@@ -61,38 +69,31 @@ def _load_tile(
     s_off,
     full_ptr,
     f_off,
-    w,
     mask_n,
+    W: tl.constexpr,
     D: tl.constexpr,
     D_B: tl.constexpr,
     G: tl.constexpr,
     SYM: tl.constexpr,
 ):
-    """float32 values (BLOCK_N, D_B) of one KV head's tokens, dequantized in registers (0 past D / masked rows).
+    """float32 values (BLOCK_N, D_B) of one KV head's tokens at width W, dequantized in registers (0 past D /
+    masked rows).
 
     p_off, s_off, f_off (BLOCK_N, 1): element offsets of each token's packed row, scale row and full row.
     """
     BLOCK_N: tl.constexpr = p_off.shape[0]
-    if w == 16:
+    if W == 16:
         d = tl.arange(0, D_B)
         x = tl.load(full_ptr + f_off + d[None, :], mask=mask_n & (d[None, :] < D), other=0.0).to(tl.float32)
     else:
-        prow = payload_ptr + p_off
-        if w == 4:
-            codes = _unpack(prow, mask_n, 4, D, D_B)
-        elif w == 2:
-            codes = _unpack(prow, mask_n, 2, D, D_B)
-        elif w == 8:
-            codes = _unpack(prow, mask_n, 8, D, D_B)
-        else:
-            codes = _unpack(prow, mask_n, 3, D, D_B)
+        codes = _unpack(payload_ptr + p_off, mask_n, W, D, D_B)
         NG_B: tl.constexpr = D_B // G
         grp = tl.arange(0, NG_B)
         gm = mask_n & (grp[None, :] < D // G)
         s = tl.load(scale_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)  # (BLOCK_N, NG_B)
         if SYM:
-            # (code - 2**(w-1)) * s == code * s + z with z = -2**(w-1) * s: one FMA per element either way.
-            z = s * -((1 << (w - 1)).to(tl.float32))
+            # (code - 2**(W-1)) * s == code * s + z with z = -2**(W-1) * s: one FMA per element either way.
+            z = s * -(1 << (W - 1))
         else:
             z = tl.load(zero_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
         # Per-group scale/zero are broadcast in registers to their G lanes. With the scale applied per
@@ -127,13 +128,12 @@ def _decode_split_kernel(
     ks_ptr,
     kz_ptr,
     ks_sb,
-    ks_st,
     ks_sh,
+    ks_st,
     kf_ptr,
     kf_sb,
     kf_sh,
     kf_st,
-    kw_ptr,
     ko_ptr,
     kslot_ptr,
     vp_ptr,
@@ -142,13 +142,12 @@ def _decode_split_kernel(
     vs_ptr,
     vz_ptr,
     vs_sb,
-    vs_st,
     vs_sh,
+    vs_st,
     vf_ptr,
     vf_sb,
     vf_sh,
     vf_st,
-    vw_ptr,
     vo_ptr,
     vslot_ptr,
     kx_ptr,
@@ -160,34 +159,45 @@ def _decode_split_kernel(
     vx_sh,
     vx_st,
     Tx,
+    heads_ptr,
     m_ptr,
     l_ptr,
     o_ptr,
-    L,
+    L_arg,
+    len_ptr,
     chunk,
     qk_scale,
     num_splits,
+    NH: tl.constexpr,
     HKV: tl.constexpr,
     QG: tl.constexpr,
     QG_B: tl.constexpr,
     D: tl.constexpr,
     D_B: tl.constexpr,
+    KW: tl.constexpr,
+    VW: tl.constexpr,
     KG: tl.constexpr,
     VG: tl.constexpr,
     K_SYM: tl.constexpr,
     V_SYM: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
+    L_FROM_PTR: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
-    # grid: (B * HKV, num_splits + HAS_EXTRA). A program owns one KV head and all QG query heads reading it
-    # (their K/V bytes are loaded once), over one chunk of stored tokens; the last split column, when there
-    # is an extra segment, attends over that segment instead.
+    # grid: (B * NH, num_splits + HAS_EXTRA) over the NH KV heads whose keys are stored at KW bits and values
+    # at VW bits (heads_ptr lists them). A program owns one KV head and all QG query heads reading it (their
+    # K/V bytes are loaded once), over one chunk of stored tokens; the last split column, when there is an
+    # extra segment, attends over that segment instead.
     pid = tl.program_id(0)
     sp = tl.program_id(1)
-    b = pid // HKV
-    h = pid % HKV
+    b = pid // NH
+    h = tl.load(heads_ptr + pid % NH)
     b64 = b.to(tl.int64)
+    if L_FROM_PTR:
+        L = tl.load(len_ptr)
+    else:
+        L = L_arg
 
     i = tl.arange(0, QG_B)
     d = tl.arange(0, D_B)
@@ -200,14 +210,14 @@ def _decode_split_kernel(
     l_i = tl.zeros((QG_B,), tl.float32)
     acc = tl.zeros((QG_B, D_B), tl.float32)
 
-    kw = tl.load(kw_ptr + h)
-    vw = tl.load(vw_ptr + h)
     kp_base = b64 * kp_sb + tl.load(ko_ptr + h)
     vp_base = b64 * vp_sb + tl.load(vo_ptr + h)
-    ks_base = b64 * ks_sb + tl.load(kslot_ptr + h) * ks_sh
-    vs_base = b64 * vs_sb + tl.load(vslot_ptr + h) * vs_sh
-    kf_base = b64 * kf_sb + tl.load(kslot_ptr + h) * kf_sh
-    vf_base = b64 * vf_sb + tl.load(vslot_ptr + h) * vf_sh
+    kslot = tl.load(kslot_ptr + h)
+    vslot = tl.load(vslot_ptr + h)
+    ks_base = b64 * ks_sb + kslot * ks_sh
+    vs_base = b64 * vs_sb + vslot * vs_sh
+    kf_base = b64 * kf_sb + kslot * kf_sh
+    vf_base = b64 * vf_sb + vslot * vf_sh
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
@@ -222,8 +232,8 @@ def _decode_split_kernel(
             ks_base + n * ks_st,
             kf_ptr,
             kf_base + n * kf_st,
-            kw,
             mask_n,
+            KW,
             D,
             D_B,
             KG,
@@ -239,8 +249,8 @@ def _decode_split_kernel(
             vs_base + n * vs_st,
             vf_ptr,
             vf_base + n * vf_st,
-            vw,
             mask_n,
+            VW,
             D,
             D_B,
             VG,
@@ -261,7 +271,8 @@ def _decode_split_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
 
-    # partials: m, l (B, Hq, S); o (B, Hq, S, D_B), S = num_splits + HAS_EXTRA, all contiguous.
+    # partials: m, l (B, Hq, S); o (B, Hq, S, D_B), S = num_splits + HAS_EXTRA, all contiguous. A split past
+    # the stored tokens writes m = -inf, l = 0, o = 0, which the combine weighs 0.
     S = num_splits + HAS_EXTRA
     row = (b64 * HKV * QG + h * QG + i) * S + sp  # (QG_B,)
     tl.store(m_ptr + row, m_i, mask=i < QG)
@@ -280,32 +291,57 @@ def _combine_kernel(
     S,
     HQ: tl.constexpr,
     S_B: tl.constexpr,
+    SC: tl.constexpr,
     D: tl.constexpr,
     D_B: tl.constexpr,
 ):
-    # grid: (B * HQ,); merges the S split partials of one query head with log-sum-exp (log2 units).
+    # grid: (B * HQ,); merges the S split partials of one query head with log-sum-exp (log2 units), SC splits
+    # of the (S, D_B) partial outputs at a time so that many splits do not take many registers.
     pid = tl.program_id(0)
     s = tl.arange(0, S_B)
     d = tl.arange(0, D_B)
     m = tl.load(m_ptr + pid * S + s, mask=s < S, other=float("-inf"))
     lsum = tl.load(l_ptr + pid * S + s, mask=s < S, other=0.0)
-    o = tl.load(o_ptr + (pid * S + s[:, None]) * D_B + d[None, :], mask=s[:, None] < S, other=0.0)
     m_max = tl.max(m, axis=0)
-    wgt = tl.exp2(m - m_max)  # empty splits have m = -inf and weigh 0
-    out = tl.sum(o * wgt[:, None], axis=0) / tl.sum(lsum * wgt, axis=0)
+    denom = tl.sum(lsum * tl.exp2(m - m_max), axis=0)  # empty splits have m = -inf and weigh 0
+    acc = tl.zeros((D_B,), tl.float32)
+    for s0 in range(0, S, SC):
+        sc = s0 + tl.arange(0, SC)
+        wgt = tl.exp2(tl.load(m_ptr + pid * S + sc, mask=sc < S, other=float("-inf")) - m_max)
+        o = tl.load(o_ptr + (pid * S + sc[:, None]) * D_B + d[None, :], mask=sc[:, None] < S, other=0.0)
+        acc += tl.sum(o * wgt[:, None], axis=0)
     b = pid // HQ
     hq = pid % HQ
     tl.store(
         out_ptr + b.to(tl.int64) * stride_ob + hq * stride_oh + d,
-        out.to(out_ptr.dtype.element_ty),
+        (acc / denom).to(out_ptr.dtype.element_ty),
         mask=d < D,
     )
 
 
 def _default_splits(length: int, n_programs: int, block_n: int, device: torch.device) -> int:
-    """Enough splits for about two programs per SM, no split shorter than one tile."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(length, block_n), triton.cdiv(2 * sms, n_programs)))
+    """Splits of `length` tokens for PROGRAMS_PER_SM programs per SM over n_programs (batch x KV heads),
+    no split shorter than one tile, at most MAX_SPLITS."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else CPU_SMS
+    want = triton.cdiv(PROGRAMS_PER_SM * sms, n_programs)
+    return max(1, min(triton.cdiv(max(length, 1), block_n), want, MAX_SPLITS))
+
+
+def plan_splits(
+    k_store, v_store, span: int, block_n: int, device: torch.device, num_splits: int | None = None
+):
+    """(width buckets, tokens per split of each bucket's launch, split columns of the partials table).
+
+    Each bucket's launch is split for its own program count (a bucket of few heads gets more splits, so that
+    it fills the GPU alone); all write one partials table with the largest split count, where a program past
+    its own bucket's splits finds no token and writes an empty partial (weight 0 in the combine).
+    """
+    buckets = width_buckets(tuple(k_store.bits), tuple(v_store.bits), device)
+    chunks = []
+    for *_, heads in buckets:
+        n = num_splits or _default_splits(span, k_store.batch * len(heads), block_n, device)
+        chunks.append(triton.cdiv(triton.cdiv(max(span, 1), n), block_n) * block_n)  # whole tiles
+    return buckets, chunks, max(triton.cdiv(max(span, 1), c) for c in chunks)
 
 
 def _store_args(st) -> list:
@@ -324,7 +360,6 @@ def _store_args(st) -> list:
         st.full.stride(0),
         st.full.stride(1),
         st.full.stride(2),
-        st.width,
         st.byte_offset,
         st.slot,
     ]
@@ -338,6 +373,42 @@ def _kernel_group(st, d_b: int) -> int:
     return st.group_size
 
 
+@functools.lru_cache(maxsize=256)
+def width_buckets(k_bits: tuple[int, ...], v_bits: tuple[int, ...], device: torch.device) -> tuple:
+    """((key width, value width, KV heads int32 tensor on `device`), ...): the KV heads grouped by their pair of
+    widths, one stage-1 launch each. Cached, so the tables are built (and copied to the device) once per map."""
+    pairs = sorted(set(zip(k_bits, v_bits)))
+    return tuple(
+        (
+            kw,
+            vw,
+            torch.tensor(
+                [h for h, p in enumerate(zip(k_bits, v_bits)) if p == (kw, vw)],
+                dtype=torch.int32,
+                device=device,
+            ),
+        )
+        for kw, vw in pairs
+    )
+
+
+_WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, B: int, Hq: int, n_cols: int, d_b: int) -> tuple:
+    """The split partials (m, l (B, Hq, S) float32; o (B, Hq, S, D_B) float32), allocated once per shape and
+    reused: every element a launch reads is written by the same step's stage 1."""
+    key = (device, B, Hq, n_cols, d_b)
+    if key not in _WORKSPACE:
+        m = torch.empty(B, Hq, n_cols, dtype=torch.float32, device=device)
+        _WORKSPACE[key] = (
+            m,
+            torch.empty_like(m),
+            torch.empty(B, Hq, n_cols, d_b, dtype=torch.float32, device=device),
+        )
+    return _WORKSPACE[key]
+
+
 def decode_attention(
     q: torch.Tensor,
     k_store,
@@ -348,26 +419,33 @@ def decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int = BLOCK_N,
+    length: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V for one decode step over packed K/V plus an optional extra segment.
 
-    Args (B batch, Hq query heads, Hkv KV heads with Hq % Hkv == 0, D head_dim, L = store length):
+    Args (B batch, Hq query heads, Hkv KV heads with Hq % Hkv == 0, D head_dim, L stored tokens):
         q: float32/float16/bfloat16 (B, Hq, D), last dim contiguous. Query head i reads KV head i // (Hq // Hkv).
-        k_store, v_store: kernels.layout.PackedStore (keys, values) of one layer, same B, Hkv, D and length L;
+        k_store, v_store: kernels.layout.PackedStore (keys, values) of one layer, same B, Hkv, D and length;
             each may use its own widths, group size (a power of two) and symmetry.
         sm_scale: softmax scale (e.g. D ** -0.5).
         k_extra, v_extra: optional float (B, Hkv, Tx, D), last dim contiguous: full-precision tokens attended
             in the same softmax as the stored ones (order does not matter; no masking is applied).
-        num_splits: KV splits of the stored tokens (default: about two programs per SM).
+        num_splits: KV splits of the stored tokens (default: PROGRAMS_PER_SM programs per SM in each width
+            bucket's launch).
         out: optional (B, Hq, D) output tensor, last dim contiguous; default a new tensor of q's dtype.
         block_n: tokens per tile, a power of two >= 16; a split holds a whole number of tiles.
+        length: None (L = the stores' length), or an int32 tensor of one element on q's device holding L, read
+            by the kernels: the splits then cover the stores' capacity, so the launches stay the same while L
+            grows (CUDA graphs). The caller guarantees 0 < L <= capacity (or an extra segment).
+        num_warps, num_stages: Triton launch options of stage 1 (default: Triton's).
     Returns out (B, Hq, D). The matmuls run in q's dtype (fp32: IEEE, no TF32), accumulation in fp32.
     """
     B, Hq, D = q.shape
     Hkv = len(k_store.bits)
-    L = k_store.length
     assert len(v_store.bits) == Hkv and Hq % Hkv == 0, (Hq, k_store.bits, v_store.bits)
-    assert v_store.length == L and k_store.head_dim == v_store.head_dim == D
+    assert v_store.length == k_store.length and k_store.head_dim == v_store.head_dim == D
     assert k_store.batch == v_store.batch == B
     assert q.stride(-1) == 1
     check_widths(k_store.bits, D)
@@ -378,55 +456,62 @@ def decode_attention(
     if has_extra:
         assert k_extra.shape == v_extra.shape and k_extra.shape[:2] == (B, Hkv) and k_extra.shape[3] == D
         assert k_extra.stride(-1) == 1 and v_extra.stride(-1) == 1
-    if L == 0 and not has_extra:
+    # The token range the splits cover: the stored tokens, or the whole capacity when L is read on the device.
+    span = k_store.length if length is None else min(k_store.capacity, v_store.capacity)
+    if span == 0 and not has_extra:
         raise ValueError("nothing to attend to: the stores are empty and there is no extra segment")
 
     d_b = triton.next_power_of_2(D)
     qg = Hq // Hkv
-    splits = num_splits or _default_splits(L, B * Hkv, block_n, q.device)
-    chunk = triton.cdiv(triton.cdiv(max(L, 1), splits), block_n) * block_n
-    splits = triton.cdiv(max(L, 1), chunk)  # drop splits that would be empty after rounding to tiles
+    buckets, chunks, splits = plan_splits(k_store, v_store, span, block_n, q.device, num_splits)
     n_cols = splits + int(has_extra)
 
-    m_part = torch.empty(B, Hq, n_cols, dtype=torch.float32, device=q.device)
-    l_part = torch.empty_like(m_part)
-    o_part = torch.empty(B, Hq, n_cols, d_b, dtype=torch.float32, device=q.device)
+    m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
     kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
-    _decode_split_kernel[(B * Hkv, n_cols)](
-        q,
-        q.stride(0),
-        q.stride(1),
-        *_store_args(k_store),
-        *_store_args(v_store),
-        kx,
-        kx.stride(0),
-        kx.stride(1),
-        kx.stride(2),
-        vx,
-        vx.stride(0),
-        vx.stride(1),
-        vx.stride(2),
-        kx.shape[2] if has_extra else 0,
-        m_part,
-        l_part,
-        o_part,
-        L,
-        chunk,
-        sm_scale * LOG2E,
-        splits,
-        HKV=Hkv,
-        QG=qg,
-        QG_B=max(16, triton.next_power_of_2(qg)),  # tl.dot needs at least 16 rows
-        D=D,
-        D_B=d_b,
-        KG=_kernel_group(k_store, d_b),
-        VG=_kernel_group(v_store, d_b),
-        K_SYM=k_store.symmetric,
-        V_SYM=v_store.symmetric,
-        HAS_EXTRA=has_extra,
-        BLOCK_N=block_n,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-    )
+    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    for (kw, vw, heads), chunk in zip(buckets, chunks):
+        _decode_split_kernel[(B * len(heads), n_cols)](
+            q,
+            q.stride(0),
+            q.stride(1),
+            *_store_args(k_store),
+            *_store_args(v_store),
+            kx,
+            kx.stride(0),
+            kx.stride(1),
+            kx.stride(2),
+            vx,
+            vx.stride(0),
+            vx.stride(1),
+            vx.stride(2),
+            kx.shape[2] if has_extra else 0,
+            heads,
+            m_part,
+            l_part,
+            o_part,
+            k_store.length,
+            heads if length is None else length,  # unused when L is passed by value
+            chunk,
+            sm_scale * LOG2E,
+            splits,
+            NH=len(heads),
+            HKV=Hkv,
+            QG=qg,
+            QG_B=max(16, triton.next_power_of_2(qg)),  # tl.dot needs at least 16 rows
+            D=D,
+            D_B=d_b,
+            KW=kw,
+            VW=vw,
+            KG=_kernel_group(k_store, d_b),
+            VG=_kernel_group(v_store, d_b),
+            K_SYM=k_store.symmetric,
+            V_SYM=v_store.symmetric,
+            HAS_EXTRA=has_extra,
+            L_FROM_PTR=length is not None,
+            BLOCK_N=block_n,
+            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            **launch,
+        )
     if out is None:
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     assert out.shape == (B, Hq, D) and out.stride(-1) == 1
@@ -440,6 +525,7 @@ def decode_attention(
         n_cols,
         HQ=Hq,
         S_B=triton.next_power_of_2(n_cols),
+        SC=min(COMBINE_BLOCK, triton.next_power_of_2(n_cols)),
         D=D,
         D_B=d_b,
     )

@@ -7,10 +7,11 @@ kernels/reference.py's; this file decides where the rows of all heads of one lay
 Layout, token-major so that one kernel launch per layer can write every head of a new token:
     payload  uint8    (B, cap, row_bytes)        row_bytes = sum of packed_dim(D, w_h) over quantized heads;
                                                   head h's codes sit at bytes [byte_offset[h], + packed_dim)
-    scale    float16  (B, cap, n_quant, D // g)  quantized head h uses slot[h]
-    zero     float16  (B, cap, n_quant, D // g)  None when symmetric
+    scale    float16  (B, n_quant, cap, D // g)  quantized head h uses slot[h]; head-major, so the scales of
+    zero     float16  (B, n_quant, cap, D // g)  one head's consecutive tokens are contiguous; zero is None
+                                                  when symmetric
     full     dtype    (B, n_full, cap, D)        heads at 16 bits (kept in the model's dtype), slot[h]
-    width, byte_offset, slot: int32 (Hkv,)       the per-head tables the kernels read
+    byte_offset, slot: int32 (Hkv,)              the per-head tables the attention kernel reads
 Positions >= length are unused capacity. Capacity grows geometrically so appending a decode token is
 amortized O(1) instead of a full copy per step.
 """
@@ -64,7 +65,8 @@ class PackedStore:
 
         # Heads are laid out width-major (all 2-bit heads, then 3-bit, ...; KV-head order within a width), so the
         # heads of one width form one contiguous byte range of a row and one contiguous slot range: the torch
-        # path quantizes each width with one call. The kernels read only the per-head tables.
+        # path quantizes each width with one call, and the kernels launch once per width (`buckets`), the width a
+        # compile-time constant. The attention kernel finds each head's bytes and slot in the per-head tables.
         offset, slot = [0] * len(bits), [0] * len(bits)
         self.buckets: list[tuple[int, torch.Tensor, int, int]] = []  # (width, heads, first slot, first byte)
         row_bytes = n_quant = n_full = 0
@@ -82,12 +84,12 @@ class PackedStore:
                 n_quant += 1
         self.row_bytes, self.n_quant, self.n_full = row_bytes, n_quant, n_full
         as_table = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
-        self.width, self.byte_offset, self.slot = as_table(bits), as_table(offset), as_table(slot)
+        self.byte_offset, self.slot = as_table(offset), as_table(slot)
 
         n_groups = head_dim // group_size if n_quant else 0
         cap = max(1, capacity)
         self.payload = torch.empty(batch, cap, row_bytes, dtype=torch.uint8, device=self.device)
-        self.scale = torch.empty(batch, cap, n_quant, n_groups, dtype=torch.float16, device=self.device)
+        self.scale = torch.empty(batch, n_quant, cap, n_groups, dtype=torch.float16, device=self.device)
         self.zero = None if symmetric else torch.empty_like(self.scale)
         self.full = torch.empty(batch, n_full, cap, head_dim, dtype=dtype, device=self.device)
         # The torch path keeps the dequantized values of what it stored, appended once per token, so a decode
@@ -104,8 +106,8 @@ class PackedStore:
             return
         cap = max(needed, 2 * self.capacity)
         self.payload = _grow(self.payload, 1, cap)
-        self.scale = _grow(self.scale, 1, cap)
-        self.zero = _grow(self.zero, 1, cap)
+        self.scale = _grow(self.scale, 2, cap)
+        self.zero = _grow(self.zero, 2, cap)
         self.full = _grow(self.full, 2, cap)
 
     def append(self, x: torch.Tensor, keep_dequantized: bool = True) -> torch.Tensor | None:
@@ -138,9 +140,9 @@ class PackedStore:
             self.payload[:, start:end, first_byte : first_byte + nbytes] = p.payload.transpose(1, 2).reshape(
                 B, Tn, -1
             )
-            self.scale[:, start:end, slots] = p.scale.transpose(1, 2)
+            self.scale[:, slots, start:end] = p.scale
             if self.zero is not None:
-                self.zero[:, start:end, slots] = p.zero.transpose(1, 2)
+                self.zero[:, slots, start:end] = p.zero
         self.length = end
         if new_deq is None:
             return None
@@ -164,8 +166,8 @@ class PackedStore:
         n = self.length
         return reference.Packed(
             payload=self.payload[:, :n, off : off + reference.packed_dim(self.head_dim, b)],
-            scale=self.scale[:, :n, slot],
-            zero=None if self.zero is None else self.zero[:, :n, slot],
+            scale=self.scale[:, slot, :n],
+            zero=None if self.zero is None else self.zero[:, slot, :n],
             bits=b,
             group_size=self.group_size,
             symmetric=self.symmetric,
@@ -190,8 +192,8 @@ class PackedStore:
         if drop <= 0:
             return
         self.payload = self.payload[:, drop : self.length].clone()
-        self.scale = self.scale[:, drop : self.length].clone()
-        self.zero = None if self.zero is None else self.zero[:, drop : self.length].clone()
+        self.scale = self.scale[:, :, drop : self.length].clone()
+        self.zero = None if self.zero is None else self.zero[:, :, drop : self.length].clone()
         self.full = self.full[:, :, drop : self.length].clone()
         if self._dequantized is not None:
             self._dequantized = self._dequantized[:, :, drop : self.length].clone()
@@ -221,7 +223,7 @@ class PackedStore:
             shape[dim] = n
             return t.gather(dim, index.view(view).expand(shape))
 
-        self.payload, self.scale, self.zero = take(self.payload, 1), take(self.scale, 1), take(self.zero, 1)
+        self.payload, self.scale, self.zero = take(self.payload, 1), take(self.scale, 2), take(self.zero, 2)
         self.full = take(self.full, 2)
         self._dequantized = take(self._dequantized, 2)
         self.length = n

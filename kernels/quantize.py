@@ -1,11 +1,11 @@
 """Triton kernel that quantizes and packs new tokens of one layer into a PackedStore's tensors.
 
-This module owns the write side of the fused path: one launch per layer per step quantizes Tn new tokens of
-every KV head, each head at its own width read from the store's `width` table (2, 3, 4 or 8 bits packed into
-`payload`, with fp16 `scale`/`zero`; 16-bit heads copied into `full`). The bit format is
+This module owns the write side of the fused path: each decode step quantizes Tn new tokens of every KV head
+of a layer, with one launch per width bucket of kernels/layout.py's width-major layout (the width is a
+compile-time constant, so a launch carries only its own width's code path): 2, 3, 4 or 8 bits packed into
+`payload`, with fp16 `scale`/`zero`; 16-bit heads copied into `full`. The bit format is
 kernels/reference.py's (the kernel is bit-exact with reference.quantize); where rows live is
-kernels/layout.py's.
-"""
+kernels/layout.py's."""
 
 from __future__ import annotations
 
@@ -62,30 +62,39 @@ def _quantize_kernel(
     scale_ptr,
     zero_ptr,
     stride_sb,
-    stride_st,
     stride_sh,
+    stride_st,
     full_ptr,
     stride_fb,
     stride_fh,
     stride_ft,
-    width_ptr,
-    offset_ptr,
-    slot_ptr,
+    heads_ptr,
+    first_slot,
+    first_byte,
     Tn,
-    pos,
+    pos_arg,
+    pos_ptr,
+    W: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
     NG_B: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SYM: tl.constexpr,
+    POS_FROM_PTR: tl.constexpr,
 ):
-    # grid: (cdiv(Tn, BLOCK_T), B, Hkv); a program handles BLOCK_T tokens of one KV head.
+    # grid: (cdiv(Tn, BLOCK_T), B, heads of one width W); a program handles BLOCK_T tokens of one KV head.
+    # The j-th head of a width bucket sits at slot first_slot + j and bytes first_byte + j * packed row
+    # (kernels/layout.py's width-major layout).
     pid_t = tl.program_id(0)
     b = tl.program_id(1)
-    h = tl.program_id(2)
+    j = tl.program_id(2)
+    h = tl.load(heads_ptr + j)
+    slot = first_slot + j
     D_B: tl.constexpr = NG_B * G  # next power of two >= D, as G is a power of two dividing D
-    w = tl.load(width_ptr + h)
-    slot = tl.load(slot_ptr + h)
+    if POS_FROM_PTR:
+        pos = tl.load(pos_ptr)
+    else:
+        pos = pos_arg
 
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     grp = tl.arange(0, NG_B)
@@ -104,29 +113,29 @@ def _quantize_kernel(
     )
     row = (pos + t).to(tl.int64)  # destination positions; int64 as cap * row stride can exceed 2**31
 
-    if w == 16:
+    if W == 16:
         dst = full_ptr + b.to(tl.int64) * stride_fb + slot * stride_fh + row[:, None, None] * stride_ft + d3
         tl.store(dst, x_raw.to(full_ptr.dtype.element_ty), mask=mask3)
     else:
         x = tl.minimum(tl.maximum(x_raw.to(tl.float32), -FP16_MAX), FP16_MAX)
         if SYM:
-            qmax = ((1 << (w - 1)) - 1).to(tl.float32)
+            qmax: tl.constexpr = (1 << (W - 1)) - 1
             amax = tl.max(tl.where(mask3, tl.abs(x), 0.0), axis=2)  # (BLOCK_T, NG_B)
-            scale = tl.math.div_rn(amax, qmax).to(tl.float16)
+            scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)).to(tl.float16)
             s = scale.to(tl.float32)[:, :, None]
             safe = tl.where(s == 0.0, 1.0, s)
             q = tl.floor(tl.math.div_rn(x, safe) + 0.5)
             q = tl.minimum(tl.maximum(q, -qmax), qmax)
             q = tl.where(s == 0.0, 0.0, q) + (qmax + 1.0)
         else:
-            qmax = ((1 << w) - 1).to(tl.float32)
+            qmax: tl.constexpr = (1 << W) - 1
             # Padding lanes (tokens >= Tn, groups past D) get lo = hi = 0 so no inf - inf arithmetic happens.
             lo = tl.min(tl.where(mask3, x, float("inf")), axis=2)
             hi = tl.max(tl.where(mask3, x, float("-inf")), axis=2)
             valid = mask_t[:, None] & (grp[None, :] < D // G)
             lo = tl.where(valid, lo, 0.0)
             hi = tl.where(valid, hi, 0.0)
-            scale = tl.math.div_rn(hi - lo, qmax).to(tl.float16)
+            scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, qmax, tl.float32)).to(tl.float16)
             zero = lo.to(tl.float16)
             s = scale.to(tl.float32)[:, :, None]
             z = zero.to(tl.float32)[:, :, None]
@@ -136,24 +145,22 @@ def _quantize_kernel(
             q = tl.where(s == 0.0, 0.0, q)
         codes = tl.reshape(tl.where(mask3, q, 0.0).to(tl.int32), (BLOCK_T, D_B))
 
-        soff = b.to(tl.int64) * stride_sb + row[:, None] * stride_st + slot * stride_sh + grp[None, :]
+        soff = b.to(tl.int64) * stride_sb + slot * stride_sh + row[:, None] * stride_st + grp[None, :]
         smask = mask_t[:, None] & (grp[None, :] < D // G)
         tl.store(scale_ptr + soff, scale, mask=smask)
         if not SYM:
             tl.store(zero_ptr + soff, zero, mask=smask)
 
-        off = tl.load(offset_ptr + h)
+        off = first_byte + j * (D * W // 8)
         prow = payload_ptr + b.to(tl.int64) * stride_pb + row[:, None] * stride_pt + off  # (BLOCK_T, 1)
         pmask = mask_t[:, None]
-        if w == 8:
+        if W == 8:
             d = tl.arange(0, D_B)
             tl.store(prow + d[None, :], codes.to(tl.uint8), mask=pmask & (d[None, :] < D))
-        elif w == 4:
-            _store_packed(codes, prow, pmask, D, D_B, 4)
-        elif w == 2:
-            _store_packed(codes, prow, pmask, D, D_B, 2)
-        else:
+        elif W == 3:
             _store_packed3(codes, prow, pmask, D, D_B)
+        else:
+            _store_packed(codes, prow, pmask, D, D_B, W)
 
 
 def check_group_size(group_size: int, head_dim: int) -> None:
@@ -177,70 +184,63 @@ def check_widths(bits: list[int] | tuple[int, ...], head_dim: int) -> None:
             raise NotImplementedError(f"width {b} needs head_dim a multiple of {need}; got {head_dim}")
 
 
-def quantize_into(
-    payload: torch.Tensor,
-    scale: torch.Tensor,
-    zero: torch.Tensor | None,
-    full: torch.Tensor,
-    width: torch.Tensor,
-    byte_offset: torch.Tensor,
-    slot: torch.Tensor,
-    x: torch.Tensor,
-    pos: int,
-    group_size: int,
-    block_t: int | None = None,
-) -> None:
-    """Quantize x into positions [pos, pos + Tn) of one layer's packed store, all heads in one launch.
+def quantize_into(store, x: torch.Tensor, pos: int | torch.Tensor, block_t: int | None = None) -> None:
+    """Quantize x into positions [pos, pos + Tn) of one layer's PackedStore: one launch per width bucket.
 
-    Args (B batch, Hkv KV heads, Tn new tokens, D head_dim, cap capacity, g = group_size):
-        payload: uint8 (B, cap, row_bytes), last dim contiguous.
-        scale: float16 (B, cap, n_quant, D // g), last dim contiguous.
-        zero: float16 like `scale` (same strides), or None for symmetric quantization.
-        full: model dtype (B, n_full, cap, D), last dim contiguous; 16-bit heads are copied here.
-        width, byte_offset, slot: int32 (Hkv,) on x's device, the PackedStore tables.
+    Args (B batch, Hkv KV heads, Tn new tokens, D head_dim, cap = store.capacity):
+        store: kernels.layout.PackedStore (its payload / scale / zero / full tensors are written in place).
         x: float (B, Hkv, Tn, D), any strides.
-        pos: first destination position; pos + Tn <= cap.
-        group_size: g, a power of two dividing D.
+        pos: first destination position, an int with pos + Tn <= cap, or an int32/int64 tensor of one element
+            on x's device that the kernel reads (no host synchronization; a CUDA graph can replay the launch
+            as the position advances); the caller then guarantees pos + Tn <= cap.
         block_t: tokens per program (a power of two); default min(16, next_pow2(Tn)).
-    Writes payload/scale/zero/full in place; positions outside [pos, pos + Tn) are untouched.
+    Positions outside [pos, pos + Tn) are untouched. The widths come from the store's Python `bits`, so
+    nothing is read back from the device.
     """
     B, H, Tn, D = x.shape
-    check_group_size(group_size, D)
-    check_widths(width.tolist(), D)
-    cap = payload.shape[1]
-    if pos < 0 or pos + Tn > cap:
-        raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {cap}")
+    assert (B, H, D) == (store.batch, len(store.bits), store.head_dim), (x.shape, store.bits, store.head_dim)
+    check_widths(store.bits, D)
+    if store.n_quant:
+        check_group_size(store.group_size, D)
+    pos_from_ptr = isinstance(pos, torch.Tensor)
+    if not pos_from_ptr and (pos < 0 or pos + Tn > store.capacity):
+        raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
+    payload, scale, zero, full = store.payload, store.scale, store.zero, store.full
     assert payload.stride(-1) == 1 and scale.stride(-1) == 1 and full.stride(-1) == 1
     assert zero is None or zero.stride() == scale.stride(), "zero must share scale's strides"
     if Tn == 0:
         return
     bt = block_t or min(16, triton.next_power_of_2(Tn))
-    grid = (triton.cdiv(Tn, bt), B, H)
-    _quantize_kernel[grid](
-        x,
-        *x.stride(),
-        payload,
-        payload.stride(0),
-        payload.stride(1),
-        scale,
-        scale if zero is None else zero,
-        scale.stride(0),
-        scale.stride(1),
-        scale.stride(2),
-        full,
-        full.stride(0),
-        full.stride(1),
-        full.stride(2),
-        width,
-        byte_offset,
-        slot,
-        Tn,
-        pos,
-        D=D,
-        G=group_size,
-        NG_B=triton.next_power_of_2(D // group_size),
-        BLOCK_T=bt,
-        SYM=zero is None,
-        # The contract is per-op IEEE float32; never let the compiler contract a multiply-add into an FMA.
-        enable_fp_fusion=False,
-    )
+    g = store.group_size if store.n_quant else triton.next_power_of_2(D)
+    for w, heads, first_slot, first_byte in store.buckets:
+        _quantize_kernel[(triton.cdiv(Tn, bt), B, len(heads))](
+            x,
+            *x.stride(),
+            payload,
+            payload.stride(0),
+            payload.stride(1),
+            scale,
+            scale if zero is None else zero,
+            scale.stride(0),
+            scale.stride(1),
+            scale.stride(2),
+            full,
+            full.stride(0),
+            full.stride(1),
+            full.stride(2),
+            heads,
+            first_slot,
+            first_byte,
+            Tn,
+            0 if pos_from_ptr else pos,
+            pos if pos_from_ptr else heads,  # unused when the position is an int
+            W=w,
+            D=D,
+            G=g,
+            NG_B=triton.next_power_of_2(D // g),
+            BLOCK_T=bt,
+            SYM=zero is None,
+            POS_FROM_PTR=pos_from_ptr,
+            # The contract is per-op IEEE float32; never let the compiler contract a multiply-add into an FMA.
+            enable_fp_fusion=False,
+        )

@@ -10,7 +10,9 @@ Arithmetic contract (every step in float32; the order of operations below is the
                                                               (they propagate into scale/zero, undefined codes)
     asym  (llama.cpp q4_1 style), per group:
         lo, hi = min(x32), max(x32)
-        scale  = fp16((hi - lo) / (2**b - 1))                 IEEE float32 division, then round-to-nearest-even
+        scale  = fp16((hi - lo) / (2**b - 1))                 IEEE float32 division (by a tensor: CUDA turns a
+                                                              division by a Python scalar into a multiplication
+                                                              by its reciprocal), then round-to-nearest-even
         zero   = fp16(lo)
         s, z   = float32(scale), float32(zero)
         q      = clamp(floor((x32 - z) / s + 0.5), 0, 2**b - 1);   q = 0 where s == 0
@@ -166,6 +168,12 @@ def unpack(payload: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 # quantization
 
 
+def _divisor(like: torch.Tensor, value: float) -> torch.Tensor:
+    """`value` as a 0-dim float32 tensor on like's device: dividing by it is a correctly rounded IEEE division on
+    every device (CUDA computes x / python_scalar as x * (1 / scalar), which can differ in the last bit)."""
+    return torch.full((), float(value), dtype=torch.float32, device=like.device)
+
+
 def _quantize_groups(
     x: torch.Tensor, bits: int, group_size: int, symmetric: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -182,7 +190,7 @@ def _quantize_groups(
     if symmetric:
         qmax = (1 << (bits - 1)) - 1
         amax = xg.abs().amax(dim=-1)  # (..., n_groups)
-        scale = (amax / qmax).to(torch.float16)
+        scale = (amax / _divisor(amax, qmax)).to(torch.float16)
         zero = None
         s = scale.float().unsqueeze(-1)  # (..., n_groups, 1)
         q = torch.floor(xg / s + 0.5).clamp_(-qmax, qmax)  # s == 0 gives nan/inf here, zeroed below
@@ -190,7 +198,7 @@ def _quantize_groups(
     else:
         qmax = (1 << bits) - 1
         lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # (..., n_groups)
-        scale = ((hi - lo) / qmax).to(torch.float16)
+        scale = ((hi - lo) / _divisor(lo, qmax)).to(torch.float16)
         zero = lo.to(torch.float16)
         s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)  # (..., n_groups, 1)
         q = torch.floor((xg - z) / s + 0.5).clamp_(0, qmax)  # s == 0 gives nan/inf here, zeroed below
@@ -307,7 +315,8 @@ def fp8_quantize_dequantize(
     if not x.dtype.is_floating_point:
         raise TypeError(f"x: dtype {x.dtype} is not allowed; allowed: a floating dtype")
     x32 = x.to(torch.float32).clamp(-FP16_MAX, FP16_MAX)
-    scale = (x32.abs().amax(dim=-1) / FP8_MAX).to(torch.float16)  # (...,)
+    amax = x32.abs().amax(dim=-1)  # (...,)
+    scale = (amax / _divisor(amax, FP8_MAX)).to(torch.float16)
     s = scale.float().unsqueeze(-1)  # (..., 1)
     q = torch.where(s == 0, 0.0, (x32 / s).clamp(-FP8_MAX, FP8_MAX)).to(torch.float8_e4m3fn)
     payload = q.view(torch.uint8)

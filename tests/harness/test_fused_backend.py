@@ -19,6 +19,9 @@ from harness.models import load_model
 CASES = [
     ("tiny-llama", [[2, 4, 16], [16, 3, 8], [4, 2, 2]], 16, "asym_token", "exact", 2),
     ("tiny-gemma3", [[2, 16], [4, 8], [16, 2], [3, 4]], 32, "sym_token", "quantized", 1),
+    # KV sharing: the last two layers attend the stores of the last sliding and global layers before them
+    # (the global layers have one KV head, so their second entry is padding).
+    ("tiny-gemma4-kv", [[2, 4], [8, 16], [4, 3], [3, 2], [2, 8]], 16, "asym_token", "exact", 1),
 ]
 NEW_TOKENS = 10
 
@@ -49,7 +52,9 @@ def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, p
     assert all(layer.fused for layer in layers)
     assert not any(layer.fused for layer in torch_cache.quantized_layers())
     assert all(layer.k_store._dequantized is None and layer.v_store._dequantized is None for layer in layers)
-    assert len(calls) == (NEW_TOKENS - 1) * len(layers), "every decode step of every layer is fused"
+    # Every decode step of every attention layer is fused, the KV-sharing layers (which hold no store) included.
+    attention_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    assert len(calls) == (NEW_TOKENS - 1) * attention_layers
     assert torch.equal(got.sequences, want.sequences), name
     if device == "cpu":
         # The prefill is the same computation on both backends (quantize_into is bit-exact with the torch
@@ -91,3 +96,22 @@ def test_backend_names_and_resolution(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="triton needs CUDA tensors"):
         resolve_backend("triton", cpu, [4, 16], 32, 32, 16)
+
+
+@torch.no_grad()
+def test_fused_decode_refuses_a_mask_that_hides_tokens(device):
+    """A padded batch hides stored tokens from a decode step; the kernel attends every one, so it refuses
+    (checked on the device: raised here on CPU, a device-side assertion on CUDA, which this test leaves alone)."""
+    if device == "cuda":
+        pytest.skip("a device-side assertion would poison the CUDA context of the rest of the session")
+    model, _ = load_model("tiny-llama", device=device)
+    use_fused_attention(model)
+    cache = QuantizedKVCache(model.config, 4, group_size=16, backend="triton")
+    ids = torch.randint(0, 256, (2, 6), device=device)
+    mask = torch.ones(2, 6, dtype=torch.long, device=device)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)  # nothing hidden: fine
+    model(input_ids=ids[:, :1], attention_mask=mask[:, :1].repeat(1, 7), past_key_values=cache)
+    mask = torch.ones(2, 8, dtype=torch.long, device=device)
+    mask[1, 0] = 0  # the second sequence's first token is padding
+    with pytest.raises(RuntimeError, match="attends to every stored token"):
+        model(input_ids=ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)

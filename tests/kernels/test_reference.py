@@ -180,6 +180,46 @@ def test_quantize_matches_independent_numpy(symmetric, bits, dtype):
         assert torch.equal(p.zero, torch.from_numpy(zero))
 
 
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+    ),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits", R.WIDTHS)
+def test_scale_is_a_correctly_rounded_division_on_every_device(device, symmetric, bits):
+    """scale = fp16(float32 (hi - lo) / qmax) with a correctly rounded division, on CPU and CUDA alike (CUDA
+    computes a division by a Python scalar as a multiplication by its reciprocal, one ulp off at times): the
+    float32 quotient is float64's rounded to float32 (exact: float64 carries more than 2 * 24 + 2 bits)."""
+    gen = _gen()
+    n = 1 << 18
+    v = torch.rand(n, generator=gen, dtype=torch.float64).mul(1000).to(torch.float32)  # (n,) distinct spans
+    x = torch.zeros(n, 8)
+    x[:, 1] = v  # each row one group: lo = 0 (asym) and hi = amax = v
+    qmax = (1 << (bits - 1)) - 1 if symmetric else (1 << bits) - 1
+    want = (v.double() / qmax).to(torch.float32).to(torch.float16)
+    got = R.quantize(x.to(device), bits, 8, symmetric).scale[:, 0].cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    if device == "cuda":
+        assert torch.equal(
+            R.quantize(x, bits, 8, symmetric).payload, R.quantize(x.cuda(), bits, 8, symmetric).payload.cpu()
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fp8_scale_is_a_correctly_rounded_division_on_every_device(device):
+    gen = _gen()
+    x = torch.randn(1 << 16, 8, generator=gen) * 100
+    want = (x.abs().amax(-1).double() / R.FP8_MAX).to(torch.float32).to(torch.float16)
+    got = R.fp8_quantize_dequantize(x.to(device))[1].cpu()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_quantize_hand_computed():
     # asym 2-bit: lo=0, hi=3 -> s=1, z=0; floor(t + 0.5) rounds halves up (not to even)
     p = R.quantize(torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0, 1.0, 2.0, 0.49]), 2, 8)

@@ -6,8 +6,11 @@ anything imports triton, so the shapes are small); the same tests marked `gpu` r
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernels import reference
 from kernels.decode_attention import decode_attention
@@ -15,6 +18,7 @@ from kernels.layout import PackedStore
 from kernels.quantize import quantize_into
 
 B, T, HQ = 2, 63, 6
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _inputs(shape: tuple[int, ...], g: int, dtype: torch.dtype, device: str, seed: int) -> torch.Tensor:
@@ -59,20 +63,18 @@ def test_quantize_bit_exact(device, bits, head_dim, group_size, symmetric, dtype
     ref.append(x, keep_dequantized=False)
     st = PackedStore(bits, capacity=80, **kw)
     _fill_garbage(st)
-    quantize_into(
-        st.payload, st.scale, st.zero, st.full, st.width, st.byte_offset, st.slot, x, pos, group_size
-    )
+    quantize_into(st, x, pos)
 
     new = slice(pos, pos + tn)
     assert torch.equal(st.payload[:, new], ref.payload[:, new])
     # Compare fp16 bit patterns so that -0.0 vs 0.0 or a NaN left unwritten is caught.
-    assert torch.equal(st.scale[:, new].view(torch.int16), ref.scale[:, new].view(torch.int16))
+    assert torch.equal(st.scale[:, :, new].view(torch.int16), ref.scale[:, :, new].view(torch.int16))
     if not symmetric:
-        assert torch.equal(st.zero[:, new].view(torch.int16), ref.zero[:, new].view(torch.int16))
+        assert torch.equal(st.zero[:, :, new].view(torch.int16), ref.zero[:, :, new].view(torch.int16))
     assert torch.equal(st.full[:, :, new], ref.full[:, :, new])
     # Nothing outside [pos, pos + Tn) was written.
     assert (st.payload[:, :pos] == 0xA5).all() and (st.payload[:, pos + tn :] == 0xA5).all()
-    assert st.scale[:, :pos].isnan().all() and st.scale[:, pos + tn :].isnan().all()
+    assert st.scale[:, :, :pos].isnan().all() and st.scale[:, :, pos + tn :].isnan().all()
     assert st.full[:, :, :pos].isnan().all() and st.full[:, :, pos + tn :].isnan().all()
 
 
@@ -80,7 +82,7 @@ def test_quantize_rejects_unsupported_group_size():
     st = PackedStore((4, 4), head_dim=96, batch=1, group_size=48)
     x = torch.zeros(1, 2, 1, 96)
     with pytest.raises(NotImplementedError, match="group_size: 48"):
-        quantize_into(st.payload, st.scale, st.zero, st.full, st.width, st.byte_offset, st.slot, x, 0, 48)
+        quantize_into(st, x, 0)
 
 
 def _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed):
@@ -105,6 +107,18 @@ def _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed):
         ((2, 4, 16), (16, 2, 4), 96, 32, False, torch.float32, 0),
         ((3, 8, 16), (8, 2, 3), 96, 32, True, torch.float32, 17),
         ((4, 2, 16), (2, 4, 8), 128, 64, False, torch.float16, 5),
+        pytest.param(
+            (8, 4, 2),
+            (2, 16, 3),
+            64,
+            16,
+            True,
+            torch.bfloat16,
+            3,
+            marks=pytest.mark.skipif(
+                INTERPRET, reason="Triton's interpreter (3.9) computes tl.dot on bf16 wrongly"
+            ),
+        ),  # fmt: skip
     ],
 )
 def test_decode_attention(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra):
@@ -131,6 +145,19 @@ def test_decode_attention(device, k_bits, v_bits, head_dim, group_size, symmetri
     torch.testing.assert_close(outs[0], outs[1], rtol=bound, atol=bound)
 
 
+def test_decode_attention_many_splits(device):
+    """More splits than the combine merges in one step (COMBINE_BLOCK): its loop over split blocks."""
+    gen = torch.Generator().manual_seed(8)
+    L, D = 300, 32
+    ks, vs = (PackedStore((4, 2), D, 1, group_size=16, device=device, capacity=L) for _ in range(2))
+    for st in (ks, vs):
+        st.append(torch.randn(1, 2, L, D, generator=gen).to(device), keep_dequantized=False)
+    q = torch.randn(1, 4, D, generator=gen).to(device)
+    ref = reference.attention_reference(q[:, :, None], ks.dequantize(), vs.dequantize(), 0.2)[:, :, 0]
+    out = decode_attention(q, ks, vs, 0.2, num_splits=19, block_n=16)  # 19 splits of 16 tokens
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-4
+
+
 def test_decode_attention_extra_only(device):
     """An empty store with an extra segment attends to the extra tokens alone."""
     ks = PackedStore((4, 16), 64, 1, device=device)
@@ -140,3 +167,149 @@ def test_decode_attention_extra_only(device):
     out = decode_attention(q, ks, vs, 0.125, k_extra=kx, v_extra=vx)
     ref = reference.attention_reference(q[:, :, None], kx, vx, 0.125)[:, :, 0]
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Fails on the aten ops that read a tensor's value back to the host (.item(), bool(), torch.equal)."""
+
+    FORBIDDEN = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(self.FORBIDDEN):
+            raise AssertionError(f"host synchronization: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def _no_tolist(*_):
+    raise AssertionError("host synchronization: Tensor.tolist")
+
+
+def test_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
+    """quantize_into, decode_attention and the fused attention's mask check launch without reading a device
+    value on the host, so a decode step can run ahead of the GPU (and be captured in a CUDA graph)."""
+    from harness.fused_attention import kv_packed_attention
+
+    ks, vs = _stores((2, 4, 16), (4, 16, 2), 64, 32, False, device, seed=7)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B, 3, 1, 64, generator=gen).to(device)
+    q = torch.randn(B, HQ, 1, 64, generator=gen).to(device)
+    mask = torch.ones(B, 1, 1, T + 1, dtype=torch.bool, device=device)
+    monkeypatch.setattr(torch.Tensor, "tolist", _no_tolist)
+    with _NoHostSync():
+        for st in (ks, vs):
+            quantize_into(st, x, T)
+            st.length = T + 1
+        kv_packed_attention(torch.nn.Identity(), q, _StepKey(x, ks, vs), x, mask, scaling=0.125)
+
+
+@torch.no_grad()
+def test_model_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
+    """A whole decode step of a model on a triton cache (cache update, quantize, fused attention, the model's
+    own ops) reads no device value on the host."""
+    from harness.cache import QuantizedKVCache
+    from harness.fused_attention import use_fused_attention
+    from harness.models import load_model
+
+    model, _ = load_model("tiny-llama", device=device)
+    use_fused_attention(model)
+    cache = QuantizedKVCache(
+        model.config, torch.tensor([[2, 4, 16], [8, 3, 4], [16, 16, 2]]), group_size=16, backend="triton"
+    )
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(9)).to(device)
+    model(input_ids=ids, past_key_values=cache, use_cache=True)
+    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    monkeypatch.setattr(torch.Tensor, "tolist", _no_tolist)
+    with _NoHostSync():
+        model(input_ids=ids[:, 1:2], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 11
+
+
+def _StepKey(x, ks, vs):
+    """A placeholder key tagged with a decode step over (ks, vs), as harness.cache's triton backend makes."""
+    from harness.cache import DECODE_STEP_ATTR, DecodeStep
+
+    key = x.clone()
+    setattr(key, DECODE_STEP_ATTR, DecodeStep(ks, vs))
+    return key
+
+
+def test_device_side_position_and_length_match_host_ones(device):
+    """pos and length as device tensors (what a CUDA graph replays) give what the host ints give, with the
+    splits planned over the whole capacity (most of it empty)."""
+    bits, D, g = (2, 16, 3), 64, 16
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(B, 3, T, D, generator=gen).to(device)
+    q = torch.randn(B, HQ, D, generator=gen).to(device)
+    stores = []
+    for pos in (9, torch.tensor([9], dtype=torch.int32, device=device)):
+        pair = [PackedStore(bits, D, B, group_size=g, device=device, capacity=4 * T) for _ in range(2)]
+        for st in pair:
+            _fill_garbage(st)
+            quantize_into(st, torch.zeros(B, 3, 9, D, device=device), 0)
+            quantize_into(st, x, pos)
+            st.length = 9 + T
+        stores.append(pair)
+    for a, b in zip(*stores):
+        assert torch.equal(a.payload[:, : 9 + T], b.payload[:, : 9 + T])
+        assert torch.equal(a.scale[:, :, : 9 + T], b.scale[:, :, : 9 + T])
+    want = decode_attention(q, *stores[0], 0.125, num_splits=1)
+    length = torch.tensor([9 + T], dtype=torch.int32, device=device)
+    got = decode_attention(q, *stores[1], 0.125, length=length, block_n=16)
+    assert stores[1][0].capacity > 2 * (9 + T)  # splits past the stored tokens exist and must weigh 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_step_replays_in_a_cuda_graph(dtype):
+    """One decode step (quantize the new K/V token at a device-side position, attend over a device-side
+    length) captured once in a CUDA graph and replayed as the stores grow: each replay matches the oracle."""
+    bits, D, hq, cap, steps = (2, 4, 8, 16), 128, 16, 512, 6
+    hkv, batch = len(bits), 3
+    gen = torch.Generator().manual_seed(6)
+    ks, vs = (
+        PackedStore(bits, D, batch, group_size=32, dtype=dtype, device="cuda", capacity=cap) for _ in range(2)
+    )
+    prefix = 100
+    keys = torch.randn(batch, hkv, prefix + steps, D, generator=gen).to("cuda", dtype)
+    values = torch.randn(batch, hkv, prefix + steps, D, generator=gen).to("cuda", dtype)
+    for st, t in ((ks, keys), (vs, values)):
+        quantize_into(st, t[:, :, :prefix], 0)
+        st.length = prefix
+    pos = torch.tensor([prefix], dtype=torch.int32, device="cuda")
+    length = pos + 1
+    k_new, v_new = keys[:, :, :1].clone(), values[:, :, :1].clone()
+    q = torch.empty(batch, hq, D, dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
+
+    def step():
+        quantize_into(ks, k_new, pos)
+        quantize_into(vs, v_new, pos)
+        decode_attention(q, ks, vs, D**-0.5, out=out, length=length)
+        pos.add_(1)
+        length.add_(1)
+
+    side = torch.cuda.Stream()  # warm-up (compiles the kernels, allocates the workspace) outside the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    pos.fill_(prefix)
+    length.fill_(prefix + 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    pos.fill_(prefix)
+    length.fill_(prefix + 1)
+    for i in range(steps):
+        t = prefix + i
+        k_new.copy_(keys[:, :, t : t + 1])
+        v_new.copy_(values[:, :, t : t + 1])
+        q.copy_(torch.randn(batch, hq, D, generator=gen).to("cuda", dtype))
+        graph.replay()
+        ks.length = vs.length = t + 1
+        ref = reference.attention_reference(q[:, :, None], ks.dequantize(), vs.dequantize(), D**-0.5)[:, :, 0]
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 2e-2, (i, err)
+    assert int(pos) == prefix + steps
