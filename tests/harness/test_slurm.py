@@ -234,6 +234,34 @@ def settle(job: str, env: dict, count: int, timeout: float = 600) -> dict[str, d
     raise AssertionError(f"array {job} did not end in {timeout}s: {accounting(job, env)}\n{_squeue(env)}")
 
 
+def wait_until(check, timeout: float = 60) -> bool:
+    deadline = time.time() + timeout
+    while not check():
+        if time.time() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def stopped_pids(task: str, env: dict) -> list[int]:
+    """The processes of a suspended job (scontrol listpids), once every one of them has stopped."""
+    job = subprocess.run(
+        ["squeue", "-h", "-j", task, "-o", "%A"], env=env, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    out = subprocess.run(["scontrol", "listpids", job], env=env, capture_output=True, text=True, check=True)
+    pids = [int(line.split()[0]) for line in out.stdout.splitlines()[1:] if line.strip()]
+    assert pids, f"no processes for {task}: {out.stdout}"
+
+    def state(pid: int) -> str:  # /proc/PID/stat: "pid (comm) STATE ..."; gone counts as stopped
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return "T"
+
+    assert wait_until(lambda: all(state(p) == "T" for p in pids)), {p: state(p) for p in pids}
+    return pids
+
+
 def run_id() -> str:
     """A run name no earlier test session used (the cluster's accounting keeps old jobs)."""
     return f"slurm-{uuid.uuid4().hex[:8]}"
@@ -289,9 +317,11 @@ def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(cluster, sin
                 break
             time.sleep(0.05)
         assert job is not None and submitter.poll() is None, f"no job to cancel\n{_squeue(env)}"
-        # Frozen first (SIGSTOP), so the check below sees the job between two points, then cancelled: a
-        # cancelled suspended job is killed without running on (submitit ignores the SIGTERM of a running one).
+        # Suspended first (every process of the job stopped), so the check below sees the job between two
+        # points; then cancelled: SLURM kills a suspended job outright (a running one gets SIGTERM, which
+        # submitit ignores, and runs on until KillWait ends).
         subprocess.run(["scontrol", "suspend", f"{job}_0"], env=env, check=True, timeout=60)
+        pids = stopped_pids(f"{job}_0", env)
         frozen = point_files(run_dir)
         assert 0 < sum(f"{k}.json" in frozen for k in shard0) < len(shard0), "shard 0 is not mid-way"
         subprocess.run(["scancel", f"{job}_0"], env=env, check=True, timeout=60)
@@ -304,6 +334,7 @@ def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(cluster, sin
     assert tasks[f"{job}_0"]["State"].startswith("CANCELLED"), tasks
     assert {tasks[f"{job}_{i}"]["State"] for i in (1, 2)} == {"COMPLETED"}, tasks
 
+    assert wait_until(lambda: not any(Path(f"/proc/{p}").exists() for p in pids)), f"left running: {pids}"
     done = point_files(run_dir)
     assert [k for k in shard0 if f"{k}.json" in done] == [k for k in shard0 if f"{k}.json" in frozen]
     partial = pd.read_parquet(run_dir / "results.parquet")  # readable after the cancel
