@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_dir
 
 from harness.grid import expand, point_key, shard
 from harness.results import CONFIG_FIELDS, METRICS
+from harness.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "sweeps" / "localhost-slurm.sh"
@@ -152,6 +153,7 @@ def test_slurm_config_composes_with_both_launchers():
         gpu = compose_sweep("slurm_gpu", f"hydra/launcher={launcher}")
         assert gpu.hydra.launcher.gpus_per_node == 1
         assert (gpu.quant.backend, gpu.device) == ("triton", "cuda")
+        assert len(validate_config(gpu)) == len(smoke_points(1)[0])  # every point storable by the kernels
         assert gpu.run_dir == "results/smoke/x"
 
 
