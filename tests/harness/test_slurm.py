@@ -149,6 +149,10 @@ def test_slurm_config_composes_with_both_launchers():
     assert (local.hydra.launcher.mem_gb, local.hydra.launcher.cpus_per_task) == (8, 4)
     assert local.hydra.sweeper.params.shard == "range(0,4)"
 
+    joblib = compose_sweep("local", "num_shards=3")
+    assert joblib.hydra.launcher._target_.endswith("JoblibLauncher")
+    assert joblib.hydra.sweeper.params.shard == "range(0,3)"
+
     for launcher in ("slurm_cluster", "submitit_local"):
         gpu = compose_sweep("slurm_gpu", f"hydra/launcher={launcher}")
         assert gpu.hydra.launcher.gpus_per_node == 1
