@@ -52,16 +52,22 @@ def _token_major_bytes(raw: torch.Tensor) -> torch.Tensor:
     gb = raw.shape[-1]
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = dtype.itemsize
-        if gb % size == 0 and raw.storage_offset() % size == 0 and all(st % size == 0 for st in raw.stride()[:-1]):
+        if (
+            gb % size == 0
+            and raw.storage_offset() % size == 0
+            and all(st % size == 0 for st in raw.stride()[:-1])
+        ):
             wide = raw.view(dtype)  # (B, Tb, Hw, ng, gb // size)
             return wide.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
     return raw.permute(0, 2, 3, 1, 4).contiguous()
 
 
-def _bucket(store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int):
+def _bucket(
+    store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int
+):
     """One width bucket's block of tokens [start, end): code pieces (_pieces) float32 (B, Hw, ng, Tb, g / k) each,
     scale and zero float32 (B, Hw, ng, Tb)."""
-    B, Tb, Hw = store.batch, end - start, len(heads)
+    Hw = len(heads)
     D, g = store.head_dim, store.group_size
     ng, gb = D // g, reference.packed_dim(D, w) * g // D  # groups per row, bytes per group
     raw = store.payload[:, start:end, first_byte : first_byte + Hw * ng * gb].unflatten(-1, (Hw, ng, gb))
@@ -210,7 +216,9 @@ def packed_attention(
     B, Hq, Tq, D = q.shape
     Hkv, L = len(k_store.bits), k_store.length
     if Hq % Hkv or v_store.length != L or L < Tq:
-        raise ValueError(f"q {tuple(q.shape)} does not fit stores of {Hkv} KV heads and {L}, {v_store.length} tokens")
+        raise ValueError(
+            f"q {tuple(q.shape)} does not fit stores of {Hkv} KV heads and {L}, {v_store.length} tokens"
+        )
     G = Hq // Hkv
     qg = q.float().reshape(B, Hkv, G, Tq, D)  # query head h = kv * G + i
     outs = []
@@ -222,6 +230,8 @@ def packed_attention(
         length = L if mask is not None else min(L, offset + qe - qs)  # a causal pass skips unreachable keys
         rows = B * Hq * (qe - qs)
         size = block or _block_size(rows)
-        outs.append(_attend(qg[:, :, :, qs:qe], k_store, v_store, scale, part_mask, causal, softcap, length, size))
+        outs.append(
+            _attend(qg[:, :, :, qs:qe], k_store, v_store, scale, part_mask, causal, softcap, length, size)
+        )
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 3)  # (B, Hkv, G, Tq, Dv)
     return out.reshape(B, Hq, Tq, -1)
