@@ -339,23 +339,23 @@ class QuantizedSlidingLayer(QuantizedLayer):
         self.sliding_window = sliding_window
         self.cumulative_length = 0
 
-    def _evict(self) -> None:
+    def evict(self) -> None:
         """Drop the tokens the last update moved out of the window (kept until now: that update attended them)."""
         if self.k_store is not None:
             self.k_store.keep_last(self.sliding_window - 1)
             self.v_store.keep_last(self.sliding_window - 1)
 
     def update(self, key_states, value_states, *args, **kwargs):
-        self._evict()
+        self.evict()
         self.cumulative_length += key_states.shape[-2]
         return self._store(key_states, value_states)
 
     def nbytes(self) -> int:
-        self._evict()
+        self.evict()
         return super().nbytes()
 
     def nbytes_fp16(self) -> int:
-        self._evict()
+        self.evict()
         return super().nbytes_fp16()
 
     def get_seq_length(self) -> int:
@@ -474,7 +474,7 @@ class QuantizedKVCache(Cache):
         capacity slack and any simulate working copy, linear-attention state), each storage counted once."""
         for layer in self.quantized_layers():
             if isinstance(layer, QuantizedSlidingLayer):
-                layer._evict()
+                layer.evict()
         return resident_bytes(self.layers)
 
     def linear_state_nbytes(self) -> int:

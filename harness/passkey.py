@@ -287,6 +287,7 @@ def run_model(job: Job, run_dir: Path, progress=print) -> int:
     from transformers import DynamicCache
 
     from harness.cache import QuantizedKVCache
+    from harness.fused_attention import use_fused_attention
     from harness.models import load_model
     from harness.runner import write_json_atomic
 
@@ -296,6 +297,7 @@ def run_model(job: Job, run_dir: Path, progress=print) -> int:
     if not todo:
         return 0
     model, tokenizer = load_model(job.model)
+    use_fused_attention(model)  # the quantized caches are attended from their packed form
     builder = PromptBuilder(tokenizer)
     s = job.settings
     allocs = allocations(

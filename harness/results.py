@@ -41,6 +41,9 @@ METRICS = (
     "compression_nominal",
     "compression_true",
     "bytes_per_token",
+    "resident_bytes",
+    "resident_ratio",
+    "simulate",
     "tokens_kept_fraction",
     "n_sinks",
 )

@@ -136,6 +136,7 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
             tag=suffix,
             on_point=tracker.log_point,
             backend=cfg.quant.backend,
+            simulate=cfg.quant.get("simulate", False),
         )
         print(format_table(table))
         written = write_report(run_dir)

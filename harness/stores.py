@@ -317,6 +317,7 @@ class RotatedStore:
         self, base, bits, head_dim: int, batch: int, dtype: torch.dtype, device, simulate: bool = False
     ):
         self.base, self.batch, self.dtype, self.simulate = base, batch, dtype, simulate
+        self.bits = base.bits
         self.h = reference.hadamard(head_dim, device)  # (D, D), H @ H = I
         self.quant_heads = _heads(tuple(int(b) for b in bits), True, device)
         # simulate only: the full-precision working copy, rotated back (not stored bytes).
@@ -453,6 +454,7 @@ class SinkStore(_TwoPart):
     ):
         sinks = FullStore(heads, head_dim, batch, dtype, device)
         super().__init__(sinks, base, sinks.tokens, simulate)
+        self.bits = base.bits
         self.n_sinks, self.seen = n_sinks, 0  # tokens appended so far
 
     def starts_at(self, position: int) -> None:
@@ -493,6 +495,7 @@ class ResidualStore(_TwoPart):
     ):
         recent = FullStore(heads, head_dim, batch, dtype, device)
         super().__init__(base, recent, recent.tokens, simulate)
+        self.bits = base.bits
         self.window, self.chunk = window, chunk
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:

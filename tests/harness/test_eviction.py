@@ -34,6 +34,7 @@ CONF = str(ROOT / "conf")
 @pytest.fixture(scope="module")
 def llama():
     model, _ = load_model("tiny-llama")
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     return model
 
 
@@ -178,6 +179,7 @@ def test_decode_after_eviction_equals_attention_over_kept_tokens(model_name, nam
     """16 bits, exact prefill: every later step's logits (one token or a chunk: the mask must stay causal among
     the new tokens) equal those of a DynamicCache whose full-attention layers hold only the kept tokens."""
     model, _ = load_model(model_name)
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     torch.manual_seed(7)
     B, P, chunks = 2, 23, (1, 3, 1, 2)
     ids = torch.randint(0, 256, (B, P + sum(chunks)))
@@ -216,6 +218,7 @@ def test_decode_after_eviction_equals_attention_over_kept_tokens(model_name, nam
 def test_streaming_on_the_triton_backend_matches_torch(device):
     """Eviction selects the packed stores the fused decode kernel reads; h2o layers fall back to torch."""
     model, _ = load_model("tiny-llama", device=device)
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     torch.manual_seed(8)
     ids = torch.randint(0, 256, (2, 18), device=device)
     spec = EvictionSpec("streaming", keep=0.5, sink_tokens=2)
