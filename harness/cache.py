@@ -174,19 +174,24 @@ def decode_step(key: torch.Tensor) -> DecodeStep | PackedStep | None:
 
 
 def _tensors(obj, seen: set[int], out: list[torch.Tensor]) -> None:
-    """Every tensor reachable from obj through attributes, dicts, lists and tuples (each object once)."""
+    """Every plain tensor reachable from obj through attributes, dicts, lists and tuples (each object once);
+    a tensor subclass that wraps others (quantized tensors of other libraries) is opened into its parts."""
     if id(obj) in seen:
         return
     seen.add(id(obj))
     if isinstance(obj, torch.Tensor):
-        out.append(obj)
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            for name in obj.__tensor_flatten__()[0]:
+                _tensors(getattr(obj, name), seen, out)
+        else:
+            out.append(obj)
     elif isinstance(obj, dict):
         for value in obj.values():
             _tensors(value, seen, out)
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             _tensors(value, seen, out)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, type):
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
         for value in vars(obj).values():
             _tensors(value, seen, out)
 

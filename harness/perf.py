@@ -41,31 +41,6 @@ def fill(cache, prefilled: DynamicCache, **cache_kwargs):
     return cache
 
 
-def cache_tensors(cache) -> list[torch.Tensor]:
-    """The plain tensors a cache keeps, quantized tensor subclasses (quanto) opened into their parts."""
-    out = []
-    pending = list(vars(cache).values())
-    seen = set()
-    while pending:
-        obj = pending.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if hasattr(obj, "__tensor_flatten__") and type(obj) is not torch.Tensor:
-                names, _ = obj.__tensor_flatten__()
-                pending.extend(getattr(obj, name) for name in names)
-            else:
-                out.append(obj)
-        elif isinstance(obj, dict):
-            pending.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            pending.extend(obj)
-        elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-            pending.extend(vars(obj).values())
-    return out
-
-
 def time_steps(model, cache, first: torch.Tensor, position: int, steps: int, warmup: int) -> list[float]:
     """Seconds per single-token forward through `cache` (B tokens at a time), warm-up steps dropped."""
     token = first[:, None]  # (B, 1)
@@ -168,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
                 seen.add(name)
                 cache = make()
-                held = resident_bytes(cache_tensors(cache))
+                held = resident_bytes(cache)
                 seconds = time_steps(model, cache, first, context, steps, args.warmup)
                 rows.append(
                     {
