@@ -37,7 +37,7 @@ def test_the_prediction_grows_as_the_widths_shrink():
     args = args_for("--memory-gib", "2")
     guesses = [capacity_demo.predicted(args, bits, overhead=2**30) for bits in (16, 8, 4, 2)]
     assert all(a < b for a, b in zip(guesses, guesses[1:])), guesses
-    assert capacity_demo.predicted(args, 4, overhead=3 * 2**30) == -1  # nothing left for a cache
+    assert capacity_demo.predicted(args, 4, overhead=3 * 2**30) == 0  # nothing left for a cache
 
 
 def test_bad_arguments_exit_2_with_one_line():
