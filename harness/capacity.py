@@ -52,8 +52,10 @@ def _fp8(bits: int, head_dim: int, group_size: int) -> int:
     return head_dim + FP16_BYTES  # one e4m3 byte per element, one fp16 scale per (token, head)
 
 
-# Bytes of one quantized token of one KV head (keys or values) at a width below 16, by base scheme name.
-TOKEN_BYTES = {"asym_token": _asym_token, "sym_token": _sym_token, "fp8": _fp8}
+# Bytes of one quantized token of one KV head (keys or values) at a width below 16, by base scheme name. kivi's
+# keys hold one fp16 scale and zero per channel per g tokens, the same 4 * head_dim / g bytes per token as
+# asym_token's per-token groups of g (amortized over a whole key group); its values are asym_token.
+TOKEN_BYTES = {"asym_token": _asym_token, "sym_token": _sym_token, "fp8": _fp8, "kivi": _asym_token}
 
 
 def scheme_names() -> list[str]:
@@ -165,6 +167,19 @@ def shape_from_config(config, name: str = "config", context_limit: int | None = 
             raise NotImplementedError(f"harness.capacity: layer type {layer_type!r} is not modelled")
     limit = context_limit or getattr(text, "max_position_embeddings", None)
     return ModelShape(name, tuple(layers), limit)
+
+
+def element_price(shape: ModelShape, storage: Storage):
+    """price(bits) -> bytes per stored element (keys and values alike) of the model's cached KV heads, averaged
+    over them by their head_dim: the byte model that a bytes budget (harness.policies) charges each head."""
+    cached = [layer for layer in shape.layers if layer.cached]
+    elements = sum(layer.kv_heads * layer.head_dim for layer in cached)
+
+    def price(bits: int) -> float:
+        held = sum(layer.kv_heads * storage.token_bytes(bits, layer.head_dim) for layer in cached)
+        return held / elements
+
+    return price
 
 
 def shape_from_registry(name: str) -> ModelShape:

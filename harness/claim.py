@@ -67,6 +67,7 @@ class ClaimSettings:
     group_size: int = 32
     seed: int = 0
     data_path: str | None = None
+    bos: str = "auto"  # eval.bos (harness.data.uses_bos)
 
 
 def settings(cfg: DictConfig) -> ClaimSettings:
@@ -96,6 +97,7 @@ def settings(cfg: DictConfig) -> ClaimSettings:
         group_size=cfg.quant.group_size,
         seed=cfg.seed,
         data_path=cfg.eval.data.path,
+        bos=cfg.eval.get("bos", "auto"),
     )
 
 
@@ -312,7 +314,8 @@ def run(cfg: DictConfig) -> list[dict]:
     s = settings(cfg)
     model, tokenizer = load_model(s.model, device=cfg.device)
     text = data.split(s.data_path)
-    ids = data.token_windows(tokenizer, text.evaluation, s.num_sequences, s.sequence_tokens, s.seed)
+    bos = data.uses_bos(tokenizer, s.bos)
+    ids = data.token_windows(tokenizer, text.evaluation, s.num_sequences, s.sequence_tokens, s.seed, bos=bos)
     ids = ids.to(model.device)
     measured = measure(model, s, ids)
     run_dir = Path(cfg.run_dir)

@@ -61,10 +61,45 @@ def split(path: str | None = None) -> Split:
     return Split(join(cal), join(ev), tuple(cal), tuple(ev))
 
 
-def token_windows(tokenizer, text: str, count: int, length: int, seed: int = 0) -> torch.Tensor:
-    """`count` non-overlapping windows of `length` tokens from `text`, chosen with `seed`: (count, length) int64."""
-    ids = torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-    n_slots = ids.numel() // length
+BOS_RULES = ("auto", "always", "never")
+
+
+def uses_bos(tokenizer, rule: str = "auto") -> bool:
+    """Whether every window starts with the tokenizer's BOS token under `eval.bos=rule`.
+
+    auto: what the tokenizer itself does when it encodes text (as llama.cpp's perplexity does); always: BOS
+    even where the tokenizer would not add it; never: no BOS.
+    """
+    if rule not in BOS_RULES:
+        raise ValueError(f"eval.bos: {rule!r} is not allowed; allowed: {', '.join(BOS_RULES)}")
+    bos = tokenizer.bos_token_id
+    if rule == "never":
+        return False
+    if rule == "always":
+        if bos is None:
+            raise ValueError(
+                "eval.bos: always, but the tokenizer has no BOS token; allowed here: auto, never"
+            )
+        return True
+    first = tokenizer("x", add_special_tokens=True)["input_ids"][:1]
+    return bos is not None and first == [bos]
+
+
+def text_ids(tokenizer, text: str) -> torch.Tensor:
+    """The token ids of `text` without special tokens: (n,) int64."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def token_windows(
+    tokenizer, text: str, count: int, length: int, seed: int = 0, bos: bool = False
+) -> torch.Tensor:
+    """`count` non-overlapping windows of `length` tokens from `text`, chosen with `seed`: (count, length) int64.
+
+    With `bos`, each window is the tokenizer's BOS token followed by `length - 1` text tokens.
+    """
+    ids = text_ids(tokenizer, text)
+    body = length - 1 if bos else length
+    n_slots = ids.numel() // body
     if n_slots < count:
         raise ValueError(
             f"eval: the text holds {n_slots} windows of {length} tokens, fewer than the {count} asked for; "
@@ -72,4 +107,8 @@ def token_windows(tokenizer, text: str, count: int, length: int, seed: int = 0) 
         )
     g = torch.Generator().manual_seed(seed)
     slots = torch.randperm(n_slots, generator=g)[:count].sort().values
-    return torch.stack([ids[s * length : (s + 1) * length] for s in slots.tolist()])
+    windows = torch.stack([ids[s * body : (s + 1) * body] for s in slots.tolist()])  # (count, body)
+    if bos:
+        first = torch.full((count, 1), tokenizer.bos_token_id, dtype=torch.long)
+        windows = torch.cat([first, windows], dim=1)  # (count, length)
+    return windows

@@ -27,11 +27,20 @@ POLICY_FIELDS = (
     "sink_fraction",
     "widths",
     "budget_mode",
+    "budget_unit",
     "entropy_key",
     "policy_seed",
 )
 QUANT_FIELDS = ("scheme", "group_size", "prefill", "sink_tokens", "residual")
-EVAL_FIELDS = ("num_prompts", "prompt_tokens", "new_tokens", "num_sequences", "sequence_tokens", "chunk")
+EVAL_FIELDS = (
+    "num_prompts",
+    "prompt_tokens",
+    "new_tokens",
+    "num_sequences",
+    "sequence_tokens",
+    "chunk",
+    "bos",
+)
 CALIBRATION_FIELDS = ("calibration_sequences", "calibration_tokens", "i0")
 EVICTION_FIELDS = ("eviction", "evict_keep", "evict_sinks", "evict_recent")
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
@@ -58,6 +67,7 @@ def base_point(cfg: DictConfig) -> dict:
         "sink_fraction": p.sink_fraction,
         "widths": list(p.widths),
         "budget_mode": p.budget_mode,
+        "budget_unit": p.get("budget_unit", "bytes"),
         "entropy_key": p.get("entropy_key", "H2"),
         "policy_seed": p.get("seed", 0),
         "scheme": q.scheme,
@@ -71,6 +81,7 @@ def base_point(cfg: DictConfig) -> dict:
         "num_sequences": e.num_sequences,
         "sequence_tokens": e.sequence_tokens,
         "chunk": e.chunk,
+        "bos": e.get("bos", "auto"),
         "calibration_sequences": e.calibration.num_sequences,
         "calibration_tokens": e.calibration.tokens,
         "i0": e.calibration.i0,
@@ -126,6 +137,8 @@ def _dedupe(points: list[dict]) -> list[dict]:
             p = {**p, "alpha": 0.0}
         if p["policy"] != "random":  # only the random control draws: other policies ignore policy.seed
             p = {**p, "policy_seed": 0}
+        if p.get("budget_mode") == "claim":  # the claim's procedure budgets the non-sink heads in bits
+            p = {**p, "budget_unit": "bits"}
         if p.get("residual") is None:
             from harness.quant import default_residual  # imports torch: only where a grid is expanded
 

@@ -33,6 +33,10 @@ from pathlib import Path
 
 import torch
 
+from harness.capacity import Storage, element_price, shape_from_config
+from harness.data import BOS_RULES, uses_bos
+from harness.policies import BUDGET_UNITS
+
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -59,11 +63,11 @@ class PasskeyPrompt:
 class PromptBuilder:
     """Passkey prompts of an exact token length for one tokenizer (the fixed pieces are tokenized once)."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, bos: bool = False):
         self.tokenizer = tokenizer
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         self.encode = encode
-        self.head = tokenizer("")["input_ids"] + encode(INSTRUCTION)  # BOS where the tokenizer adds one
+        self.head = [tokenizer.bos_token_id] * bos + encode(INSTRUCTION)
         self.question = encode(QUESTION)
         self.sentence = encode(FILLER)
         self.filler: list[int] = []
@@ -176,8 +180,16 @@ class Settings:
     calibration_sequences: int = 8
     calibration_tokens: int = 512
     i0: int = 32
+    bos: str = "auto"  # eval.bos: every prompt and calibration window starts with BOS (harness.data.uses_bos)
+    budget_unit: str = "bytes"  # policy.budget_unit of every policy (harness.policies)
 
     def __post_init__(self):
+        if self.bos not in BOS_RULES:
+            raise ValueError(f"passkey.bos: unknown {self.bos!r}; allowed: {', '.join(BOS_RULES)}")
+        if self.budget_unit not in BUDGET_UNITS:
+            raise ValueError(
+                f"passkey.budget_unit: unknown {self.budget_unit!r}; allowed: {', '.join(BUDGET_UNITS)}"
+            )
         if self.prefill not in PREFILL_MODES:
             raise ValueError(
                 f"passkey.prefill: unknown {self.prefill!r}; allowed: {', '.join(PREFILL_MODES)}"
@@ -218,9 +230,11 @@ def policy_config(name: str) -> dict:
 
 
 def allocations(
-    entropy, policies: list[str], budgets: list[float], seed: int
+    entropy, policies: list[str], budgets: list[float], seed: int, budget_unit: str = "bits", price=None
 ) -> dict[tuple[str, float], object]:
-    """(policy, budget) -> harness.policies.Allocation, or the ValueError text of an infeasible budget."""
+    """(policy, budget) -> harness.policies.Allocation, or the ValueError text of an infeasible budget.
+
+    `price`: the scheme's bytes per element at each width, for `budget_unit="bytes"` (harness.policies)."""
     from harness.policies import allocate
 
     out = {}
@@ -239,6 +253,8 @@ def allocations(
                     budget_mode=p["budget_mode"],
                     seed=seed,
                     entropy_key=p.get("entropy_key", "H2"),
+                    budget_unit=budget_unit,
+                    price=price,
                 )
             except ValueError as err:
                 out[(name, budget)] = str(err)
@@ -252,7 +268,7 @@ def calibration_entropy(model, tokenizer, name: str, settings: Settings):
 
     ids = data.token_windows(
         tokenizer, data.split(None).calibration, settings.calibration_sequences, settings.calibration_tokens,
-        settings.seed,
+        settings.seed, bos=data.uses_bos(tokenizer, settings.bos),
     )  # fmt: skip
     return cached_head_entropies(model, name, ids, i0=settings.i0)
 
@@ -298,11 +314,11 @@ def run_model(job: Job, run_dir: Path, progress=print) -> int:
         return 0
     model, tokenizer = load_model(job.model)
     use_fused_attention(model)  # the quantized caches are attended from their packed form
-    builder = PromptBuilder(tokenizer)
     s = job.settings
-    allocs = allocations(
-        calibration_entropy(model, tokenizer, job.model, s), job.policies, job.budgets, s.seed
-    )
+    builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
+    price = element_price(shape_from_config(model.config, job.model), Storage(s.scheme, s.group_size))
+    entropy = calibration_entropy(model, tokenizer, job.model, s)
+    allocs = allocations(entropy, job.policies, job.budgets, s.seed, s.budget_unit, price)
     cache_options = dict(scheme=s.scheme, group_size=s.group_size)
     written = 0
     for context, depth in todo:
@@ -398,6 +414,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration-sequences", type=int, default=8)
     p.add_argument("--calibration-tokens", type=int, default=512)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bos", default="auto", help="auto, always or never: BOS before every prompt (eval.bos)")
+    p.add_argument("--budget-unit", default="bytes", help="bytes (true bytes, default) or bits")
     p.add_argument("--run", default="default", help="results/passkey/<run>/; re-running the same run resumes")
     p.add_argument("--root", default="results/passkey")
     p.add_argument(
@@ -421,7 +439,7 @@ def jobs(args) -> list[Job]:
 
     settings = Settings(
         args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
-        args.calibration_sequences, args.calibration_tokens,
+        args.calibration_sequences, args.calibration_tokens, bos=args.bos, budget_unit=args.budget_unit,
     )  # fmt: skip
     get_scheme(args.scheme, args.group_size)
     if args.batch < 1:
@@ -439,6 +457,7 @@ def jobs(args) -> list[Job]:
                 p["sink_fraction"],
                 p["widths"],
                 p["budget_mode"],
+                args.budget_unit,
             )
     out = []
     for model in args.models:

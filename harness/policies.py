@@ -12,11 +12,15 @@ high-entropy heads, low-entropy sink heads kept at 16), `sinks` (sinks at 16, th
 `random` (entropy's widths dealt to random heads: the control), `inverted` (entropy's slope reversed),
 `sensitivity` (greedy on measured errors: every head starts at the smallest width, then the promotion with the
 largest error reduction per extra bit that the budget still allows, until none fits) and `layerwise` (the same
-greedy with one width per layer, on the layer's summed error). Bits stand for bytes: every quantized head at
-width w stores w bits per element plus the same scales, so equal mean bits are equal true bytes (16-bit heads
-store no scales). The measured policies take 16 as a width only when `widths` lists it; alpha is unused.
-Budget modes: `exact` (the sinks are paid for by the other heads, the total never exceeds budget * n) and
-`claim` (a public write-up's procedure: nearest rounding, the budget applies to the non-sink heads only).
+greedy with one width per layer, on the layer's summed error). The measured policies take 16 as a width only
+when `widths` lists it; alpha is unused.
+Budget units: `bytes` (the default) meets the budget in true bytes: `budget` bits per element is converted to
+the bytes uniform at that width would hold, and the scheme's byte model (a `price` per element at each width)
+prices every head, so a 16-bit sink head, which stores no scales, is charged its real bytes and policies
+compared at one budget hold equal bytes. `bits` charges every head its width alone (equal mean bits), the
+claim's convention. Budget modes: `exact` (the sinks are paid for by the other heads, the total never exceeds
+the budget) and `claim` (a public write-up's procedure: nearest rounding, the budget applies to the non-sink
+heads only, in bits).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import difflib
 import math
 import numbers
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import pandas as pd
@@ -35,6 +39,7 @@ ENTROPY_POLICIES = ("uniform", "entropy", "sinks", "random", "inverted")  # the 
 MEASURED_POLICIES = ("sensitivity", "layerwise")  # they need a measured table (harness.sensitivity)
 POLICIES = ENTROPY_POLICIES + MEASURED_POLICIES
 BUDGET_MODES = ("exact", "claim")
+BUDGET_UNITS = ("bytes", "bits")
 ALLOWED_WIDTHS = (2, 3, 4, 8, 16)
 UNQUANTIZED = 16
 ENTROPY_KEYS = ("H2", "H1")
@@ -117,6 +122,7 @@ def validate(
     sink_fraction: float | None,
     widths: Sequence[int],
     budget_mode: str,
+    budget_unit: str = "bytes",
 ) -> None:
     """Raise ValueError (one line naming the config key and what is allowed) for a bad policy config."""
     if policy not in POLICIES:
@@ -141,6 +147,8 @@ def validate(
         )
     if budget_mode not in BUDGET_MODES:
         raise ValueError(_unknown("policy.budget_mode", budget_mode, BUDGET_MODES))
+    if budget_unit not in BUDGET_UNITS:
+        raise ValueError(_unknown("policy.budget_unit", budget_unit, BUDGET_UNITS))
 
 
 # ------------------------------------------------------------------------------------------------ entropy
@@ -223,13 +231,31 @@ def _slope(policy: str, alpha: float) -> float:
     return -abs(alpha) if policy == "inverted" else float(alpha)
 
 
-def _check_affordable(budget: float, n: int, n_sinks: int, low: int) -> None:
-    needed = UNQUANTIZED * n_sinks + low * (n - n_sinks)
+def scale_bits(price: Callable[[int], float], widths: Sequence[int]) -> float:
+    """Bits per element that a quantized head stores beside its codes (scales, zeros), from the byte model.
+
+    `price(w)`: bytes per stored element at width w. The bytes budget needs it affine in the width (the same
+    overhead at every quantized width), as every per-token and per-channel scheme here is; 16 stores none.
+    """
+    overhead = {w: 8 * price(w) - w for w in _quantized(widths)}
+    values = list(overhead.values())
+    if max(values) - min(values) > 1e-9:
+        raise ValueError(
+            f"policy.budget_unit: bytes needs a byte model with the same overhead at every width; got {overhead}"
+        )
+    full = 8 * price(UNQUANTIZED)
+    if abs(full - UNQUANTIZED) > 1e-9:
+        raise ValueError(f"policy.budget_unit: an unquantized head must cost 16 bits per element; got {full}")
+    return values[0]
+
+
+def _check_affordable(budget: float, n: int, n_sinks: int, low: int, credit: float = 0.0) -> None:
+    needed = UNQUANTIZED * n_sinks + low * (n - n_sinks) - credit * n_sinks
     if needed > budget * n + TOLERANCE:
         raise ValueError(
             f"policy.budget: {budget} bits/head x {n} cached heads = {budget * n:g} bits cannot pay for "
             f"{n_sinks} sink heads at {UNQUANTIZED} bits with the other {n - n_sinks} at the smallest width "
-            f"{low} ({needed} bits, {needed / n:.4g} bits/head)"
+            f"{low} ({needed:g} bits, {needed / n:.4g} bits/head)"
         )
 
 
@@ -318,19 +344,19 @@ def head_errors(sensitivity: pd.DataFrame, shape: tuple[int, int], widths: Seque
     return out
 
 
-def _greedy(errors: torch.Tensor, sizes: torch.Tensor, widths: list[int], target: float) -> torch.Tensor:
+def _greedy(errors: torch.Tensor, sizes: torch.Tensor, costs: list[float], target: float) -> torch.Tensor:
     """int64 [u]: a width index per unit (a head, or a layer's heads sharing one width).
 
-    errors: float64 [u, |W|], a unit's error at each width; sizes: float64 [u], its heads (one step of s bits
-    costs s * size bits). Every unit starts at widths[0]; then, repeatedly, the promotion with the largest
+    errors: float64 [u, |W|], a unit's error at each width; costs: bits per element that each width costs,
+    ascending; sizes: float64 [u], its heads (one step of s bits costs s * size bits). Every unit starts at widths[0]; then, repeatedly, the promotion with the largest
     error reduction per extra bit among those that keep the total within target and do not raise the error
     (ties: lowest unit, then the cheaper promotion). A promotion may skip widths: measured errors need not be
     convex in the width, and a step that gains nothing may open the way to one that gains much.
     """
-    grid = torch.tensor(widths, dtype=torch.float64)  # [|W|]
+    grid = torch.tensor(costs, dtype=torch.float64)  # [|W|]
     index = torch.zeros(len(sizes), dtype=torch.int64)  # [u]
     units = torch.arange(len(sizes))
-    total = widths[0] * sizes.sum().item()
+    total = costs[0] * sizes.sum().item()
     while True:
         cost = (grid[None, :] - grid[index][:, None]) * sizes[:, None]  # [u, |W|] extra bits
         gain = errors[units, index][:, None] - errors  # [u, |W|]
@@ -338,21 +364,27 @@ def _greedy(errors: torch.Tensor, sizes: torch.Tensor, widths: list[int], target
         if not allowed.any():
             return index
         rate = torch.where(allowed, gain / cost.clamp(min=1), -math.inf)
-        unit, width = divmod(int(rate.argmax()), len(widths))
+        unit, width = divmod(int(rate.argmax()), len(costs))
         index[unit] = width
         total += cost[unit, width].item()
 
 
 def _measured_widths(
-    errors: torch.Tensor, layer: torch.Tensor, per_layer: bool, widths: list[int], target: float
+    errors: torch.Tensor,
+    layer: torch.Tensor,
+    per_layer: bool,
+    widths: list[int],
+    costs: list[float],
+    target: float,
 ) -> torch.Tensor:
-    """int64 [m]: widths of m heads (errors float64 [m, |W|], layer int64 [m]) by _greedy within target bits,
-    each head its own unit or (per_layer) one unit per layer on the layer's summed error."""
+    """int64 [m]: widths of m heads (errors float64 [m, |W|], layer int64 [m]) by _greedy within target bits
+    (each width costing `costs` bits per element), each head its own unit or (per_layer) one unit per layer on
+    the layer's summed error."""
     unit = torch.unique(layer, return_inverse=True)[1] if per_layer else torch.arange(len(layer))  # [m]
     n_units = int(unit.max()) + 1 if len(unit) else 0
     unit_errors = torch.zeros(n_units, len(widths), dtype=torch.float64).index_add_(0, unit, errors)
     sizes = torch.bincount(unit, minlength=n_units).double()  # [units]
-    index = _greedy(unit_errors, sizes, widths, target)
+    index = _greedy(unit_errors, sizes, costs, target)
     return torch.tensor(widths, dtype=torch.int64)[index[unit]]
 
 
@@ -379,13 +411,21 @@ def allocate(
     entropy_key: str = "H2",
     aggregate: str = "mean",
     sensitivity: pd.DataFrame | None = None,
+    budget_unit: str = "bits",
+    price: Callable[[int], float] | None = None,
 ) -> Allocation:
     """Bits per (layer, KV head) for `policy` at `budget` bits per cached head (see the module docstring).
 
     The measured policies need `sensitivity`, a harness.sensitivity table measured at every quantized width
-    in `widths`; the entropy table still decides which heads are sinks and which are cached.
+    in `widths`; the entropy table still decides which heads are sinks and which are cached. The config's
+    default unit is bytes (the runner passes the scheme's byte model); here it must be asked for: with
+    `budget_unit="bytes"` and `budget_mode="exact"`, `price(w)` is the scheme's bytes per stored element at
+    width w (harness.capacity.Storage.token_bytes / head_dim) and the budget holds in those bytes.
     """
-    validate(budget, policy, alpha, sink_threshold, sink_fraction, widths, budget_mode)
+    validate(budget, policy, alpha, sink_threshold, sink_fraction, widths, budget_mode, budget_unit)
+    bytes_budget = budget_unit == "bytes" and budget_mode == "exact"
+    if bytes_budget and price is None:
+        raise ValueError("policy.budget_unit: bytes needs the scheme's byte model (price=); or use bits")
     if policy in MEASURED_POLICIES and sensitivity is None:
         raise ValueError(
             f"policy.name: {policy} allocates from measured errors; pass sensitivity= "
@@ -398,6 +438,8 @@ def allocate(
             "budget_mode": budget_mode,
             "entropy_key": entropy_key,
             "aggregate": aggregate,
+            "budget_unit": budget_unit,
+            "price": price,
         }
         return _permute_non_sinks(allocate(entropy, budget, "entropy", alpha, **rules, **options), seed)
     head_entropy = kv_head_entropy(entropy, entropy_key, aggregate)  # [L, Hkv]
@@ -412,9 +454,13 @@ def allocate(
     sinks = _sink_mask(h, sink_threshold, sink_fraction)  # [n]
     n_sinks = int(sinks.sum())
     if budget_mode == "exact":
-        _check_affordable(budget, n, n_sinks, quantized[0])
-        target = budget * n - UNQUANTIZED * n_sinks
+        # bytes: every head's scales cost the same bits per element, except a sink's, which stores none;
+        # the scales the sinks do not store go to the other heads.
+        credit = scale_bits(price, widths) if bytes_budget else 0.0
+        _check_affordable(budget, n, n_sinks, quantized[0], credit)
+        target = budget * n - UNQUANTIZED * n_sinks + credit * n_sinks
     else:
+        credit = 0.0
         target = budget * (n - n_sinks)
     if policy in MEASURED_POLICIES:
         candidates = quantized + ([UNQUANTIZED] if UNQUANTIZED in widths else [])
@@ -422,7 +468,12 @@ def allocate(
         if torch.isnan(errors).any():
             raise ValueError("sensitivity table: lacks measurements for some cached heads")
         layer = cached.nonzero()[:, 0]  # [n]
-        free_bits = _measured_widths(errors[~sinks], layer[~sinks], policy == "layerwise", candidates, target)
+        # Costs in bits per element with the scales: a promotion to 16 also drops the head's scales.
+        costs = [w + credit if w != UNQUANTIZED else float(w) for w in candidates]
+        free_target = target + credit * (n - n_sinks)
+        free_bits = _measured_widths(
+            errors[~sinks], layer[~sinks], policy == "layerwise", candidates, costs, free_target
+        )
         continuous = torch.full((n - n_sinks,), math.nan, dtype=torch.float64)  # no pre-rounding value
     else:
         offset = _slope(policy, alpha) * (h.mean() - h)[~sinks]  # [n - n_sinks], H_avg over all n heads

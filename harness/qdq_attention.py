@@ -62,10 +62,24 @@ def top_k_rows(weights: torch.Tensor, visible: torch.Tensor, factor: int) -> tor
 _ACTIVE: list[QDQSpec] = []
 
 
+def kv_source_layer(module) -> int:
+    """The layer whose K/V `module` attends: its own, or, for a layer that reuses another layer's K/V (Gemma 4's
+    KV sharing), the last earlier layer of its type that stores them (transformers' kv_sharing_modes)."""
+    if not getattr(module, "is_kv_shared_layer", False):
+        return module.layer_idx
+    config = module.config
+    kinds, modes = config.layer_types, config.kv_sharing_modes
+    own = kinds[module.layer_idx]
+    return next(i for i, (kind, mode) in enumerate(zip(kinds, modes)) if kind == own and mode == "store")
+
+
 def _qdq_attention(module, query, key, value, attention_mask, **kwargs):
-    """query (B, Hq, Tq, D), key/value (B, Hkv, Tk, D) -> (output (B, Tq, Hq, D), weights (B, Hq, Tq, Tk))."""
+    """query (B, Hq, Tq, D), key/value (B, Hkv, Tk, D) -> (output (B, Tq, Hq, D), weights (B, Hq, Tq, Tk)).
+
+    A KV-sharing layer receives its source layer's K/V before quantization, and quantizes them at the
+    source layer's widths (its own row of widths is empty: it caches nothing)."""
     spec = _ACTIVE[-1]
-    bits = spec.bits[module.layer_idx, : key.shape[1]].tolist()  # past its Hkv heads a row is padding
+    bits = spec.bits[kv_source_layer(module), : key.shape[1]].tolist()  # past its Hkv heads: padding
     key = qdq_heads(key, bits, spec.group_size, spec.symmetric)
     value = qdq_heads(value, bits, spec.group_size, spec.symmetric)
     eager = sys.modules[type(module).__module__].eager_attention_forward

@@ -31,7 +31,7 @@ from omegaconf import OmegaConf
 
 from harness import results
 from harness.grid import EVICTION_FIELDS, POLICY_FIELDS
-from harness.metrics import corpus_bleu_from_stats, paired_difference_ci
+from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, paired_difference_ci
 
 CLAIM_BUDGET = 4
 CLAIM_ALPHA = 0.25
@@ -50,6 +50,7 @@ HIGHER_IS_BETTER = {"kl_mean": False, "ppl_ratio": False, "bleu": True, "token_m
 DIFF_METRICS = ("bleu", "token_match", "ppl_ratio", "kl_mean")
 WIDTH_LEVELS = (2, 3, 4, 8, 16)
 DEFAULT_N_BOOT = 1000
+EQUAL_BYTES_TOLERANCE = 0.005  # a comparison at "equal memory" holds true bytes per token within 0.5%
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 SVG_SALT = "kvbits"  # fixed ids in SVG output, so a regenerated report is byte-identical
 
@@ -148,12 +149,26 @@ def groups(frame: pd.DataFrame) -> list[tuple[str, str]]:
 # --- tables ---------------------------------------------------------------------------------------------
 
 
-def claim_table(frame: pd.DataFrame, model: str, scheme: str, budget: int = CLAIM_BUDGET) -> pd.DataFrame:
+def text_seeds(frame: pd.DataFrame) -> list:
+    """The distinct text seeds of a run's points ([None] when its records carry none)."""
+    seeds = sorted(set(frame["seed"].dropna()))
+    return seeds or [None]
+
+
+def claim_table(
+    frame: pd.DataFrame, model: str, scheme: str, budget: int = CLAIM_BUDGET, seed: int | None = None
+) -> pd.DataFrame:
     """uniform, entropy, sinks, entropy+sinks at budget (first of each, claim_rank order) and the baseline.
 
-    A category with no ok point gets a row saying why (not in the run, or infeasible with its error).
+    Every row comes from one text seed (`seed`; None: the run's only seed), never a mix. A category with no
+    ok point gets a row saying why (not in the run, or infeasible with its error).
     """
     rows = []
+    if seed is None:
+        if len(text_seeds(frame)) > 1:
+            raise ValueError(f"claim_table: the run has seeds {text_seeds(frame)}; pick one (seed=)")
+    else:
+        frame = frame[frame["seed"] == seed]
     here = frame[(frame["model"] == model) & (frame["scheme"] == scheme) & (frame["budget"] == budget)]
     kinds = np.array([category(r) for r in here.to_dict("records")], dtype=object)
     for kind in CATEGORIES:
@@ -266,9 +281,11 @@ def differences(
     against="uniform": the reference is uniform at the same scheme and storage options (every non-uniform point
     is compared); against="plain": the reference is the plain cache (PLAIN) and every point whose policy or
     storage differs from it is compared, so schemes, fp16 tokens and eviction meet on the same prompts.
-    One row per (point, metric): difference on all items, and the paired percentile bootstrap interval
-    (harness.metrics.paired_difference_ci: both points on the same resampled prompts or sequences, seeded).
+    One row per (point, metric): difference on all items, its n (paired prompts or sequences), and the paired
+    percentile bootstrap interval (harness.metrics.paired_difference_ci: both points on the same resampled
+    prompts or sequences, seeded). Below MIN_PAIRED_UNITS items there is no interval (NaN) and no verdict.
     excludes_zero marks intervals that lie entirely on one side of zero. A point with no partner gets NaN.
+    bytes_ratio is the point's true bytes per token over its reference's: equal memory holds within 0.5%.
     """
     if against == "uniform":
         key_of, is_reference = pairing_key, lambda c: c["policy"] == "uniform"
@@ -296,23 +313,26 @@ def differences(
                 "key": record["key"],
                 "uniform_key": None,
                 "difference": math.nan,
+                "n": 0,
                 "low": math.nan,
                 "high": math.nan,
                 "excludes_zero": False,
+                "bytes_ratio": math.nan,
             }
             if theirs is not None:
                 (stat_a, n_items), (stat_b, _) = mine[metric], theirs[metric]
-                low, high = paired_difference_ci(
-                    stat_a, stat_b, n_items, n_boot=n_boot, seed=seed, level=level
-                )
                 every = np.arange(n_items)
                 row.update(
                     uniform_key=reference["key"],
                     difference=stat_a(every) - stat_b(every),
-                    low=low,
-                    high=high,
-                    excludes_zero=bool(low > 0 or high < 0),
+                    n=n_items,
+                    bytes_ratio=_bytes_ratio(record, reference),
                 )
+                if n_items >= MIN_PAIRED_UNITS:
+                    low, high = paired_difference_ci(
+                        stat_a, stat_b, n_items, n_boot=n_boot, seed=seed, level=level
+                    )
+                    row.update(low=low, high=high, excludes_zero=bool(low > 0 or high < 0))
             rows.append(row)
     columns = [
         "model",
@@ -321,38 +341,61 @@ def differences(
         "configuration",
         "metric",
         "difference",
+        "n",
         "low",
         "high",
         "excludes_zero",
+        "bytes_ratio",
         "key",
         "uniform_key",
     ]
     return pd.DataFrame(rows, columns=columns)
 
 
-def format_difference(difference: float, low: float, high: float, excludes_zero: bool) -> str:
-    """'+0.012 [-0.004, +0.031]', bold when the interval excludes zero; '—' without a uniform partner."""
+def _bytes_ratio(record: dict, reference: dict) -> float:
+    mine, theirs = record["metrics"].get("bytes_per_token"), reference["metrics"].get("bytes_per_token")
+    return mine / theirs if mine and theirs else math.nan
+
+
+def format_difference(difference: float, low: float, high: float, excludes_zero: bool, n: int) -> str:
+    """'+0.012 [-0.004, +0.031] n=32', bold when the interval excludes zero; 'n=8 too small' below
+    MIN_PAIRED_UNITS paired items; '—' without a uniform partner."""
     if math.isnan(difference):
         return "—"
-    text = f"{difference:+.3g} [{low:+.3g}, {high:+.3g}]"
+    if n < MIN_PAIRED_UNITS:
+        return f"{difference:+.3g} (n={n} too small for an interval)"
+    text = f"{difference:+.3g} [{low:+.3g}, {high:+.3g}] n={n}"
     return f"**{text}**" if excludes_zero else text
 
 
 def difference_table(diffs: pd.DataFrame) -> pd.DataFrame:
     """One row per compared point, one formatted column per metric (wide form of differences())."""
     if diffs.empty:
-        return pd.DataFrame(columns=["model", "scheme", "budget", "configuration", *DIFF_METRICS, "key"])
+        return pd.DataFrame(
+            columns=["model", "scheme", "budget", "configuration", "bytes", *DIFF_METRICS, "key"]
+        )
     cells = diffs.assign(
         cell=[
-            format_difference(d, lo, hi, ex)
-            for d, lo, hi, ex in zip(diffs["difference"], diffs["low"], diffs["high"], diffs["excludes_zero"])
-        ]
+            format_difference(d, lo, hi, ex, n)
+            for d, lo, hi, ex, n in zip(
+                diffs["difference"], diffs["low"], diffs["high"], diffs["excludes_zero"], diffs["n"]
+            )
+        ],
+        bytes=[_format_bytes_ratio(r) for r in diffs["bytes_ratio"]],
     )
-    wide = cells.pivot(
-        index=["model", "scheme", "budget", "configuration", "key"], columns="metric", values="cell"
-    )
+    index = ["model", "scheme", "budget", "configuration", "key"]
+    wide = cells.pivot(index=index, columns="metric", values="cell")
+    wide = wide.join(cells.groupby(index)["bytes"].first())
     wide = wide.reset_index().sort_values(["model", "scheme", "budget", "configuration", "key"])
-    return wide[["model", "scheme", "budget", "configuration", *DIFF_METRICS, "key"]]
+    return wide[["model", "scheme", "budget", "configuration", "bytes", *DIFF_METRICS, "key"]]
+
+
+def _format_bytes_ratio(ratio: float) -> str:
+    """The point's bytes over its reference's, flagged where equal memory does not hold (beyond 0.5%)."""
+    if math.isnan(ratio):
+        return "—"
+    text = f"{ratio:.4f}"
+    return text if abs(ratio - 1) <= EQUAL_BYTES_TOLERANCE else f"{text} (unequal bytes)"
 
 
 # --- markdown -------------------------------------------------------------------------------------------
@@ -406,18 +449,23 @@ def tables_markdown(
         f"\n# {run_dir.name}: {len(frame)} points "
         f"({(frame['status'] == 'ok').sum()} ok, {(frame['status'] == 'infeasible').sum()} infeasible)",
     ]
+    seeds = text_seeds(frame)
     for model, scheme in groups(frame):
-        parts += [
-            f"\n## {model} / {scheme}: claim table at budget {CLAIM_BUDGET}\n",
-            markdown_table(claim_table(frame, model, scheme)),
-        ]
+        for seed in seeds:
+            at_seed = f", text seed {seed}" if len(seeds) > 1 else ""
+            parts += [
+                f"\n## {model} / {scheme}: claim table at budget {CLAIM_BUDGET}{at_seed}\n",
+                markdown_table(claim_table(frame, model, scheme, seed=seed)),
+            ]
     parts += ["\n## Full grid (ok points)\n", markdown_table(grid_table(frame))]
     bad = infeasible_table(frame)
     if len(bad):
         parts += ["\n## Infeasible points\n", markdown_table(bad)]
     interval = (
-        f"Point estimate [paired percentile bootstrap 95% interval], {n_boot} resamples of prompts (bleu, "
-        f"token_match) or sequences (ppl_ratio, kl_mean), seed {seed}. Bold: the interval excludes zero.\n"
+        f"Point estimate [paired percentile bootstrap 95% interval] n = paired items, {n_boot} resamples of "
+        f"prompts (bleu, token_match) or sequences (ppl_ratio, kl_mean), seed {seed}; no interval below "
+        f"n = {MIN_PAIRED_UNITS}. Bold: the interval excludes zero. bytes: true bytes per token over the "
+        f"reference's (equal memory within {EQUAL_BYTES_TOLERANCE:.1%}).\n"
     )
     parts += [
         "\n## Differences to uniform at the same model, scheme and budget\n\n" + interval,

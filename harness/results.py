@@ -65,7 +65,8 @@ def load_records(run_dir: str | Path) -> list[dict]:
 
 
 def flatten(record: dict) -> dict:
-    """One table row of a point record: key, status, error, its configuration beside its metrics.
+    """One table row of a point record: key, status, error, its configuration, what it resolved to when it ran
+    (`resolved`, e.g. bos_used) and its metrics.
 
     List-valued configuration (widths) is stored as its JSON text, as in the runner's results.parquet, so the
     column has one type.
@@ -76,6 +77,7 @@ def flatten(record: dict) -> dict:
         "status": record["status"],
         "error": record.get("error"),
         **config,
+        **record.get("resolved", {}),
         **record.get("metrics", {}),
     }
 

@@ -22,6 +22,7 @@ from tqdm import tqdm
 from harness import data, evaluate, metrics, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
+from harness.capacity import ModelShape, Storage, element_price, shape_from_config
 from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.fused_attention import use_fused_attention
 from harness.grid import NO_EVICTION, point_key
@@ -60,6 +61,8 @@ class ModelContext:
     measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
     calib_ids: torch.Tensor | None = None  # (C, Tc) calibration tokens, for the measured policies
     sensitivity: dict = field(default_factory=dict)  # (scheme, widths) -> harness.sensitivity table, lazily
+    shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
+    bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
 
 
 def context_key(point: dict) -> tuple:
@@ -74,6 +77,7 @@ def context_key(point: dict) -> tuple:
         "num_sequences",
         "sequence_tokens",
         "chunk",
+        "bos",
         "calibration_sequences",
         "calibration_tokens",
         "i0",
@@ -96,18 +100,25 @@ def build_context(
     limit = model_spec(point["model"]).get("context_limit", 2048)
     if point["prompt_tokens"] + point["new_tokens"] > limit or point["sequence_tokens"] > limit:
         raise ValueError(f"eval: contexts exceed {point['model']}'s context limit of {limit} tokens")
+    bos = data.uses_bos(tokenizer, point["bos"])
     calib_ids = data.token_windows(
         tokenizer,
         text.calibration,
         point["calibration_sequences"],
         point["calibration_tokens"],
         point["seed"],
+        bos=bos,
     )
     prompts = data.token_windows(
-        tokenizer, text.evaluation, point["num_prompts"], point["prompt_tokens"], point["seed"]
+        tokenizer, text.evaluation, point["num_prompts"], point["prompt_tokens"], point["seed"], bos=bos
     )
     sequences = data.token_windows(
-        tokenizer, text.evaluation, point["num_sequences"], point["sequence_tokens"], point["seed"] + 1
+        tokenizer,
+        text.evaluation,
+        point["num_sequences"],
+        point["sequence_tokens"],
+        point["seed"] + 1,
+        bos=bos,
     )
 
     t = time.perf_counter()
@@ -141,6 +152,8 @@ def build_context(
         simulate,
         timings,
         calib_ids=calib_ids,
+        shape=shape_from_config(model.config, point["model"]),
+        bos=bos,
     )
 
 
@@ -150,10 +163,10 @@ def allocation(ctx: ModelContext, point: dict):
     The measured policies' table is measured once per model, scheme (with its options) and widths.
     """
     table = None
+    scheme = get_scheme(
+        point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
+    )
     if point["policy"] in MEASURED_POLICIES:
-        scheme = get_scheme(
-            point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
-        )
         key = (scheme, tuple(point["widths"]))
         if key not in ctx.sensitivity:
             ctx.sensitivity[key] = cached_sensitivity(ctx.model, ctx.name, ctx.calib_ids, *key)
@@ -170,6 +183,8 @@ def allocation(ctx: ModelContext, point: dict):
         seed=point.get("policy_seed", 0),
         entropy_key=point["entropy_key"],
         sensitivity=table,
+        budget_unit=point["budget_unit"],
+        price=element_price(ctx.shape, Storage(scheme.name, scheme.group_size)),
     )
 
 
@@ -279,6 +294,11 @@ def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
     }
 
 
+def resolved(ctx: ModelContext) -> dict:
+    """What a point's configuration resolved to when it ran (rules that depend on the model): its row records it."""
+    return {"bos_used": ctx.bos}
+
+
 def baseline_record(ctx: ModelContext) -> dict:
     """The unquantized-cache reference row of a model: its perplexity, every comparison at identity."""
     ppl = float(torch.exp(ctx.base_tf.nll.double().mean()))
@@ -352,6 +372,7 @@ def run(
                         "key": point_key(base_point),
                         "status": "ok",
                         "config": base_point,
+                        "resolved": resolved(ctx),
                         "metrics": baseline_record(ctx),
                         "tokens": ctx.base_tokens.tolist(),
                     },
@@ -374,7 +395,8 @@ def run(
                 **({"same_measurement_as": first_key} if first_key != key else {}),
             }
         timings["points"][key] = time.perf_counter() - t
-        write_json_atomic(run_dir / "points" / f"{key}.json", {"key": key, "config": point, **result})
+        record = {"key": key, "config": point, "resolved": resolved(ctx), **result}
+        write_json_atomic(run_dir / "points" / f"{key}.json", record)
         write_json_atomic(timings_path, timings)
         results.write_parquet(run_dir)
         if on_point is not None:

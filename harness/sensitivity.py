@@ -298,15 +298,22 @@ def _run_check(args, point: dict, scheme: Scheme, command: str) -> None:
 
     model, tokenizer = load_model(point["model"])
     text = data.split(point["data_path"])
+    bos = data.uses_bos(tokenizer, point["bos"])
     calibration = data.token_windows(
         tokenizer,
         text.calibration,
         point["calibration_sequences"],
         point["calibration_tokens"],
         point["seed"],
+        bos=bos,
     )
     sequences = data.token_windows(
-        tokenizer, text.evaluation, point["num_sequences"], point["sequence_tokens"], point["seed"] + 1
+        tokenizer,
+        text.evaluation,
+        point["num_sequences"],
+        point["sequence_tokens"],
+        point["seed"] + 1,
+        bos=bos,
     )
     widths = sorted(set(_quantized_widths(point["widths"])) | {args.width})
     table = cached_sensitivity(model, point["model"], calibration, scheme, widths)

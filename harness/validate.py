@@ -6,6 +6,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from harness.data import BOS_RULES
 from harness.grid import expand
 from harness.models import model_spec, unknown_name_message
 
@@ -60,6 +61,7 @@ def _check_point(point: dict, backend: str = "auto") -> None:
             point["sink_fraction"],
             point["widths"],
             point["budget_mode"],
+            point["budget_unit"],
         )
         for name in POSITIVE_INTS:
             value = point[name]
@@ -72,6 +74,8 @@ def _check_point(point: dict, backend: str = "auto") -> None:
             raise ValueError(
                 f"quant.prefill: unknown {point['prefill']!r}; allowed: {', '.join(PREFILL_MODES)}"
             )
+        if point["bos"] not in BOS_RULES:
+            raise ValueError(f"eval.bos: unknown {point['bos']!r}; allowed: {', '.join(BOS_RULES)}")
         if point["entropy_key"] not in ("H2", "H1"):
             raise ValueError(f"policy.entropy_key: unknown {point['entropy_key']!r}; allowed: H1, H2")
         if not isinstance(point["seed"], int):

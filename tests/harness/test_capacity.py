@@ -148,9 +148,15 @@ def test_gemma4_31b_by_hand():
     assert capacity.cache_bytes(literal, tokens, 16).true_bytes == 80 * GIB
 
 
+def test_kivi_keys_cost_what_per_token_groups_cost_over_a_whole_key_group():
+    # per channel, one fp16 scale and zero per 32 tokens: 64 channels * 4 bytes / 32 tokens = 8 bytes per token
+    kivi, asym = capacity.Storage("kivi", 32), capacity.Storage("asym_token", 32)
+    assert kivi.token_bytes(4, 64) == asym.token_bytes(4, 64) == 32 + 8
+
+
 def test_bad_input_names_the_key():
     with pytest.raises(ValueError, match="quant.scheme"):
-        capacity.Storage("kivi")
+        capacity.Storage("kivi2")
     with pytest.raises(ValueError, match="quant.group_size"):
         capacity.cache_bytes(capacity.explicit_shape(full=(1, 1, 48)), 10, 4)
     with pytest.raises(ValueError, match="bits: layer 0"):

@@ -13,6 +13,7 @@ import nbformat
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.stats
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 from sacrebleu.metrics import BLEU
@@ -104,7 +105,7 @@ def test_tables_md_has_the_command_claim_rows_and_intervals(reported):
     for row in ("uniform", "entropy", "sinks", "entropy+sinks", "baseline"):
         assert re.search(rf"^\| {re.escape(row)} \|", claim, re.M), row
     diffs = text.split("## Differences to uniform")[1]
-    interval = r"[+-][\d.e+-]+ \[[+-][\d.e+-]+, [+-][\d.e+-]+\]"
+    interval = r"[+-][\d.e+-]+ \[[+-][\d.e+-]+, [+-][\d.e+-]+\] n=16"
     assert (
         len(re.findall(interval, diffs)) == 3 * 4
     )  # entropy at budgets 2 and 4, entropy+sinks at 4; four metrics
@@ -113,10 +114,12 @@ def test_tables_md_has_the_command_claim_rows_and_intervals(reported):
 
 
 def bootstrap_interval(diff_of, n_items: int, n_boot: int, seed: int = 0) -> tuple[float, float]:
-    """The percentile interval of diff_of(idx) over seeded resamples, written out here from numpy alone."""
+    """The expanded percentile interval of diff_of(idx) over seeded resamples, written out here from numpy
+    and scipy: the percentile interval at level 1 - 2 Phi(-sqrt(n / (n - 1)) t_{n-1, 0.975})."""
     idx = np.random.default_rng(seed).integers(0, n_items, size=(n_boot, n_items))
     values = np.array([diff_of(i) for i in idx])
-    return tuple(np.quantile(values, [0.025, 0.975]))
+    tail = scipy.stats.norm.cdf(-math.sqrt(n_items / (n_items - 1)) * scipy.stats.t.ppf(0.975, n_items - 1))
+    return tuple(np.quantile(values, [tail, 1 - tail]))
 
 
 def corpus_bleu(stats: np.ndarray) -> float:
@@ -152,7 +155,17 @@ def test_a_difference_recomputed_from_the_json_items(run, tmp_path):
     )
     cells = dict(
         zip(
-            ["model", "scheme", "budget", "configuration", "bleu", "token_match", "ppl_ratio", "kl_mean"],
+            [
+                "model",
+                "scheme",
+                "budget",
+                "configuration",
+                "bytes",
+                "bleu",
+                "token_match",
+                "ppl_ratio",
+                "kl_mean",
+            ],
             [c.strip() for c in row.strip("|").split("|")],
         )
     )
@@ -179,6 +192,7 @@ def test_a_difference_recomputed_from_the_json_items(run, tmp_path):
     for metric, (diff_of, n) in expected.items():
         value = diff_of(np.arange(n))
         low, high = bootstrap_interval(diff_of, n, N_BOOT)
+        assert cells[metric].endswith(f"n={n}") or cells[metric].endswith(f"n={n}**"), cells[metric]
         got = [float(x) for x in re.findall(r"[+-][\d.]+(?:e[+-]\d+)?", cells[metric])]
         assert got == pytest.approx([value, low, high], rel=6e-3, abs=1e-12), metric
         assert cells[metric].startswith("**") == bool(low > 0 or high < 0), metric
