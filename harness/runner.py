@@ -92,9 +92,8 @@ def build_context(
     t = time.perf_counter()
     model, tokenizer = load_model(point["model"], device=device)
     timings["load_s"] = time.perf_counter() - t
-    use_fused_attention(
-        model
-    )  # quantized caches are attended from their packed form (SDPA for everything else)
+    # quantized caches are attended from their packed form (SDPA for everything else)
+    use_fused_attention(model)
 
     text = data.split(point["data_path"])
     limit = model_spec(point["model"]).get("context_limit", 2048)
