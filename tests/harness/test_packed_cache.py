@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaConfig
 
 from harness import evaluate, metrics
 from harness.cache import QuantizedKVCache, decode_step, resident_bytes
@@ -53,24 +53,27 @@ def filled_cache(config, scheme: str, width: int, simulate: bool) -> QuantizedKV
     return cache
 
 
-@pytest.fixture(scope="module")
-def llama():
-    model, _ = load_model("tiny-llama")
-    use_fused_attention(model)
-    return model
+ONE_LAYER = LlamaConfig(  # one full-attention layer with GQA, tiny-llama's head shapes
+    vocab_size=256,
+    hidden_size=96,
+    num_hidden_layers=1,
+    num_attention_heads=6,
+    num_key_value_heads=3,
+    head_dim=32,
+)
 
 
 @pytest.mark.parametrize("scheme, width", CASES, ids=[f"{s}-{w}" for s, w in CASES])
-def test_resident_bytes_are_the_formats_bytes(llama, scheme, width):
-    cache = filled_cache(llama.config, scheme, width, simulate=False)
+def test_resident_bytes_are_the_formats_bytes(scheme, width):
+    cache = filled_cache(ONE_LAYER, scheme, width, simulate=False)
     stored, resident = cache.nbytes(), cache.resident_bytes()
     assert 0 < stored <= resident <= 1.3 * stored, (scheme, width, resident / stored)
 
 
-def test_the_simulated_working_copy_is_counted(llama):
+def test_the_simulated_working_copy_is_counted():
     """Same tokens, same stored form: the full-precision copy of simulate=True shows in resident bytes only."""
-    packed = filled_cache(llama.config, "asym_token", 4, simulate=False)
-    simulated = filled_cache(llama.config, "asym_token", 4, simulate=True)
+    packed = filled_cache(ONE_LAYER, "asym_token", 4, simulate=False)
+    simulated = filled_cache(ONE_LAYER, "asym_token", 4, simulate=True)
     assert packed.nbytes() == simulated.nbytes()
     assert (
         simulated.resident_bytes() > packed.resident_bytes() + packed.nbytes_fp16()
