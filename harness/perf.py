@@ -75,6 +75,8 @@ def caches(model, prefilled: DynamicCache, context: int, bits: int, args) -> dic
             args.steps,
         )
     for backend, package in QUANTIZED_BACKENDS.items():
+        if backend in args.without:
+            continue
         if importlib.util.find_spec(package.split(".")[0]) is None:
             print(f"QuantizedCache {backend}: {package} is not installed, skipped")
             continue
@@ -103,6 +105,13 @@ def parser() -> argparse.ArgumentParser:
         help="transformers' QuantizedCache is slow on CPU: fewer steps",
     )
     p.add_argument("--warmup", type=int, default=2)
+    p.add_argument(
+        "--without",
+        nargs="*",
+        default=[],
+        choices=list(QUANTIZED_BACKENDS),
+        help="QuantizedCache backends to skip",
+    )
     p.add_argument("--out", default="results/perf/decode_step.csv")
     return p
 
