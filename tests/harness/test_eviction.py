@@ -119,10 +119,11 @@ def test_h2o_scores_equal_eager_attention_column_sums(llama):
     ids = torch.randint(0, 256, (2, 19))
     spec = EvictionSpec("h2o", keep=1.0, sink_tokens=1)  # scores every step, evicts nothing
     cache = with_eviction(QuantizedKVCache(llama.config, 16, prefill="exact"), spec)
+    before = llama.config._attn_implementation
     with attention_for(llama, spec):
         forward(llama, ids[:, :11], 0, cache)
         forward(llama, ids[:, 11:], 11, cache)  # scores accumulate over both chunks
-    assert llama.config._attn_implementation == "sdpa"  # restored
+    assert llama.config._attn_implementation == before  # restored
     llama.set_attn_implementation("eager")
     try:
         attentions = llama(input_ids=ids, output_attentions=True).attentions  # per layer (B, Hq, T, T)
