@@ -128,7 +128,7 @@ def test_h2o_scores_equal_eager_attention_column_sums(llama):
     try:
         attentions = llama(input_ids=ids, output_attentions=True).attentions  # per layer (B, Hq, T, T)
     finally:
-        llama.set_attn_implementation("sdpa")
+        llama.set_attn_implementation(before)
     for layer, probs in zip(cache.layers, attentions):
         want = probs.sum(dim=(1, 2))  # (B, T): summed over query heads and query positions
         torch.testing.assert_close(layer.scores, want, rtol=1e-5, atol=1e-5)
