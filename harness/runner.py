@@ -314,6 +314,7 @@ def baseline_record(ctx: ModelContext) -> dict:
         "compression_nominal": 1.0,
         "compression_true": 1.0,
         "tokens_kept_fraction": 1.0,
+        "simulate": False,  # a DynamicCache: no working copy beside a stored form
     }
 
 
