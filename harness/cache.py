@@ -12,11 +12,17 @@ calls. Per decoder layer it holds:
   `DummyLayer`, which stores nothing.
 Widths: `bits` is [num_layers, max KV heads of a layer] (`kv_heads`); a layer with fewer KV heads (Gemma 4's
 global layers) uses the first entries of its row, the rest is padding that is never stored.
-Reads go through the quantized form: `update` returns the dequantized values of everything stored, the new
-tokens included (quantize-on-write), except with `prefill="exact"`, where the first call (the prompt) attends
-its own full-precision K/V, as a prefill computed once in full precision and then stored quantized would.
+Reads go through the quantized form: every query attends the stored (quantized) K/V, the new tokens included
+(quantize-on-write), except with `prefill="exact"`, where the first call (the prompt) attends its own
+full-precision K/V, as a prefill computed once in full precision and then stored quantized would.
 Backends (`backend=`, resolved per layer from the device of its first K/V):
-- `torch`: the reference path (kernels.layout's torch quantizer; the store keeps a dequantized copy);
+- `torch`: kernels.layout's torch quantizer writes; by default (`simulate=False`) the stores hold only the
+  stored form and `update` returns the new K/V as placeholders, the key tagged with a `PackedStep` holding the
+  layer's stores, which harness/fused_attention.py's attention hands to kernels/packed_attention.py (decode
+  steps and prefill chunks alike, blockwise, nothing of the context dequantized into memory). With
+  `simulate=True` (quant.simulate: fast quality sweeps) each store also keeps a full-precision working copy and
+  `update` returns the dequantized K/V for the model's own attention: the same metrics within float summation
+  order, at the memory of an unquantized cache;
 - `triton`: new tokens are written by kernels.quantize.quantize_into (no dequantized copy is kept). A prefill
   (more than one new token) dequantizes the store once and attends through SDPA as above; a decode step (one
   new token) dequantizes nothing: `update` returns the new K/V as placeholders, the key tagged with a
@@ -26,9 +32,15 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
 schemes auto is torch and an explicit triton is a ValueError (harness.quant.check_backend).
+The model must attend through harness.fused_attention's implementation (`use_fused_attention(model)`) for the
+placeholders of both backends; a step left unattended makes the layer's next update raise.
 Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads, sink and residual tokens at
 2 bytes per element);
-`nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens.
+`nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens;
+`resident_bytes()` is measured: the storage of every tensor the cache keeps (capacity slack and a simulate
+working copy included, shared storage counted once).
+A sliding layer evicts the tokens that left its window at the start of its next update (the attention of the
+current step still reads them); the byte counts apply that pending eviction first.
 """
 
 from __future__ import annotations
@@ -50,6 +62,7 @@ from transformers.configuration_utils import get_head_shapes
 from harness.quant import Scheme, check_backend, get_scheme
 from harness.stores import SinkStore
 from kernels.layout import FULL_WIDTH, PackedStore
+from kernels.packed_attention import packed_attention
 
 PREFILL_MODES = ("exact", "quantized")
 BACKENDS = ("auto", "torch", "triton")
@@ -115,9 +128,79 @@ class DecodeStep:
         return self.stores
 
 
-def decode_step(key: torch.Tensor) -> DecodeStep | None:
-    """The DecodeStep a triton-backend update tagged its placeholder key with, or None for real keys."""
+class PackedStep:
+    """One update of a layer on the packed torch path: its (keys, values) stores, the new tokens included.
+
+    `attend` may be called by every layer that reads this layer's K/V (KV sharing); the stores stay valid until
+    the layer's next update.
+    """
+
+    def __init__(self, k_store, v_store):
+        self.stores = (k_store, v_store)
+        self.attended = False
+
+    def attend(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """query (B, Hq, Tq, D) of the last Tq stored tokens -> attention output (B, Tq, Hq, D) in query's dtype.
+
+        attention_mask: the model's mask over the stored tokens (B or 1, 1, Tq, length), bool or additive, or
+        None (causal).
+        """
+        k_store, v_store = self.stores
+        if attention_mask is not None and attention_mask.shape[-1] != k_store.length:
+            raise ValueError(
+                f"attention mask covers {attention_mask.shape[-1]} keys, the layer holds {k_store.length}"
+            )
+        if attention_mask is not None and attention_mask.dtype != torch.bool:
+            attention_mask = attention_mask.float()
+        self.attended = True
+        out = packed_attention(query, k_store, v_store, scaling, mask=attention_mask, softcap=softcap)
+        return out.to(query.dtype).transpose(1, 2).contiguous()
+
+
+def decode_step(key: torch.Tensor) -> DecodeStep | PackedStep | None:
+    """The step (DecodeStep: triton backend; PackedStep: packed torch path) an update tagged its placeholder key
+    with, or None for real keys."""
     return getattr(key, DECODE_STEP_ATTR, None)
+
+
+def _tensors(obj, seen: set[int], out: list[torch.Tensor]) -> None:
+    """Every plain tensor reachable from obj through attributes, dicts, lists and tuples (each object once);
+    a tensor subclass that wraps others (quantized tensors of other libraries) is opened into its parts."""
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and hasattr(obj, "__tensor_flatten__"):
+            for name in obj.__tensor_flatten__()[0]:
+                _tensors(getattr(obj, name), seen, out)
+        else:
+            out.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _tensors(value, seen, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _tensors(value, seen, out)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        for value in vars(obj).values():
+            _tensors(value, seen, out)
+
+
+def resident_bytes(objects) -> int:
+    """Bytes of the storage behind every tensor reachable from `objects`, each storage counted once."""
+    tensors: list[torch.Tensor] = []
+    _tensors(objects, set(), tensors)
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[(storage.data_ptr(), t.device)] = storage.nbytes()
+    return sum(storages.values())
 
 
 def _quantize_append(store: PackedStore, x: torch.Tensor) -> None:
@@ -136,49 +219,64 @@ class QuantizedLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, bits: list[int], scheme: Scheme, prefill: str = "exact", backend: str = "torch"):
+    def __init__(
+        self,
+        bits: list[int],
+        scheme: Scheme,
+        prefill: str = "exact",
+        backend: str = "torch",
+        simulate: bool = False,
+    ):
         super().__init__()
         self.bits, self.scheme, self.prefill, self.backend = [int(b) for b in bits], scheme, prefill, backend
+        self.simulate = simulate
         self.k_store = self.v_store = None
         self.fused = False  # resolved at lazy initialization: the Triton kernels write and attend this layer
-        self._step: DecodeStep | None = None  # the last fused decode step, checked at the next update
+        self._step: DecodeStep | PackedStep | None = (
+            None  # the last placeholder step, checked at the next update
+        )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # (B, Hkv, T, D)
         assert H == len(self.bits), f"layer has {H} KV heads but {len(self.bits)} widths were given"
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.k_store = self.scheme.new_store(self.bits, D, B, key_states.dtype, key_states.device, role="key")
-        self.v_store = self.scheme.new_store(
-            self.bits, value_states.shape[-1], B, value_states.dtype, key_states.device, role="value"
-        )
         backend = resolve_backend(
             self.backend, key_states.device, self.bits, D, value_states.shape[-1], self.scheme.group_size
         )
         self.fused = backend == "triton"
+        simulate = self.simulate and not self.fused
+        self.k_store = self.scheme.new_store(
+            self.bits, D, B, key_states.dtype, key_states.device, role="key", simulate=simulate
+        )
+        self.v_store = self.scheme.new_store(
+            self.bits, value_states.shape[-1], B, value_states.dtype, key_states.device, "value", simulate
+        )
         self.is_initialized = True
 
     def append(
         self, key_states: torch.Tensor, value_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Store new tokens (B, Hkv, Tn, D) each; torch backend: return (keys, values) of all stored tokens,
-        dequantized, (B, Hkv, length, D) each; triton backend: None."""
+        """Store new tokens (B, Hkv, Tn, D) each; simulate (torch backend): return (keys, values) of all stored
+        tokens, dequantized, (B, Hkv, length, D) each; otherwise None."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if not self.fused:
-            return self.k_store.append(key_states), self.v_store.append(value_states)
+            keys, values = self.k_store.append(key_states), self.v_store.append(value_states)
+            return (keys, values) if self.simulate else None
         _quantize_append(self.k_store, key_states)
         _quantize_append(self.v_store, value_states)
         return None
 
     def _store(self, key_states, value_states):
-        """Append new tokens; return (keys, values) to attend: (B, Hkv, T_visible, D) each.
+        """Append new tokens; return (keys, values) to attend: (B, Hkv, T_visible, D) each, or placeholders.
 
-        On a fused decode step (triton backend, one new token, not an exact prefill) return the new tokens
-        themselves (B, Hkv, 1, D) as placeholders, the key tagged with the step's DecodeStep.
+        Placeholders are the new tokens themselves (B, Hkv, Tn, D), the key tagged with a step: a DecodeStep on a
+        fused decode step (triton backend, one new token), a PackedStep on the packed torch path (any Tn); not
+        on an exact prefill's first call, which attends its own full-precision K/V.
         """
         if self._step is not None and not self._step.attended:
             raise RuntimeError(
-                "quant.backend=triton: the last decode step's attention did not read the packed cache; "
+                "the last update's attention did not read the packed cache; "
                 "switch the model with harness.fused_attention.use_fused_attention(model)"
             )
         self._step = None
@@ -188,9 +286,12 @@ class QuantizedLayer(CacheLayerMixin):
             return key_states, value_states
         if stored is not None:
             return stored
-        if key_states.shape[-2] > 1:
+        if not self.fused:
+            self._step = PackedStep(self.k_store, self.v_store)
+        elif key_states.shape[-2] > 1:
             return self.k_store.dequantize(), self.v_store.dequantize()
-        self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store))
+        else:
+            self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store))
         setattr(key_states, DECODE_STEP_ATTR, self._step)
         return key_states, value_states
 
@@ -230,17 +331,30 @@ class QuantizedSlidingLayer(QuantizedLayer):
         sliding_window: int,
         prefill: str = "exact",
         backend: str = "torch",
+        simulate: bool = False,
     ):
-        super().__init__(bits, scheme, prefill, backend)
+        super().__init__(bits, scheme, prefill, backend, simulate)
         self.sliding_window = sliding_window
         self.cumulative_length = 0
 
+    def evict(self) -> None:
+        """Drop the tokens the last update moved out of the window (kept until now: that update attended them)."""
+        if self.k_store is not None:
+            self.k_store.keep_last(self.sliding_window - 1)
+            self.v_store.keep_last(self.sliding_window - 1)
+
     def update(self, key_states, value_states, *args, **kwargs):
+        self.evict()
         self.cumulative_length += key_states.shape[-2]
-        keys, values = self._store(key_states, value_states)
-        self.k_store.keep_last(self.sliding_window - 1)
-        self.v_store.keep_last(self.sliding_window - 1)
-        return keys, values
+        return self._store(key_states, value_states)
+
+    def nbytes(self) -> int:
+        self.evict()
+        return super().nbytes()
+
+    def nbytes_fp16(self) -> int:
+        self.evict()
+        return super().nbytes_fp16()
 
     def get_seq_length(self) -> int:
         return self.cumulative_length
@@ -263,7 +377,8 @@ class QuantizedKVCache(Cache):
     layers with fewer KV heads padded; or one int for all).
 
     `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens` and
-    `residual` (None: the scheme's default) are harness.quant.Scheme's.
+    `residual` (None: the scheme's default) are harness.quant.Scheme's. `simulate`: keep a full-precision
+    working copy for the model's own attention (torch backend; see the module docstring).
     """
 
     def __init__(
@@ -276,6 +391,7 @@ class QuantizedKVCache(Cache):
         backend: str = "torch",
         sink_tokens: int = 0,
         residual: int | None = None,
+        simulate: bool = False,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -293,6 +409,9 @@ class QuantizedKVCache(Cache):
             )
         self.scheme = get_scheme(scheme, group_size, sink_tokens, residual)
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
+        if not isinstance(simulate, bool):
+            raise ValueError(f"quant.simulate: {simulate!r} is not allowed; allowed: true, false")
+        self.simulate = simulate
         self.bits = bits.clone()
         layers = [
             self._layer(t, kw, bits[i, : heads[i]].tolist()) for i, (t, kw) in enumerate(zip(types, kwargs))
@@ -304,10 +423,10 @@ class QuantizedKVCache(Cache):
 
     def _layer(self, layer_type: str, kwargs: dict, bits: list[int]):
         if layer_type == "full_attention":
-            return QuantizedLayer(bits, self.scheme, self.prefill, self.backend)
+            return QuantizedLayer(bits, self.scheme, self.prefill, self.backend, self.simulate)
         if layer_type in ("sliding_attention", "chunked_attention"):
             return QuantizedSlidingLayer(
-                bits, self.scheme, kwargs["sliding_window"], self.prefill, self.backend
+                bits, self.scheme, kwargs["sliding_window"], self.prefill, self.backend, self.simulate
             )
         if layer_type in ("linear_attention", "conv", "dummy"):
             return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
@@ -347,6 +466,14 @@ class QuantizedKVCache(Cache):
     def nbytes_fp16(self) -> int:
         """Bytes an fp16 DynamicCache would hold for the same tokens (sliding layers at their window)."""
         return sum(layer.nbytes_fp16() for layer in self.quantized_layers())
+
+    def resident_bytes(self) -> int:
+        """Measured bytes the cache keeps: the storage of every tensor of every layer (K/V stores with their
+        capacity slack and any simulate working copy, linear-attention state), each storage counted once."""
+        for layer in self.quantized_layers():
+            if isinstance(layer, QuantizedSlidingLayer):
+                layer.evict()
+        return resident_bytes(self.layers)
 
     def linear_state_nbytes(self) -> int:
         """Bytes of linear-attention (conv and recurrent) state, kept unquantized and reported apart."""

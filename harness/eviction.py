@@ -17,7 +17,8 @@ bytes reported (`nbytes`) are those held once that pending eviction is applied, 
 token seen, so the runner's compression_true is quantization times eviction, in bytes actually held.
 Kept tokens keep their positions (keys are stored after RoPE) and the attention mask shows every kept token to
 every new query; every full-attention layer holds the same count, so the one mask transformers builds for them
-all fits each. h2o layers run the torch path (the fused decode kernel returns no probabilities).
+all fits each. h2o layers run the torch path with quant.simulate's full-precision working copy (the packed
+attentions return no probabilities), so their resident bytes are those of an unquantized cache.
 Sliding-window layers cap themselves and are left alone, as are linear-attention layers.
 """
 
@@ -128,8 +129,8 @@ class EvictingLayer(QuantizedLayer):
                 "eviction=h2o needs the attention every stored token received: build the cache empty and "
                 "prefill through it (not QuantizedKVCache.from_prefilled)"
             )
-        if spec.needs_scores:
-            evicting.backend = "torch"  # the scores need probabilities: the fused decode kernel returns none
+        if spec.needs_scores:  # the scores need probabilities: the packed attentions return none
+            evicting.backend, evicting.simulate = "torch", True
         batch = 1 if layer.k_store is None else layer.k_store.batch
         evicting.seen = held
         evicting.positions = torch.arange(held).expand(batch, held)

@@ -1,5 +1,8 @@
 """The attention implementation that reads the packed KV cache directly on decode steps ("kv_packed_sdpa").
 
+A key tagged with a harness.cache.PackedStep (the packed torch path, any number of queries) is attended by
+kernels/packed_attention.py through the step; what follows is the triton backend's fused decode.
+
 This module owns the glue between transformers' attention interface and kernels/decode_attention.py. With a
 harness.cache.QuantizedKVCache on the triton backend, a decode step's `update` returns the new K/V as
 placeholders, the key tagged with a DecodeStep holding that layer's (keys, values) stores (the layer is
@@ -20,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from harness.cache import decode_step
+from harness.cache import PackedStep, decode_step
 from kernels.decode_attention import decode_attention
 
 NAME = "kv_packed_sdpa"
@@ -39,6 +42,9 @@ def kv_packed_attention(
     step = decode_step(key)
     if step is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    if isinstance(step, PackedStep):  # the packed torch path: any number of queries, read blockwise
+        sm_scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return step.attend(query, attention_mask, sm_scale, kwargs.get("softcap")), None
     if kwargs.get("softcap") is not None:
         raise ValueError(
             "kv_packed_sdpa: the fused decode kernel does not support attention logit softcapping"

@@ -313,6 +313,7 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     from transformers import DynamicCache
 
     from harness.cache import QuantizedKVCache
+    from harness.fused_attention import use_fused_attention
     from harness.io import write_json_atomic
     from harness.models import load_model
 
@@ -322,6 +323,7 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     if not todo:
         return 0
     model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
+    use_fused_attention(model)  # the quantized caches are attended from their packed form
     s = job.settings
     builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
     price = element_price(shape_from_config(model.config, job.model), Storage(s.scheme, s.group_size))

@@ -97,9 +97,20 @@ class Scheme:
             )
 
     def new_store(
-        self, bits: list[int], head_dim: int, batch: int, dtype: torch.dtype, device, role: str = "value"
+        self,
+        bits: list[int],
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device,
+        role: str = "value",
+        simulate: bool = False,
     ):
-        """The store of one layer's keys or values (`role`): PackedStore or a harness.stores store."""
+        """The store of one layer's keys or values (`role`): PackedStore or a harness.stores store.
+
+        `simulate`: the store also keeps a full-precision working copy and append returns it (quant.simulate);
+        otherwise it holds only the stored form and attention reads that (kernels/packed_attention.py).
+        """
         if role not in ROLES:
             raise ValueError(f"role: unknown {role!r}; allowed: {', '.join(ROLES)}")
         quantized = any(b != FULL_WIDTH for b in bits)
@@ -115,19 +126,22 @@ class Scheme:
         self.check_widths(bits)
         inner_dtype = torch.float32 if self.rotate else dtype  # rotated values can exceed the fp16 range
         if self.base == "fp8":
-            store = Fp8Store(bits, head_dim, batch, inner_dtype, device)
+            store = Fp8Store(bits, head_dim, batch, inner_dtype, device, simulate)
         elif per_channel:
-            store = ChannelStore(bits, head_dim, batch, self.group_size, inner_dtype, device)
+            store = ChannelStore(bits, head_dim, batch, self.group_size, inner_dtype, device, simulate)
         else:
             symmetric = self.base == "sym_token"
-            store = PackedStore(bits, head_dim, batch, self.group_size, symmetric, inner_dtype, device)
+            store = PackedStore(
+                bits, head_dim, batch, self.group_size, symmetric, inner_dtype, device, simulate=simulate
+            )
         if self.rotate:
-            store = RotatedStore(store, bits, head_dim, batch, dtype, device)
+            store = RotatedStore(store, bits, head_dim, batch, dtype, device, simulate)
         shape = (len(bits), head_dim, batch, dtype, device)
         if self.residual or per_channel:
-            store = ResidualStore(store, self.residual, self.group_size if per_channel else 1, *shape)
+            chunk = self.group_size if per_channel else 1
+            store = ResidualStore(store, self.residual, chunk, *shape, simulate=simulate)
         if self.sink_tokens:
-            store = SinkStore(store, self.sink_tokens, *shape)
+            store = SinkStore(store, self.sink_tokens, *shape, simulate=simulate)
         return store
 
 

@@ -438,8 +438,14 @@ def tables_markdown(
 ) -> str:
     """The whole tables.md: provenance first, then claim tables, grid, infeasible points, differences (to
     uniform, and to the plain cache when the run varies storage)."""
-    parts = [
-        "  \n".join(provenance(run_dir)),
+    parts = ["  \n".join(provenance(run_dir))]
+    if "simulate" in frame and frame["simulate"].fillna(False).astype(bool).any():
+        parts.append(
+            "\n**Simulated memory (quant.simulate=true):** the quantized caches of the rows marked `simulate` also "
+            "kept a full-precision working copy for the model's own attention; their metrics equal the packed-only "
+            "path's within float summation order, their `resident_bytes` are not a quantized cache's."
+        )
+    parts += [
         f"\n# {run_dir.name}: {len(frame)} points "
         f"({(frame['status'] == 'ok').sum()} ok, {(frame['status'] == 'infeasible').sum()} infeasible)",
     ]

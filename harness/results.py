@@ -43,6 +43,9 @@ METRICS = (
     "compression_nominal",
     "compression_true",
     "bytes_per_token",
+    "resident_bytes",
+    "resident_ratio",
+    "simulate",
     "tokens_kept_fraction",
     "n_sinks",
 )
@@ -89,7 +92,9 @@ def table(records: list[dict]) -> pd.DataFrame:
     """The flat table of records: the known columns first, then any others the records carry."""
     frame = pd.DataFrame([flatten(r) for r in records])
     extra = [c for c in frame.columns if c not in COLUMNS]
-    return frame.reindex(columns=[*COLUMNS, *extra])
+    frame = frame.reindex(columns=[*COLUMNS, *extra])
+    frame["simulate"] = frame["simulate"].astype("boolean")  # nullable: infeasible points have no value
+    return frame
 
 
 def load(run_dir: str | Path) -> pd.DataFrame:

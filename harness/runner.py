@@ -47,6 +47,7 @@ class ModelContext:
     prefilled: list  # evaluate.Prefilled per prompt batch
     batch_size: int
     backend: str  # quant.backend: an execution choice, not part of a point's key (like the device)
+    simulate: bool  # quant.simulate: likewise (the same metrics either way), recorded in every row
     timings: dict = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
     calib_ids: torch.Tensor | None = None  # (C, Tc) calibration tokens, for the measured policies
@@ -77,16 +78,14 @@ def context_key(point: dict) -> tuple:
 
 
 def build_context(
-    point: dict, batch_size: int, device: str, run_dir: Path, backend: str = "auto"
+    point: dict, batch_size: int, device: str, run_dir: Path, backend: str = "auto", simulate: bool = False
 ) -> ModelContext:
     timings = {}
     t = time.perf_counter()
     model, tokenizer = load_model(point["model"], device=device, dtype=point["dtype"])
     timings["load_s"] = time.perf_counter() - t
-    if backend == "triton" or (backend == "auto" and model.device.type == "cuda"):
-        # Decode steps of triton-backed caches read the packed K/V directly (CUDA, or CPU tensors under
-        # TRITON_INTERPRET=1); every other call of this attention is plain SDPA.
-        use_fused_attention(model)
+    # quantized caches are attended from their packed form (SDPA for everything else)
+    use_fused_attention(model)
 
     text = data.split(point["data_path"])
     limit = model_spec(point["model"]).get("context_limit", 2048)
@@ -139,6 +138,7 @@ def build_context(
         prefilled,
         batch_size,
         backend,
+        simulate,
         timings,
         calib_ids=calib_ids,
         shape=shape_from_config(model.config, point["model"]),
@@ -190,7 +190,7 @@ def measurement_key(point: dict, alloc) -> tuple:
     )
 
 
-def cache_options(point: dict, backend: str) -> dict:
+def cache_options(point: dict, backend: str, simulate: bool = False) -> dict:
     """QuantizedKVCache keyword arguments (besides bits and prefill) for a point."""
     return dict(
         scheme=point["scheme"],
@@ -198,6 +198,7 @@ def cache_options(point: dict, backend: str) -> dict:
         sink_tokens=point.get("sink_tokens", 0),
         residual=point.get("residual"),
         backend=backend,
+        simulate=simulate,
     )
 
 
@@ -210,7 +211,7 @@ def measure(ctx: ModelContext, point: dict, alloc) -> dict:
 
 def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
     config = ctx.model.config
-    cache_kwargs = cache_options(point, ctx.backend)
+    cache_kwargs = cache_options(point, ctx.backend, ctx.simulate)
     caches = []
 
     def from_prefilled(prefilled_cache):
@@ -236,9 +237,10 @@ def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
             ctx.model, ctx.prompts, point["new_tokens"], factory, batch_size=ctx.batch_size
         )
     # Bytes held after eviction (evicting layers apply their pending eviction first), against fp16 bytes of
-    # every token seen.
+    # every token seen; and what the caches really kept in memory (measured).
     held = sum(c.nbytes() for c in caches)
     fp16 = sum(c.nbytes_fp16() for c in caches)
+    resident = sum(c.resident_bytes() for c in caches)
 
     tf = evaluate.teacher_forced(
         ctx.model,
@@ -259,6 +261,9 @@ def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
         "compression_nominal": 16.0 / alloc.mean_bits,
         "compression_true": fp16 / held,
         "bytes_per_token": held / (ctx.prompts.shape[0] * (ctx.prompts.shape[1] + point["new_tokens"])),
+        "resident_bytes": resident,
+        "resident_ratio": resident / held,
+        "simulate": ctx.simulate,
         "n_sinks": int(alloc.sinks.sum()),
         "tokens_kept_fraction": kept_fraction(caches),
     }
@@ -300,6 +305,7 @@ def baseline_record(ctx: ModelContext) -> dict:
         "compression_nominal": 1.0,
         "compression_true": 1.0,
         "tokens_kept_fraction": 1.0,
+        "simulate": False,  # a DynamicCache: no working copy beside a stored form
     }
 
 
@@ -312,6 +318,7 @@ def run(
     tag: str = "",
     backend: str = "auto",
     provenance: dict | None = None,
+    simulate: bool = False,
 ) -> pd.DataFrame:
     """Evaluate every point not already in run_dir/points; returns the consolidated table.
 
@@ -341,7 +348,7 @@ def run(
         ckey = context_key(point)
         if ckey not in contexts:
             contexts.clear()  # one model in memory at a time
-            contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir, backend)
+            contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir, backend, simulate)
             timings["models"][point["model"]] = ctx.timings
             base_point = {
                 **point,

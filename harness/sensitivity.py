@@ -229,6 +229,7 @@ def proxy_check(
         group_size=scheme.group_size,
         sink_tokens=scheme.sink_tokens,
         residual=scheme.residual,
+        simulate=True,  # a quality measurement: the model's own attention over a full-precision working copy
     )
     rows = []
     for layer, kv_head in heads:

@@ -82,6 +82,7 @@ def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
             on_point=tracker.log_point,
             backend=cfg.quant.backend,
             provenance=provenance(env),
+            simulate=cfg.quant.get("simulate", False),
         )
         print(format_table(table))
         written = write_report(run_dir)

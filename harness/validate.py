@@ -170,6 +170,8 @@ def validate_config(cfg: DictConfig) -> list[dict]:
 
     if cfg.quant.backend not in BACKENDS:
         raise ConfigError(f"quant.backend: unknown {cfg.quant.backend!r}; allowed: {', '.join(BACKENDS)}")
+    if not isinstance(cfg.quant.get("simulate", False), bool):
+        raise ConfigError(f"quant.simulate: {cfg.quant.simulate!r} is not allowed; allowed: true, false")
     if not isinstance(cfg.eval.batch_size, int) or cfg.eval.batch_size < 1:
         raise ConfigError(f"eval.batch_size: {cfg.eval.batch_size!r} is not a positive integer")
     try:

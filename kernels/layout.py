@@ -12,8 +12,9 @@ Layout, token-major so that one kernel launch per layer can write every head of 
                                                   when symmetric
     full     dtype    (B, n_full, cap, D)        heads at 16 bits (kept in the model's dtype), slot[h]
     byte_offset, slot: int32 (Hkv,)              the per-head tables the attention kernel reads
-Positions >= length are unused capacity. Capacity grows geometrically so appending a decode token is
-amortized O(1) instead of a full copy per step.
+Positions >= length are unused capacity. Capacity grows by GROWTH (at least GROWTH_MIN tokens) when full, so
+appending a decode token is amortized O(1) instead of a full copy per step while the slack stays under 1/4 of
+what is stored (a prefill reserves exactly its tokens).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from kernels import reference
 
 FULL_WIDTH = 16
 FP16_BYTES = 2
+GROWTH = 1.25  # capacity factor when a store is full: resident bytes stay within 1.25x of the stored tokens'
+GROWTH_MIN = 16  # tokens added at least, so short stores do not copy at every append
 
 
 def _grow(t: torch.Tensor | None, dim: int, new_cap: int) -> torch.Tensor | None:
@@ -49,7 +52,8 @@ class PackedStore:
         symmetric: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        capacity: int = 64,
+        capacity: int = 0,
+        simulate: bool = True,
     ):
         bits = [int(b) for b in bits]
         for b in bits:
@@ -61,7 +65,7 @@ class PackedStore:
         self.bits = tuple(bits)
         self.head_dim, self.batch, self.group_size, self.symmetric = head_dim, batch, group_size, symmetric
         self.dtype, self.device = dtype, torch.device(device)
-        self.length = 0
+        self.length, self.simulate = 0, simulate
 
         # Heads are laid out width-major (all 2-bit heads, then 3-bit, ...; KV-head order within a width), so the
         # heads of one width form one contiguous byte range of a row and one contiguous slot range: the torch
@@ -87,14 +91,15 @@ class PackedStore:
         self.byte_offset, self.slot = as_table(offset), as_table(slot)
 
         n_groups = head_dim // group_size if n_quant else 0
-        cap = max(1, capacity)
+        cap = max(0, capacity)
         self.payload = torch.empty(batch, cap, row_bytes, dtype=torch.uint8, device=self.device)
         self.scale = torch.empty(batch, n_quant, cap, n_groups, dtype=torch.float16, device=self.device)
         self.zero = None if symmetric else torch.empty_like(self.scale)
         self.full = torch.empty(batch, n_full, cap, head_dim, dtype=dtype, device=self.device)
-        # The torch path keeps the dequantized values of what it stored, appended once per token, so a decode
-        # step costs what a DynamicCache step costs. It is a compute buffer of this backend, not stored bytes:
-        # nbytes() counts the packed form, which is what a fused kernel (kernels/decode_attention.py) reads.
+        # With `simulate` (quant.simulate=true, fast quality sweeps) the store also keeps the dequantized values
+        # of what it stored, appended once per token: a full-precision working copy, not stored bytes (nbytes()
+        # counts the packed form). Without it, attention reads the packed form (kernels/packed_attention.py, or
+        # the fused kernel kernels/decode_attention.py) and nothing dequantized is kept.
         self._dequantized: torch.Tensor | None = None
 
     @property
@@ -104,17 +109,19 @@ class PackedStore:
     def _reserve(self, needed: int) -> None:
         if needed <= self.capacity:
             return
-        cap = max(needed, 2 * self.capacity)
+        cap = max(needed, int(self.capacity * GROWTH), self.capacity + GROWTH_MIN)
         self.payload = _grow(self.payload, 1, cap)
         self.scale = _grow(self.scale, 2, cap)
         self.zero = _grow(self.zero, 2, cap)
         self.full = _grow(self.full, 2, cap)
 
-    def append(self, x: torch.Tensor, keep_dequantized: bool = True) -> torch.Tensor | None:
+    def append(self, x: torch.Tensor, keep_dequantized: bool | None = None) -> torch.Tensor | None:
         """Quantize and store new tokens x (B, Hkv, Tn, D); return the dequantized stored values of all tokens.
 
-        Returns (B, Hkv, length, D) in the store's dtype when `keep_dequantized`, else None.
+        Returns (B, Hkv, length, D) in the store's dtype when `keep_dequantized` (default: `simulate`), else None.
         """
+        if keep_dequantized is None:
+            keep_dequantized = self.simulate
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
         start, end = self.length, self.length + Tn

@@ -15,6 +15,7 @@ from transformers import DynamicCache
 from harness import metrics
 from harness.cache import QuantizedKVCache, QuantizedLayer, kv_heads
 from harness.calibrate import head_entropies, layer_types
+from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from harness.policies import allocate
 
@@ -28,6 +29,7 @@ GENERATE = dict(
 @pytest.fixture(scope="module", params=ARCHS)
 def arch(request):
     model, tokenizer = load_model(request.param)
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     return request.param, model, tokenizer
 
 

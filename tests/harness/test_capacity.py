@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from harness import capacity
 from harness.cache import QuantizedKVCache, kv_heads
+from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 
 GIB = 2**30
@@ -16,10 +17,13 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def models():
-    return {
+    loaded = {
         name: load_model(name)[0]
         for name in ("tiny-llama", "tiny-gemma3", "tiny-gemma4", "tiny-gemma4-kv", "tiny-qwen3_5")
     }
+    for model in loaded.values():
+        use_fused_attention(model)  # quantized caches are attended from their packed form
+    return loaded
 
 
 def _random_bits(model, seed: int) -> torch.Tensor:

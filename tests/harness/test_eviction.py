@@ -34,6 +34,7 @@ CONF = str(ROOT / "conf")
 @pytest.fixture(scope="module")
 def llama():
     model, _ = load_model("tiny-llama")
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     return model
 
 
@@ -80,7 +81,7 @@ def test_select_equals_dequantize_then_index_and_frees_bytes(symmetric):
 def test_streaming_keeps_exactly_sinks_and_recent(llama):
     torch.manual_seed(4)
     spec = EvictionSpec("streaming", keep=0.25, sink_tokens=2)
-    cache = with_eviction(QuantizedKVCache(llama.config, 16), spec)
+    cache = with_eviction(QuantizedKVCache(llama.config, 16, simulate=True), spec)  # update returns the K/V
     layer = cache.layers[0]
     k, v = torch.randn(2, 3, 20, 32), torch.randn(2, 3, 20, 32)
     cache.update(k[:, :, :12], v[:, :, :12], 0)
@@ -118,15 +119,16 @@ def test_h2o_scores_equal_eager_attention_column_sums(llama):
     ids = torch.randint(0, 256, (2, 19))
     spec = EvictionSpec("h2o", keep=1.0, sink_tokens=1)  # scores every step, evicts nothing
     cache = with_eviction(QuantizedKVCache(llama.config, 16, prefill="exact"), spec)
+    before = llama.config._attn_implementation
     with attention_for(llama, spec):
         forward(llama, ids[:, :11], 0, cache)
         forward(llama, ids[:, 11:], 11, cache)  # scores accumulate over both chunks
-    assert llama.config._attn_implementation == "sdpa"  # restored
+    assert llama.config._attn_implementation == before  # restored
     llama.set_attn_implementation("eager")
     try:
         attentions = llama(input_ids=ids, output_attentions=True).attentions  # per layer (B, Hq, T, T)
     finally:
-        llama.set_attn_implementation("sdpa")
+        llama.set_attn_implementation(before)
     for layer, probs in zip(cache.layers, attentions):
         want = probs.sum(dim=(1, 2))  # (B, T): summed over query heads and query positions
         torch.testing.assert_close(layer.scores, want, rtol=1e-5, atol=1e-5)
@@ -155,8 +157,8 @@ def test_keep_one_generates_exactly_like_no_eviction(llama, name):
     prompts = torch.randint(0, 256, (3, 17))
     spec = EvictionSpec(name, keep=1.0, sink_tokens=2)
 
-    def plain():
-        return QuantizedKVCache(llama.config, 4, prefill="quantized")
+    def plain():  # h2o layers keep the working copy (simulate): compare like with like
+        return QuantizedKVCache(llama.config, 4, prefill="quantized", simulate=name == "h2o")
 
     want = evaluate.greedy_generate(llama, prompts, 9, plain)
     caches = []
@@ -178,6 +180,7 @@ def test_decode_after_eviction_equals_attention_over_kept_tokens(model_name, nam
     """16 bits, exact prefill: every later step's logits (one token or a chunk: the mask must stay causal among
     the new tokens) equal those of a DynamicCache whose full-attention layers hold only the kept tokens."""
     model, _ = load_model(model_name)
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     torch.manual_seed(7)
     B, P, chunks = 2, 23, (1, 3, 1, 2)
     ids = torch.randint(0, 256, (B, P + sum(chunks)))
@@ -216,6 +219,7 @@ def test_decode_after_eviction_equals_attention_over_kept_tokens(model_name, nam
 def test_streaming_on_the_triton_backend_matches_torch(device):
     """Eviction selects the packed stores the fused decode kernel reads; h2o layers fall back to torch."""
     model, _ = load_model("tiny-llama", device=device)
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     torch.manual_seed(8)
     ids = torch.randint(0, 256, (2, 18), device=device)
     spec = EvictionSpec("streaming", keep=0.5, sink_tokens=2)

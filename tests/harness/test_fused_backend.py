@@ -37,7 +37,9 @@ def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, p
     kw.update(return_dict_in_generate=True)
     cache_kw = dict(group_size=group_size, scheme=scheme, prefill=prefill)
 
-    torch_cache = QuantizedKVCache(model.config, bits, backend="torch", **cache_kw)
+    torch_cache = QuantizedKVCache(
+        model.config, bits, backend="torch", simulate=True, **cache_kw
+    )  # SDPA reads it
     want = model.generate(prompt, past_key_values=torch_cache, **kw)
 
     calls = []

@@ -9,13 +9,17 @@ import torch
 from transformers import DynamicCache
 
 from harness import passkey
+from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from harness.passkey_report import accuracy_table, fail_contexts, load_points
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    return {name: load_model(name) for name in ("tiny-llama", "tiny-gemma3")}
+    loaded = {name: load_model(name) for name in ("tiny-llama", "tiny-gemma3")}
+    for model, _ in loaded.values():
+        use_fused_attention(model)  # quantized caches are attended from their packed form
+    return loaded
 
 
 @pytest.mark.parametrize("context,depth", [(300, 0.0), (301, 0.1), (517, 0.5), (777, 0.9), (1000, 1.0)])

@@ -5,12 +5,14 @@ import torch
 
 from harness import data, evaluate, metrics
 from harness.cache import QuantizedKVCache
+from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 
 
 @pytest.fixture(scope="module")
 def smollm():
     model, tokenizer = load_model("smollm2-135m")
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     sequences = data.token_windows(tokenizer, data.split().evaluation, 2, 256, seed=0)
     base = evaluate.teacher_forced(
         model, sequences, evaluate.dynamic_cache_factory(model), chunk=64, batch_size=2

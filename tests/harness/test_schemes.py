@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from harness.cache import QuantizedKVCache, QuantizedSlidingLayer
+from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from harness.quant import Scheme, check_backend, get_scheme
 from harness.validate import ConfigError, validate_config
@@ -76,7 +77,7 @@ def test_store_matches_oracle(name, sinks, residual, role):
     bits = widths_for(name)
     torch.manual_seed(SCHEMES.index(name) + 10 * sinks + (role == "key"))
     x = torch.randn(2, len(bits), 45, 32) * torch.logspace(-2, 1, 32)  # channels of very different ranges
-    store = scheme.new_store(bits, 32, 2, torch.float32, "cpu", role=role)
+    store = scheme.new_store(bits, 32, 2, torch.float32, "cpu", role=role, simulate=True)
     unchanged = x.clone()
     got = feed(store, x, [7, 1, 1, 19, 8, 9])
     assert torch.equal(x, unchanged)  # a store never writes into its input
@@ -94,7 +95,9 @@ def test_kivi_keys_error_is_bounded_per_channel_and_group():
     g, bits = 8, 4
     torch.manual_seed(0)
     x = torch.randn(1, 1, 40, 16) * torch.logspace(-3, 2, 16)  # (B, H, T, D)
-    store = get_scheme("kivi", group_size=g, residual=0).new_store([bits], 16, 1, torch.float32, "cpu", "key")
+    store = get_scheme("kivi", group_size=g, residual=0).new_store(
+        [bits], 16, 1, torch.float32, "cpu", "key", simulate=True
+    )
     got = feed(store, x, [3, 13, 24])
     groups = x.reshape(1, 1, 5, g, 16)
     span = (groups.amax(3) - groups.amin(3)).repeat_interleave(g, 2)  # (1, 1, 40, 16)
@@ -117,7 +120,8 @@ def test_hadamard_is_orthonormal_and_rotation_round_trips():
     x = torch.randn(3, 1, 5, 32)
     x[..., 3] *= 40  # an outlier channel: what rotation spreads out
     store = get_scheme("rotate+asym_token", group_size=32).new_store([2], 32, 3, torch.float32, "cpu")
-    got = store.append(x)
+    assert store.append(x) is None  # packed-only: the stored form is read back below
+    got = store.dequantize()
     rotated = reference.hadamard_rotate(x)
     q = reference.fake_quantize(rotated, 2, 32)
     torch.testing.assert_close(got, reference.hadamard_rotate(q), rtol=1e-5, atol=1e-5)
@@ -132,7 +136,8 @@ def test_fp8_matches_torch_e4m3_cast():
     torch.manual_seed(2)
     x = torch.randn(2, 2, 9, 16, dtype=torch.float16) * torch.logspace(-3, 3, 9, dtype=torch.float16)[:, None]
     store = get_scheme("fp8").new_store([8, 16], 16, 2, torch.float16, "cpu")
-    got = store.append(x)
+    assert store.append(x) is None  # packed-only: nothing dequantized is returned or kept
+    got = store.dequantize()
     scale = (x[:, 0].float().abs().amax(-1, keepdim=True) / 448).half().float()  # per (token, head)
     want = ((x[:, 0].float() / scale).to(torch.float8_e4m3fn).float() * scale).half()
     assert torch.equal(got[:, 0], want) and torch.equal(got[:, 1], x[:, 1])
@@ -202,7 +207,8 @@ def test_no_nan_or_inf_on_nasty_inputs(name, dtype, values, constant, seed):
     x = x.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype)
     bits = [8, 16, 8] if name.endswith("fp8") else [2, 3, 8]
     for role in ("key", "value"):
-        store = get_scheme(name, group_size=8, residual=2).new_store(bits, 16, 1, dtype, "cpu", role=role)
+        scheme = get_scheme(name, group_size=8, residual=2)
+        store = scheme.new_store(bits, 16, 1, dtype, "cpu", role=role, simulate=True)
         got = feed(store, x, [11, 7])
         assert got.dtype == dtype and torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
 
@@ -217,7 +223,7 @@ def test_select_keeps_the_chosen_tokens_through_sinks_and_residual(name):
     bits = [8, 16]
     torch.manual_seed(3)
     x = torch.randn(2, 2, 12, 16)
-    store = scheme.new_store(bits, 16, 2, torch.float32, "cpu")
+    store = scheme.new_store(bits, 16, 2, torch.float32, "cpu", simulate=True)
     feed(store, x, [4, 8])  # sinks 0-1, quantized 2-8, residual 9-11
     before = store.nbytes()
     index = torch.tensor([[0, 1, 3, 6, 9, 10, 11], [0, 1, 2, 5, 9, 10, 11]])  # each row: 2 sinks, 3 residual
@@ -265,7 +271,9 @@ def chunked_logits(model, ids, cache, chunk):
 
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
 def tiny(request):
-    return load_model(request.param)[0]
+    model = load_model(request.param)[0]
+    use_fused_attention(model)  # quantized caches are attended from their packed form
+    return model
 
 
 @torch.no_grad()
@@ -274,11 +282,13 @@ def test_sixteen_bits_and_all_sink_tokens_equal_dynamic_cache(tiny):
     ids = torch.randint(0, 256, (1, 29))  # longer than tiny-gemma3's window of 16
     ref = chunked_logits(tiny, ids, DynamicCache(config=tiny.config), chunk=10)
     for name, opts in CACHE_CASES:
-        cache = QuantizedKVCache(tiny.config, 16, scheme=name, group_size=8, prefill="quantized", **opts)
+        cache = QuantizedKVCache(
+            tiny.config, 16, scheme=name, group_size=8, prefill="quantized", simulate=True, **opts
+        )
         assert torch.equal(chunked_logits(tiny, ids, cache, chunk=10), ref), (name, opts)
         low = 8 if name.endswith("fp8") else 2
         sinks = QuantizedKVCache(
-            tiny.config, low, scheme=name, group_size=8, prefill="quantized", sink_tokens=37
+            tiny.config, low, scheme=name, group_size=8, prefill="quantized", sink_tokens=37, simulate=True
         )
         assert torch.equal(chunked_logits(tiny, ids, sinks, chunk=10), ref), (name, "sinks")
 
@@ -287,6 +297,7 @@ def test_sixteen_bits_and_all_sink_tokens_equal_dynamic_cache(tiny):
 @torch.no_grad()
 def test_cache_returns_the_schemes_oracle_at_low_bits(name, opts):
     model, _ = load_model("tiny-llama")
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     bits = torch.tensor(
         [[8, 16, 8], [16, 8, 8], [8, 8, 16]] if name.endswith("fp8") else [[2, 4, 16], [8, 3, 2], [16, 4, 4]]
     )
@@ -294,7 +305,9 @@ def test_cache_returns_the_schemes_oracle_at_low_bits(name, opts):
     prompt = torch.randint(0, 256, (2, 21))
     dyn = DynamicCache(config=model.config)
     model(input_ids=prompt, past_key_values=dyn, use_cache=True)
-    cache = QuantizedKVCache(model.config, bits, scheme=name, group_size=8, **opts)  # exact prefill
+    cache = QuantizedKVCache(
+        model.config, bits, scheme=name, group_size=8, simulate=True, **opts
+    )  # exact prefill
     model(input_ids=prompt, past_key_values=cache, use_cache=True)  # stores the K/V DynamicCache holds
     scheme = cache.scheme
     for i, (ref, layer) in enumerate(zip(dyn.layers, cache.layers)):
@@ -315,10 +328,12 @@ SLIDING_CASES = [("kivi", 0), ("asym_token", 3), ("rotate+kivi", 2)]  # (scheme,
 @torch.no_grad()
 def test_sliding_layers_return_the_oracle_window(name, sinks):
     model, _ = load_model("tiny-gemma3")
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     window = model.config.sliding_window  # 16: a sliding layer holds the last 15 tokens
     cache = QuantizedKVCache(
-        model.config, 4, scheme=name, group_size=8, prefill="quantized", residual=2, sink_tokens=sinks
-    )
+        model.config, 4, scheme=name, group_size=8, prefill="quantized", residual=2, sink_tokens=sinks,
+        simulate=True,
+    )  # fmt: skip
     torch.manual_seed(6)
     xk, xv = torch.randn(1, 2, 40, 32), torch.randn(1, 2, 40, 32)
     for layer in cache.layers:
@@ -338,6 +353,7 @@ def test_sliding_layers_return_the_oracle_window(name, sinks):
         # codes = 4 bytes + fp16 scale and zero), plus 8 tokens x 2 heads x 32 x 2 bytes. Values: 25-37
         # quantized per token (2 heads x (16 payload bytes + 4 groups x 4 bytes)), 38-39 unquantized.
         sliding = cache.layers[0]
+        sliding.evict()  # the tokens the last update moved out of the window
         assert sliding.k_store.nbytes() == 2 * 32 * (4 + 4) + 8 * 2 * 32 * 2 == 1536
         assert sliding.v_store.nbytes() == 13 * 2 * (16 + 4 * 4) + 2 * 2 * 32 * 2 == 1088
 
@@ -346,6 +362,7 @@ def test_sliding_layers_return_the_oracle_window(name, sinks):
 def test_from_prefilled_sliding_window_past_its_sinks_matches_the_update_path():
     """A prefilled sliding window that already dropped the sequence's first tokens holds no sink tokens."""
     model, _ = load_model("tiny-gemma3")
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     torch.manual_seed(7)
     ids = torch.randint(0, 256, (1, 40))  # past tiny-gemma3's window of 16
     dyn = DynamicCache(config=model.config)
@@ -374,6 +391,7 @@ def test_triton_only_for_plain_token_schemes():
         with pytest.raises(ValueError, match="^quant.backend: triton supports only asym_token and sym_token"):
             check_backend(scheme, "triton")
     model, _ = load_model("tiny-llama")
+    use_fused_attention(model)  # quantized caches are attended from their packed form
     assert (
         QuantizedKVCache(model.config, 4, scheme="asym_token", residual=3, backend="auto").backend == "torch"
     )
