@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, EVICTION_FIELDS, POLICY_FIELDS, QUANT_FIELDS
+from harness.grid import (
+    CALIBRATION_FIELDS,
+    EVAL_FIELDS,
+    EVICTION_FIELDS,
+    HARNESS,
+    PEER_FIELDS,
+    POLICY_FIELDS,
+    QUANT_FIELDS,
+)
 
 CONFIG_FIELDS = (
     "model",
@@ -25,6 +33,7 @@ CONFIG_FIELDS = (
     *CALIBRATION_FIELDS,
     "data_path",
     "seed",
+    *PEER_FIELDS,
 )
 METRICS = (
     "bleu",
@@ -65,9 +74,10 @@ def flatten(record: dict) -> dict:
     """One table row of a point record: key, status, error, its configuration beside its metrics.
 
     List-valued configuration (widths) is stored as its JSON text, as in the runner's results.parquet, so the
-    column has one type.
+    column has one type. `engine` is HARNESS for the harness's own points (their configs have none).
     """
-    config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in record["config"].items()}
+    config = {"engine": HARNESS, **record["config"]}
+    config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in config.items()}
     return {
         "key": record["key"],
         "status": record["status"],
