@@ -85,11 +85,24 @@ def _rotation(enabled: bool):
             os.environ[ROTATION_ENV] = before
 
 
-def open_llama(path, kv_type: str, rotation: bool, n_ctx: int, chunk: int, logits_all: bool = True):
-    """A llama_cpp.Llama on the GGUF at `path`: K and V as `kv_type`, flash attention on, one decode per chunk."""
+def open_llama(
+    path,
+    kv_type: str,
+    rotation: bool,
+    n_ctx: int,
+    chunk: int,
+    logits_all: bool = True,
+    threads: int | None = None,
+):
+    """A llama_cpp.Llama on the GGUF at `path`: K and V as `kv_type`, flash attention on, one decode per chunk.
+
+    threads: default torch's thread count (OMP_NUM_THREADS sets both). llama.cpp's threads meet at spinning
+    barriers after every op: on cores other processes also use, more threads than free cores make it tens of
+    times slower (2 threads on 2 busy cores decoded SmolLM2 at under 1 token/s, 1 thread at about 30).
+    """
     from llama_cpp import Llama
 
-    threads = torch.get_num_threads()
+    threads = threads or torch.get_num_threads()
     with _rotation(rotation):
         return Llama(
             model_path=str(path),

@@ -54,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per run")
     p.add_argument("--runs", type=int, default=5, help="timed runs per context and type")
     p.add_argument("--warmup", type=int, default=1, help="untimed runs first")
+    p.add_argument(
+        "--threads", type=int, default=None, help="llama.cpp threads (default: torch's, OMP_NUM_THREADS)"
+    )
     p.add_argument("--out", type=Path, default=Path("results/peers/decode_speed.csv"))
     return p
 
@@ -66,7 +69,9 @@ def check(args, p: argparse.ArgumentParser) -> Path:
     for t in args.types:
         if t not in KV_TYPES:
             p.error(f"--types: unknown {t!r}; allowed: {', '.join(KV_TYPES)}")
-    for name in ("contexts", "new_tokens", "runs"):
+    if args.threads is None:
+        args.threads = torch.get_num_threads()
+    for name in ("contexts", "new_tokens", "runs", "threads"):
         values = getattr(args, name)
         for v in values if isinstance(values, list) else [values]:
             if v < 1:
@@ -91,7 +96,13 @@ def main(argv: list[str] | None = None) -> None:
             print(f"note: context {context} exceeds {args.model}'s trained {limit}: speed only, no quality")
         for kv_type in args.types:
             llm = open_llama(
-                path, kv_type, rotation, context + args.new_tokens, PREFILL_BATCH, logits_all=False
+                path,
+                kv_type,
+                rotation,
+                context + args.new_tokens,
+                PREFILL_BATCH,
+                logits_all=False,
+                threads=args.threads,
             )
             try:
                 speeds = decode_runs(llm, context, args.new_tokens, args.runs, args.warmup)
@@ -123,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             f"# command: python -m harness.peers.speed {' '.join(sys.argv[1:] if argv is None else argv)}\n"
         )
         f.write(
-            f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+            f"# {platform.processor() or platform.machine()}, {args.threads} llama.cpp threads, "
             f"llama-cpp-python {metadata.version('llama-cpp-python')}, flash attention on\n"
         )
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -292,3 +292,13 @@ def test_the_adapter_refuses_batches_and_positions_its_context_does_not_hold():
     model(torch.zeros(1, 3, dtype=torch.long), torch.arange(3)[None])
     with pytest.raises(ValueError, match="chunk at position 5, the context holds 3 tokens"):
         model(torch.zeros(1, 2, dtype=torch.long), torch.arange(5, 7)[None])
+
+
+def test_the_peers_sweep_validates_with_every_engine_installed():
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+sweep=peers"])
+    points = validate_config(cfg)
+    peers = [p for p in points if "engine" in p]
+    assert {p["engine"] for p in peers} == set(ENGINES)
+    assert len([p for p in peers if p["engine"] == "llamacpp"]) == 1 + 2 * 6  # f16, six types x rotation
+    assert {p["model"] for p in points} == {"smollm2-135m"}

@@ -1,8 +1,12 @@
 """llama.cpp as a peer: its type sizes against ggml's, and, on the real SmolLM2 GGUF (one 512-token window), the
 cross-check with the harness, q8_0 against f16, the rotation switch and the bytes its cache really holds."""
 
+import csv
 import ctypes
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from harness.models import gguf_path, load_model, model_spec
 from harness.peers import LLAMACPP_TYPES
 from harness.peers.llamacpp import KV_TYPES, ROTATION_ENV, cache_bytes, open_llama, teacher_forced
 
+ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 128
 # llama.cpp's f16 perplexity against the harness's unquantized baseline on the same window: the same GGUF weights,
 # but llama.cpp multiplies its Q4_1 weights with activations quantized to q8_1 (and stores K/V in f16), where
@@ -118,3 +123,62 @@ def test_bytes_per_token_match_what_the_cache_holds(window, kv_type):
     # and the formula: 30 layers x 3 KV heads x (K and V) x head_dim 64 in blocks of 32
     kind = KV_TYPES[kv_type]
     assert cache_bytes("smollm2-135m", kv_type, tokens) == tokens * 30 * 3 * 2 * (64 // 32) * kind.block_bytes
+
+
+def test_the_speed_command_refuses_bad_arguments_before_loading():
+    for args, message in (
+        (["--types", "q3_0"], "--types: unknown 'q3_0'; allowed: f16, q8_0"),
+        (
+            ["--model", "tiny-llama"],
+            "--model: 'tiny-llama' is not a registered GGUF model; allowed: gemma3-270m",
+        ),
+        (["--runs", "0"], "--runs: 0 is not a positive integer"),
+    ):
+        proc = subprocess.run(
+            [sys.executable, "-m", "harness.peers.speed", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert message in proc.stderr.strip().splitlines()[-1], proc.stderr
+
+
+@pytest.mark.slow
+def test_the_speed_command_writes_median_and_spread_per_type(tmp_path):
+    out = tmp_path / "speed.csv"
+    args = [
+        "--contexts",
+        "48",
+        "--types",
+        "f16",
+        "q4_0",
+        "--new-tokens",
+        "3",
+        "--runs",
+        "2",
+        "--threads",
+        "1",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness.peers.speed", *args, "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = out.read_text().splitlines()
+    assert lines[0] == "# command: python -m harness.peers.speed " + " ".join([*args, "--out", str(out)])
+    rows = list(csv.DictReader(lines[2:]))
+    assert [(r["context"], r["kv_type"], r["rotation"]) for r in rows] == [
+        ("48", "f16", "False"),
+        ("48", "q4_0", "True"),
+    ]
+    for r in rows:
+        assert 0 < float(r["tok_s_min"]) <= float(r["tok_s_median"]) <= float(r["tok_s_max"])
+    assert float(rows[0]["ratio_to_f16"]) == 1.0
+    assert float(rows[1]["ratio_to_f16"]) == pytest.approx(
+        float(rows[1]["tok_s_median"]) / float(rows[0]["tok_s_median"])
+    )
