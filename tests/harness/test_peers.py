@@ -4,6 +4,7 @@ QuantizedCache rows on tiny models, the llama.cpp adapter against a scripted con
 import math
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -230,14 +231,38 @@ def test_the_pareto_plot_draws_peers_with_their_own_filled_markers(peer_run):
     assert (run_dir / "pareto-tiny-llama-asym_token.png").exists()
 
 
-def test_wandb_run_names_say_the_engine():
-    from harness.tracking import run_name
+def test_wandb_logs_a_peer_like_any_point_under_its_engine(tmp_path, monkeypatch):
+    from harness.tracking import Tracker, run_name
 
     base = expand(compose_cfg())[0]
-    assert run_name(peer_point(base, {"engine": "llamacpp", "scheme": "q8_0", "rotation": False})) == (
-        "tiny-llama llama.cpp q8_0"
-    )
+    point = peer_point(base, {"engine": "llamacpp", "scheme": "q8_0", "rotation": False})
+    assert run_name(point) == "tiny-llama llama.cpp q8_0"
     assert run_name(base).startswith("tiny-llama uniform b2")
+
+    runs = []
+
+    class Run:
+        def __init__(self, **kw):
+            self.init, self.summary = kw, {}
+            runs.append(self)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    fake = types.SimpleNamespace(init=lambda **kw: Run(**kw), Settings=lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    record = {"status": "ok", "metrics": {"ppl_ratio": 1.002, "bytes_per_token": 12240.0}}
+    Tracker("offline", run_dir=tmp_path, group="peers/run").log_point(point, record)
+    (run,) = runs
+    assert (run.init["job_type"], run.init["name"], run.init["config"]) == (
+        "llamacpp",
+        run_name(point),
+        point,
+    )
+    assert run.summary == {"status": "ok", **record["metrics"], "key": point_key(point)}
 
 
 # --- the llama.cpp adapter, against a scripted context ---------------------------------------------------------
