@@ -10,6 +10,11 @@ points made before dtypes were recorded keep their keys and their runs still res
 A sweep config (conf/sweep/*.yaml) lists `models`, `budgets`, `schemes` and `policies`: each policy entry sets
 some point fields, and a list value expands into one point per element (a product over all list fields).
 `points` adds explicit points. Anything unset comes from the primary config.
+
+`peers` lists points measured by another implementation of a KV cache (harness/peers: llama.cpp, transformers'
+QuantizedCache), one entry per engine with its storage types (a list value expands, over `models` too). A peer
+point carries `engine` and `rotation` beside the fields its context needs; the harness's own points carry
+neither, so their keys are what they were before peers existed.
 """
 
 from __future__ import annotations
@@ -49,6 +54,18 @@ CALIBRATION_FIELDS = ("calibration_sequences", "calibration_tokens", "i0")
 EVICTION_FIELDS = ("eviction", "evict_keep", "evict_sinks", "evict_recent")
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
+PEER_FIELDS = ("engine", "rotation")
+HARNESS = "harness"  # the engine of every point without an `engine` field
+
+
+def engine(point) -> str:
+    """The engine that measures a point: HARNESS, or a peer of harness/peers."""
+    return point.get("engine", HARNESS)
+
+
+def without_peer_fields(point: dict) -> dict:
+    """The point with its peer fields dropped (a harness point is returned equal)."""
+    return {k: v for k, v in point.items() if k not in PEER_FIELDS}
 
 
 def _eviction_fields(cfg: DictConfig) -> dict:
@@ -131,6 +148,12 @@ def expand(cfg: DictConfig) -> list[dict]:
             points.append({**base, **combo})
     for entry in sweep.get("points") or []:
         points.append({**base, **{("policy" if k == "name" else k): v for k, v in entry.items()}})
+    for entry in sweep.get("peers") or []:
+        from harness.peers import peer_point  # the engines' storage types: only where peers are asked for
+
+        harness_base = _dedupe([base])[0]
+        for combo in _product({"model": axes["model"], **entry}):
+            points.append(peer_point(harness_base, combo))
     return _dedupe(points)
 
 

@@ -5,7 +5,9 @@ This module owns what a run is turned into for reading:
 - tables.md: the command and commit, per model and scheme the claim table (uniform, entropy, sinks and
   entropy + sinks at budget 4, beside the baseline), the full grid, the infeasible points, and every
   non-uniform point's difference to uniform at the same budget with its paired bootstrap 95% interval;
-- pareto-<model>-<scheme>.png/.svg: quality against true bytes per token with the Pareto frontier;
+- pareto-<model>-<scheme>.png/.svg: quality against true bytes per token with the Pareto frontier, peer engines'
+  points (harness.peers: llama.cpp, transformers' QuantizedCache) drawn beside with filled markers, and tables.md
+  listing each peer beside the harness point nearest to it in true bytes;
 - entropy-<model>.png (H2 per layer and query head) and allocation-<model>.png (bits per layer and KV head).
 
 Every table and figure is its own function returning a DataFrame or a matplotlib Figure (Agg canvas, no
@@ -29,8 +31,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
 from omegaconf import OmegaConf
 
-from harness import results
-from harness.grid import EVICTION_FIELDS, POLICY_FIELDS
+from harness import peers, results
+from harness.grid import EVICTION_FIELDS, HARNESS, POLICY_FIELDS, engine
 from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, paired_difference_ci
 
 CLAIM_BUDGET = 4
@@ -52,6 +54,17 @@ WIDTH_LEVELS = (2, 3, 4, 8, 16)
 DEFAULT_N_BOOT = 1000
 EQUAL_BYTES_TOLERANCE = 0.005  # a comparison at "equal memory" holds true bytes per token within 0.5%
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+# Peers: filled markers none of MARKERS uses, 5 markers against 8 colours, so 40 peers differ in both
+PEER_MARKERS = ("p", "h", "8", "d", "H")
+PEER_COLUMNS = (
+    "bytes_per_token",
+    "compression_true",
+    "ppl",
+    "ppl_base",
+    "ppl_ratio",
+    "kl_mean",
+    "top1_agree",
+)
 SVG_SALT = "kvbits"  # fixed ids in SVG output, so a regenerated report is byte-identical
 
 
@@ -107,8 +120,18 @@ def _positive(value) -> bool:
 
 
 def configuration(row: Mapping) -> str:
-    """A point's configuration without its budget and scheme, e.g. 'entropy a=0.25 + sinks H2<0.5 + h2o keep 0.33'."""
+    """A point's configuration without its budget and scheme, e.g. 'entropy a=0.25 + sinks H2<0.5 + h2o keep 0.33';
+    a peer engine's point is named by harness.peers.label, e.g. 'llama.cpp q4_0 + rotation'."""
+    if engine(row) != HARNESS:
+        return peers.label(row)
     return _policy_label(row) + _storage_label(row)
+
+
+def _is_harness(frame: pd.DataFrame) -> pd.Series:
+    """Rows of the harness's own points (a table without an engine column has no other)."""
+    if "engine" not in frame:
+        return pd.Series(True, index=frame.index)
+    return frame["engine"].fillna(HARNESS) == HARNESS
 
 
 def claim_rank(row: Mapping) -> tuple:
@@ -142,7 +165,7 @@ def _ordered(frame: pd.DataFrame) -> pd.DataFrame:
 
 def groups(frame: pd.DataFrame) -> list[tuple[str, str]]:
     """(model, scheme) of every quantized point, sorted; the baseline (scheme 'none') belongs to its model."""
-    quantized = frame[frame["policy"] != "baseline"]
+    quantized = frame[(frame["policy"] != "baseline") & _is_harness(frame)]
     return sorted({(m, s) for m, s in zip(quantized["model"], quantized["scheme"])})
 
 
@@ -214,6 +237,46 @@ def grid_table(frame: pd.DataFrame) -> pd.DataFrame:
     ok.insert(0, "configuration", [configuration(r) for r in ok.to_dict("records")])
     ok = ok.sort_values(["model", "scheme", "budget", "policy", "configuration", "key"])
     return ok[["model", "scheme", "budget", "configuration", *results.METRICS, "key"]]
+
+
+def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
+    """Every ok peer point beside the harness point nearest to it in true bytes per token (ratio of bytes closest
+    to 1; of equally near points the lowest ppl_ratio), same model. A peer's ppl_ratio and KL are against its own
+    unquantized cache (llama.cpp: its f16 cache), the harness's against the harness's baseline."""
+    ok = frame[(frame["status"] == "ok") & np.isfinite(frame["bytes_per_token"].astype(float))]
+    ours = ok[_is_harness(ok) & (ok["policy"] != "baseline")]
+    rows = []
+    for peer in ok[~_is_harness(ok)].to_dict("records"):
+        row = {"model": peer["model"], "peer": configuration(peer), **{c: peer[c] for c in PEER_COLUMNS}}
+        mine = ours[ours["model"] == peer["model"]]
+        if len(mine):
+            distance = np.abs(np.log(mine["bytes_per_token"].astype(float) / peer["bytes_per_token"]))
+            near = mine[np.isclose(distance, distance.min())]
+            best = (
+                near.loc[near["ppl_ratio"].astype(float).idxmin()]
+                if near["ppl_ratio"].notna().any()
+                else near.iloc[0]
+            )
+            row.update(
+                {
+                    "harness": f"{best['scheme']} b{best['budget']:g} {configuration(best)}",
+                    **{
+                        f"harness {c}": best[c]
+                        for c in ("bytes_per_token", "ppl_ratio", "kl_mean", "top1_agree")
+                    },
+                }
+            )
+        rows.append({**row, "key": peer["key"]})
+    columns = [
+        "model",
+        "peer",
+        *PEER_COLUMNS,
+        "harness",
+        *(f"harness {c}" for c in ("bytes_per_token", "ppl_ratio", "kl_mean", "top1_agree")),
+        "key",
+    ]
+    table = pd.DataFrame(rows, columns=columns)
+    return table.sort_values(["model", "bytes_per_token", "peer"]) if len(table) else table
 
 
 def infeasible_table(frame: pd.DataFrame) -> pd.DataFrame:
@@ -293,7 +356,11 @@ def differences(
         key_of, is_reference = plain_pairing_key, is_plain
     else:
         raise ValueError(f"against: unknown {against!r}; allowed: uniform, plain")
-    ok = [r for r in records if r["status"] == "ok" and r["config"]["policy"] != "baseline"]
+    ok = [
+        r
+        for r in records
+        if r["status"] == "ok" and r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
+    ]
     references = {key_of(r["config"]): r for r in ok if is_reference(r["config"])}
     rows = []
     for record in ok:
@@ -458,6 +525,14 @@ def tables_markdown(
                 markdown_table(claim_table(frame, model, scheme, seed=seed)),
             ]
     parts += ["\n## Full grid (ok points)\n", markdown_table(grid_table(frame))]
+    beside = peer_table(frame)
+    if len(beside):
+        parts += [
+            "\n## Peer engines beside the nearest harness point in true bytes per token\n\n"
+            "A peer's ppl_ratio, kl_mean and top1_agree are against its own unquantized cache (ppl_base; llama.cpp: "
+            "its f16 cache), the harness's against the harness's baseline, on the same token windows.\n",
+            markdown_table(beside),
+        ]
     bad = infeasible_table(frame)
     if len(bad):
         parts += ["\n## Infeasible points\n", markdown_table(bad)]
@@ -518,20 +593,24 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
     """Four panels (kl_mean, ppl_ratio, bleu, token_match) against true bytes per token, frontier as steps.
 
     scheme=None: every scheme of the model on one plot, each label prefixed by its scheme.
+    Peer engines' points of the model are drawn on every plot, filled, each with its own marker; the frontier
+    is the harness's.
     """
-    points = frame[(frame["model"] == model) & (frame["status"] == "ok") & (frame["policy"] != "baseline")]
+    here = frame[(frame["model"] == model) & (frame["status"] == "ok") & (frame["policy"] != "baseline")]
+    here = here[np.isfinite(here["bytes_per_token"].astype(float))]
+    points, peer_points = here[_is_harness(here)], here[~_is_harness(here)]
     if scheme is not None:
         points = points[points["scheme"] == scheme]
-    points = points[np.isfinite(points["bytes_per_token"].astype(float))]
+    peer_labels = sorted({configuration(r) for r in peer_points.to_dict("records")})
     if scheme is None:
         label_of = lambda r: f"{r['scheme']}: {configuration(r)}"
     else:
         label_of = configuration
     labels = list(dict.fromkeys(label_of(r) for r in _ordered(points).to_dict("records")))
     base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
-    legend_columns = 2 if len(labels) > 12 else 4
-    legend_rows = -(-(len(labels) + 2) // legend_columns)
-    fig = _figure(12 if len(labels) > 12 else 10, 7 + 0.2 * legend_rows)
+    legend_columns = 2 if len(labels) + len(peer_labels) > 12 else 4
+    legend_rows = -(-(len(labels) + len(peer_labels) + 2) // legend_columns)
+    fig = _figure(12 if len(labels) + len(peer_labels) > 12 else 10, 7 + 0.2 * legend_rows)
     axes = fig.subplots(2, 2).ravel()
     for ax, metric in zip(axes, HIGHER_IS_BETTER):
         for i, label in enumerate(labels):
@@ -546,6 +625,18 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
                 edgecolors=matplotlib.colormaps["tab10"](i % 10),
                 label=label,
                 zorder=3,
+            )
+        for j, label in enumerate(peer_labels):
+            mine = peer_points[[configuration(r) == label for r in peer_points.to_dict("records")]]
+            ax.scatter(
+                mine["bytes_per_token"],
+                mine[metric],
+                marker=PEER_MARKERS[j % len(PEER_MARKERS)],
+                color=matplotlib.colormaps["Dark2"](j % 8),
+                edgecolors="black",
+                linewidths=0.5,
+                label=label,
+                zorder=4,
             )
         edge = frontier(points, metric)
         if len(edge):
@@ -605,6 +696,7 @@ def allocation_point(records: list[dict], model: str) -> dict | None:
     point (budget 4 first, with or without a sink rule), else the first point with an allocation."""
     frame = results.table(records)
     mask = (frame["model"] == model) & (frame["status"] == "ok") & (frame["policy"] != "baseline")
+    mask &= _is_harness(frame)
     if not mask.any():
         return None
 
@@ -683,7 +775,7 @@ def write_report(
     varies_storage = any(
         not is_plain({**r["config"], "policy": "uniform"})
         for r in records
-        if r["config"]["policy"] != "baseline"
+        if r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
     )
     plain_diffs = differences(records, n_boot, seed, against="plain") if varies_storage else None
     diffs = differences(records, n_boot, seed)

@@ -13,7 +13,15 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.grid import CALIBRATION_FIELDS, EVAL_FIELDS, EVICTION_FIELDS, POLICY_FIELDS, QUANT_FIELDS
+from harness.grid import (
+    CALIBRATION_FIELDS,
+    EVAL_FIELDS,
+    EVICTION_FIELDS,
+    HARNESS,
+    PEER_FIELDS,
+    POLICY_FIELDS,
+    QUANT_FIELDS,
+)
 from harness.io import write_parquet_atomic
 from harness.precision import DEFAULT as DEFAULT_DTYPE
 
@@ -27,6 +35,7 @@ CONFIG_FIELDS = (
     *CALIBRATION_FIELDS,
     "data_path",
     "seed",
+    *PEER_FIELDS,
 )
 METRICS = (
     "bleu",
@@ -73,9 +82,11 @@ def flatten(record: dict) -> dict:
     (`resolved`, e.g. bos_used, native_bf16) and its metrics.
 
     List-valued configuration (widths) is stored as its JSON text, as in the runner's results.parquet, so the
-    column has one type. Records made before the model dtype was recorded ran in float32 and say so here.
+    column has one type. Records made before the model dtype was recorded ran in float32 and say so here. `engine` is HARNESS for the
+    harness's own points (their configs have none).
     """
-    config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in record["config"].items()}
+    config = {"engine": HARNESS, **record["config"]}
+    config = {k: (json.dumps(v) if isinstance(v, list) else v) for k, v in config.items()}
     return {
         "key": record["key"],
         "status": record["status"],

@@ -1,5 +1,6 @@
 """Runs grid points: per model one load, one calibration (cached on disk), one baseline and one shared
 full-precision prefill; then every point's allocation, quantized cache and metrics; one JSON per point.
+A peer point (another engine's cache, harness.peers) is measured by its engine on the same context.
 
 Resumability: a point's JSON is written atomically under <run_dir>/points/<key>.json and a point whose file
 exists is skipped, so a run killed at any moment (SIGKILL included) resumes with no point lost or repeated.
@@ -18,13 +19,13 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from harness import data, evaluate, metrics, precision, results
+from harness import data, evaluate, metrics, peers, precision, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, Storage, element_price, shape_from_config
 from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.fused_attention import use_fused_attention
-from harness.grid import NO_EVICTION, point_key
+from harness.grid import HARNESS, NO_EVICTION, engine, point_key, without_peer_fields
 from harness.io import write_json_atomic, write_parquet_atomic
 from harness.models import load_model, model_spec
 from harness.policies import MEASURED_POLICIES, allocate
@@ -54,6 +55,7 @@ class ModelContext:
     sensitivity: dict = field(default_factory=dict)  # (scheme, widths) -> harness.sensitivity table, lazily
     shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
     bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
+    peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
 
 
 def context_key(point: dict) -> tuple:
@@ -309,6 +311,24 @@ def baseline_record(ctx: ModelContext) -> dict:
     }
 
 
+def _measure_harness_point(ctx: ModelContext, point: dict, key: str) -> dict:
+    """A harness point's record body: its allocation, then its measurement (or infeasible, with the reason)."""
+    try:
+        alloc = allocation(ctx, point)
+    except ValueError as err:  # an allocation the budget cannot pay for: recorded, not fatal
+        return {"status": "infeasible", "error": str(err)}
+    # Points whose allocations coincide (e.g. every policy at the largest width) share one measurement.
+    mkey = measurement_key(point, alloc)
+    if mkey not in ctx.measured:
+        ctx.measured[mkey] = (key, measure(ctx, point, alloc))
+    first_key, result = ctx.measured[mkey]
+    return {
+        "status": "ok",
+        **result,
+        **({"same_measurement_as": first_key} if first_key != key else {}),
+    }
+
+
 def run(
     points: list[dict],
     run_dir: Path,
@@ -351,7 +371,7 @@ def run(
             contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir, backend, simulate)
             timings["models"][point["model"]] = ctx.timings
             base_point = {
-                **point,
+                **without_peer_fields(point),
                 "policy": "baseline",
                 "budget": 16,
                 "alpha": 0.0,
@@ -376,21 +396,10 @@ def run(
                 )
         ctx = contexts[ckey]
         t = time.perf_counter()
-        try:
-            alloc = allocation(ctx, point)
-        except ValueError as err:  # an allocation the budget cannot pay for: recorded, not fatal
-            result = {"status": "infeasible", "error": str(err)}
+        if engine(point) != HARNESS:
+            result = peers.measure(ctx, point)
         else:
-            # Points whose allocations coincide (e.g. every policy at the largest width) share one measurement.
-            mkey = measurement_key(point, alloc)
-            if mkey not in ctx.measured:
-                ctx.measured[mkey] = (key, measure(ctx, point, alloc))
-            first_key, result = ctx.measured[mkey]
-            result = {
-                "status": "ok",
-                **result,
-                **({"same_measurement_as": first_key} if first_key != key else {}),
-            }
+            result = _measure_harness_point(ctx, point, key)
         timings["points"][key] = time.perf_counter() - t
         record = {"key": key, "config": point, "resolved": resolved(ctx), **provenance, **result}
         write_json_atomic(run_dir / "points" / f"{key}.json", record)

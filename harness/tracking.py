@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.grid import point_key
+from harness.grid import HARNESS, engine, point_key
 
 MODES = ("online", "offline", "disabled")
 
@@ -37,7 +37,12 @@ def sync_command(run_dir: Path) -> str:
 
 
 def run_name(point: dict) -> str:
-    """A short readable name for a point's run, e.g. `gpt2 entropy b3 a0.5 sink>0.9 asym_token`."""
+    """A short readable name for a point's run, e.g. `gpt2 entropy b3 a0.5 sink>0.9 asym_token`, or for a peer
+    engine's point `smollm2-135m llama.cpp q4_0 + rotation`."""
+    if engine(point) != HARNESS:
+        from harness.peers import label
+
+        return f"{point['model']} {label(point)}"
     if point.get("sink_threshold") is not None:
         sinks = f"sink>{point['sink_threshold']}"
     elif point.get("sink_fraction") is not None:

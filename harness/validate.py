@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from harness import io, precision
 from harness.data import BOS_RULES
-from harness.grid import expand
+from harness.grid import HARNESS, engine, expand
 from harness.models import model_spec, unknown_name_message
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
@@ -61,6 +61,12 @@ def _check_point(point: dict, backend: str = "auto") -> None:
 
     try:
         model_spec(point["model"])
+        if engine(point) != HARNESS:
+            from harness.peers import check_point
+
+            _check_positive_ints(point)
+            check_point(point)
+            return
         if point["dtype"] not in precision.DTYPES:  # a sweep entry may set it; `auto` is resolved before here
             raise ValueError(
                 f"model.dtype: {point['dtype']!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
@@ -75,10 +81,7 @@ def _check_point(point: dict, backend: str = "auto") -> None:
             point["budget_mode"],
             point["budget_unit"],
         )
-        for name in POSITIVE_INTS:
-            value = point[name]
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{_key(name)}: {value!r} is not a positive integer")
+        _check_positive_ints(point)
         scheme = get_scheme(point["scheme"], point["group_size"], point["sink_tokens"], point["residual"])
         scheme.check_widths(point["widths"])
         check_backend(scheme, backend)
@@ -112,6 +115,13 @@ def _check_point(point: dict, backend: str = "auto") -> None:
         raise
     except ValueError as err:
         raise ConfigError(str(err).splitlines()[0]) from None
+
+
+def _check_positive_ints(point: dict) -> None:
+    for name in POSITIVE_INTS:
+        value = point[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{_key(name)}: {value!r} is not a positive integer")
 
 
 def _check_eviction_composes(eviction, scheme) -> None:
