@@ -73,7 +73,8 @@ def _bucket(
     raw = store.payload[:, start:end, first_byte : first_byte + Hw * ng * gb].unflatten(-1, (Hw, ng, gb))
     pieces = _pieces(_token_major_bytes(raw), w, g)  # (B, Hw, ng, Tb, g / k) each: bytes moved, not floats
     slots = slice(first_slot, first_slot + Hw)
-    s = store.scale[:, slots, start:end].transpose(2, 3).float()  # head-major (B, Hw, Tb, ng) -> (B, Hw, ng, Tb)
+    # scales and zeros are head-major: (B, Hw, Tb, ng) -> (B, Hw, ng, Tb)
+    s = store.scale[:, slots, start:end].transpose(2, 3).float()
     if store.symmetric:
         z = s * -float(1 << (w - 1))
     else:
