@@ -110,11 +110,11 @@ def test_every_scheme_round_trips_bf16_within_its_step(name, role):
     torch.manual_seed(scheme_names().index(name) + 100 * (role == "key"))
     x = (torch.randn(3, len(bits), 45, 64) * torch.logspace(-2, 2, 64) + 0.7).to(BF16)  # (B, H, T, D)
     scheme = get_scheme(name, group_size=g, residual=0)
-    got = scheme.new_store(bits, 64, 3, BF16, "cpu", role=role).append(x)
+    got = scheme.new_store(bits, 64, 3, BF16, "cpu", role=role, simulate=True).append(x)
     check_round_trip(name, role, x, got, bits, g)
-    fp32 = scheme.new_store(bits, 64, 3, torch.float32, "cpu", role=role).append(x.float())
+    fp32 = scheme.new_store(bits, 64, 3, torch.float32, "cpu", role=role, simulate=True).append(x.float())
     assert torch.equal(got, fp32.to(BF16)), name  # the same float32 arithmetic, one rounding at the end
-    store = scheme.new_store(bits, 64, 3, BF16, "cpu", role=role)
+    store = scheme.new_store(bits, 64, 3, BF16, "cpu", role=role, simulate=True)
     for start, stop in ((0, 5), (5, 6), (6, 29), (29, 45)):
         chunked = store.append(x[:, :, start:stop])
     check_round_trip(name, role, x, chunked, bits, g)
@@ -154,7 +154,9 @@ def test_bf16_groups_constant_zero_huge_never_give_nan_or_inf(name, role, kinds,
             block = torch.randn(shape)
         blocks.append(block)
     x = torch.cat(blocks, 2).to(BF16)  # (2, H, 32, 32)
-    store = get_scheme(name, group_size=g, residual=0).new_store(bits, 32, 2, BF16, "cpu", role=role)
+    store = get_scheme(name, group_size=g, residual=0).new_store(
+        bits, 32, 2, BF16, "cpu", role=role, simulate=True
+    )
     got = store.append(x)
     assert torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
     in_range = x.float().abs().max() <= FP16_MAX
@@ -220,13 +222,13 @@ def test_bf16_cache_at_16_bits_is_exactly_the_bf16_dynamic_cache(models, name):
     ref = chunked_logits(model, ids, dynamic, chunk=7)
     assert ref.dtype == BF16
     for scheme in ("asym_token", "kivi", "rotate+sym_token"):
-        cache = QuantizedKVCache(model.config, 16, prefill="quantized", scheme=scheme)
+        cache = QuantizedKVCache(model.config, 16, prefill="quantized", scheme=scheme, simulate=True)
         assert torch.equal(chunked_logits(model, ids, cache, chunk=7), ref), scheme
     full = calibrate.layer_types(model.config).index("full")  # a sliding window would drop the sinks
     bits = torch.full((len(cache.layers), max(kv_heads(model.config))), 4)
     bits[:full] = 16  # layer `full` sees exactly the hidden states the DynamicCache run saw
     cache = QuantizedKVCache(
-        model.config, bits, scheme="asym_token", sink_tokens=2, residual=3, group_size=16
+        model.config, bits, scheme="asym_token", sink_tokens=2, residual=3, group_size=16, simulate=True
     )
     got = chunked_logits(model, ids, cache, chunk=7)
     assert torch.isfinite(got).all() and not torch.equal(got, ref)
@@ -245,12 +247,16 @@ def test_bf16_teacher_forced_metrics_are_float32_and_zero_against_itself(models)
     seqs = torch.randint(0, 256, (2, 41))
     base = evaluate.teacher_forced(model, seqs, evaluate.dynamic_cache_factory(model), chunk=9)
     same = evaluate.teacher_forced(
-        model, seqs, lambda: QuantizedKVCache(model.config, 16), chunk=9, baseline=base
+        model, seqs, lambda: QuantizedKVCache(model.config, 16, simulate=True), chunk=9, baseline=base
     )
     assert base.nll.dtype == torch.float32 and same.kl.dtype == torch.float32
     assert torch.isfinite(base.nll).all() and torch.equal(same.kl, torch.zeros_like(same.kl))
     two = evaluate.teacher_forced(
-        model, seqs, lambda: QuantizedKVCache(model.config, 2, prefill="quantized"), chunk=9, baseline=base
+        model,
+        seqs,
+        lambda: QuantizedKVCache(model.config, 2, prefill="quantized", simulate=True),
+        chunk=9,
+        baseline=base,
     )
     assert torch.isfinite(two.kl).all() and two.kl.mean() > 1e-3
 
@@ -261,13 +267,17 @@ def test_bf16_eviction_scores_in_float32_and_keep_one_changes_nothing(models, na
     _, model = models["tiny-llama"]
     torch.manual_seed(3)
     prompts = torch.randint(0, 256, (2, 21))
-    want = evaluate.greedy_generate(model, prompts, 6, lambda: QuantizedKVCache(model.config, 16))
+    want = evaluate.greedy_generate(
+        model, prompts, 6, lambda: QuantizedKVCache(model.config, 16, simulate=True)
+    )
     for keep, bits in ((1.0, 16), (0.4, 4)):
         spec = EvictionSpec(name, keep=keep, sink_tokens=2)
         caches = []
 
         def factory(spec=spec, bits=bits, caches=caches):
-            caches.append(with_eviction(QuantizedKVCache(model.config, bits, group_size=16), spec))
+            caches.append(
+                with_eviction(QuantizedKVCache(model.config, bits, group_size=16, simulate=True), spec)
+            )
             return caches[-1]
 
         with attention_for(model, spec):
