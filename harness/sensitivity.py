@@ -52,12 +52,13 @@ Quantizer = Callable[[torch.Tensor, int, str], torch.Tensor]  # (x (B, Hkv, T, D
 
 
 def scheme_quantizer(scheme: Scheme) -> Quantizer:
-    """Store every head of x at one width in a fresh store of `scheme`; return what the store gives back."""
+    """Store every head of x at one width in a fresh store of `scheme`; return what the store holds, dequantized."""
 
     def quantize(x: torch.Tensor, width: int, role: str) -> torch.Tensor:
         B, H, _, D = x.shape  # (B, Hkv, T, D)
         store = scheme.new_store([width] * H, D, B, x.dtype, x.device, role=role)
-        return store.append(x)
+        store.append(x)
+        return store.dequantize()
 
     return quantize
 
