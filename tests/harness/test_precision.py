@@ -116,9 +116,9 @@ def test_every_committed_point_keeps_its_key():
     records = [json.loads(p.read_text()) for p in paths]
     records = [r for r in records if "config" in r and "key" in r]
     assert records, "no committed points to check"
-    for r in records:
-        assert "dtype" not in r["config"]
-        assert point_key({**r["config"], "dtype": "float32"}) == r["key"]
+    for r in records:  # made before the dtype was recorded (float32), or with it in the config
+        config = r["config"] if "dtype" in r["config"] else {**r["config"], "dtype": "float32"}
+        assert point_key(config) == r["key"], r["key"]
 
 
 def test_rows_of_records_without_a_dtype_say_float32():
