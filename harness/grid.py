@@ -153,7 +153,7 @@ def expand(cfg: DictConfig) -> list[dict]:
 
         harness_base = _dedupe([base])[0]
         for combo in _product({"model": axes["model"], **entry}):
-            points.append(peer_point(harness_base, combo))
+            points.append({**peer_point(harness_base, combo), **NO_EVICTION})
     return _dedupe(points)
 
 

@@ -10,16 +10,13 @@ Engines (a point's `engine`; the harness's own points have none, harness.grid.HA
 A peer point's `scheme` is the engine's storage type (q4_0, int4, ...), its `budget` the width of one code
 (`mean_bits`), its `policy` the engine's name (W&B job type, table label).
 This module owns the engine table, making and checking peer points, their labels, and dispatching a
-measurement to the engine.
+measurement to the engine (harness/peers/record.py turns a measurement into a record).
 """
 
 from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from functools import cache
-
-from harness.grid import NO_EVICTION
 
 # engine -> (its storage types: name -> bits of one code, the module it needs, its install hint)
 LLAMACPP_TYPES = {"f16": 16, "q8_0": 8, "q5_1": 5, "q5_0": 5, "q4_1": 4, "q4_0": 4, "iq4_nl": 4}
@@ -69,8 +66,7 @@ def peer_point(base: Mapping, fields: Mapping) -> dict:
         "sink_threshold": None,
         "sink_fraction": None,
         "policy_seed": 0,
-        **NO_EVICTION,
-    }
+    }  # no eviction: harness.grid sets the eviction fields
 
 
 def check_point(point: Mapping) -> None:
@@ -99,42 +95,6 @@ def label(row: Mapping) -> str:
     from harness.peers.quantized_cache import GROUP_SIZE, RESIDUAL
 
     return f"transformers {row['engine']} {row['scheme']} (g{GROUP_SIZE}, residual {RESIDUAL})"
-
-
-@cache
-def model_shape(model: str):
-    """harness.capacity's layer shapes of a registered model (from its config; no weights loaded)."""
-    from harness.capacity import shape_from_registry
-
-    return shape_from_registry(model)
-
-
-def fp16_bytes(model: str, tokens: int, sequences: int) -> int:
-    """Bytes of an unquantized 2-byte K/V cache of `sequences` sequences of `tokens` tokens."""
-    from harness.capacity import cache_bytes
-
-    return cache_bytes(model_shape(model), tokens, 16, batch=sequences).fp16_bytes
-
-
-def record(base, run, bits: int, held_bytes: float, fp16_bytes: float, tokens: int) -> dict:
-    """A peer's record body from its teacher-forced run against `base` (harness.evaluate.TeacherForced, same
-    sequences) and the bytes its cache held (true and at fp16) for `tokens` tokens in all."""
-    from harness import metrics
-
-    items = {k: v.tolist() for k, v in metrics.teacher_forced_items(base, run).items()}
-    return {
-        "status": "ok",
-        "metrics": {
-            **metrics.teacher_forced_metrics(base, run),
-            "mean_bits": float(bits),
-            "compression_nominal": 16.0 / bits,
-            "compression_true": fp16_bytes / held_bytes,
-            "bytes_per_token": held_bytes / tokens,
-            "n_sinks": 0,
-            "tokens_kept_fraction": 1.0,
-        },
-        "items": items,
-    }
 
 
 def measure(ctx, point: dict) -> dict:

@@ -60,7 +60,7 @@ KV_TYPES = {
 def cache_bytes(model: str, kv_type: str, tokens: int) -> int:
     """Bytes a cache of `kv_type` K and V holds for one sequence of `tokens` tokens of a registered model."""
     from harness.capacity import Storage, held_tokens
-    from harness.peers import model_shape
+    from harness.peers.record import model_shape
 
     kind = KV_TYPES[kv_type]
     total = 0
@@ -165,7 +165,7 @@ def teacher_forced(
 def measure(ctx, point: dict) -> dict:
     """A llamacpp point's record body on ctx's teacher-forced sequences, against llama.cpp's f16 cache."""
     from harness.models import gguf_path, model_spec
-    from harness.peers import fp16_bytes, record
+    from harness.peers.record import fp16_bytes, record
 
     path = gguf_path(model_spec(point["model"]))
     chunk = point["chunk"]

@@ -58,7 +58,7 @@ def make_cache(backend: str, config, bits: int) -> transformers.QuantizedCache:
 
 def measure(ctx, point: dict) -> dict:
     """A quanto / hqq point's record body on ctx's teacher-forced sequences, against ctx's baseline."""
-    from harness.peers import fp16_bytes, record
+    from harness.peers.record import fp16_bytes, record
 
     backend, bits = point["engine"], point["budget"]
     try:
