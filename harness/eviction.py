@@ -33,9 +33,6 @@ from harness.cache import QuantizedKVCache, QuantizedLayer
 from harness.models import unknown_name_message
 
 POLICIES = ("none", "streaming", "h2o")
-# The attribute of a key tensor returned by an h2o layer's update: the layer, which harness/scored_attention.py's
-# attention hands the attention probabilities' column sums to.
-SCORER_ATTR = "_kv_eviction_scorer"
 
 
 def _is_number(x) -> bool:
@@ -148,6 +145,8 @@ class EvictingLayer(QuantizedLayer):
         if self.spec.needs_scores:
             new_scores = torch.zeros(B, Tn, device=key_states.device)
             self.scores = new_scores if self.scores is None else torch.cat([self.scores, new_scores], dim=1)
+            from harness.scored_attention import SCORER_ATTR  # imports the Triton decode kernel module
+
             setattr(keys, SCORER_ATTR, self)
             self._scores_due = True
         return keys, values

@@ -36,6 +36,7 @@ import torch
 from harness import precision
 from harness.capacity import Storage, element_price, shape_from_config
 from harness.data import BOS_RULES, uses_bos
+from harness.passkey_report import BASELINE
 from harness.policies import BUDGET_UNITS
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -47,7 +48,6 @@ FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. T
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
 PREFILL_MODES = ("exact", "quantized")
-BASELINE = "baseline"
 
 
 # ------------------------------------------------------------------------------------------------ prompts

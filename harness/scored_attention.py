@@ -2,7 +2,7 @@
 
 This module owns the glue between transformers' attention interface and harness/eviction.py's H2O-style
 scores. An evicting layer that needs scores tags the key tensor its `update` returns with itself (attribute
-harness.eviction.SCORER_ATTR); this attention then
+SCORER_ATTR); this attention then
 - computes the output exactly as the model's usual attention would (harness/fused_attention.py's
   kv_packed_attention: SDPA, or the fused packed decode for triton-backed decode steps), so eviction that
   evicts nothing changes no logit;
@@ -25,8 +25,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from harness.eviction import SCORER_ATTR
 from harness.fused_attention import kv_packed_attention
+
+# The attribute of a key tensor returned by an h2o layer's update (harness/eviction.py): the layer, which this
+# attention hands the attention probabilities' column sums to.
+SCORER_ATTR = "_kv_eviction_scorer"
 
 NAME = "kv_scored_sdpa"
 
