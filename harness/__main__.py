@@ -9,11 +9,11 @@ clean tree unless allow_dirty=true), then what the model's config and tokenizer 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
+from harness.io import CONF_DIR
 from harness.validate import (
     ConfigError,
     check_model_inputs,
@@ -22,8 +22,6 @@ from harness.validate import (
     protocol,
     validate_config,
 )
-
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

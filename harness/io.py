@@ -21,6 +21,8 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the Hydra config folder
+
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "results"
 PACKAGES = (

@@ -36,10 +36,10 @@ import torch
 from harness import precision
 from harness.capacity import Storage, element_price, shape_from_config
 from harness.data import BOS_RULES, uses_bos
+from harness.io import CONF_DIR
 from harness.passkey_report import BASELINE
 from harness.policies import BUDGET_UNITS
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there."
@@ -228,10 +228,10 @@ def policy_config(name: str) -> dict:
 
     from harness.models import unknown_name_message
 
-    names = sorted(p.stem for p in (CONF_DIR / "policy").glob("*.yaml"))
+    names = sorted(p.stem for p in (Path(CONF_DIR) / "policy").glob("*.yaml"))
     if name not in names:
         raise ValueError(unknown_name_message("passkey.policies", name, names))
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"policy={name}"])
     return OmegaConf.to_container(cfg.policy, resolve=True)
 

@@ -287,8 +287,8 @@ def _check_context(args) -> tuple[DictConfig, dict, Scheme]:
     """The composed config, the point the overrides describe and its scheme, validated before any model loads."""
     from hydra import compose, initialize_config_dir
 
-    from harness.__main__ import CONF_DIR
     from harness.grid import base_point
+    from harness.io import CONF_DIR
     from harness.quant import get_scheme
     from harness.validate import check_model_inputs, preflight_overrides, validate_config
 
