@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from harness.registry import unknown_name_message
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 from kernels.reference import packed_dim
 
@@ -256,8 +257,6 @@ PRESETS = {
 
 def shape_from_preset(name: str) -> ModelShape:
     from transformers import AutoConfig
-
-    from harness.models import unknown_name_message
 
     if name not in PRESETS:
         raise ValueError(unknown_name_message("capacity.preset", name, sorted(PRESETS)))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.cache import QuantizedKVCache, QuantizedLayer
-from harness.models import unknown_name_message
+from harness.registry import unknown_name_message
 
 POLICIES = ("none", "streaming", "h2o")
 

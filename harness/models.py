@@ -13,7 +13,6 @@ Nothing here reaches a model hub: every load passes local_files_only.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.util
 from functools import cache
@@ -23,6 +22,7 @@ import torch
 import yaml
 
 from harness.precision import torch_dtype
+from harness.registry import unknown_name_message
 
 CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 
@@ -33,13 +33,6 @@ class ModelUnavailable(RuntimeError):
 
 def model_names() -> list[str]:
     return sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))
-
-
-def unknown_name_message(key: str, name: str, known: list[str]) -> str:
-    """One line for an unknown name: the key, the close matches, and everything allowed."""
-    close = difflib.get_close_matches(str(name), known, n=1)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    return f"{key}: unknown {name!r}{hint}; allowed: {', '.join(known)}"
 
 
 @cache

@@ -39,6 +39,7 @@ from harness.data import BOS_RULES, uses_bos
 from harness.io import CONF_DIR
 from harness.passkey_report import BASELINE
 from harness.policies import BUDGET_UNITS
+from harness.registry import unknown_name_message
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -225,8 +226,6 @@ def policy_config(name: str) -> dict:
     """conf/policy/<name>.yaml, composed by Hydra (defaults included), as a plain dict."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    from harness.models import unknown_name_message
 
     names = sorted(p.stem for p in (Path(CONF_DIR) / "policy").glob("*.yaml"))
     if name not in names:

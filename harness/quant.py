@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from harness.models import unknown_name_message
+from harness.registry import unknown_name_message
 from harness.stores import ChannelStore, Fp8Store, ResidualStore, RotatedStore, SinkStore
 from kernels.layout import FULL_WIDTH, PackedStore
 

@@ -16,7 +16,8 @@ from omegaconf import DictConfig
 from harness import io, precision
 from harness.data import BOS_RULES
 from harness.grid import HARNESS, engine, expand
-from harness.models import model_spec, unknown_name_message
+from harness.models import model_spec
+from harness.registry import unknown_name_message
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
 POSITIVE_INTS = (
