@@ -25,10 +25,12 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from harness import precision
+from harness.metrics import format_difference, paired_difference_ci
 from harness.models import model_spec
 
 PROTOCOL = "claim"
@@ -282,8 +284,38 @@ def claim1_table(measured: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _item_statistics(row: dict) -> dict:
+    """Per-resample statistics of one row from its per-sequence items: mean BLEU, mean token match, and the
+    PPL ratio exp(mean NLL - mean baseline NLL) (every sequence has the same length)."""
+    items = {name: np.asarray(values) for name, values in row["items"].items()}  # each (num_sequences,)
+    return {
+        "BLEU": lambda idx: items["bleu_tok"][idx].mean(),
+        "Token match": lambda idx: items["token_match"][idx].mean(),
+        "PPL ratio": lambda idx: math.exp(items["nll"][idx].mean() - items["nll_base"][idx].mean()),
+    }
+
+
+def differences_table(measured: list[dict], n_boot: int = 1000, seed: int = 0) -> str:
+    """Every row minus the first (uniform at the budget), paired over the same sequences: the difference, its
+    expanded percentile bootstrap 95% interval and n (harness.metrics.format_difference)."""
+    reference = _item_statistics(measured[0])
+    lines = ["| Config | BLEU | Token match | PPL ratio |", "|---|---|---|---|"]
+    for row in measured[1:]:
+        mine = _item_statistics(row)
+        n = len(row["items"]["nll"])
+        cells = []
+        for name, statistic in mine.items():
+            everything = np.arange(n)
+            difference = statistic(everything) - reference[name](everything)
+            low, high = paired_difference_ci(statistic, reference[name], n, n_boot, seed)
+            cells.append(format_difference(difference, low, high, low > 0 or high < 0, n))
+        lines.append(f"| {row['label']} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 def render(s: ClaimSettings, measured: list[dict], command: str) -> str:
-    """tables.md: the command, what was measured, then Claim 2's and Claim 1's tables."""
+    """tables.md: the command, what was measured, then Claim 2's and Claim 1's tables and every row's paired
+    difference to the first (uniform)."""
     positions = ", ".join(map(str, s.calibration_positions))
     return f"""# Claim protocol on {s.model}
 
@@ -306,7 +338,35 @@ the mask frees no memory.
 ## Claim 1 (claim protocol on {s.model})
 
 {claim1_table(measured)}
+
+## Paired differences to {measured[0]["label"]} (95% interval over the {s.num_sequences} sequences)
+
+{differences_table(measured)}
 """
+
+
+def rerender(run_dir: Path) -> str:
+    """tables.md of a finished claim run, rewritten from its rows.json and env.json (no model loads)."""
+    stored = json.loads((run_dir / "rows.json").read_text())
+    command = json.loads((run_dir / "env.json").read_text())["command"]
+    settings_ = ClaimSettings(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in stored["settings"].items()}
+    )
+    return render(settings_, stored["rows"], command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m harness.claim RUN_DIR...`: rewrite each claim run's tables.md from its stored rows."""
+    from harness.io import write_text_atomic
+
+    for name in argv if argv is not None else sys.argv[1:]:
+        run_dir = Path(name)
+        write_text_atomic(run_dir / "tables.md", rerender(run_dir))
+        print(run_dir / "tables.md")
+
+
+if __name__ == "__main__":
+    main()
 
 
 def run(cfg: DictConfig) -> list[dict]:

@@ -257,3 +257,14 @@ def bootstrap_cis(
     return {
         name: bootstrap_ci(statistic, n_items, n_boot, seed, level) for name, statistic in statistics.items()
     }
+
+
+def format_difference(difference: float, low: float, high: float, excludes_zero: bool, n: int) -> str:
+    """'+0.012 [-0.004, +0.031] n=32', bold when the interval excludes zero; 'n=8 too small' below
+    MIN_PAIRED_UNITS paired items; '—' without a uniform partner."""
+    if math.isnan(difference):
+        return "—"
+    if n < MIN_PAIRED_UNITS:
+        return f"{difference:+.3g} (n={n} too small for an interval)"
+    text = f"{difference:+.3g} [{low:+.3g}, {high:+.3g}] n={n}"
+    return f"**{text}**" if excludes_zero else text

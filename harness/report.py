@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 
 from harness import peers, results
 from harness.grid import EVICTION_FIELDS, HARNESS, POLICY_FIELDS, engine
-from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, paired_difference_ci
+from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, format_difference, paired_difference_ci
 
 CLAIM_BUDGET = 4
 CLAIM_ALPHA = 0.25
@@ -422,17 +422,6 @@ def differences(
 def _bytes_ratio(record: dict, reference: dict) -> float:
     mine, theirs = record["metrics"].get("bytes_per_token"), reference["metrics"].get("bytes_per_token")
     return mine / theirs if mine and theirs else math.nan
-
-
-def format_difference(difference: float, low: float, high: float, excludes_zero: bool, n: int) -> str:
-    """'+0.012 [-0.004, +0.031] n=32', bold when the interval excludes zero; 'n=8 too small' below
-    MIN_PAIRED_UNITS paired items; '—' without a uniform partner."""
-    if math.isnan(difference):
-        return "—"
-    if n < MIN_PAIRED_UNITS:
-        return f"{difference:+.3g} (n={n} too small for an interval)"
-    text = f"{difference:+.3g} [{low:+.3g}, {high:+.3g}] n={n}"
-    return f"**{text}**" if excludes_zero else text
 
 
 def difference_table(diffs: pd.DataFrame) -> pd.DataFrame:

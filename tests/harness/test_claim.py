@@ -114,7 +114,8 @@ def test_top_k_keeps_ceil_visible_over_factor_per_row(shape, factor):
 
 def test_tables_in_the_claims_format():
     s = claim.settings(compose_cfg(*TINY))
-    base = dict(model="m", architecture="hybrid (full + sliding) + GQA", first_divergence=1.0)
+    items = {"bleu_tok": [0.5, 0.6], "token_match": [0.5, 0.5], "nll": [2.1, 2.0], "nll_base": [2.0, 2.0]}
+    base = dict(model="m", architecture="hybrid (full + sliding) + GQA", first_divergence=1.0, items=items)
     measured = [
         dict(
             base,
@@ -192,7 +193,11 @@ def test_protocol_end_to_end_writes_tables_and_rows(tmp_path):
     assert combined["ppl_ratio"] != uniform["ppl_ratio"]  # the top-k mask changes what attention reads
     saved = json.loads((tmp_path / "rows.json").read_text())
     assert saved["settings"]["model"] == "tiny-llama" and len(saved["rows"]) == 4
-    assert (tmp_path / "tables.md").read_text().startswith("# Claim protocol on tiny-llama")
+    tables = (tmp_path / "tables.md").read_text()
+    assert tables.startswith("# Claim protocol on tiny-llama") and "n=2 too small for an interval" in tables
+    (tmp_path / "tables.md").unlink()
+    claim.main([str(tmp_path)])  # rewritten from rows.json and env.json alone
+    assert (tmp_path / "tables.md").read_text() == tables
 
 
 def test_gpt2_without_local_weights_stops_with_the_models_message(tmp_path):
@@ -210,3 +215,34 @@ def test_gpt2_without_local_weights_stops_with_the_models_message(tmp_path):
         "error: model gpt2: weights of gpt2 are not on this machine"
     )
     assert "HF_HOME" in lines[0] and not (tmp_path / "run").exists()
+
+
+def _claim_row(label: str, rng, n: int, shift: float) -> dict:
+    base = rng.uniform(2.0, 3.0, n)
+    return {
+        "label": label,
+        "items": {
+            "bleu_tok": list(rng.uniform(0, 1, n)),
+            "token_match": list(rng.uniform(0, 1, n)),
+            "nll": list(base + shift + rng.normal(0, 0.01, n)),
+            "nll_base": list(base),
+        },
+    }
+
+
+def test_paired_differences_recover_a_known_shift_and_refuse_small_n():
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    uniform = _claim_row("Uniform 4-bit", rng, 16, 0.05)
+    worse = _claim_row("Worse", rng, 16, 0.25)
+    worse["items"]["nll_base"] = uniform["items"]["nll_base"]
+    table = claim.differences_table([uniform, worse])
+    cell = table.splitlines()[-1].split("|")[4].strip()  # the PPL ratio column
+    expected = math.exp(np.mean(worse["items"]["nll"]) - np.mean(uniform["items"]["nll_base"])) - math.exp(
+        np.mean(uniform["items"]["nll"]) - np.mean(uniform["items"]["nll_base"])
+    )
+    assert cell.startswith("**") and "n=16" in cell  # a 0.2-nat shift with 0.01 noise is significant
+    assert float(cell.strip("*").split()[0]) == pytest.approx(expected, rel=1e-2)
+    small = claim.differences_table([_claim_row("U", rng, 8, 0.0), _claim_row("W", rng, 8, 0.2)])
+    assert small.count("n=8 too small for an interval") == 3 and "[" not in small
