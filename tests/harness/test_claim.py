@@ -236,7 +236,8 @@ def test_paired_differences_recover_a_known_shift_and_refuse_small_n():
     rng = np.random.default_rng(7)
     uniform = _claim_row("Uniform 4-bit", rng, 16, 0.05)
     worse = _claim_row("Worse", rng, 16, 0.25)
-    worse["items"]["nll_base"] = uniform["items"]["nll_base"]
+    base = np.asarray(uniform["items"]["nll_base"])  # the same sequences: one baseline
+    worse["items"].update(nll=list(base + 0.25 + rng.normal(0, 0.01, 16)), nll_base=list(base))
     table = claim.differences_table([uniform, worse])
     cell = table.splitlines()[-1].split("|")[4].strip()  # the PPL ratio column
     expected = math.exp(np.mean(worse["items"]["nll"]) - np.mean(uniform["items"]["nll_base"])) - math.exp(
