@@ -149,9 +149,8 @@ def main(argv: list[str] | None = None) -> None:
                "weights_gib": weights / 2**30, "note": ""}  # fmt: skip
         row["mean_bits"] = 16 if kind == "dynamic" else 4 if kind == "mixed" else int(kind)
         try:
-            with installed(
-                model, PACKED
-            ):  # decode steps of the triton caches read the packed K/V; the rest SDPA
+            # decode steps of the triton caches read the packed K/V; the rest is SDPA
+            with installed(model, PACKED):
                 m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
             row.update(
                 prefill_s=m["prefill_s"], decode_s=m["decode_s"],

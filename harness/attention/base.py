@@ -80,9 +80,12 @@ def _registered(name: str, forward: Callable, mask: Callable) -> Iterator[None]:
 
 @contextmanager
 def installed(model, implementation: Implementation, state=None) -> Iterator[object]:
-    """Within the block `model` attends through `implementation` with `state` (None: a new_state() one, if the
-    implementation makes one); yields the state. Everything is as it was after the block, exceptions included."""
-    if state is None and implementation.new_state is not None:
+    """Within the block `model` attends through `implementation` with `state` (None: a new_state() one, for an
+    implementation that makes one); yields the state. Everything is as it was after the block, exceptions
+    included."""
+    if state is None:
+        if implementation.new_state is None:
+            raise ValueError(f"{implementation.name}: installed needs the state this implementation reads")
         state = implementation.new_state()
     previous = model.config._attn_implementation
     with _registered(implementation.name, partial(implementation.forward, state), implementation.mask):

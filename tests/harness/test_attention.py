@@ -101,3 +101,11 @@ def test_a_step_is_read_only_for_the_key_it_was_posted_with(llama):
         llama(input_ids=ids, past_key_values=QuantizedKVCache(llama.config, 2, prefill="quantized"))
         got = llama(input_ids=ids, past_key_values=DynamicCache(config=llama.config)).logits
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_an_implementation_that_reads_a_state_needs_one(llama):
+    before, registered = llama.config._attn_implementation, registries()
+    with pytest.raises(ValueError, match="harness_claim_qdq: installed needs the state"):
+        with installed(llama, QDQ):
+            pass
+    assert llama.config._attn_implementation == before and registries() == registered
