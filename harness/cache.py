@@ -17,23 +17,22 @@ Reads go through the quantized form: every query attends the stored (quantized) 
 full-precision K/V, as a prefill computed once in full precision and then stored quantized would.
 Backends (`backend=`, resolved per layer from the device of its first K/V):
 - `torch`: kernels.layout's torch quantizer writes; by default (`simulate=False`) the stores hold only the
-  stored form and `update` returns the new K/V as placeholders, the key tagged with a `PackedStep` holding the
-  layer's stores, which harness/fused_attention.py's attention hands to kernels/packed_attention.py (decode
+  stored form and `update` returns the new K/V as placeholders and posts a `PackedStep` holding the layer's
+  stores for harness/attention/packed.py's attention, which hands it to kernels/packed_attention.py (decode
   steps and prefill chunks alike, blockwise, nothing of the context dequantized into memory). With
   `simulate=True` (quant.simulate: fast quality sweeps) each store also keeps a full-precision working copy and
   `update` returns the dequantized K/V for the model's own attention: the same metrics within float summation
   order, at the memory of an unquantized cache;
 - `triton`: new tokens are written by kernels.quantize.quantize_into (no dequantized copy is kept). A prefill
   (more than one new token) dequantizes the store once and attends through SDPA as above; a decode step (one
-  new token) dequantizes nothing: `update` returns the new K/V as placeholders, the key tagged with a
-  `DecodeStep` holding the layer's stores, which harness/fused_attention.py's attention hands to
-  kernels.decode_attention. The model must use that attention implementation (`use_fused_attention(model)`);
-  a decode step left unattended makes the layer's next update raise;
+  new token) dequantizes nothing: `update` returns the new K/V as placeholders and posts a `DecodeStep`
+  holding the layer's stores, which harness/attention/packed.py's attention hands to kernels.decode_attention;
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
 schemes auto is torch and an explicit triton is a ValueError (harness.quant.check_backend).
-The model must attend through harness.fused_attention's implementation (`use_fused_attention(model)`) for the
-placeholders of both backends; a step left unattended makes the layer's next update raise.
+The model must run inside `harness.attention.installed(model, PACKED)` for the placeholders of both backends:
+steps are posted, by layer index, on the state installed there; a step left unattended makes the layer's next
+update raise.
 Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads, sink and residual tokens at
 2 bytes per element);
 `nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens;
@@ -59,15 +58,13 @@ from transformers.cache_utils import (
 )
 from transformers.configuration_utils import get_head_shapes
 
+from harness.attention.packed import DecodeStep, PackedStep, post_step
 from harness.quant import Scheme, check_backend, get_scheme
 from harness.stores import SinkStore
 from kernels.layout import FULL_WIDTH, PackedStore
-from kernels.packed_attention import packed_attention
 
 PREFILL_MODES = ("exact", "quantized")
 BACKENDS = ("auto", "torch", "triton")
-# The attribute of a fused decode step's placeholder key that carries its DecodeStep.
-DECODE_STEP_ATTR = "_kv_packed_decode_step"
 
 
 def resolve_backend(
@@ -109,64 +106,6 @@ def kv_heads(config) -> list[int]:
     text_config = config.get_text_config(decoder=True)
     counts, _ = get_head_shapes(text_config)
     return counts if isinstance(counts, list) else [counts] * text_config.num_hidden_layers
-
-
-class DecodeStep:
-    """One fused decode step of a layer: its (keys, values) stores as of this step, the new token included.
-
-    The stores are shallow copies taken before a sliding layer evicts its oldest token (eviction rebinds the
-    store's tensors, so the copies still hold the whole window this step attends). `take` hands them out to
-    every layer that attends them: the owning layer, and the layers that reuse its K/V (Gemma 4's KV sharing).
-    """
-
-    def __init__(self, k_store: PackedStore, v_store: PackedStore):
-        self.stores = (k_store, v_store)
-        self.attended = False
-
-    def take(self) -> tuple[PackedStore, PackedStore]:
-        self.attended = True
-        return self.stores
-
-
-class PackedStep:
-    """One update of a layer on the packed torch path: its (keys, values) stores, the new tokens included.
-
-    `attend` may be called by every layer that reads this layer's K/V (KV sharing); the stores stay valid until
-    the layer's next update.
-    """
-
-    def __init__(self, k_store, v_store):
-        self.stores = (k_store, v_store)
-        self.attended = False
-
-    def attend(
-        self,
-        query: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        scaling: float,
-        softcap: float | None = None,
-    ) -> torch.Tensor:
-        """query (B, Hq, Tq, D) of the last Tq stored tokens -> attention output (B, Tq, Hq, D) in query's dtype.
-
-        attention_mask: the model's mask over the stored tokens (B or 1, 1, Tq, length), bool or additive, or
-        None (causal).
-        """
-        k_store, v_store = self.stores
-        if attention_mask is not None and attention_mask.shape[-1] != k_store.length:
-            raise ValueError(
-                f"attention mask covers {attention_mask.shape[-1]} keys, the layer holds {k_store.length}"
-            )
-        if attention_mask is not None and attention_mask.dtype != torch.bool:
-            attention_mask = attention_mask.float()
-        self.attended = True
-        out = packed_attention(query, k_store, v_store, scaling, mask=attention_mask, softcap=softcap)
-        return out.to(query.dtype).transpose(1, 2).contiguous()
-
-
-def decode_step(key: torch.Tensor) -> DecodeStep | PackedStep | None:
-    """The step (DecodeStep: triton backend; PackedStep: packed torch path) an update tagged its placeholder key
-    with, or None for real keys."""
-    return getattr(key, DECODE_STEP_ATTR, None)
 
 
 def _tensors(obj, seen: set[int], out: list[torch.Tensor]) -> None:
@@ -226,10 +165,12 @@ class QuantizedLayer(CacheLayerMixin):
         prefill: str = "exact",
         backend: str = "torch",
         simulate: bool = False,
+        layer_idx: int = 0,
     ):
         super().__init__()
         self.bits, self.scheme, self.prefill, self.backend = [int(b) for b in bits], scheme, prefill, backend
         self.simulate = simulate
+        self.layer_idx = layer_idx  # the decoder layer: where its steps are posted for its attention
         self.k_store = self.v_store = None
         self.fused = False  # resolved at lazy initialization: the Triton kernels write and attend this layer
         self._step: DecodeStep | PackedStep | None = (
@@ -270,30 +211,33 @@ class QuantizedLayer(CacheLayerMixin):
     def _store(self, key_states, value_states):
         """Append new tokens; return (keys, values) to attend: (B, Hkv, T_visible, D) each, or placeholders.
 
-        Placeholders are the new tokens themselves (B, Hkv, Tn, D), the key tagged with a step: a DecodeStep on a
-        fused decode step (triton backend, one new token), a PackedStep on the packed torch path (any Tn); not
-        on an exact prefill's first call, which attends its own full-precision K/V.
+        Placeholders are the new tokens themselves (B, Hkv, Tn, D), posted for the attention with a step
+        (harness.attention.packed.post_step): a DecodeStep on a fused decode step (triton backend, one new token),
+        a PackedStep on the packed torch path (any Tn); not on an exact prefill's first call, which attends its
+        own full-precision K/V.
         """
         if self._step is not None and not self._step.attended:
             raise RuntimeError(
-                "the last update's attention did not read the packed cache; "
-                "switch the model with harness.fused_attention.use_fused_attention(model)"
+                "the last update's attention did not read the packed cache; run the model inside "
+                "harness.attention.installed(model, PACKED)"
             )
         self._step = None
         first = not self.is_initialized or self.k_store.length == 0
         stored = self.append(key_states, value_states)
         if first and self.prefill == "exact":
-            return key_states, value_states
-        if stored is not None:
-            return stored
-        if not self.fused:
+            keys, values = key_states, value_states
+        elif stored is not None:
+            keys, values = stored
+        elif not self.fused:
             self._step = PackedStep(self.k_store, self.v_store)
+            keys, values = key_states, value_states
         elif key_states.shape[-2] > 1:
-            return self.k_store.dequantize(), self.v_store.dequantize()
+            keys, values = self.k_store.dequantize(), self.v_store.dequantize()
         else:
             self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store))
-        setattr(key_states, DECODE_STEP_ATTR, self._step)
-        return key_states, value_states
+            keys, values = key_states, value_states
+        post_step(self.layer_idx, keys, self._step)
+        return keys, values
 
     def update(self, key_states, value_states, *args, **kwargs):
         return self._store(key_states, value_states)
@@ -332,8 +276,9 @@ class QuantizedSlidingLayer(QuantizedLayer):
         prefill: str = "exact",
         backend: str = "torch",
         simulate: bool = False,
+        layer_idx: int = 0,
     ):
-        super().__init__(bits, scheme, prefill, backend, simulate)
+        super().__init__(bits, scheme, prefill, backend, simulate, layer_idx)
         self.sliding_window = sliding_window
         self.cumulative_length = 0
 
@@ -414,19 +359,20 @@ class QuantizedKVCache(Cache):
         self.simulate = simulate
         self.bits = bits.clone()
         layers = [
-            self._layer(t, kw, bits[i, : heads[i]].tolist()) for i, (t, kw) in enumerate(zip(types, kwargs))
+            self._layer(i, t, kw, bits[i, : heads[i]].tolist())
+            for i, (t, kw) in enumerate(zip(types, kwargs))
         ]  # each layer's own KV heads: the rest of its row is padding
         self.scheme.check_widths(
             [b for layer in layers if isinstance(layer, QuantizedLayer) for b in layer.bits]
         )
         super().__init__(layers=layers)
 
-    def _layer(self, layer_type: str, kwargs: dict, bits: list[int]):
+    def _layer(self, index: int, layer_type: str, kwargs: dict, bits: list[int]):
         if layer_type == "full_attention":
-            return QuantizedLayer(bits, self.scheme, self.prefill, self.backend, self.simulate)
+            return QuantizedLayer(bits, self.scheme, self.prefill, self.backend, self.simulate, index)
         if layer_type in ("sliding_attention", "chunked_attention"):
             return QuantizedSlidingLayer(
-                bits, self.scheme, kwargs["sliding_window"], self.prefill, self.backend, self.simulate
+                bits, self.scheme, kwargs["sliding_window"], self.prefill, self.backend, self.simulate, index
             )
         if layer_type in ("linear_attention", "conv", "dummy"):
             return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)

@@ -8,29 +8,25 @@ reuse another layer's K/V (Gemma 4's KV sharing) no cache of their own: no rows 
 h of layer l reads KV head h // (Hq / Hkv(l)); Gemma 4's global layers have fewer KV heads than its sliding.
 
 The probabilities come from each model's own eager attention function (so softcapping, sinks and masks are the
-model's), called through a registered attention implementation that records statistics and discards the
-(B, H, T, T) matrices layer by layer. That call runs in float32 whatever the model's dtype: in a bfloat16 model
-the queries, keys, values and mask are upcast first, so scores, softmax and entropies are float32, and the
-attention output is rounded back to the model's dtype for the layers after it.
+model's), called through harness.attention's ENTROPY_PROBE, which hands them to this module's recorder and
+discards the (B, H, T, T) matrices layer by layer. That call runs in float32 whatever the model's dtype: in a
+bfloat16 model the queries, keys, values and mask are upcast first, so scores, softmax and entropies are
+float32, and the attention output is rounded back to the model's dtype for the layers after it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import sys
 from pathlib import Path
 
 import pandas as pd
 import torch
-from transformers import AttentionInterface
 from transformers.cache_utils import get_layer_types_and_kwargs
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from harness.attention_swap import attending_with
+from harness.attention import ENTROPY_PROBE, installed
 from harness.cache import kv_heads
 from harness.io import cache_root, write_parquet_atomic
 
-PROBE = "harness_entropy_probe"
 CACHE_VERSION = 2  # 2: no rows for KV-shared layers
 LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "sliding"}
 
@@ -73,27 +69,6 @@ class _Recorder:
         self.sums[layer] = self.sums.get(layer, 0) + stats
 
 
-_ACTIVE: list[_Recorder] = []
-
-
-def _probe_attention(module, query, key, value, attention_mask, **kwargs):
-    """The module's own eager attention in float32, with its probabilities handed to the active recorder.
-
-    query (B, Hq, T, D), key/value (B, Hkv, T, D) in the model's dtype -> (output (B, T, Hq, D) in that dtype,
-    None). In a float32 model the upcasts are no-ops.
-    """
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()  # additive: 0 or the dtype's minimum, finite in float32
-    out, weights = eager(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
-    _ACTIVE[-1].record(module.layer_idx, weights)
-    return out.to(query.dtype), None
-
-
-AttentionInterface.register(PROBE, _probe_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, eager_mask)
-
-
 @torch.no_grad()
 def head_entropies(
     model, input_ids: torch.Tensor, i0: int = 32, batch_size: int = 1, positions: list[int] | None = None
@@ -112,7 +87,7 @@ def head_entropies(
         )
     kinds, n_kv = layer_types(model.config), kv_heads(model.config)
     recorder = _Recorder(i0, positions)
-    with attending_with(model, PROBE, _ACTIVE, recorder):
+    with installed(model, ENTROPY_PROBE, recorder):
         for start in range(0, input_ids.shape[0], batch_size):
             model(input_ids=input_ids[start : start + batch_size].to(model.device), use_cache=False)
     rows = []

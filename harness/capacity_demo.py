@@ -37,33 +37,33 @@ def trial(model_name: str, batch: int, context: int, bits: int, new_tokens: int,
     import torch
     from transformers import DynamicCache
 
+    from harness.attention import PACKED, installed
     from harness.cache import QuantizedKVCache
-    from harness.fused_attention import use_fused_attention
     from harness.models import load_model
 
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.manual_seed(0)
     with torch.no_grad():
         model, _ = load_model(model_name)
-        use_fused_attention(model)
-        config = model.config
-        if bits == 16:
-            cache = DynamicCache(config=config)
-        else:
-            cache = QuantizedKVCache(config, bits, group_size=32, prefill="quantized")
-        ids = torch.randint(0, config.vocab_size, (batch, context))
-        for start in range(0, context, chunk):
-            piece = ids[:, start : start + chunk]
-            pos = torch.arange(start, start + piece.shape[1]).expand(batch, -1)
-            logits = model(
-                input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
-            ).logits
-        token = logits[:, -1:].argmax(-1)  # (B, 1)
-        for step in range(new_tokens):
-            pos = torch.full_like(token, context + step)
-            token = model(
-                input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True
-            ).logits.argmax(-1)
+        with installed(model, PACKED):
+            config = model.config
+            if bits == 16:
+                cache = DynamicCache(config=config)
+            else:
+                cache = QuantizedKVCache(config, bits, group_size=32, prefill="quantized")
+            ids = torch.randint(0, config.vocab_size, (batch, context))
+            for start in range(0, context, chunk):
+                piece = ids[:, start : start + chunk]
+                pos = torch.arange(start, start + piece.shape[1]).expand(batch, -1)
+                logits = model(
+                    input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
+                ).logits
+            token = logits[:, -1:].argmax(-1)  # (B, 1)
+            for step in range(new_tokens):
+                pos = torch.full_like(token, context + step)
+                token = model(
+                    input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True
+                ).logits.argmax(-1)
     print(f"vm_peak {vm_peak_bytes()}")
     return 0
 

@@ -2,7 +2,7 @@
 
 `sweep.protocol: claim` (conf/sweep/claim_*.yaml) selects it. On `num_sequences` windows of `sequence_tokens`
 tokens from the evaluation text, with no KV cache (the whole sequence is recomputed for each of `new_tokens`
-greedy tokens) and quantize-dequantize of every K and V inside attention (harness/qdq_attention.py):
+greedy tokens) and quantize-dequantize of every K and V inside attention (harness/attention/qdq.py):
 - entropy (`policy.entropy_key`: H1 Shannon, as the claim's code, or H2 Rényi) from the first
   `calibration_sequences` of those same sequences at the query positions `calibration_positions` only
   (calibration and test overlap, as in the claim);
@@ -202,15 +202,15 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
     from tqdm import tqdm
 
     from harness import metrics
+    from harness.attention import QDQ, QDQSpec, installed
     from harness.calibrate import head_entropies
     from harness.policies import allocate, kv_head_entropy
-    from harness.qdq_attention import QDQSpec, qdq_attention
 
     entropy = head_entropies(model, ids[: s.calibration_sequences], positions=list(s.calibration_positions))
     n_heads = int((~kv_head_entropy(entropy, s.entropy_key).isnan()).sum())
     with torch.no_grad():
         plain = QDQSpec(torch.full((entropy.attrs["num_layers"], entropy.attrs["num_kv_heads"]), 16))
-        with qdq_attention(model, plain):
+        with installed(model, QDQ, plain):
             base_tokens = greedy_no_cache(model, ids, s.new_tokens)
             base_nll = sequence_nll(model, ids)
         out = []
@@ -221,7 +221,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
                 widths=row["widths"], budget_mode="claim", entropy_key=row["entropy_key"],
             )  # fmt: skip
             spec = QDQSpec(alloc.bits, s.group_size, SYMMETRIC[s.scheme], row["topk_factor"])
-            with qdq_attention(model, spec):
+            with installed(model, QDQ, spec):
                 tokens = greedy_no_cache(model, ids, s.new_tokens)
                 nll = sequence_nll(model, ids)
             items = metrics.generation_items(base_tokens, tokens)

@@ -5,7 +5,7 @@ Policies (`eviction.name`), applied per full-attention layer of a harness.cache.
 - `streaming` (StreamingLLM, Xiao et al. 2023): keep the first `sink_tokens` tokens and the most recent ones.
 - `h2o` (Heavy-Hitter Oracle, Zhang et al. 2023): keep the sinks, a recent window, and the tokens with the largest
   accumulated attention: the sum of their attention probabilities over the layer's query heads and every query
-  position so far (harness/scored_attention.py computes them; the model must run inside
+  position so far (harness/attention/scored.py computes them; the model must run inside
   `attention_for(model, spec)`). One token set per layer and batch row, shared by all KV heads: per-head sets would
   break the token-major packed layout (kernels/layout.py), so a token stays if the layer as a whole needs it.
 Budget: after eviction a layer that has seen S tokens holds n(S) = min(S, max(ceil(keep * S), sink_tokens + 1))
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from harness.attention import PACKED, SCORED, installed, post_scorer
 from harness.cache import QuantizedKVCache, QuantizedLayer
 from harness.registry import unknown_name_message
 
@@ -145,9 +146,7 @@ class EvictingLayer(QuantizedLayer):
         if self.spec.needs_scores:
             new_scores = torch.zeros(B, Tn, device=key_states.device)
             self.scores = new_scores if self.scores is None else torch.cat([self.scores, new_scores], dim=1)
-            from harness.scored_attention import SCORER_ATTR  # imports the Triton decode kernel module
-
-            setattr(keys, SCORER_ATTR, self)
+            post_scorer(self.layer_idx, keys, self)
             self._scores_due = True
         return keys, values
 
@@ -237,7 +236,6 @@ def kept_fraction(caches: list[QuantizedKVCache]) -> float:
 
 
 def attention_for(model, spec: EvictionSpec):
-    """A context in which `model` attends so that `spec`'s caches work: scoring attention for h2o."""
-    from harness.scored_attention import scoring_attention  # imports the Triton decode kernel module
-
-    return scoring_attention(model, enabled=spec.needs_scores)
+    """A context in which `model` attends so that quantized caches evicting by `spec` work: the scored
+    attention for h2o, the packed one otherwise (harness.attention)."""
+    return installed(model, SCORED if spec.needs_scores else PACKED)

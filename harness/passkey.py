@@ -311,8 +311,8 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     """
     from transformers import DynamicCache
 
+    from harness.attention import PACKED, installed
     from harness.cache import QuantizedKVCache
-    from harness.fused_attention import use_fused_attention
     from harness.io import write_json_atomic
     from harness.models import load_model
 
@@ -322,7 +322,6 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     if not todo:
         return 0
     model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
-    use_fused_attention(model)  # the quantized caches are attended from their packed form
     s = job.settings
     builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
     price = element_price(shape_from_config(model.config, job.model), Storage(s.scheme, s.group_size))
@@ -330,74 +329,75 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     allocs = allocations(entropy, job.policies, job.budgets, s.seed, s.budget_unit, price)
     cache_options = dict(scheme=s.scheme, group_size=s.group_size)
     written = 0
-    for context, depth in todo:
-        pending = _pending(job, points_dir, context, depth)
-        prompts = [
-            builder.build(context, depth, trial_key(s.seed, job.model, context, depth, t))
-            for t in range(s.trials)
-        ]
-        tokens = {pb: [] for pb in pending}  # (policy, budget) -> list of (B, M) answer tokens
-        held = {pb: [0, 0] for pb in pending}  # true bytes, fp16 bytes of the caches read
-        seconds = {pb: 0.0 for pb in pending}
-        prefill_s = 0.0
-        for first in range(0, s.trials, job.batch_size):
-            batch = prompts[first : first + job.batch_size]
-            ids = torch.stack([p.ids for p in batch])  # (B, context)
-            q = batch[0].question_tokens
-            document, question = ids[:, : context - q], ids[:, context - q :]
-            t0 = time.perf_counter()
-            document_cache = DynamicCache(config=model.config)
-            prefill(model, document, document_cache, s.chunk)
-            prefill_s += time.perf_counter() - t0
+    with installed(model, PACKED):  # the quantized caches are attended from their packed form
+        for context, depth in todo:
+            pending = _pending(job, points_dir, context, depth)
+            prompts = [
+                builder.build(context, depth, trial_key(s.seed, job.model, context, depth, t))
+                for t in range(s.trials)
+            ]
+            tokens = {pb: [] for pb in pending}  # (policy, budget) -> list of (B, M) answer tokens
+            held = {pb: [0, 0] for pb in pending}  # true bytes, fp16 bytes of the caches read
+            seconds = {pb: 0.0 for pb in pending}
+            prefill_s = 0.0
+            for first in range(0, s.trials, job.batch_size):
+                batch = prompts[first : first + job.batch_size]
+                ids = torch.stack([p.ids for p in batch])  # (B, context)
+                q = batch[0].question_tokens
+                document, question = ids[:, : context - q], ids[:, context - q :]
+                t0 = time.perf_counter()
+                document_cache = DynamicCache(config=model.config)
+                prefill(model, document, document_cache, s.chunk)
+                prefill_s += time.perf_counter() - t0
+                for pb in pending:
+                    alloc = None if pb[0] == BASELINE else allocs[pb]
+                    if isinstance(alloc, str):
+                        continue  # infeasible: recorded below
+                    t0 = time.perf_counter()
+                    bits = None if alloc is None else alloc.bits
+                    if s.prefill == "exact" or bits is None:
+                        out, cache = answer_from_prefilled(
+                            model, document_cache, question, context - q, s.new_tokens, bits, **cache_options
+                        )
+                    else:
+                        cache = QuantizedKVCache(model.config, bits, prefill="quantized", **cache_options)
+                        prefill(model, document, cache, s.chunk)
+                        out = answer(model, cache, question, context - q, s.new_tokens)
+                    seconds[pb] += time.perf_counter() - t0
+                    tokens[pb].append(out)
+                    if bits is not None:
+                        held[pb][0] += cache.nbytes()
+                        held[pb][1] += cache.nbytes_fp16()
             for pb in pending:
+                name = point_name(job.model, context, depth, *pb, s)
+                config = dict(
+                    model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__
+                )
+                record = {"key": name, "config": config, **(provenance or {})}
                 alloc = None if pb[0] == BASELINE else allocs[pb]
                 if isinstance(alloc, str):
-                    continue  # infeasible: recorded below
-                t0 = time.perf_counter()
-                bits = None if alloc is None else alloc.bits
-                if s.prefill == "exact" or bits is None:
-                    out, cache = answer_from_prefilled(
-                        model, document_cache, question, context - q, s.new_tokens, bits, **cache_options
-                    )
+                    record.update(status="infeasible", error=alloc)
                 else:
-                    cache = QuantizedKVCache(model.config, bits, prefill="quantized", **cache_options)
-                    prefill(model, document, cache, s.chunk)
-                    out = answer(model, cache, question, context - q, s.new_tokens)
-                seconds[pb] += time.perf_counter() - t0
-                tokens[pb].append(out)
-                if bits is not None:
-                    held[pb][0] += cache.nbytes()
-                    held[pb][1] += cache.nbytes_fp16()
-        for pb in pending:
-            name = point_name(job.model, context, depth, *pb, s)
-            config = dict(
-                model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__
+                    texts = [tokenizer.decode(row) for row in torch.cat(tokens[pb]).tolist()]
+                    correct = [score(text, p.key) for text, p in zip(texts, prompts)]
+                    record.update(
+                        status="ok",
+                        accuracy=sum(correct) / len(correct),
+                        correct=correct,
+                        keys=[p.key for p in prompts],
+                        answers=texts,
+                        needle_starts=[p.needle_start for p in prompts],
+                        mean_bits=16.0 if alloc is None else alloc.mean_bits,
+                        compression_nominal=1.0 if alloc is None else 16.0 / alloc.mean_bits,
+                        compression_true=1.0 if alloc is None else held[pb][1] / held[pb][0],
+                        answer_s=seconds[pb],
+                        shared_prefill_s=prefill_s,
+                    )
+                write_json_atomic(points_dir / f"{name}.json", record)
+                written += 1
+            progress(
+                f"{job.model} context {context} depth {depth:g}: {len(pending)} points, prefill {prefill_s:.1f} s"
             )
-            record = {"key": name, "config": config, **(provenance or {})}
-            alloc = None if pb[0] == BASELINE else allocs[pb]
-            if isinstance(alloc, str):
-                record.update(status="infeasible", error=alloc)
-            else:
-                texts = [tokenizer.decode(row) for row in torch.cat(tokens[pb]).tolist()]
-                correct = [score(text, p.key) for text, p in zip(texts, prompts)]
-                record.update(
-                    status="ok",
-                    accuracy=sum(correct) / len(correct),
-                    correct=correct,
-                    keys=[p.key for p in prompts],
-                    answers=texts,
-                    needle_starts=[p.needle_start for p in prompts],
-                    mean_bits=16.0 if alloc is None else alloc.mean_bits,
-                    compression_nominal=1.0 if alloc is None else 16.0 / alloc.mean_bits,
-                    compression_true=1.0 if alloc is None else held[pb][1] / held[pb][0],
-                    answer_s=seconds[pb],
-                    shared_prefill_s=prefill_s,
-                )
-            write_json_atomic(points_dir / f"{name}.json", record)
-            written += 1
-        progress(
-            f"{job.model} context {context} depth {depth:g}: {len(pending)} points, prefill {prefill_s:.1f} s"
-        )
     return written
 
 

@@ -28,8 +28,8 @@ import torch
 from transformers import DynamicCache, QuantizedCache, StaticCache
 
 from harness import io, precision
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resident_bytes
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 
 QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "HQQ": "hqq"}  # QuantizedCache backend -> its package
@@ -156,42 +156,42 @@ def main(argv: list[str] | None = None) -> None:
     env = io.environment(io.command_line("python -m harness.perf", argv), "cpu", args.allow_dirty, dtype)
     io.write_environment(out.parent, env, out.with_suffix(".env.json").name)
     model, _ = load_model(args.model, dtype=dtype)
-    use_fused_attention(model)  # our caches are attended from their packed form; the others through SDPA
-    rows = []
-    for context in args.contexts:
-        torch.manual_seed(0)
-        ids = torch.randint(0, model.config.vocab_size, (args.batch, context))
-        prefilled = DynamicCache(config=model.config)
-        logits = model(input_ids=ids, past_key_values=prefilled, use_cache=True, logits_to_keep=1).logits
-        first = logits[:, -1].argmax(-1)
-        seen = set()
-        for bits in args.bits:
-            for name, (make, steps) in caches(model, prefilled, context, bits, args).items():
-                if name in seen:  # the unquantized caches do not depend on the width
-                    continue
-                seen.add(name)
-                cache = make()
-                held = resident_bytes(cache)
-                seconds = time_steps(model, cache, first, context, steps, args.warmup)
-                rows.append(
-                    {
-                        "cache": name,
-                        "context": context,
-                        "batch": args.batch,
-                        "steps": steps,
-                        "median_step_s": statistics.median(seconds),
-                        "min_step_s": min(seconds),
-                        "resident_bytes": held,
-                    }
-                )
-                print(
-                    f"{context:6d} {name:55s} median {rows[-1]['median_step_s'] * 1e3:9.1f} ms  "
-                    f"resident {held / 2**20:9.1f} MiB"
-                )
-                del cache
-                gc.collect()
-        del prefilled
-        gc.collect()
+    with installed(model, PACKED):  # our caches are attended from their packed form; the others through SDPA
+        rows = []
+        for context in args.contexts:
+            torch.manual_seed(0)
+            ids = torch.randint(0, model.config.vocab_size, (args.batch, context))
+            prefilled = DynamicCache(config=model.config)
+            logits = model(input_ids=ids, past_key_values=prefilled, use_cache=True, logits_to_keep=1).logits
+            first = logits[:, -1].argmax(-1)
+            seen = set()
+            for bits in args.bits:
+                for name, (make, steps) in caches(model, prefilled, context, bits, args).items():
+                    if name in seen:  # the unquantized caches do not depend on the width
+                        continue
+                    seen.add(name)
+                    cache = make()
+                    held = resident_bytes(cache)
+                    seconds = time_steps(model, cache, first, context, steps, args.warmup)
+                    rows.append(
+                        {
+                            "cache": name,
+                            "context": context,
+                            "batch": args.batch,
+                            "steps": steps,
+                            "median_step_s": statistics.median(seconds),
+                            "min_step_s": min(seconds),
+                            "resident_bytes": held,
+                        }
+                    )
+                    print(
+                        f"{context:6d} {name:55s} median {rows[-1]['median_step_s'] * 1e3:9.1f} ms  "
+                        f"resident {held / 2**20:9.1f} MiB"
+                    )
+                    del cache
+                    gc.collect()
+            del prefilled
+            gc.collect()
     for row in rows:
         base = next(r for r in rows if r["context"] == row["context"] and r["cache"] == "DynamicCache")
         row["step_ratio_to_dynamic"] = row["median_step_s"] / base["median_step_s"]

@@ -24,7 +24,6 @@ from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, Storage, element_price, shape_from_config
 from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
-from harness.fused_attention import use_fused_attention
 from harness.grid import HARNESS, NO_EVICTION, engine, point_key, without_peer_fields
 from harness.io import write_json_atomic, write_parquet_atomic
 from harness.models import load_model, model_spec
@@ -86,8 +85,6 @@ def build_context(
     t = time.perf_counter()
     model, tokenizer = load_model(point["model"], device=device, dtype=point["dtype"])
     timings["load_s"] = time.perf_counter() - t
-    # quantized caches are attended from their packed form (SDPA for everything else)
-    use_fused_attention(model)
 
     text = data.split(point["data_path"])
     limit = model_spec(point["model"]).get("context_limit", 2048)
@@ -207,7 +204,8 @@ def cache_options(point: dict, backend: str, simulate: bool = False) -> dict:
 def measure(ctx: ModelContext, point: dict, alloc) -> dict:
     """Run generation and teacher-forced evaluation through the quantized (and evicting) cache; measure."""
     spec = EvictionSpec.from_point(point)
-    with attention_for(ctx.model, spec):  # h2o: the attention that reports scores, restored after
+    # quantized caches are attended from their packed form (h2o: with the scores), restored after
+    with attention_for(ctx.model, spec):
         return _measure(ctx, point, alloc, spec)
 
 

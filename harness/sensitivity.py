@@ -36,16 +36,13 @@ from pathlib import Path
 import pandas as pd
 import torch
 from omegaconf import DictConfig
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-from harness.attention_swap import attending_with
+from harness.attention import SENSITIVITY_PROBE, installed
 from harness.cache import kv_heads
 from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.io import write_atomic, write_text_atomic
 from harness.quant import Scheme
 
-PROBE = "harness_sensitivity_probe"
 CACHE_VERSION = 2  # 2: no rows for KV-shared layers
 UNQUANTIZED = 16
 Quantizer = Callable[[torch.Tensor, int, str], torch.Tensor]  # (x (B, Hkv, T, D), width, role) -> same shape
@@ -113,20 +110,6 @@ class _Meter:
         return table
 
 
-_ACTIVE: list[_Meter] = []
-
-
-def _probe_attention(module, query, key, value, attention_mask, **kwargs):
-    """The module's own eager attention; the active meter also reruns it on quantized K/V for the errors."""
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    attend = lambda q, k, v: eager(module, q, k, v, attention_mask, **kwargs)  # noqa: E731
-    return _ACTIVE[-1].record(module.layer_idx, attend, query, key, value), None
-
-
-AttentionInterface.register(PROBE, _probe_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE, eager_mask)
-
-
 def _cache_shape(model) -> tuple[int, int]:
     """(num_layers, most KV heads of a layer) of the model's decoder: the shape of an allocation (layers with
     fewer KV heads pad their rows)."""
@@ -158,7 +141,7 @@ def head_sensitivity(
     scheme.check_widths(widths)
     cached = {i for i, kind in enumerate(layer_types(model.config)) if kind != "linear"}
     meter = _Meter(scheme_quantizer(scheme), widths, cached)
-    with attending_with(model, PROBE, _ACTIVE, meter):
+    with installed(model, SENSITIVITY_PROBE, meter):
         for start in range(0, input_ids.shape[0], batch_size):
             model(input_ids=input_ids[start : start + batch_size].to(model.device), use_cache=False)
     return meter.table(*_cache_shape(model))

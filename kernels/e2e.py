@@ -49,8 +49,6 @@ def build_model(config: dict, dtype: torch.dtype, device: str):
     """A LlamaForCausalLM with random weights, built on `device` (no weights file is read)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from harness.fused_attention import use_fused_attention
-
     torch.manual_seed(0)
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)  # parameters are created in `dtype` (no float32 copy of 8B weights)
@@ -59,7 +57,6 @@ def build_model(config: dict, dtype: torch.dtype, device: str):
             model = LlamaForCausalLM(LlamaConfig(**config)).eval()
     finally:
         torch.set_default_dtype(default)
-    use_fused_attention(model)  # decode steps of the triton caches read the packed K/V; the rest is SDPA
     return model
 
 
@@ -129,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: kernels.e2e needs a CUDA GPU (or --dry-run); nothing was run")
+    from harness.attention import PACKED, installed
+
     device = "cpu" if args.dry_run else "cuda"
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -150,7 +149,9 @@ def main(argv: list[str] | None = None) -> None:
                "weights_gib": weights / 2**30, "note": ""}  # fmt: skip
         row["mean_bits"] = 16 if kind == "dynamic" else 4 if kind == "mixed" else int(kind)
         try:
-            m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
+            # decode steps of the triton caches read the packed K/V; the rest is SDPA
+            with installed(model, PACKED):
+                m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
             row.update(
                 prefill_s=m["prefill_s"], decode_s=m["decode_s"],
                 tokens_per_s=args.batch * args.new_tokens / m["decode_s"],

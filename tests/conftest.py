@@ -6,6 +6,7 @@ collected. pytest loads this file before collecting any test module, so TRITON_I
 before anything imports triton (importing torch does not).
 """
 
+import contextlib
 import os
 
 import pytest
@@ -36,3 +37,13 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 def device(request) -> str:
     """Where a Triton test runs: the CPU interpreter here, a CUDA GPU (tests marked gpu) where there is one."""
     return request.param
+
+
+@pytest.fixture
+def packed():
+    """packed(model): `model` attends quantized caches from their packed form until the test ends (then its
+    previous attention is back)."""
+    from harness.attention import PACKED, installed
+
+    with contextlib.ExitStack() as stack:
+        yield lambda model: stack.enter_context(installed(model, PACKED))

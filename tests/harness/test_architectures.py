@@ -13,9 +13,9 @@ import torch
 from transformers import DynamicCache
 
 from harness import metrics
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedLayer, kv_heads
 from harness.calibrate import head_entropies, layer_types
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from harness.policies import allocate
 
@@ -29,8 +29,8 @@ GENERATE = dict(
 @pytest.fixture(scope="module", params=ARCHS)
 def arch(request):
     model, tokenizer = load_model(request.param)
-    use_fused_attention(model)  # quantized caches are attended from their packed form
-    return request.param, model, tokenizer
+    with installed(model, PACKED):  # quantized caches are attended from their packed form
+        yield request.param, model, tokenizer
 
 
 def head_dims(model) -> dict[int, int]:

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedLayer, QuantizedSlidingLayer
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from kernels import reference
 
@@ -15,8 +15,8 @@ TINY = ["tiny-llama", "tiny-gpt2", "tiny-qwen2", "tiny-qwen3_5", "tiny-gemma3"]
 @pytest.fixture(scope="module", params=TINY)
 def tiny(request):
     model, _ = load_model(request.param)
-    use_fused_attention(model)  # quantized caches are attended from their packed form
-    return request.param, model
+    with installed(model, PACKED):  # quantized caches are attended from their packed form
+        yield request.param, model
 
 
 def n_kv(model) -> int:
@@ -74,9 +74,9 @@ def test_eight_bits_close_two_bits_moves(tiny):
 
 
 @torch.no_grad()
-def test_mixed_widths_store_each_head_at_its_width():
+def test_mixed_widths_store_each_head_at_its_width(packed):
     model, _ = load_model("tiny-llama")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     bits = torch.tensor([[2, 4, 16], [8, 3, 2], [16, 16, 4]])
     torch.manual_seed(3)
     ids = torch.randint(0, 256, (3, 29))
@@ -93,9 +93,9 @@ def test_mixed_widths_store_each_head_at_its_width():
 
 
 @torch.no_grad()
-def test_per_layer_kv_heads_pad_the_bits_and_shared_layers_hold_nothing():
+def test_per_layer_kv_heads_pad_the_bits_and_shared_layers_hold_nothing(packed):
     model, _ = load_model("tiny-gemma4-kv")  # KV heads 2, 2, 1 (global); layers 3, 4 reuse layers 1, 2's K/V
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     bits = torch.tensor([[2, 16], [4, 8], [3, 0], [0, 0], [0, 0]])  # 0: padding, no cache
     with pytest.raises(ValueError, match=r"bits: shape \(5, 1\)"):
         QuantizedKVCache(model.config, bits[:, :1])
@@ -145,9 +145,9 @@ def test_true_compression_asym4_g32_head_dim_64_is_3_2():
 
 
 @torch.no_grad()
-def test_sliding_layers_hold_their_window_and_linear_layers_are_not_quantized():
+def test_sliding_layers_hold_their_window_and_linear_layers_are_not_quantized(packed):
     model, _ = load_model("tiny-gemma3")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     cache = QuantizedKVCache(model.config, 4, group_size=16)
     model(input_ids=torch.randint(0, 256, (1, 40)), past_key_values=cache, use_cache=True)
     window = model.config.sliding_window
@@ -156,7 +156,7 @@ def test_sliding_layers_hold_their_window_and_linear_layers_are_not_quantized():
         held = layer.k_store.length
         assert held == (window - 1 if isinstance(layer, QuantizedSlidingLayer) else 40)
     hybrid, _ = load_model("tiny-qwen3_5")
-    use_fused_attention(hybrid)  # quantized caches are attended from their packed form
+    packed(hybrid)  # quantized caches are attended from their packed form
     cache = QuantizedKVCache(hybrid.config, 4, group_size=16)
     hybrid(input_ids=torch.randint(0, 256, (1, 12)), past_key_values=cache, use_cache=True)
     kinds = [isinstance(layer, QuantizedLayer) for layer in cache.layers]

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import capacity
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, kv_heads
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 
 GIB = 2**30
@@ -21,9 +23,12 @@ def models():
         name: load_model(name)[0]
         for name in ("tiny-llama", "tiny-gemma3", "tiny-gemma4", "tiny-gemma4-kv", "tiny-qwen3_5")
     }
-    for model in loaded.values():
-        use_fused_attention(model)  # quantized caches are attended from their packed form
-    return loaded
+    with contextlib.ExitStack() as stack:
+        for model in loaded.values():
+            stack.enter_context(
+                installed(model, PACKED)
+            )  # quantized caches are attended from their packed form
+        yield loaded
 
 
 def _random_bits(model, seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""The claim protocol (harness/claim.py) and its QDQ attention (harness/qdq_attention.py) on tiny-llama."""
+"""The claim protocol (harness/claim.py) and its QDQ attention (harness/attention/qdq.py) on tiny-llama."""
 
 import json
 import math
@@ -12,8 +12,9 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import claim
+from harness.attention import QDQ, QDQSpec, installed
+from harness.attention.qdq import top_k_rows
 from harness.models import load_model
-from harness.qdq_attention import QDQSpec, qdq_attention, top_k_rows
 from harness.validate import ConfigError, validate_config
 from kernels import reference
 
@@ -46,12 +47,12 @@ def test_sixteen_bits_is_the_plain_greedy_continuation(llama):
     ids = torch.randint(0, 256, (2, 24))
     want = llama.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)[:, 24:]
     bits = torch.full((3, 3), 16)
-    with qdq_attention(llama, QDQSpec(bits)):
+    with installed(llama, QDQ, QDQSpec(bits)):
         got = claim.greedy_no_cache(llama, ids, 3)
         nll16 = claim.sequence_nll(llama, ids)
     assert torch.equal(got, want)
     assert torch.allclose(nll16, claim.sequence_nll(llama, ids), atol=1e-5)  # plain (sdpa) attention
-    with qdq_attention(llama, QDQSpec(torch.full((3, 3), 2))):
+    with installed(llama, QDQ, QDQSpec(torch.full((3, 3), 2))):
         nll2 = claim.sequence_nll(llama, ids)
     assert torch.isfinite(nll2).all() and (nll2 - nll16).abs().max() > 1e-3
 
@@ -70,7 +71,7 @@ def test_each_layer_and_head_gets_its_width(llama, monkeypatch):
     monkeypatch.setattr(llama_module, "eager_attention_forward", recording)
     torch.manual_seed(12)
     ids = torch.randint(0, 256, (2, 19))
-    with qdq_attention(llama, QDQSpec(torch.full((3, 3), 16))):
+    with installed(llama, QDQ, QDQSpec(torch.full((3, 3), 16))):
         llama(input_ids=ids, use_cache=False)
     raw = dict(seen)
     bits = torch.tensor([[2, 16, 4], [8, 3, 2], [4, 4, 16]])  # (layer, KV head) widths
@@ -79,7 +80,7 @@ def test_each_layer_and_head_gets_its_width(llama, monkeypatch):
         only = torch.full((3, 3), 16)
         only[layer] = bits[layer]
         seen.clear()
-        with qdq_attention(llama, QDQSpec(only, group_size=16, symmetric=symmetric)):
+        with installed(llama, QDQ, QDQSpec(only, group_size=16, symmetric=symmetric)):
             llama(input_ids=ids, use_cache=False)
         for before in range(layer):
             assert all(torch.equal(a, b) for a, b in zip(seen[before], raw[before]))

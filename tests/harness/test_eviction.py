@@ -13,6 +13,7 @@ from hydra import compose, initialize_config_dir
 from transformers import DynamicCache
 
 from harness import evaluate, runner
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.eviction import (
     EvictingLayer,
@@ -22,7 +23,6 @@ from harness.eviction import (
     kept_fraction,
     with_eviction,
 )
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from harness.validate import ConfigError, preflight_overrides, validate_config
 from kernels.layout import PackedStore
@@ -34,8 +34,8 @@ CONF = str(ROOT / "conf")
 @pytest.fixture(scope="module")
 def llama():
     model, _ = load_model("tiny-llama")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
-    return model
+    with installed(model, PACKED):  # quantized caches are attended from their packed form
+        yield model
 
 
 def forward(model, ids, start, cache):
@@ -176,11 +176,11 @@ def test_keep_one_generates_exactly_like_no_eviction(llama, name):
 @pytest.mark.parametrize("name", ["streaming", "h2o"])
 @pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gemma3"])  # gemma3: sliding layers left alone
 @torch.no_grad()
-def test_decode_after_eviction_equals_attention_over_kept_tokens(model_name, name):
+def test_decode_after_eviction_equals_attention_over_kept_tokens(model_name, name, packed):
     """16 bits, exact prefill: every later step's logits (one token or a chunk: the mask must stay causal among
     the new tokens) equal those of a DynamicCache whose full-attention layers hold only the kept tokens."""
     model, _ = load_model(model_name)
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     torch.manual_seed(7)
     B, P, chunks = 2, 23, (1, 3, 1, 2)
     ids = torch.randint(0, 256, (B, P + sum(chunks)))
@@ -216,17 +216,17 @@ def test_decode_after_eviction_equals_attention_over_kept_tokens(model_name, nam
 
 
 @torch.no_grad()
-def test_streaming_on_the_triton_backend_matches_torch(device):
+def test_streaming_on_the_triton_backend_matches_torch(device, packed):
     """Eviction selects the packed stores the fused decode kernel reads; h2o layers fall back to torch."""
     model, _ = load_model("tiny-llama", device=device)
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     torch.manual_seed(8)
     ids = torch.randint(0, 256, (2, 18), device=device)
     spec = EvictionSpec("streaming", keep=0.5, sink_tokens=2)
     logits = {}
     for backend in ("torch", "triton"):
         if backend == "triton":
-            use_fused_attention(model)
+            packed(model)
         cache = with_eviction(QuantizedKVCache(model.config, 4, group_size=16, backend=backend), spec)
         steps = [forward(model, ids[:, :14], 0, cache)]
         steps += [forward(model, ids[:, t : t + 1], t, cache) for t in range(14, 18)]

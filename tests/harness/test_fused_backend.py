@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import harness.fused_attention as fused_attention
+import kernels.decode_attention as decode_attention
 from harness.cache import QuantizedKVCache, resolve_backend
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 
 # (model, bits [layers, KV heads], group size, scheme, prefill, batch); tiny-gemma3's window is 16 and the
@@ -28,7 +27,9 @@ NEW_TOKENS = 10
 
 @pytest.mark.parametrize("name, bits, group_size, scheme, prefill, batch", CASES, ids=[c[0] for c in CASES])
 @torch.no_grad()
-def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, prefill, batch, monkeypatch):
+def test_triton_generate_matches_torch(
+    device, name, bits, group_size, scheme, prefill, batch, monkeypatch, packed
+):
     model, _ = load_model(name, device=device)
     bits = torch.tensor(bits)
     torch.manual_seed(5)
@@ -43,10 +44,10 @@ def test_triton_generate_matches_torch(device, name, bits, group_size, scheme, p
     want = model.generate(prompt, past_key_values=torch_cache, **kw)
 
     calls = []
-    kernel = fused_attention.decode_attention
+    kernel = decode_attention.decode_attention
     spy = lambda *a, **k: calls.append(1) or kernel(*a, **k)
-    monkeypatch.setattr(fused_attention, "decode_attention", spy)
-    use_fused_attention(model)
+    monkeypatch.setattr(decode_attention, "decode_attention", spy)
+    packed(model)
     triton_cache = QuantizedKVCache(model.config, bits, backend="triton", **cache_kw)
     got = model.generate(prompt, past_key_values=triton_cache, **kw)
 
@@ -77,7 +78,7 @@ def test_unfused_attention_on_a_triton_cache_raises(device):
     ids = torch.randint(0, 256, (1, 9), device=device)
     model(input_ids=ids, past_key_values=cache, use_cache=True)
     model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-    with pytest.raises(RuntimeError, match="use_fused_attention"):
+    with pytest.raises(RuntimeError, match="installed"):
         model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
 
 
@@ -101,13 +102,13 @@ def test_backend_names_and_resolution(monkeypatch):
 
 
 @torch.no_grad()
-def test_fused_decode_refuses_a_mask_that_hides_tokens(device):
+def test_fused_decode_refuses_a_mask_that_hides_tokens(device, packed):
     """A padded batch hides stored tokens from a decode step; the kernel attends every one, so it refuses
     (checked on the device: raised here on CPU, a device-side assertion on CUDA, which this test leaves alone)."""
     if device == "cuda":
         pytest.skip("a device-side assertion would poison the CUDA context of the rest of the session")
     model, _ = load_model("tiny-llama", device=device)
-    use_fused_attention(model)
+    packed(model)
     cache = QuantizedKVCache(model.config, 4, group_size=16, backend="triton")
     ids = torch.randint(0, 256, (2, 6), device=device)
     mask = torch.ones(2, 6, dtype=torch.long, device=device)

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from harness import evaluate, metrics
-from harness.cache import QuantizedKVCache, decode_step, resident_bytes
-from harness.fused_attention import use_fused_attention
+from harness.attention import PACKED, installed
+from harness.cache import QuantizedKVCache, resident_bytes
 from harness.models import load_model
 from harness.quant import scheme_names
 
@@ -42,14 +42,15 @@ def filled_cache(config, scheme: str, width: int, simulate: bool) -> QuantizedKV
     )
     torch.manual_seed(width)
     heads, dim = config.num_key_value_heads, config.head_dim
-    for i in range(config.num_hidden_layers):
-        k, v = torch.randn(2, 2, heads, PREFILL + DECODE, dim, dtype=torch.float16)
-        for start, end in [(0, PREFILL)] + [(t, t + 1) for t in range(PREFILL, PREFILL + DECODE)]:
-            keys, _ = cache.update(k[:, :, start:end], v[:, :, start:end], i)
-            step = decode_step(keys)
-            if step is not None:
-                q = torch.randn(2, config.num_attention_heads, end - start, dim, dtype=torch.float16)
-                assert torch.isfinite(step.attend(q, None, dim**-0.5)).all()
+    with installed(LlamaForCausalLM(config), PACKED) as steps:
+        for i in range(config.num_hidden_layers):
+            k, v = torch.randn(2, 2, heads, PREFILL + DECODE, dim, dtype=torch.float16)
+            for start, end in [(0, PREFILL)] + [(t, t + 1) for t in range(PREFILL, PREFILL + DECODE)]:
+                keys, _ = cache.update(k[:, :, start:end], v[:, :, start:end], i)
+                step = steps.step(i, keys)
+                if step is not None:
+                    q = torch.randn(2, config.num_attention_heads, end - start, dim, dtype=torch.float16)
+                    assert torch.isfinite(step.attend(q, None, dim**-0.5)).all()
     return cache
 
 
@@ -101,9 +102,9 @@ TINY = ["tiny-llama", "tiny-gemma3", "tiny-qwen3_5"]
 
 @pytest.mark.parametrize("name", TINY)
 @torch.no_grad()
-def test_packed_generation_and_metrics_equal_the_simulated_ones(name):
+def test_packed_generation_and_metrics_equal_the_simulated_ones(name, packed):
     model, _ = load_model(name)
-    use_fused_attention(model)
+    packed(model)
     heads = QuantizedKVCache(model.config, 4).bits.shape[1]
     layers = QuantizedKVCache(model.config, 4).bits.shape[0]
     torch.manual_seed(len(name))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -9,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from harness import passkey
-from harness.fused_attention import use_fused_attention
+from harness.attention import PACKED, installed
 from harness.models import load_model
 from harness.passkey_report import accuracy_table, fail_contexts, load_points
 
@@ -17,9 +18,12 @@ from harness.passkey_report import accuracy_table, fail_contexts, load_points
 @pytest.fixture(scope="module")
 def tiny():
     loaded = {name: load_model(name) for name in ("tiny-llama", "tiny-gemma3")}
-    for model, _ in loaded.values():
-        use_fused_attention(model)  # quantized caches are attended from their packed form
-    return loaded
+    with contextlib.ExitStack() as stack:
+        for model, _ in loaded.values():
+            stack.enter_context(
+                installed(model, PACKED)
+            )  # quantized caches are attended from their packed form
+        yield loaded
 
 
 @pytest.mark.parametrize("context,depth", [(300, 0.0), (301, 0.1), (517, 0.5), (777, 0.9), (1000, 1.0)])

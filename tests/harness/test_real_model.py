@@ -4,20 +4,20 @@ import pytest
 import torch
 
 from harness import data, evaluate, metrics
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 
 
 @pytest.fixture(scope="module")
 def smollm():
     model, tokenizer = load_model("smollm2-135m")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
-    sequences = data.token_windows(tokenizer, data.split().evaluation, 2, 256, seed=0)
-    base = evaluate.teacher_forced(
-        model, sequences, evaluate.dynamic_cache_factory(model), chunk=64, batch_size=2
-    )
-    return model, sequences, base
+    with installed(model, PACKED):  # quantized caches are attended from their packed form
+        sequences = data.token_windows(tokenizer, data.split().evaluation, 2, 256, seed=0)
+        base = evaluate.teacher_forced(
+            model, sequences, evaluate.dynamic_cache_factory(model), chunk=64, batch_size=2
+        )
+        yield model, sequences, base
 
 
 @pytest.mark.slow

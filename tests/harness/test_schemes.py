@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedSlidingLayer
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from harness.quant import Scheme, check_backend, get_scheme
 from harness.validate import ConfigError, validate_config
@@ -272,8 +272,8 @@ def chunked_logits(model, ids, cache, chunk):
 @pytest.fixture(scope="module", params=["tiny-llama", "tiny-gemma3"])
 def tiny(request):
     model = load_model(request.param)[0]
-    use_fused_attention(model)  # quantized caches are attended from their packed form
-    return model
+    with installed(model, PACKED):  # quantized caches are attended from their packed form
+        yield model
 
 
 @torch.no_grad()
@@ -295,9 +295,9 @@ def test_sixteen_bits_and_all_sink_tokens_equal_dynamic_cache(tiny):
 
 @pytest.mark.parametrize("name, opts", CACHE_CASES, ids=CASE_IDS)
 @torch.no_grad()
-def test_cache_returns_the_schemes_oracle_at_low_bits(name, opts):
+def test_cache_returns_the_schemes_oracle_at_low_bits(name, opts, packed):
     model, _ = load_model("tiny-llama")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     bits = torch.tensor(
         [[8, 16, 8], [16, 8, 8], [8, 8, 16]] if name.endswith("fp8") else [[2, 4, 16], [8, 3, 2], [16, 4, 4]]
     )
@@ -326,9 +326,9 @@ SLIDING_CASES = [("kivi", 0), ("asym_token", 3), ("rotate+kivi", 2)]  # (scheme,
 
 @pytest.mark.parametrize("name, sinks", SLIDING_CASES, ids=[c[0] for c in SLIDING_CASES])
 @torch.no_grad()
-def test_sliding_layers_return_the_oracle_window(name, sinks):
+def test_sliding_layers_return_the_oracle_window(name, sinks, packed):
     model, _ = load_model("tiny-gemma3")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     window = model.config.sliding_window  # 16: a sliding layer holds the last 15 tokens
     cache = QuantizedKVCache(
         model.config, 4, scheme=name, group_size=8, prefill="quantized", residual=2, sink_tokens=sinks,
@@ -359,10 +359,10 @@ def test_sliding_layers_return_the_oracle_window(name, sinks):
 
 
 @torch.no_grad()
-def test_from_prefilled_sliding_window_past_its_sinks_matches_the_update_path():
+def test_from_prefilled_sliding_window_past_its_sinks_matches_the_update_path(packed):
     """A prefilled sliding window that already dropped the sequence's first tokens holds no sink tokens."""
     model, _ = load_model("tiny-gemma3")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     torch.manual_seed(7)
     ids = torch.randint(0, 256, (1, 40))  # past tiny-gemma3's window of 16
     dyn = DynamicCache(config=model.config)
@@ -380,7 +380,7 @@ def test_from_prefilled_sliding_window_past_its_sinks_matches_the_update_path():
 # backends, configuration and the command line
 
 
-def test_triton_only_for_plain_token_schemes():
+def test_triton_only_for_plain_token_schemes(packed):
     assert check_backend(get_scheme("asym_token"), "auto") == "auto"
     for scheme in (
         get_scheme("kivi"),
@@ -391,7 +391,7 @@ def test_triton_only_for_plain_token_schemes():
         with pytest.raises(ValueError, match="^quant.backend: triton supports only asym_token and sym_token"):
             check_backend(scheme, "triton")
     model, _ = load_model("tiny-llama")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     assert (
         QuantizedKVCache(model.config, 4, scheme="asym_token", residual=3, backend="auto").backend == "torch"
     )

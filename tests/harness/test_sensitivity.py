@@ -21,7 +21,6 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from harness import sensitivity
 from harness.calibrate import head_entropies
-from harness.fused_attention import use_fused_attention
 from harness.models import load_model
 from harness.policies import UNQUANTIZED, allocate, head_errors
 from harness.quant import get_scheme
@@ -93,9 +92,9 @@ def _attention(q, k, v):
 
 @pytest.mark.parametrize("scheme, width, layer, kv_head", [("asym_token", 3, 1, 2), ("sym_token", 2, 0, 1)])
 @torch.no_grad()
-def test_proxy_of_one_head_matches_a_direct_torch_computation(scheme, width, layer, kv_head):
+def test_proxy_of_one_head_matches_a_direct_torch_computation(scheme, width, layer, kv_head, packed):
     model, _ = load_model("tiny-llama")  # 3 layers, 6 query / 3 KV heads, head_dim 32
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     ids = torch.randint(0, 256, (2, 37))
     table = head_sensitivity(model, ids, get_scheme(scheme, 16), widths=(width, 8))
     q, k, v = _layer_qkv(model, ids, layer)
@@ -114,10 +113,10 @@ def test_proxy_of_one_head_matches_a_direct_torch_computation(scheme, width, lay
 
 
 @pytest.mark.parametrize("name", ["tiny-gemma3", "tiny-qwen3_5", "tiny-gpt2", "tiny-gemma4-kv"])
-def test_other_architectures_measure_exactly_their_attention_heads(name):
+def test_other_architectures_measure_exactly_their_attention_heads(name, packed):
     # sliding + full layers; linear + full layers; no GQA; fewer global KV heads and KV-shared layers
     model, _ = load_model(name)
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     ids = torch.randint(0, 256, (1, 40))
     table = head_sensitivity(model, ids, get_scheme("asym_token", 16), widths=(2, 8))
     entropy = head_entropies(model, ids, i0=4)
@@ -241,10 +240,10 @@ def test_greedy_never_exceeds_the_budget_and_gains_with_it(case, policy, data):
 # ----------------------------------------------------------------------------------------- cache and check
 
 
-def test_disk_cache_returns_the_same_table(tmp_path, monkeypatch):
+def test_disk_cache_returns_the_same_table(tmp_path, monkeypatch, packed):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
     model, _ = load_model("tiny-llama")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     ids, scheme = torch.randint(0, 256, (2, 33)), get_scheme("asym_token", 32)
     first = cached_sensitivity(model, "tiny-llama", ids, scheme, (2, 4))
     monkeypatch.setattr(sensitivity, "head_sensitivity", lambda *a, **k: pytest.fail("measured again"))
@@ -262,9 +261,9 @@ def test_spearman_hand_worked():
 
 
 @torch.no_grad()
-def test_proxy_check_zero_value_head_costs_nothing_and_ranks_agree():
+def test_proxy_check_zero_value_head_costs_nothing_and_ranks_agree(packed):
     model, _ = load_model("tiny-llama")
-    use_fused_attention(model)  # quantized caches are attended from their packed form
+    packed(model)  # quantized caches are attended from their packed form
     head_dim = 32
     model.model.layers[0].self_attn.v_proj.weight[head_dim : 2 * head_dim] = 0  # layer 0, KV head 1: V = 0
     g = torch.Generator().manual_seed(0)

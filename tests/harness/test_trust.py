@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from tokenizers import processors
 
 from harness import data, evaluate, metrics, report
+from harness.attention import QDQ, QDQSpec, installed, kv_source_layer
 from harness.capacity import Storage, element_price, shape_from_config
 from harness.models import byte_tokenizer, load_model
 from harness.policies import allocate, scale_bits
-from harness.qdq_attention import QDQSpec, kv_source_layer, qdq_attention
 
 TEXT = "".join(chr(ord("a") + int(c)) for c in np.random.default_rng(0).integers(0, 26, 4000))  # aperiodic
 
@@ -255,10 +255,10 @@ def test_qdq_on_kv_sharing_layers_quantizes_at_the_source_layers_widths():
     plain = model(ids).logits
     rows = torch.zeros(5, 2, dtype=torch.int64)  # the sharing layers (3, 4) cache nothing: zero rows
     rows[:3] = 16
-    with qdq_attention(model, QDQSpec(rows)):
+    with installed(model, QDQ, QDQSpec(rows)):
         same = model(ids).logits
     torch.testing.assert_close(same, plain, rtol=1e-5, atol=1e-5)
     rows[2] = 2  # the global layer that layer 4 reads
-    with qdq_attention(model, QDQSpec(rows)):
+    with installed(model, QDQ, QDQSpec(rows)):
         coarse = model(ids).logits
     assert torch.isfinite(coarse).all() and (coarse - plain).abs().max() > 1e-3

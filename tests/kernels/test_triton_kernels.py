@@ -7,6 +7,7 @@ anything imports triton, so the shapes are small); the same tests marked `gpu` r
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -187,7 +188,7 @@ def _no_tolist(*_):
 def test_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
     """quantize_into, decode_attention and the fused attention's mask check launch without reading a device
     value on the host, so a decode step can run ahead of the GPU (and be captured in a CUDA graph)."""
-    from harness.fused_attention import kv_packed_attention
+    from harness.attention.packed import DecodeStep, Steps, packed_forward
 
     ks, vs = _stores((2, 4, 16), (4, 16, 2), 64, 32, False, device, seed=7)
     gen = torch.Generator().manual_seed(3)
@@ -199,19 +200,22 @@ def test_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
         for st in (ks, vs):
             quantize_into(st, x, T)
             st.length = T + 1
-        kv_packed_attention(torch.nn.Identity(), q, _StepKey(x, ks, vs), x, mask, scaling=0.125)
+        steps = Steps()
+        steps.post(0, x, DecodeStep(ks, vs))  # as harness.cache's triton backend posts a decode step
+        packed_forward(
+            steps, SimpleNamespace(layer_idx=0), q, x, x, mask, scaling=0.125
+        )  # layer 0's attention
 
 
 @torch.no_grad()
-def test_model_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
+def test_model_decode_step_reads_nothing_back_to_the_host(device, monkeypatch, packed):
     """A whole decode step of a model on a triton cache (cache update, quantize, fused attention, the model's
     own ops) reads no device value on the host."""
     from harness.cache import QuantizedKVCache
-    from harness.fused_attention import use_fused_attention
     from harness.models import load_model
 
     model, _ = load_model("tiny-llama", device=device)
-    use_fused_attention(model)
+    packed(model)
     cache = QuantizedKVCache(
         model.config, torch.tensor([[2, 4, 16], [8, 3, 4], [16, 16, 2]]), group_size=16, backend="triton"
     )
@@ -222,15 +226,6 @@ def test_model_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
     with _NoHostSync():
         model(input_ids=ids[:, 1:2], past_key_values=cache, use_cache=True)
     assert cache.get_seq_length() == 11
-
-
-def _StepKey(x, ks, vs):
-    """A placeholder key tagged with a decode step over (ks, vs), as harness.cache's triton backend makes."""
-    from harness.cache import DECODE_STEP_ATTR, DecodeStep
-
-    key = x.clone()
-    setattr(key, DECODE_STEP_ATTR, DecodeStep(ks, vs))
-    return key
 
 
 def test_device_side_position_and_length_match_host_ones(device):

@@ -1,28 +1,24 @@
-"""Quantize-then-dequantize attention with no KV cache: how the claim's own numbers were measured.
+"""Quantize-then-dequantize attention with no KV cache: how the claim's own numbers were measured ("harness_claim_qdq").
 
-Inside `qdq_attention(model, spec)`, every attention layer of `model` replaces its keys and values
-(B, Hkv, T, D) by their quantize-dequantize at the width of each (layer, KV head) in `spec.bits`
-(kernels/reference.py's packed-format oracle; 16 leaves a head untouched), then calls the model's own eager
-attention, so masks, sliding windows and softcapping stay the model's. With `spec.topk_factor = f`, each
-attention row then keeps only its ceil(visible / f) largest weights, renormalized (the claim's top-k mask,
+Installed with a `QDQSpec` as its state (`installed(model, QDQ, spec)`), every attention layer of the model
+replaces its keys and values (B, Hkv, T, D) by their quantize-dequantize at the width of each (layer, KV head)
+in `spec.bits` (kernels/reference.py's packed-format oracle; 16 leaves a head untouched), then calls the model's
+own eager attention, so masks, sliding windows and softcapping stay the model's. With `spec.topk_factor = f`,
+each attention row then keeps only its ceil(visible / f) largest weights, renormalized (the claim's top-k mask,
 counted there as f-fold eviction; it frees no memory), and the output is recomputed from those weights.
 Linear-attention layers never call attention: they are untouched.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+from transformers.masking_utils import eager_mask
 
-from harness.attention_swap import attending_with
+from harness.attention.base import Implementation, eager_forward, kv_source_layer
 from kernels import reference
-
-QDQ = "harness_claim_qdq"
-UNQUANTIZED = 16
+from kernels.layout import FULL_WIDTH
 
 
 @dataclass(frozen=True, eq=False)
@@ -39,7 +35,7 @@ def qdq_heads(x: torch.Tensor, bits: list[int], group_size: int, symmetric: bool
     """x (B, Hkv, T, D) with head h replaced by its quantize-dequantize at bits[h] (16: unchanged)."""
     assert x.shape[1] == len(bits), f"{x.shape[1]} KV heads but {len(bits)} widths"
     heads = [
-        x[:, h] if b == UNQUANTIZED else reference.fake_quantize(x[:, h], b, group_size, symmetric)
+        x[:, h] if b == FULL_WIDTH else reference.fake_quantize(x[:, h], b, group_size, symmetric)
         for h, b in enumerate(bits)
     ]  # each (B, T, D)
     return torch.stack(heads, dim=1)
@@ -59,31 +55,15 @@ def top_k_rows(weights: torch.Tensor, visible: torch.Tensor, factor: int) -> tor
     return kept / kept.sum(-1, keepdim=True)
 
 
-_ACTIVE: list[QDQSpec] = []
-
-
-def kv_source_layer(module) -> int:
-    """The layer whose K/V `module` attends: its own, or, for a layer that reuses another layer's K/V (Gemma 4's
-    KV sharing), the last earlier layer of its type that stores them (transformers' kv_sharing_modes)."""
-    if not getattr(module, "is_kv_shared_layer", False):
-        return module.layer_idx
-    config = module.config
-    kinds, modes = config.layer_types, config.kv_sharing_modes
-    own = kinds[module.layer_idx]
-    return next(i for i, (kind, mode) in enumerate(zip(kinds, modes)) if kind == own and mode == "store")
-
-
-def _qdq_attention(module, query, key, value, attention_mask, **kwargs):
+def qdq_forward(spec: QDQSpec, module, query, key, value, attention_mask, **kwargs):
     """query (B, Hq, Tq, D), key/value (B, Hkv, Tk, D) -> (output (B, Tq, Hq, D), weights (B, Hq, Tq, Tk)).
 
     A KV-sharing layer receives its source layer's K/V before quantization, and quantizes them at the
     source layer's widths (its own row of widths is empty: it caches nothing)."""
-    spec = _ACTIVE[-1]
     bits = spec.bits[kv_source_layer(module), : key.shape[1]].tolist()  # past its Hkv heads: padding
     key = qdq_heads(key, bits, spec.group_size, spec.symmetric)
     value = qdq_heads(value, bits, spec.group_size, spec.symmetric)
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    out, weights = eager(module, query, key, value, attention_mask, **kwargs)
+    out, weights = eager_forward(module)(module, query, key, value, attention_mask, **kwargs)
     if spec.topk_factor is None:
         return out, weights
     if attention_mask is None:
@@ -95,10 +75,4 @@ def _qdq_attention(module, query, key, value, attention_mask, **kwargs):
     return (weights.to(values.dtype) @ values).transpose(1, 2).contiguous(), weights
 
 
-AttentionInterface.register(QDQ, _qdq_attention)
-ALL_MASK_ATTENTION_FUNCTIONS.register(QDQ, eager_mask)
-
-
-def qdq_attention(model, spec: QDQSpec):
-    """A context in which `model` attends with the QDQ attention of `spec` (its own is restored after)."""
-    return attending_with(model, QDQ, _ACTIVE, spec)
+QDQ = Implementation("harness_claim_qdq", qdq_forward, eager_mask)
