@@ -98,8 +98,7 @@ class Scheme:
     no_eviction: ClassVar[str | None] = None  # what keeps single tokens from being evicted, if anything does
 
     def __post_init__(self):
-        if self.name not in SCHEMES:
-            SCHEMES.get(self.name)  # the one-line unknown-name error
+        SCHEMES.get(self.name)  # an unknown name is the registry's one-line error
         if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
             raise ValueError(f"quant.group_size: {self.group_size!r} is not a positive integer")
         _non_negative("quant.sink_tokens", self.sink_tokens)

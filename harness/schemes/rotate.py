@@ -21,7 +21,8 @@ ROTATE = "rotate+"
 
 @dataclass(frozen=True)
 class Rotated(Scheme):
-    """rotate+<base>: the base scheme (`inner`, with this scheme's group size) on rotated heads."""
+    """rotate+<base>: the base scheme on rotated heads. `inner` is that scheme, with this scheme's group size and
+    no sink or residual tokens (this scheme keeps those, unrotated)."""
 
     rotated: ClassVar[bool] = True
 
