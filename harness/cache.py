@@ -2,8 +2,8 @@
 
 `QuantizedKVCache(config, bits, ...)` plugs into `model.generate(..., past_key_values=cache)` and plain forward
 calls. Per decoder layer it holds:
-- full attention: a `QuantizedLayer` (keys and values in the scheme's stores (harness/quant.py): a
-  kernels.layout.PackedStore, or a harness.stores store for kivi, fp8, rotation, sink tokens and a residual
+- full attention: a `QuantizedLayer` (keys and values in the scheme's stores (harness/schemes): a
+  kernels.layout.PackedStore, or a harness.schemes store for kivi, fp8, rotation, sink tokens and a residual
   window), quantize-on-write;
 - sliding window: a `QuantizedSlidingLayer`, which keeps the model's window, as DynamicSlidingWindowLayer does;
 - linear attention (conv / recurrent state): the model's own `LinearAttentionLayer`, unquantized and
@@ -29,7 +29,7 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
   holding the layer's stores, which harness/attention/packed.py's attention hands to kernels.decode_attention;
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
-schemes auto is torch and an explicit triton is a ValueError (harness.quant.check_backend).
+schemes auto is torch and an explicit triton is a ValueError (harness.schemes.check_backend).
 The model must run inside `harness.attention.installed(model, PACKED)` for the placeholders of both backends:
 steps are posted, by layer index, on the state installed there; a step left unattended makes the layer's next
 update raise.
@@ -59,9 +59,8 @@ from transformers.cache_utils import (
 from transformers.configuration_utils import get_head_shapes
 
 from harness.attention.packed import DecodeStep, PackedStep, post_step
-from harness.quant import Scheme, check_backend, get_scheme
-from harness.stores import SinkStore
-from kernels.layout import FULL_WIDTH, PackedStore
+from harness.schemes import Scheme, SinkStore, check_backend, get_scheme
+from kernels.layout import FULL_WIDTH
 
 PREFILL_MODES = ("exact", "quantized")
 BACKENDS = ("auto", "torch", "triton")
@@ -142,16 +141,6 @@ def resident_bytes(objects) -> int:
     return sum(storages.values())
 
 
-def _quantize_append(store: PackedStore, x: torch.Tensor) -> None:
-    """Append x (B, Hkv, Tn, D) to `store` with one quantize_into launch; no dequantized copy is kept."""
-    from kernels.quantize import quantize_into
-
-    start, end = store.length, store.length + x.shape[2]
-    store._reserve(end)
-    quantize_into(store, x, start)
-    store.length = end
-
-
 class QuantizedLayer(CacheLayerMixin):
     """One full-attention layer's K/V, each KV head at its own width (16 = kept in full precision)."""
 
@@ -204,8 +193,10 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.fused:
             keys, values = self.k_store.append(key_states), self.v_store.append(value_states)
             return (keys, values) if self.simulate else None
-        _quantize_append(self.k_store, key_states)
-        _quantize_append(self.v_store, value_states)
+        from kernels.quantize import quantize_into
+
+        self.k_store.append_with(key_states, quantize_into)  # one launch per width, no dequantized copy
+        self.v_store.append_with(value_states, quantize_into)
         return None
 
     def _store(self, key_states, value_states):
@@ -322,7 +313,7 @@ class QuantizedKVCache(Cache):
     layers with fewer KV heads padded; or one int for all).
 
     `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens` and
-    `residual` (None: the scheme's default) are harness.quant.Scheme's. `simulate`: keep a full-precision
+    `residual` (None: the scheme's default) are harness.schemes.Scheme's. `simulate`: keep a full-precision
     working copy for the model's own attention (torch backend; see the module docstring).
     """
 

@@ -14,8 +14,8 @@ This module owns the arithmetic and nothing else (no weights, no tensors). Two c
 
 Model shapes come from a transformers config (a registered model's, a local config.json, or a preset of a model
 we do not have, built through transformers' own config class so per-layer head_dim and KV heads are its), or
-from explicit numbers. Storage formats are registered in TOKEN_BYTES (bytes of one stored token of one head);
-a new per-token scheme is one entry there.
+from explicit numbers. The bytes of one stored token of one head are the scheme's (harness.schemes,
+Scheme.token_bytes: the one byte model the cache's nbytes() also follows).
 """
 
 from __future__ import annotations
@@ -28,75 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from harness.registry import unknown_name_message
+from harness.schemes import SCHEMES, AsymToken, Scheme, get_scheme
 from kernels.layout import FP16_BYTES, FULL_WIDTH
-from kernels.reference import packed_dim
 
 GIB = 2**30
 GB = 10**9
 KINDS = ("full", "sliding", "linear", "shared")  # "shared": reuses another layer's KV (Gemma 4), stores none
-ROTATE = "rotate+"
 MAX_TOKENS = 2**40  # max_context's search bound: a cache that still fits there is unbounded (no full layers)
-
-
-# ------------------------------------------------------------------------------------------------ formats
-
-
-def _asym_token(bits: int, head_dim: int, group_size: int) -> int:
-    return packed_dim(head_dim, bits) + 2 * (head_dim // group_size) * FP16_BYTES  # codes, scale, zero
-
-
-def _sym_token(bits: int, head_dim: int, group_size: int) -> int:
-    return packed_dim(head_dim, bits) + (head_dim // group_size) * FP16_BYTES  # codes, scale
-
-
-def _fp8(bits: int, head_dim: int, group_size: int) -> int:
-    return head_dim + FP16_BYTES  # one e4m3 byte per element, one fp16 scale per (token, head)
-
-
-# Bytes of one quantized token of one KV head (keys or values) at a width below 16, by base scheme name. kivi's
-# keys hold one fp16 scale and zero per channel per g tokens, the same 4 * head_dim / g bytes per token as
-# asym_token's per-token groups of g (amortized over a whole key group); its values are asym_token.
-TOKEN_BYTES = {"asym_token": _asym_token, "sym_token": _sym_token, "fp8": _fp8, "kivi": _asym_token}
-
-
-def scheme_names() -> list[str]:
-    return [*TOKEN_BYTES, *(ROTATE + name for name in TOKEN_BYTES)]
-
-
-@dataclass(frozen=True)
-class Storage:
-    """How K/V are stored: a per-token scheme (rotate+ stores what its base stores), its group size, the first
-    `sink_tokens` tokens of the sequence and the `residual` most recent tokens kept at 16 bits."""
-
-    scheme: str = "asym_token"
-    group_size: int = 32
-    sink_tokens: int = 0
-    residual: int = 0
-
-    def __post_init__(self):
-        if self.scheme not in scheme_names():
-            raise ValueError(
-                f"quant.scheme: {self.scheme!r} is not modelled by harness.capacity; "
-                f"allowed: {', '.join(scheme_names())}"
-            )
-        for key, value, low in (
-            ("quant.group_size", self.group_size, 1),
-            ("quant.sink_tokens", self.sink_tokens, 0),
-            ("quant.residual", self.residual, 0),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{key}: {value!r} is not an integer >= {low}")
-
-    def token_bytes(self, bits: int, head_dim: int) -> int:
-        """Bytes of one stored token of one head at `bits` (16: unquantized, 2 bytes per element)."""
-        if bits == FULL_WIDTH:
-            return head_dim * FP16_BYTES
-        base = self.scheme.removeprefix(ROTATE)
-        if base == "fp8" and bits != 8:
-            raise ValueError(f"bits: {bits} with quant.scheme {self.scheme}; allowed: 8, 16")
-        if base != "fp8" and head_dim % self.group_size:
-            raise ValueError(f"quant.group_size: {self.group_size} does not divide head_dim {head_dim}")
-        return TOKEN_BYTES[base](bits, head_dim, self.group_size)
+DEFAULT_SCHEME = AsymToken()  # asym_token g32, no fp16 sink or residual tokens
 
 
 # ------------------------------------------------------------------------------------------------- shapes
@@ -170,14 +109,14 @@ def shape_from_config(config, name: str = "config", context_limit: int | None = 
     return ModelShape(name, tuple(layers), limit)
 
 
-def element_price(shape: ModelShape, storage: Storage):
+def element_price(shape: ModelShape, scheme: Scheme):
     """price(bits) -> bytes per stored element (keys and values alike) of the model's cached KV heads, averaged
     over them by their head_dim: the byte model that a bytes budget (harness.policies) charges each head."""
     cached = [layer for layer in shape.layers if layer.cached]
     elements = sum(layer.kv_heads * layer.head_dim for layer in cached)
 
     def price(bits: int) -> float:
-        held = sum(layer.kv_heads * storage.token_bytes(bits, layer.head_dim) for layer in cached)
+        held = sum(layer.kv_heads * scheme.token_bytes(bits, layer.head_dim) for layer in cached)
         return held / elements
 
     return price
@@ -290,12 +229,12 @@ def layer_bits(shape: ModelShape, bits) -> list[list[int]]:
     return out
 
 
-def held_tokens(layer: LayerShape, tokens: int, storage: Storage) -> tuple[int, int]:
+def held_tokens(layer: LayerShape, tokens: int, sink_tokens: int = 0, residual: int = 0) -> tuple[int, int]:
     """(tokens kept at 16 bits, tokens quantized) that `layer` holds after `tokens` tokens, as the cache's stores
-    keep them: sinks are sequence positions [0, sink_tokens), the residual the newest tokens after them."""
+    keep them: sinks are sequence positions [0, sink_tokens), the residual window the newest tokens after them."""
     held = tokens if layer.kind == "full" else min(tokens, layer.window - 1)
-    sinks = max(0, min(storage.sink_tokens, tokens) - (tokens - held))  # sinks still inside a sliding window
-    residual = min(storage.residual, held - sinks)
+    sinks = max(0, min(sink_tokens, tokens) - (tokens - held))  # sinks still inside a sliding window
+    residual = min(residual, held - sinks)
     return sinks + residual, held - sinks - residual
 
 
@@ -334,7 +273,7 @@ class CacheBytes:
 
 
 def cache_bytes(
-    shape: ModelShape, tokens: int, bits, storage: Storage = Storage(), batch: int = 1
+    shape: ModelShape, tokens: int, bits, scheme: Scheme = DEFAULT_SCHEME, batch: int = 1
 ) -> CacheBytes:
     """True, fp16 and nominal bytes of `batch` sequences after `tokens` tokens; `bits` as in layer_bits."""
     for key, value in (("capacity.context", tokens), ("capacity.batch", batch)):
@@ -347,10 +286,10 @@ def cache_bytes(
         state += layer.state_bytes * batch
         if not layer.cached:
             continue
-        unquantized, quantized = held_tokens(layer, tokens, storage)
+        unquantized, quantized = held_tokens(layer, tokens, scheme.sink_tokens, scheme.residual)
         per_role = sum(
-            unquantized * storage.token_bytes(FULL_WIDTH, layer.head_dim)
-            + quantized * storage.token_bytes(b, layer.head_dim)
+            unquantized * scheme.token_bytes(FULL_WIDTH, layer.head_dim)
+            + quantized * scheme.token_bytes(b, layer.head_dim)
             for b in row
         )  # one of keys / values, every head of the layer
         layer_true = 2 * batch * per_role
@@ -360,27 +299,27 @@ def cache_bytes(
     return CacheBytes(tokens, batch, true, fp16, mean_bits(shape, bits), state, by_kind)
 
 
-def _peak_bytes(shape: ModelShape, tokens: int, bits, storage: Storage, batch: int) -> int:
+def _peak_bytes(shape: ModelShape, tokens: int, bits, scheme: Scheme, batch: int) -> int:
     """The most bytes (K/V and linear state) held at any length up to `tokens`.
 
     Per layer the bytes are piecewise linear in the length, with kinks where sinks fill, the residual fills, a
     sliding window fills and its sinks have left; the maximum over [0, tokens] lies at one of those or at tokens.
     """
-    s, r = storage.sink_tokens, storage.residual
+    s, r = scheme.sink_tokens, scheme.residual
     kinks = {s, s + r}
     for layer in shape.layers:
         if layer.kind == "sliding":
             kinks |= {layer.window - 1, layer.window - 1 + s}
     lengths = [t for t in kinks if t < tokens] + [tokens]
-    return max(cache_bytes(shape, t, bits, storage, batch).total_bytes for t in lengths)
+    return max(cache_bytes(shape, t, bits, scheme, batch).total_bytes for t in lengths)
 
 
 def max_context(
-    shape: ModelShape, memory_bytes: int, bits, storage: Storage = Storage(), batch: int = 1
+    shape: ModelShape, memory_bytes: int, bits, scheme: Scheme = DEFAULT_SCHEME, batch: int = 1
 ) -> int | None:
     """The longest context whose cache never exceeds memory_bytes on the way there (K/V plus linear state);
     -1 if not even an empty cache fits, None if every length fits (no full-attention layer)."""
-    fits = lambda t: _peak_bytes(shape, t, bits, storage, batch) <= memory_bytes  # noqa: E731
+    fits = lambda t: _peak_bytes(shape, t, bits, scheme, batch) <= memory_bytes  # noqa: E731
     if not fits(0):
         return -1
     if fits(MAX_TOKENS):
@@ -423,7 +362,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--bits", type=int, nargs="+", default=[4], help="uniform widths to report (16 = fp16)")
     p.add_argument("--bits-from", help="a point JSON whose allocation gives the widths (replaces --bits)")
-    p.add_argument("--scheme", default="asym_token", help=f"one of {', '.join(scheme_names())}")
+    p.add_argument("--scheme", default="asym_token", help=f"one of {', '.join(SCHEMES)}")
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--sink-tokens", type=int, default=0)
     p.add_argument("--residual", type=int, default=0)
@@ -466,14 +405,14 @@ def _describe(shape: ModelShape) -> str:
 
 def rows(args) -> tuple[ModelShape, list[dict]]:
     shape = _shape(args)
-    storage = Storage(args.scheme, args.group_size, args.sink_tokens, args.residual)
+    scheme = get_scheme(args.scheme, args.group_size, args.sink_tokens, args.residual)
     allocations = (
         [("allocation", _bits_from(args.bits_from))] if args.bits_from else [(b, b) for b in args.bits]
     )
     out = []
     for label, bits in allocations:
         for tokens in args.context:
-            c = cache_bytes(shape, tokens, bits, storage, args.batch)
+            c = cache_bytes(shape, tokens, bits, scheme, args.batch)
             row = {
                 "bits": label,
                 "context": tokens,
@@ -490,7 +429,7 @@ def rows(args) -> tuple[ModelShape, list[dict]]:
                 "true_bytes": c.true_bytes,
             }
             for gib in args.memory_gib:
-                row[f"max_context@{gib:g}GiB"] = max_context(shape, int(gib * GIB), bits, storage, args.batch)
+                row[f"max_context@{gib:g}GiB"] = max_context(shape, int(gib * GIB), bits, scheme, args.batch)
             out.append(row)
     return shape, out
 

@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 GIB = 2**30
+SCHEME, GROUP_SIZE = "asym_token", 32  # the quantized cache tried (harness.schemes)
 
 
 def vm_peak_bytes() -> int:
@@ -50,7 +51,9 @@ def trial(model_name: str, batch: int, context: int, bits: int, new_tokens: int,
             if bits == 16:
                 cache = DynamicCache(config=config)
             else:
-                cache = QuantizedKVCache(config, bits, group_size=32, prefill="quantized")
+                cache = QuantizedKVCache(
+                    config, bits, scheme=SCHEME, group_size=GROUP_SIZE, prefill="quantized"
+                )
             ids = torch.randint(0, config.vocab_size, (batch, context))
             for start in range(0, context, chunk):
                 piece = ids[:, start : start + chunk]
@@ -98,12 +101,13 @@ def predicted(args, bits: int, overhead: int) -> int | None:
     """harness.capacity's longest context for the cap less `overhead` (16 bits at the model dtype's bytes)."""
     from harness.capacity import max_context, shape_from_registry
     from harness.models import model_spec
+    from harness.schemes import get_scheme
 
     shape = shape_from_registry(args.model)
     budget = args.memory_gib * GIB - overhead
     if bits == 16:  # harness.capacity counts 16-bit tokens at 2 bytes; a DynamicCache holds the model's dtype
         budget = budget * 2 // {"float32": 4, "bfloat16": 2, "float16": 2}[model_spec(args.model)["dtype"]]
-    return max_context(shape, max(budget, 0), bits, batch=args.batch)
+    return max_context(shape, max(budget, 0), bits, get_scheme(SCHEME, GROUP_SIZE), batch=args.batch)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---|---|---|---|",
     ]
     for bits, context, guess in rows:
-        name = "DynamicCache" if bits == 16 else "QuantizedKVCache asym_token g32 (packed-only)"
+        name = "DynamicCache" if bits == 16 else f"QuantizedKVCache {SCHEME} g{GROUP_SIZE} (packed-only)"
         lines.append(f"| {name} | {bits} | {context} | {args.batch * context} | {guess} |")
     text = "\n".join(lines) + "\n"
     out = Path(args.out)

@@ -32,6 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import precision
 from harness.metrics import format_difference, paired_difference_ci
 from harness.models import model_spec
+from harness.schemes import get_scheme, packed_names
 
 PROTOCOL = "claim"
 KEYS = (
@@ -46,7 +47,6 @@ KEYS = (
     "widths",
     "topk_factor",
 )
-SYMMETRIC = {"asym_token": False, "sym_token": True}  # quant.scheme -> kernels.reference's symmetric flag
 POSITIVE = ("num_sequences", "sequence_tokens", "new_tokens", "calibration_sequences", "topk_factor")
 
 
@@ -152,9 +152,9 @@ def validate(cfg: DictConfig) -> list[dict]:
         )
     if s.entropy_key not in ("H1", "H2"):
         raise ValueError(f"policy.entropy_key: unknown {s.entropy_key!r}; allowed: H1, H2")
-    if s.scheme not in SYMMETRIC:
+    if s.scheme not in packed_names():  # the quantize-dequantize attention reads per-token groups only
         raise ValueError(
-            f"quant.scheme: {s.scheme!r} with the claim protocol; allowed: {', '.join(SYMMETRIC)}"
+            f"quant.scheme: {s.scheme!r} with the claim protocol; allowed: {', '.join(packed_names())}"
         )
     if isinstance(s.group_size, bool) or not isinstance(s.group_size, int) or s.group_size < 1:
         raise ValueError(f"quant.group_size: {s.group_size!r} is not a positive integer")
@@ -206,6 +206,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
     from harness.calibrate import head_entropies
     from harness.policies import allocate, kv_head_entropy
 
+    symmetric = get_scheme(s.scheme, s.group_size).symmetric
     entropy = head_entropies(model, ids[: s.calibration_sequences], positions=list(s.calibration_positions))
     n_heads = int((~kv_head_entropy(entropy, s.entropy_key).isnan()).sum())
     with torch.no_grad():
@@ -220,7 +221,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
                 sink_fraction=row["skip"] / n_heads if row["skip"] else None,
                 widths=row["widths"], budget_mode="claim", entropy_key=row["entropy_key"],
             )  # fmt: skip
-            spec = QDQSpec(alloc.bits, s.group_size, SYMMETRIC[s.scheme], row["topk_factor"])
+            spec = QDQSpec(alloc.bits, s.group_size, symmetric, row["topk_factor"])
             with installed(model, QDQ, spec):
                 tokens = greedy_no_cache(model, ids, s.new_tokens)
                 nll = sequence_nll(model, ids)

@@ -170,7 +170,7 @@ def _dedupe(points: list[dict]) -> list[dict]:
         if p.get("budget_mode") == "claim":  # the claim's procedure budgets the non-sink heads in bits
             p = {**p, "budget_unit": "bits"}
         if p.get("residual") is None:
-            from harness.quant import default_residual  # imports torch: only where a grid is expanded
+            from harness.schemes import default_residual  # imports torch: only where a grid is expanded
 
             p = {**p, "residual": default_residual(p["scheme"])}
         if p.get("eviction") == "none":

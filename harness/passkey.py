@@ -34,12 +34,13 @@ from pathlib import Path
 import torch
 
 from harness import precision
-from harness.capacity import Storage, element_price, shape_from_config
+from harness.capacity import element_price, shape_from_config
 from harness.data import BOS_RULES, uses_bos
 from harness.io import CONF_DIR
 from harness.passkey_report import BASELINE
 from harness.policies import BUDGET_UNITS
 from harness.registry import unknown_name_message
+from harness.schemes import get_scheme
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -324,7 +325,7 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
     s = job.settings
     builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
-    price = element_price(shape_from_config(model.config, job.model), Storage(s.scheme, s.group_size))
+    price = element_price(shape_from_config(model.config, job.model), get_scheme(s.scheme, s.group_size))
     entropy = calibration_entropy(model, tokenizer, job.model, s)
     allocs = allocations(entropy, job.policies, job.budgets, s.seed, s.budget_unit, price)
     cache_options = dict(scheme=s.scheme, group_size=s.group_size)
@@ -453,7 +454,6 @@ def jobs(args) -> list[Job]:
     """The validated jobs of the command line (ValueError naming the option for bad input)."""
     from harness.models import model_spec
     from harness.policies import validate
-    from harness.quant import get_scheme
 
     settings = Settings(
         args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,

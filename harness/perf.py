@@ -31,8 +31,11 @@ from harness import io, precision
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resident_bytes
 from harness.models import load_model
+from harness.schemes import get_scheme
 
 QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "HQQ": "hqq"}  # QuantizedCache backend -> its package
+
+SCHEME = get_scheme("asym_token", 32)  # the quantized cache measured
 
 
 def fill(cache, prefilled: DynamicCache, **cache_kwargs):
@@ -69,9 +72,9 @@ def caches(model, prefilled: DynamicCache, context: int, bits: int, args) -> dic
         ),
     }
     for simulate, label in ((False, "packed-only"), (True, "simulated")):
-        out[f"QuantizedKVCache asym_token g32 {bits}-bit {label}"] = (
+        out[f"QuantizedKVCache {SCHEME.label()} {bits}-bit {label}"] = (
             lambda s=simulate: QuantizedKVCache.from_prefilled(
-                prefilled, config, bits, group_size=32, simulate=s
+                prefilled, config, bits, scheme=SCHEME.name, group_size=SCHEME.group_size, simulate=s
             ),
             args.steps,
         )

@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from harness import peers, results
 from harness.grid import EVICTION_FIELDS, HARNESS, POLICY_FIELDS, engine
 from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, format_difference, paired_difference_ci
+from harness.schemes import default_residual
 
 CLAIM_BUDGET = 4
 CLAIM_ALPHA = 0.25
@@ -107,7 +108,7 @@ def _storage_label(row: Mapping) -> str:
     parts = []
     if _positive(row.get("sink_tokens")):
         parts.append(f"{int(row['sink_tokens'])} fp16 sink tokens")
-    if _positive(row.get("residual")) and not str(row.get("scheme", "")).endswith("kivi"):
+    if _positive(row.get("residual")) and not default_residual(str(row.get("scheme"))):  # kivi's is its own
         parts.append(f"fp16 residual {int(row['residual'])}")
     eviction = row.get("eviction")
     if isinstance(eviction, str) and eviction != "none":

@@ -22,13 +22,13 @@ from tqdm import tqdm
 from harness import data, evaluate, metrics, peers, precision, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
-from harness.capacity import ModelShape, Storage, element_price, shape_from_config
+from harness.capacity import ModelShape, element_price, shape_from_config
 from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.grid import HARNESS, NO_EVICTION, engine, point_key, without_peer_fields
 from harness.io import write_json_atomic, write_parquet_atomic
 from harness.models import load_model, model_spec
 from harness.policies import MEASURED_POLICIES, allocate
-from harness.quant import get_scheme
+from harness.schemes import get_scheme
 from harness.sensitivity import cached_sensitivity
 
 
@@ -172,7 +172,7 @@ def allocation(ctx: ModelContext, point: dict):
         entropy_key=point["entropy_key"],
         sensitivity=table,
         budget_unit=point["budget_unit"],
-        price=element_price(ctx.shape, Storage(scheme.name, scheme.group_size)),
+        price=element_price(ctx.shape, scheme),
     )
 
 

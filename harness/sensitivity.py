@@ -41,7 +41,7 @@ from harness.attention import SENSITIVITY_PROBE, installed
 from harness.cache import kv_heads
 from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.io import write_atomic, write_text_atomic
-from harness.quant import Scheme
+from harness.schemes import Scheme, get_scheme
 
 CACHE_VERSION = 2  # 2: no rows for KV-shared layers
 UNQUANTIZED = 16
@@ -272,7 +272,6 @@ def _check_context(args) -> tuple[DictConfig, dict, Scheme]:
 
     from harness.grid import base_point
     from harness.io import CONF_DIR
-    from harness.quant import get_scheme
     from harness.validate import check_model_inputs, preflight_overrides, validate_config
 
     overrides = [f"model={args.model}", *args.overrides]

@@ -58,7 +58,7 @@ def _check_point(point: dict, backend: str = "auto") -> None:
     from harness.cache import PREFILL_MODES
     from harness.eviction import EvictionSpec
     from harness.policies import validate
-    from harness.quant import check_backend, get_scheme
+    from harness.schemes import check_backend, get_scheme
 
     try:
         model_spec(point["model"])
@@ -129,10 +129,10 @@ def _check_eviction_composes(eviction, scheme) -> None:
     """Eviction needs stores that can drop arbitrary tokens the same way in every batch row."""
     if not eviction.active:
         return
-    if scheme.base == "kivi":
+    if scheme.no_eviction:
         raise ValueError(
-            f"eviction: {eviction.name} cannot evict from kivi's per-channel key groups; "
-            "allowed with kivi: eviction=none"
+            f"eviction: {eviction.name} cannot evict from {scheme.no_eviction}; "
+            f"allowed with {scheme.name}: eviction=none"
         )
     if eviction.needs_scores and (scheme.sink_tokens or scheme.residual):
         raise ValueError(
@@ -276,18 +276,18 @@ def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
 
 def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
     """A scheme that quantizes groups along head_dim needs a group size dividing every head_dim."""
-    from harness.quant import get_scheme
+    from harness.schemes import get_scheme
     from kernels.layout import FULL_WIDTH
 
     scheme = get_scheme(inputs.scheme, inputs.group_size)
     if all(w == FULL_WIDTH for w in inputs.widths):
         return
-    if scheme.rotate and any(d & (d - 1) for d in dims):
+    if scheme.rotated and any(d & (d - 1) for d in dims):
         raise ConfigError(
             f"quant.scheme: {scheme.name} needs a power-of-two head_dim; {inputs.model}'s is "
             f"{', '.join(map(str, sorted(dims)))}; allowed: the scheme without rotate+"
         )
-    if scheme.base == "fp8" or all(d % inputs.group_size == 0 for d in dims):
+    if not scheme.head_dim_groups or all(d % inputs.group_size == 0 for d in dims):
         return
     common = [g for g in range(1, min(dims) + 1) if all(d % g == 0 for d in dims)]
     raise ConfigError(

@@ -115,6 +115,15 @@ class PackedStore:
         self.zero = _grow(self.zero, 2, cap)
         self.full = _grow(self.full, 2, cap)
 
+    def append_with(self, x: torch.Tensor, write) -> None:
+        """Store new tokens x (B, Hkv, Tn, D) through `write(store, x, start)`, which fills positions
+        [start, start + Tn) of payload, scale, zero and full, as kernels.quantize.quantize_into does with one
+        launch per width; no dequantized copy is kept."""
+        start, end = self.length, self.length + x.shape[2]
+        self._reserve(end)
+        write(self, x, start)
+        self.length = end
+
     def append(self, x: torch.Tensor, keep_dequantized: bool | None = None) -> torch.Tensor | None:
         """Quantize and store new tokens x (B, Hkv, Tn, D); return the dequantized stored values of all tokens.
 

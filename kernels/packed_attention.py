@@ -14,7 +14,7 @@ a value is c s + z, so for a query row q split into groups q_n:
     q . k = sum_n s_n (q_n . c_n) + z_n sum(q_n)          p @ v [n] = (p * s_n) @ c_n + (p @ z_n)
 When a block has few query rows (decode: M = query heads per KV head) these folded products touch fewer
 elements than dequantizing the block; with many (a prefill chunk) the block is dequantized once and multiplied.
-Any other store (harness/stores.py) provides the two products as methods `qk` and `pv`.
+Any other store (harness/schemes) provides the two products as methods `qk` and `pv`.
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def fake_quantize(x: torch.Tensor, bits: int, group_size: int, symmetric: bool =
 
 
 # ---------------------------------------------------------------------------------------------------------
-# per-channel keys (KIVI), fp8 and the Hadamard rotation: formats of harness/stores.py (torch path only)
+# per-channel keys (KIVI), fp8 and the Hadamard rotation: formats of harness/schemes (torch path only)
 
 
 def _check_tokens(tokens: int, group_size: int) -> int:

@@ -59,14 +59,14 @@ KV_TYPES = {
 
 def cache_bytes(model: str, kv_type: str, tokens: int) -> int:
     """Bytes a cache of `kv_type` K and V holds for one sequence of `tokens` tokens of a registered model."""
-    from harness.capacity import Storage, held_tokens
+    from harness.capacity import held_tokens
     from harness.peers.record import model_shape
 
     kind = KV_TYPES[kv_type]
     total = 0
     for layer in model_shape(model).layers:
         if layer.cached:
-            held = held_tokens(layer, tokens, Storage())[1]  # no fp16 sink or residual tokens
+            held = held_tokens(layer, tokens)[1]  # no fp16 sink or residual tokens
             total += held * layer.kv_heads * 2 * kind.row_bytes(layer.head_dim)  # K and V
     return total
 

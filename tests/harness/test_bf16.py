@@ -21,7 +21,7 @@ from harness.calibrate import head_entropies
 from harness.eviction import EvictionSpec, attention_for, with_eviction
 from harness.grid import point_key
 from harness.models import load_model
-from harness.quant import get_scheme, scheme_names
+from harness.schemes import SCHEMES, Fp8, Scheme, get_scheme
 from kernels.reference import FP8_MAX, FP16_MAX, hadamard_rotate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def models():
 
 
 def widths(name: str) -> list[int]:
-    return [8, 16] if name.endswith("fp8") else [2, 3, 16, 4, 8]
+    return [8, 16] if get_scheme(name).widths == (8,) else [2, 3, 16, 4, 8]
 
 
 def _group_bound(xg: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
@@ -56,24 +56,24 @@ def _group_bound(xg: torch.Tensor, bits: int, symmetric: bool) -> torch.Tensor:
     return (step / 2 + rounding + 2.0**bits * 2.0**-24).expand_as(xg)
 
 
-def step_bound(base: str, role: str, x: torch.Tensor, bits: int, g: int) -> torch.Tensor:
+def step_bound(base: Scheme, role: str, x: torch.Tensor, bits: int, g: int) -> torch.Tensor:
     """Per-element bound (B, H, T, D) on |stored - x| for float32 x in the fp16 range stored by `base` at `bits`
     (kivi keys: the first T // g * g tokens in groups of g per channel, the rest exact)."""
     if bits == 16:
         return torch.zeros_like(x)
-    if (
-        base == "fp8"
+    if isinstance(
+        base, Fp8
     ):  # e4m3: 3 mantissa bits (half an ulp: 2^-4 relative), subnormals below 2^-6 of the scale
         scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
         return x.abs() * 2.0**-4 + scale * 2.0**-9 + 2.0**-15
     B, H, T, D = x.shape
-    if base == "kivi" and role == "key":
+    if base.per_channel(role):
         n = T // g * g
         grouped = x[:, :, :n].reshape(B, H, n // g, g, D).transpose(-1, -2)  # (B, H, n // g, D, g)
         bound = _group_bound(grouped, bits, False).transpose(-1, -2).reshape(B, H, n, D)
         return torch.cat([bound, torch.zeros_like(x[:, :, n:])], 2)
     grouped = x.reshape(B, H, T, D // g, g)
-    return _group_bound(grouped, bits, base == "sym_token").reshape(x.shape)
+    return _group_bound(grouped, bits, base.symmetric).reshape(x.shape)
 
 
 def check_round_trip(
@@ -85,7 +85,9 @@ def check_round_trip(
     assert got.dtype == BF16 and got.shape == x.shape
     assert torch.isfinite(got).all(), name
     x32, got32 = x.float().clamp(-FP16_MAX, FP16_MAX), got.float()
-    base, rotate = name.removeprefix("rotate+"), name.startswith("rotate+")
+    scheme = get_scheme(name, group_size=g, residual=0)
+    rotate = scheme.rotated
+    base = scheme.inner if rotate else scheme  # the format rotate+ stores the rotated heads in
     for h, b in enumerate(bits):
         xh, gh = x32[:, h : h + 1], got32[:, h : h + 1]
         if b == 16:
@@ -101,13 +103,13 @@ def check_round_trip(
             assert ((gh - xh).abs() <= bound + output_rounding).all(), (name, h, b, (gh - xh).abs().max())
 
 
-@pytest.mark.parametrize("name", scheme_names())
+@pytest.mark.parametrize("name", SCHEMES.names())
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_every_scheme_round_trips_bf16_within_its_step(name, role):
     """Odd token count, channels of very different ranges, a non-zero offset; stored twice (45 tokens in one
     append, then in uneven chunks): within the step bound, and equal to the float32 path rounded to bf16."""
     g, bits = 16, widths(name)
-    torch.manual_seed(scheme_names().index(name) + 100 * (role == "key"))
+    torch.manual_seed(SCHEMES.names().index(name) + 100 * (role == "key"))
     x = (torch.randn(3, len(bits), 45, 64) * torch.logspace(-2, 2, 64) + 0.7).to(BF16)  # (B, H, T, D)
     scheme = get_scheme(name, group_size=g, residual=0)
     got = scheme.new_store(bits, 64, 3, BF16, "cpu", role=role, simulate=True).append(x)
@@ -126,7 +128,7 @@ GROUP_KINDS = ("constant", "zero", "huge", "tiny", "normal")
 
 @settings(max_examples=40, deadline=None)
 @given(
-    name=st.sampled_from(scheme_names()),
+    name=st.sampled_from(SCHEMES.names()),
     role=st.sampled_from(["key", "value"]),
     kinds=st.lists(st.sampled_from(GROUP_KINDS), min_size=4, max_size=4),
     magnitude=st.floats(min_value=-30, max_value=38),
@@ -160,7 +162,7 @@ def test_bf16_groups_constant_zero_huge_never_give_nan_or_inf(name, role, kinds,
     got = store.append(x)
     assert torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
     in_range = x.float().abs().max() <= FP16_MAX
-    if not name.startswith("rotate+") or in_range:
+    if not get_scheme(name).rotated or in_range:
         check_round_trip(name, role, x, got, bits, g)
     if all(kind == "zero" for kind in kinds):
         assert torch.equal(got, x)

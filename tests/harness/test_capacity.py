@@ -13,6 +13,7 @@ from harness import capacity
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, kv_heads
 from harness.models import load_model
+from harness.schemes import get_scheme
 
 GIB = 2**30
 
@@ -68,7 +69,7 @@ def test_true_bytes_equal_cache_nbytes(models, name, scheme, sinks, residual, pr
         residual=residual,
     )
     shape = capacity.shape_from_config(model.config, name)
-    storage = capacity.Storage(scheme, 16, sinks, residual)
+    storage = get_scheme(scheme, 16, sinks, residual)
     ids = torch.randint(0, 256, (batch, prompt + 10), generator=torch.Generator().manual_seed(prompt))
     steps = [(0, prompt)] + [(t, t + 1) for t in range(prompt, prompt + 10)]  # prefill, then 10 decode steps
     with torch.no_grad():
@@ -106,7 +107,7 @@ SHAPE = capacity.explicit_shape(full=(2, 3, 64), sliding=(3, 2, 32, 40), linear=
     batch=st.integers(1, 3),
 )
 def test_max_context_exact_at_the_boundary(memory, bits, sinks, residual, batch):
-    storage = capacity.Storage("asym_token", 32, sinks, residual)
+    storage = get_scheme("asym_token", 32, sinks, residual)
     longest = capacity.max_context(SHAPE, memory, bits, storage, batch)
     peak = lambda t: max(
         capacity.cache_bytes(SHAPE, u, bits, storage, batch).total_bytes for u in range(t + 1)
@@ -146,7 +147,7 @@ def test_gemma4_31b_by_hand():
     assert q4.true_bytes == global_q4 + sliding_q4
     assert q4.nominal_bytes == (global_bf16 + sliding_bf16) / 4
 
-    sym = capacity.cache_bytes(shape, tokens, 4, capacity.Storage("sym_token"))
+    sym = capacity.cache_bytes(shape, tokens, 4, get_scheme("sym_token"))
     assert sym.by_kind["full"] == 10 * 4 * (256 + 16 * 2) * 2 * tokens  # 4.5 bits per element
 
     literal = capacity.explicit_shape(full=(10, 16, 512))  # the claim's words: 16 KV heads of 512
@@ -155,13 +156,13 @@ def test_gemma4_31b_by_hand():
 
 def test_kivi_keys_cost_what_per_token_groups_cost_over_a_whole_key_group():
     # per channel, one fp16 scale and zero per 32 tokens: 64 channels * 4 bytes / 32 tokens = 8 bytes per token
-    kivi, asym = capacity.Storage("kivi", 32), capacity.Storage("asym_token", 32)
+    kivi, asym = get_scheme("kivi", 32), get_scheme("asym_token", 32)
     assert kivi.token_bytes(4, 64) == asym.token_bytes(4, 64) == 32 + 8
 
 
 def test_bad_input_names_the_key():
     with pytest.raises(ValueError, match="quant.scheme"):
-        capacity.Storage("kivi2")
+        get_scheme("kivi2")
     with pytest.raises(ValueError, match="quant.group_size"):
         capacity.cache_bytes(capacity.explicit_shape(full=(1, 1, 48)), 10, 4)
     with pytest.raises(ValueError, match="bits: layer 0"):

@@ -17,20 +17,20 @@ from harness import evaluate, metrics
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resident_bytes
 from harness.models import load_model
-from harness.quant import scheme_names
+from harness.schemes import SCHEMES, get_scheme
 
 PREFILL, DECODE = 1024, 100
 
 
 def widths(scheme: str) -> list[int]:
-    return [8, 16] if scheme.endswith("fp8") else [2, 3, 4, 8, 16]
+    return [*get_scheme(scheme).widths, 16]
 
 
 CASES = [
     (scheme, width)
-    for scheme in scheme_names()
+    for scheme in SCHEMES
     for width in widths(scheme)
-    if not (scheme.startswith("rotate+") and width == 16)  # rotated stores keep their 16-bit heads in float32
+    if not (get_scheme(scheme).rotated and width == 16)  # rotated stores keep their 16-bit heads in float32
 ]
 
 

@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedSlidingLayer
 from harness.models import load_model
-from harness.quant import Scheme, check_backend, get_scheme
+from harness.schemes import Fp8, Scheme, check_backend, get_scheme
 from harness.validate import ConfigError, validate_config
 from kernels import reference
 
@@ -27,7 +27,8 @@ def oracle(scheme: Scheme, x: torch.Tensor, bits: list[int], role: str) -> torch
     """What a store of `scheme` returns after holding all of x (B, H, T, D), written from reference.py alone."""
     S = min(scheme.sink_tokens, x.shape[2])
     rest = x[:, :, S:]
-    per_channel = scheme.base == "kivi" and role == "key"
+    stored = scheme.inner if scheme.rotated else scheme  # the format rotate+ stores the rotated heads in
+    per_channel = stored.per_channel(role)
     n_quant = max(rest.shape[2] - scheme.residual, 0)
     if per_channel:
         n_quant = n_quant // scheme.group_size * scheme.group_size
@@ -36,23 +37,23 @@ def oracle(scheme: Scheme, x: torch.Tensor, bits: list[int], role: str) -> torch
         if b == 16:
             continue
         q = rest[:, h, :n_quant]  # (B, n_quant, D)
-        if scheme.rotate:
+        if scheme.rotated:
             q = reference.hadamard_rotate(q)
-        if scheme.base == "fp8":
+        if isinstance(stored, Fp8):
             values = reference.fp8_quantize_dequantize(q, torch.float32)[2]
         elif per_channel:
             values = reference.channel_quantize_dequantize(q, b, scheme.group_size)[1]
         else:
-            sym = scheme.base == "sym_token"
+            sym = stored.symmetric
             values = reference.quantize_dequantize(q, b, scheme.group_size, sym, torch.float32)[1]
-        if scheme.rotate:
+        if scheme.rotated:
             values = reference.hadamard_rotate(values)
         out[:, h, S : S + n_quant] = values.to(x.dtype)
     return out
 
 
 def widths_for(scheme: str) -> list[int]:
-    return [8, 16, 8] if scheme.endswith("fp8") else [2, 16, 3, 4, 8]
+    return [8, 16, 8] if get_scheme(scheme).widths == (8,) else [2, 16, 3, 4, 8]
 
 
 def feed(store, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
@@ -205,7 +206,7 @@ def test_no_nan_or_inf_on_nasty_inputs(name, dtype, values, constant, seed):
     if constant:
         x = x[:, :, :1, :1].expand_as(x).contiguous()
     x = x.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype)
-    bits = [8, 16, 8] if name.endswith("fp8") else [2, 3, 8]
+    bits = [8, 16, 8] if get_scheme(name).widths == (8,) else [2, 3, 8]
     for role in ("key", "value"):
         scheme = get_scheme(name, group_size=8, residual=2)
         store = scheme.new_store(bits, 16, 1, dtype, "cpu", role=role, simulate=True)
@@ -286,7 +287,7 @@ def test_sixteen_bits_and_all_sink_tokens_equal_dynamic_cache(tiny):
             tiny.config, 16, scheme=name, group_size=8, prefill="quantized", simulate=True, **opts
         )
         assert torch.equal(chunked_logits(tiny, ids, cache, chunk=10), ref), (name, opts)
-        low = 8 if name.endswith("fp8") else 2
+        low = min(get_scheme(name).widths)
         sinks = QuantizedKVCache(
             tiny.config, low, scheme=name, group_size=8, prefill="quantized", sink_tokens=37, simulate=True
         )
@@ -299,7 +300,9 @@ def test_cache_returns_the_schemes_oracle_at_low_bits(name, opts, packed):
     model, _ = load_model("tiny-llama")
     packed(model)  # quantized caches are attended from their packed form
     bits = torch.tensor(
-        [[8, 16, 8], [16, 8, 8], [8, 8, 16]] if name.endswith("fp8") else [[2, 4, 16], [8, 3, 2], [16, 4, 4]]
+        [[8, 16, 8], [16, 8, 8], [8, 8, 16]]
+        if get_scheme(name).widths == (8,)
+        else [[2, 4, 16], [8, 3, 2], [16, 4, 4]]
     )
     torch.manual_seed(5)
     prompt = torch.randint(0, 256, (2, 21))

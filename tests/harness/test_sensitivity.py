@@ -23,7 +23,7 @@ from harness import sensitivity
 from harness.calibrate import head_entropies
 from harness.models import load_model
 from harness.policies import UNQUANTIZED, allocate, head_errors
-from harness.quant import get_scheme
+from harness.schemes import get_scheme
 from harness.sensitivity import (
     cached_sensitivity,
     head_sensitivity,

@@ -13,9 +13,10 @@ from tokenizers import processors
 
 from harness import data, evaluate, metrics, report
 from harness.attention import QDQ, QDQSpec, installed, kv_source_layer
-from harness.capacity import Storage, element_price, shape_from_config
+from harness.capacity import element_price, shape_from_config
 from harness.models import byte_tokenizer, load_model
 from harness.policies import allocate, scale_bits
+from harness.schemes import get_scheme
 
 TEXT = "".join(chr(ord("a") + int(c)) for c in np.random.default_rng(0).integers(0, 26, 4000))  # aperiodic
 
@@ -179,10 +180,10 @@ def test_the_byte_model_prices_scales_and_unquantized_heads():
     model, _ = load_model("tiny-llama")
     shape = shape_from_config(model.config)
     head_dim = shape.layers[0].head_dim
-    price = element_price(shape, Storage("asym_token", 16))
+    price = element_price(shape, get_scheme("asym_token", 16))
     assert price(16) == 2.0 and price(4) == pytest.approx((head_dim // 2 + 4 * head_dim // 16) / head_dim)
     assert scale_bits(price, (2, 3, 4, 8)) == pytest.approx(2.0)  # fp16 scale + zero per 16 elements
-    assert scale_bits(element_price(shape, Storage("sym_token", 16)), (2, 4)) == pytest.approx(1.0)
+    assert scale_bits(element_price(shape, get_scheme("sym_token", 16)), (2, 4)) == pytest.approx(1.0)
 
 
 @settings(max_examples=40, deadline=None)
@@ -198,7 +199,7 @@ def test_a_bytes_budget_never_exceeds_uniforms_bytes_and_pays_sinks_their_real_p
     rng = np.random.default_rng(seed)
     h = rng.uniform(0.0, 4.0, (6, 3))
     h[0, 0] = 0.05  # one sink at threshold 0.5
-    storage = Storage("asym_token", group)
+    storage = get_scheme("asym_token", group)
     price = lambda w: storage.token_bytes(w, 64) / 64  # noqa: E731
     table = _entropy_table(h)
     opts = dict(alpha=0.5, sink_threshold=0.5, widths=(2, 3, 4, 8), price=price)
@@ -222,7 +223,7 @@ def test_a_bytes_budget_never_exceeds_uniforms_bytes_and_pays_sinks_their_real_p
 def test_sinks_at_equal_bytes_hold_what_uniform_holds():
     h = np.full((10, 3), 2.0)
     h[:3, 0] = 0.1  # 3 sinks of 30 heads
-    price = lambda w: Storage("asym_token", 32).token_bytes(w, 64) / 64  # noqa: E731
+    price = lambda w: get_scheme("asym_token", 32).token_bytes(w, 64) / 64  # noqa: E731
     table = _entropy_table(h)
     uniform = allocate(table, 4, "uniform", widths=(2, 3, 4, 8), budget_unit="bytes", price=price)
     sinks = allocate(

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import data, preload
-from harness.quant import get_scheme
+from harness.schemes import get_scheme
 from harness.validate import ConfigError, check_model_inputs, validate_config
 
 CONF = str(Path(__file__).resolve().parents[2] / "conf")

@@ -1,7 +1,7 @@
 """kernels/packed_attention.py against the float64 oracle (dequantize, then reference.attention_reference).
 
 Fresh random K/V and queries per case, odd lengths and batch sizes, every width, mixed widths, GQA, decode
-(one query), chunks (causal, and under a sliding-window mask), and every store of harness/stores.py.
+(one query), chunks (causal, and under a sliding-window mask), and every store of harness/schemes.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.quant import get_scheme
+from harness.schemes import get_scheme
 from kernels import reference
 from kernels.layout import PackedStore
 from kernels.packed_attention import packed_attention
@@ -91,7 +91,7 @@ def test_softcap_matches_the_oracle_with_capped_logits():
     assert rel_err(got, want) < TOL
 
 
-SCHEME_CASES = [  # (scheme, sink tokens, residual): every store of harness/stores.py and its wrappers
+SCHEME_CASES = [  # (scheme, sink tokens, residual): every store of harness/schemes and its wrappers
     ("asym_token", 0, 0),
     ("sym_token", 3, 5),
     ("kivi", 0, None),
@@ -110,7 +110,7 @@ SCHEME_CASES = [  # (scheme, sink tokens, residual): every store of harness/stor
 @pytest.mark.parametrize("Tq", [1, 9])
 def test_every_store_is_attended_from_its_stored_form(name, sinks, residual, Tq):
     scheme = get_scheme(name, group_size=8, sink_tokens=sinks, residual=residual)
-    bits = [8, 16, 8] if name.endswith("fp8") else [2, 16, 4]
+    bits = [8, 16, 8] if scheme.widths == (8,) else [2, 16, 4]
     B, T, D = 3, 61, 32
     torch.manual_seed(len(name) + sinks + Tq)
     stores = []

@@ -1,0 +1,57 @@
+"""Quantization schemes by name (`quant.scheme`): how one layer's keys and values are stored, and what one stored
+token costs in bytes. harness/schemes/base.py has the interface (Scheme, the Store protocol, the byte model
+token_bytes, the SCHEMES registry); one file per family:
+- `asym_token` (AsymToken): per token, groups of g along head_dim, min/max, fp16 scale and zero (like q4_1);
+- `sym_token` (SymToken): per token, groups of g, absmax, fp16 scale (like q4_0);
+- `kivi` (Kivi, ChannelStore): keys per channel over groups of g tokens, values as asym_token, residual 32;
+- `fp8` (Fp8, Fp8Store): e4m3 with an fp16 absmax scale per (token, head); quantized heads 8-bit;
+- `rotate+<scheme>` (Rotated, RotatedStore): a Hadamard rotation of head_dim around any of the above.
+FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
+one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
+registered before it), and one YAML file in conf/quant.
+"""
+
+# The import order is the registration order (the order of the allowed names in errors); rotate comes last, as it
+# wraps every scheme registered before it.
+# isort: off
+from harness.schemes.base import (
+    ROLES,
+    SCHEMES,
+    Scheme,
+    Store,
+    check_backend,
+    default_residual,
+    get_scheme,
+    packed_names,
+)
+from harness.schemes.asym_token import AsymToken
+from harness.schemes.sym_token import SymToken
+from harness.schemes.kivi import ChannelStore, Kivi
+from harness.schemes.fp8 import Fp8, Fp8Store
+from harness.schemes.rotate import ROTATE, Rotated, RotatedStore
+from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore
+
+# isort: on
+
+__all__ = [
+    "ROLES",
+    "ROTATE",
+    "SCHEMES",
+    "AsymToken",
+    "ChannelStore",
+    "Fp8",
+    "Fp8Store",
+    "FullStore",
+    "Kivi",
+    "ResidualStore",
+    "Rotated",
+    "RotatedStore",
+    "Scheme",
+    "SinkStore",
+    "Store",
+    "SymToken",
+    "check_backend",
+    "default_residual",
+    "get_scheme",
+    "packed_names",
+]

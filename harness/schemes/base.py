@@ -1,0 +1,250 @@
+"""The scheme interface: `Scheme` (a named storage format with its options), the `Store` protocol its stores
+satisfy, the byte model (`Scheme.token_bytes`) and the registry of names (`SCHEMES`, `quant.scheme`).
+
+A scheme turns the new K or V tokens of a layer (B, Hkv, Tn, D), each KV head at its own width (16 = kept
+unquantized), into stored form and back. A family (one file of harness/schemes) subclasses Scheme: it says how
+one token of one head is stored (`base_store`, `quantized_token_bytes`) and declares what callers ask instead of
+testing names (`widths`, `symmetric`, `packed`, `default_residual`, ...). Options every scheme has:
+`group_size`, `sink_tokens` (the first n tokens of the sequence kept unquantized) and `residual` (the R most
+recent tokens kept unquantized; None means the scheme's `default_residual`); `new_store` wraps the family's
+base store in the wrappers of harness/schemes/wrappers.py for them.
+
+`token_bytes(bits, head_dim)` is THE byte model: the bytes of one stored token of one head, which the cache's
+nbytes() reports (tests/harness/test_schemes_table.py checks it against every store), the capacity arithmetic
+(harness/capacity.py) sums and a bytes budget (harness.policies) prices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
+
+import torch
+
+from harness.registry import Registry
+from harness.schemes.wrappers import ResidualStore, SinkStore
+from kernels import reference
+from kernels.layout import FP16_BYTES, FULL_WIDTH
+
+ROLES = ("key", "value")
+
+
+@runtime_checkable
+class Store(Protocol):
+    """One layer's keys or values for a batch, each KV head at its own width (16 = unquantized).
+
+    The torch path of harness/cache.py uses nothing else. Attention reads a store through
+    kernels.packed_attention's `scores` and `weighted`: a kernels.layout.PackedStore directly, any other store
+    through its methods qk(q, start, end) and pv(p, start, end), computed from the stored form one block at a
+    time.
+    """
+
+    length: int  # tokens held
+    batch: int
+
+    def append(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Store new tokens x (B, Hkv, Tn, D); with `simulate` return the dequantized stored tokens
+        (B, Hkv, length, D) from a full-precision working copy the store keeps, else keep only the stored form
+        and return None."""
+
+    def dequantize(self) -> torch.Tensor:
+        """The stored tokens (B, Hkv, length, D), recomputed from the stored form."""
+
+    def keep_last(self, n: int) -> None:
+        """Evict all but the last n tokens (sliding-window layers)."""
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep the tokens at sorted positions index (B, n_keep), per batch row (token eviction)."""
+
+    def nbytes(self) -> int:
+        """Bytes of every stored tensor for the tokens held (unquantized tokens at 2 bytes per element)."""
+
+    def nbytes_fp16(self) -> int:
+        """Bytes an unquantized fp16 cache would hold for the same tokens."""
+
+
+def _non_negative(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{key}: {value!r} is not a non-negative integer")
+    return value
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """A named storage scheme with its options; `new_store` makes the store of one layer's keys or values.
+
+    A family sets its `name` as the field's default and the class attributes below; rotate+<name> wraps it
+    (harness/schemes/rotate.py).
+    """
+
+    name: str
+    group_size: int = 32
+    sink_tokens: int = 0
+    residual: int | None = None  # None: default_residual
+
+    widths: ClassVar[tuple[int, ...]] = (
+        reference.WIDTHS
+    )  # the quantized widths it stores (16 is always allowed)
+    symmetric: ClassVar[bool] = False  # absmax codes, no zero (kernels.reference's symmetric flag)
+    # Stored as a plain kernels.layout.PackedStore of per-token groups: what the Triton kernels
+    # (kernels/quantize.py, decode_attention.py) and the claim's quantize-dequantize attention read.
+    packed: ClassVar[bool] = False
+    default_residual: ClassVar[int] = 0  # the recent tokens kept unquantized when residual is None
+    head_dim_groups: ClassVar[bool] = (
+        True  # quantizes groups of group_size along head_dim (some role at least)
+    )
+    rotated: ClassVar[bool] = False  # rotates head_dim by a Hadamard matrix (a power-of-two head_dim)
+    no_eviction: ClassVar[str | None] = None  # what keeps single tokens from being evicted, if anything does
+
+    def __post_init__(self):
+        SCHEMES.get(self.name)  # an unknown name is the registry's one-line error
+        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+            raise ValueError(f"quant.group_size: {self.group_size!r} is not a positive integer")
+        _non_negative("quant.sink_tokens", self.sink_tokens)
+        if self.residual is None:
+            object.__setattr__(self, "residual", self.default_residual)
+        _non_negative("quant.residual", self.residual)
+
+    # ---------------------------------------------------------------------------------------- a family's part
+
+    def base_store(
+        self,
+        bits: list[int],
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device,
+        role: str,
+        simulate: bool,
+    ) -> Store:
+        """The store of every token of one layer's keys or values in this format (no sink or residual tokens)."""
+        raise NotImplementedError
+
+    def quantized_token_bytes(self, bits: int, head_dim: int) -> int:
+        """Bytes of one token of one head stored at `bits` (a width of `widths`), scales and zeros included."""
+        raise NotImplementedError
+
+    def per_channel(self, role: str) -> bool:
+        """Whether tokens of `role` are quantized per channel over groups of group_size tokens (moved to the base
+        store a whole group at a time, so up to residual + g - 1 recent tokens stay unquantized)."""
+        return False
+
+    # ------------------------------------------------------------------------------------------ what callers ask
+
+    @property
+    def fusable(self) -> bool:
+        """Whether the Triton kernels can write and read this scheme (plain per-token formats only)."""
+        return self.packed and self.sink_tokens == 0 and self.residual == 0
+
+    def label(self) -> str:
+        """A short readable name, e.g. 'asym_token g32' or 'kivi g32 sink_tokens=4 residual=16'."""
+        parts = [self.name, f"g{self.group_size}"]
+        if self.sink_tokens:
+            parts.append(f"sink_tokens={self.sink_tokens}")
+        if self.residual != self.default_residual:
+            parts.append(f"residual={self.residual}")
+        return " ".join(parts)
+
+    def token_bytes(self, bits: int, head_dim: int) -> int:
+        """Bytes of one stored token of one head at `bits` (16: unquantized, 2 bytes per element): the byte model
+        of the cache's nbytes(), harness.capacity and the bytes budget."""
+        if bits == FULL_WIDTH:
+            return head_dim * FP16_BYTES
+        if bits not in self.widths:
+            allowed = ", ".join(map(str, [*self.widths, FULL_WIDTH]))
+            raise ValueError(f"bits: {bits} with quant.scheme {self.name}; allowed: {allowed}")
+        if self.head_dim_groups and head_dim % self.group_size:
+            raise ValueError(f"quant.group_size: {self.group_size} does not divide head_dim {head_dim}")
+        return self.quantized_token_bytes(bits, head_dim)
+
+    def check_widths(self, widths) -> None:
+        """ValueError for a width this scheme does not store (fp8: 8 bits only)."""
+        bad = sorted({int(w) for w in widths} - {*self.widths, FULL_WIDTH})
+        if bad:
+            stored = ", ".join(map(str, self.widths))
+            allowed = ", ".join(map(str, [*self.widths, FULL_WIDTH]))
+            raise ValueError(
+                f"quant.scheme: {self.name} stores quantized heads at {stored} bits; got widths {bad} "
+                f"(policy.widths or bits); allowed: {allowed}"
+            )
+
+    def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
+        """ValueError unless this scheme can store heads of `head_dim` at `bits` in `role`."""
+        quantized = any(b != FULL_WIDTH for b in bits)
+        if quantized and self.head_dim_groups and not self.per_channel(role) and head_dim % self.group_size:
+            raise ValueError(
+                f"quant.group_size: {self.group_size} does not divide the model's head_dim {head_dim}"
+            )
+        if self.rotated and head_dim & (head_dim - 1):
+            raise ValueError(
+                f"quant.scheme: {self.name} needs a power-of-two head_dim; the model's is {head_dim}"
+            )
+
+    def new_store(
+        self,
+        bits: list[int],
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device,
+        role: str = "value",
+        simulate: bool = False,
+    ) -> Store:
+        """The store of one layer's keys or values (`role`): the family's base store, wrapped for sink tokens
+        and the residual window.
+
+        `simulate`: the store also keeps a full-precision working copy and append returns it (quant.simulate);
+        otherwise it holds only the stored form and attention reads that (kernels/packed_attention.py).
+        """
+        if role not in ROLES:
+            raise ValueError(f"role: unknown {role!r}; allowed: {', '.join(ROLES)}")
+        self.check_head_dim(bits, head_dim, role)
+        self.check_widths(bits)
+        store = self.base_store(bits, head_dim, batch, dtype, device, role, simulate)
+        shape = (len(bits), head_dim, batch, dtype, device)
+        per_channel = self.per_channel(role)
+        if self.residual or per_channel:
+            chunk = self.group_size if per_channel else 1
+            store = ResidualStore(store, self.residual, chunk, *shape, simulate=simulate)
+        if self.sink_tokens:
+            store = SinkStore(store, self.sink_tokens, *shape, simulate=simulate)
+        return store
+
+
+# name -> the scheme's constructor (group_size, sink_tokens, residual as keywords)
+SCHEMES: Registry[Callable[..., Scheme]] = Registry("quant.scheme")
+
+
+def register(cls: type[Scheme]) -> type[Scheme]:
+    """Class decorator: a scheme family joins SCHEMES under its `name` (the field's default)."""
+    return SCHEMES.register(cls.name)(cls)
+
+
+def get_scheme(name: str, group_size: int = 32, sink_tokens: int = 0, residual: int | None = None) -> Scheme:
+    return SCHEMES.get(name)(group_size=group_size, sink_tokens=sink_tokens, residual=residual)
+
+
+def default_residual(name: str) -> int:
+    """The residual window scheme `name` keeps when quant.residual is None (0 for a name that is not registered:
+    validation reports it)."""
+    return get_scheme(name).residual if name in SCHEMES else 0
+
+
+def packed_names() -> list[str]:
+    """The schemes stored as a plain PackedStore (Scheme.packed)."""
+    return [name for name in SCHEMES if get_scheme(name).packed]
+
+
+def check_backend(scheme: Scheme, backend: str) -> str:
+    """The backend a cache of `scheme` runs: auto falls back to torch where the Triton kernels cannot store the
+    scheme; an explicit triton there is a ValueError."""
+    if scheme.fusable:
+        return backend
+    if backend != "triton":
+        return "torch"
+    raise ValueError(
+        f"quant.backend: triton supports only {' and '.join(packed_names())} without sink_tokens, residual or "
+        f"rotation; got quant.scheme={scheme.name} sink_tokens={scheme.sink_tokens} residual={scheme.residual}; "
+        "allowed: auto, torch"
+    )

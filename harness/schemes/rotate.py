@@ -1,0 +1,137 @@
+"""`rotate+<scheme>`: an orthonormal Hadamard rotation of head_dim before another scheme quantizes (QuaRot-style),
+undone after (RotatedStore); head_dim must be a power of two. Rotated is a wrapper scheme: it stores and costs
+what its base stores, in float32 inside (rotated values can exceed the fp16 range). Importing this module
+registers rotate+<name> for every scheme registered before it."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from harness.schemes.base import SCHEMES, Scheme, Store, get_scheme
+from harness.schemes.wrappers import head_index, take_tokens
+from kernels import reference
+from kernels.packed_attention import scores, weighted
+
+ROTATE = "rotate+"
+
+
+@dataclass(frozen=True)
+class Rotated(Scheme):
+    """rotate+<base>: the base scheme on rotated heads. `inner` is that scheme, with this scheme's group size and
+    no sink or residual tokens (this scheme keeps those, unrotated)."""
+
+    rotated: ClassVar[bool] = True
+
+    def __post_init__(self):
+        object.__setattr__(self, "inner", get_scheme(self.name.removeprefix(ROTATE), self.group_size, 0, 0))
+        super().__post_init__()
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        return self.inner.widths
+
+    @property
+    def symmetric(self) -> bool:
+        return self.inner.symmetric
+
+    @property
+    def default_residual(self) -> int:
+        return self.inner.default_residual
+
+    @property
+    def head_dim_groups(self) -> bool:
+        return self.inner.head_dim_groups
+
+    @property
+    def no_eviction(self) -> str | None:
+        return self.inner.no_eviction
+
+    def per_channel(self, role: str) -> bool:
+        return self.inner.per_channel(role)
+
+    def quantized_token_bytes(self, bits: int, head_dim: int) -> int:
+        return self.inner.quantized_token_bytes(bits, head_dim)
+
+    def base_store(
+        self,
+        bits: list[int],
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device,
+        role: str,
+        simulate: bool,
+    ) -> Store:
+        inner = self.inner.base_store(bits, head_dim, batch, torch.float32, device, role, simulate)
+        return RotatedStore(inner, bits, head_dim, batch, dtype, device, simulate)
+
+
+for _name in SCHEMES.names():
+    SCHEMES.register(ROTATE + _name)(functools.partial(Rotated, ROTATE + _name))
+
+
+class RotatedStore:
+    """Rotates head_dim of the quantized heads by an orthonormal Hadamard matrix before `base` (built in float32)
+    quantizes them, and back after dequantization; 16-bit heads pass unrotated, so they stay exact.
+
+    Attention never rotates the stored keys and values back: the rotation moves to the small side of each
+    product, q . (k' H) = (q H) . k' and p @ (v' H) = (p @ v') H.
+    """
+
+    def __init__(
+        self, base, bits, head_dim: int, batch: int, dtype: torch.dtype, device, simulate: bool = False
+    ):
+        self.base, self.batch, self.dtype, self.simulate = base, batch, dtype, simulate
+        self.bits = base.bits
+        self.h = reference.hadamard(head_dim, device)  # (D, D), H @ H = I
+        self.quant_heads = head_index(tuple(int(b) for b in bits), True, device)
+        # simulate only: the full-precision working copy, rotated back (not stored bytes).
+        self._values = torch.empty(batch, len(bits), 0, head_dim, dtype=dtype, device=device)
+
+    @property
+    def length(self) -> int:
+        return self.base.length
+
+    def _turn(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x (B, Hkv, T, D) with its quantized heads rotated (the rotation is its own inverse), in dtype."""
+        out = x.to(dtype, copy=True)  # never write into the caller's tensor
+        rotated = reference.hadamard_rotate(x.index_select(1, self.quant_heads), dtype, self.h)
+        return out.index_copy_(1, self.quant_heads, rotated)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor | None:
+        Tn = x.shape[2]
+        stored = self.base.append(self._turn(x, torch.float32))  # (B, Hkv, length, D) float32, rotated
+        if not self.simulate:
+            return None
+        new = self._turn(stored[:, :, stored.shape[2] - Tn :], self.dtype)
+        self._values = torch.cat([self._values, new], 2)
+        return self._values
+
+    def dequantize(self) -> torch.Tensor:
+        return self._turn(self.base.dequantize(), self.dtype)
+
+    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return scores(self.base, self._turn(q, torch.float32), start, end)
+
+    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return self._turn(weighted(self.base, p, start, end), torch.float32)
+
+    def keep_last(self, n: int) -> None:
+        self.base.keep_last(n)
+        if self.simulate:
+            self._values = self._values[:, :, self._values.shape[2] - self.base.length :].clone()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.base.select(index)
+        if self.simulate:
+            self._values = take_tokens(self._values, index, 2)
+
+    def nbytes(self) -> int:
+        return self.base.nbytes()
+
+    def nbytes_fp16(self) -> int:
+        return self.base.nbytes_fp16()

@@ -1,0 +1,158 @@
+"""Every registered scheme through the same invariants: one line of CASES per scheme (rotate+ variants included).
+
+- a round trip stays within one step of the scheme's format on fresh random inputs of odd shapes, appended in
+  uneven chunks, packed-only and simulated alike;
+- token_bytes (the byte model of capacity, the bytes budget and the reports) equals what the store reports,
+  with and without sink tokens and a residual window;
+- every store, and every store inside it, satisfies the Store protocol;
+- constant and zero groups give no NaN or inf, and zeros come back exact.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import harness.schemes
+from harness.schemes import SCHEMES, Scheme, Store, get_scheme
+from kernels.layout import FULL_WIDTH, PackedStore
+from kernels.reference import hadamard_rotate
+
+
+def integer_step(bits: int) -> float:
+    """Largest error of an integer format relative to the absmax of what it quantizes: half a step of an
+    absmax scale (half of asym's min/max step is at most as large)."""
+    return 0.5 / (2 ** (bits - 1) - 1)
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    step: Callable[[int], float] = integer_step  # bits -> error bound relative to the head's absmax
+
+
+CASES = [
+    Case("asym_token"),
+    Case("sym_token"),
+    Case("kivi"),
+    Case("fp8", step=lambda bits: 2**-4),  # e4m3: 3 mantissa bits, half an ulp
+    Case("rotate+asym_token"),
+    Case("rotate+sym_token"),
+    Case("rotate+kivi"),
+    Case("rotate+fp8", step=lambda bits: 2**-4),
+]
+IDS = [case.name for case in CASES]
+G, B, D = 8, 3, 32
+ROLES = ("key", "value")
+
+
+def widths(scheme: Scheme) -> list[int]:
+    """Every width the scheme stores, a 16-bit head among them, and an odd number of heads."""
+    return [scheme.widths[0], FULL_WIDTH, *scheme.widths[1:], scheme.widths[-1], *scheme.widths[:1]][:5]
+
+
+def feed(store, x: torch.Tensor, chunks=(1, 15, 21)):
+    start, got = 0, None
+    for n in chunks:
+        got = store.append(x[:, :, start : start + n])
+        start += n
+    assert start == x.shape[2]
+    return got
+
+
+def parts(store) -> list:
+    """The store and every store inside it (wrappers' parts, a rotation's base)."""
+    inner = getattr(store, "parts", None) or ([store.base] if hasattr(store, "base") else [])
+    return [store, *(p for part in inner for p in parts(part))]
+
+
+def test_the_table_lists_every_registered_scheme():
+    assert [case.name for case in CASES] == SCHEMES.names()
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("role", ROLES)
+def test_round_trip_within_one_step(case, role):
+    scheme = get_scheme(case.name, group_size=G, residual=0)
+    bits = widths(scheme)
+    torch.manual_seed(SCHEMES.names().index(case.name) + 10 * (role == "key"))
+    x = torch.randn(B, len(bits), 37, D) * torch.logspace(-1, 1, D) + 0.3  # (B, H, T, D), odd T
+    simulated = feed(scheme.new_store(bits, D, B, torch.float32, "cpu", role, simulate=True), x)
+    packed = scheme.new_store(bits, D, B, torch.float32, "cpu", role)
+    assert feed(packed, x) is None  # packed-only: nothing dequantized is returned or kept
+    got = packed.dequantize()
+    torch.testing.assert_close(got, simulated, rtol=1e-6, atol=1e-6)
+    if scheme.rotated:  # compare in the rotated domain, where the format quantized (H is its own inverse)
+        x, got = hadamard_rotate(x), hadamard_rotate(got)
+    for h, b in enumerate(bits):
+        err = (got[:, h] - x[:, h]).abs()
+        if b == FULL_WIDTH and not scheme.rotated:
+            assert torch.equal(got[:, h], x[:, h])
+            continue
+        absmax = x[:, h].abs().amax()
+        bound = 0 if b == FULL_WIDTH else case.step(b)
+        assert err.max() <= (bound + 2**-9) * absmax + 1e-5, (case.name, role, h, b)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("sinks, residual", [(0, 0), (2, 3)])
+def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual):
+    scheme = get_scheme(case.name, group_size=G, sink_tokens=sinks, residual=residual)
+    bits = widths(scheme)
+    store = scheme.new_store(bits, D, B, torch.float16, "cpu", role)
+    x = torch.randn(B, len(bits), 37, D, dtype=torch.float16)
+    start = 0
+    for n in (1, 15, 21):
+        store.append(x[:, :, start : start + n])
+        start += n
+        quantized = max(start - min(sinks, start) - residual, 0)  # sinks and the newest tokens stay 16-bit
+        if scheme.per_channel(role):
+            quantized = quantized // G * G  # whole groups of g tokens only
+        per_token = sum(scheme.token_bytes(b, D) for b in bits)
+        fp16 = scheme.token_bytes(FULL_WIDTH, D) * len(bits)
+        assert store.nbytes() == B * (quantized * per_token + (start - quantized) * fp16), (case.name, start)
+        assert store.nbytes_fp16() == B * start * fp16
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("role", ROLES)
+def test_every_store_satisfies_the_store_protocol(case, role):
+    for options in (dict(residual=0), dict(sink_tokens=2, residual=3)):
+        scheme = get_scheme(case.name, group_size=G, **options)
+        store = scheme.new_store(widths(scheme), D, 1, torch.float32, "cpu", role)
+        for part in parts(store):
+            assert isinstance(part, Store), (case.name, type(part).__name__)
+
+
+def test_every_store_class_is_built_and_checked():
+    """The table reaches every store class of harness.schemes and PackedStore (so the test above checks each)."""
+    seen = set()
+    for name in SCHEMES:
+        for role in ROLES:
+            scheme = get_scheme(name, group_size=G, sink_tokens=1, residual=1)
+            seen |= {type(p) for p in parts(scheme.new_store([8, 16], D, 1, torch.float32, "cpu", role))}
+    classes = {
+        c for _, c in inspect.getmembers(harness.schemes, inspect.isclass) if c.__name__.endswith("Store")
+    }
+    assert classes - {Store} | {PackedStore} <= seen
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_constant_and_zero_groups_give_no_nan(case, role, dtype):
+    scheme = get_scheme(case.name, group_size=G, residual=0)
+    bits = widths(scheme)
+    x = torch.zeros(2, len(bits), 3 * G, D)  # (B, H, T, D): one group of zeros, one constant, one of both
+    x[:, :, G : 2 * G] = 3.0
+    x[:, :, 2 * G :, : D // 2] = -1e-8
+    x = x.to(dtype)
+    store = scheme.new_store(bits, D, 2, dtype, "cpu", role, simulate=True)
+    got = feed(store, x, (5, 2 * G - 5, G))
+    assert got.dtype == dtype and torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
+    assert torch.equal(got[:, :, :G], x[:, :, :G])  # zeros stay exact
