@@ -159,7 +159,8 @@ def expand(cfg: DictConfig) -> list[dict]:
 
 
 def _dedupe(points: list[dict]) -> list[dict]:
-    """Drop repeated points, and normalize fields a policy ignores so equal evaluations share one key."""
+    """Drop repeated points, and normalize fields a policy ignores (harness.policies: Policy.normalize) so equal
+    evaluations share one key."""
     seen, out = set(), []
     for p in points:
         p = _normalize_policy(p)

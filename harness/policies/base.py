@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
@@ -132,7 +133,7 @@ def _check_name(key: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class Policy:
+class Policy(ABC):
     """An allocation rule; subclasses are frozen dataclasses whose fields are its hyperparameters.
 
     `widths`: the widths it may assign (16 = unquantized, only where listed); `budget_mode`: `exact` (the total
@@ -155,12 +156,13 @@ class Policy:
         _check_name("policy.budget_unit", self.budget_unit, BUDGET_UNITS)
         _check_name("policy.entropy_key", self.entropy_key, ENTROPY_KEYS)
 
+    @abstractmethod
     def allocate(
         self,
         entropy: pd.DataFrame,
         budget: float,
         *,
-        price=None,
+        price: Callable[[int], float] | None = None,
         sensitivity: pd.DataFrame | None = None,
     ) -> Allocation:
         """Widths per (layer, KV head, K|V) at `budget` bits per element (harness/policies/__init__.py).
@@ -170,7 +172,6 @@ class Policy:
         budget in exact mode; `sensitivity`: the measured table (harness.sensitivity) of a policy with
         `needs_sensitivity`.
         """
-        raise NotImplementedError
 
     def check_budget(self, budget: object) -> None:
         """ValueError naming policy.budget unless budget lies in [smallest quantized width, largest width]."""
@@ -186,8 +187,9 @@ class Policy:
         return self.name
 
     def normalize(self) -> Policy:
-        """The same allocation rule with the settings it ignores at their neutral values: configurations that
-        allocate identically normalise equal (grid points share one key). The claim's mode counts bits."""
+        """The canonical form of this configuration: configurations that allocate identically normalise equal
+        (harness.grid gives them one key). A setting a policy ignores is no field of it (`from_point` drops
+        it); what is left is the claim's mode, which budgets in bits whatever budget_unit says."""
         return replace(self, budget_unit="bits") if self.budget_mode == "claim" else self
 
     def point_fields(self) -> dict:
@@ -250,17 +252,17 @@ class HeadPolicy(Policy):
         """bool [n]: the heads kept at 16, of n cached heads with entropies h [n]; none by default."""
         return torch.zeros_like(h, dtype=torch.bool)
 
+    @abstractmethod
     def free_widths(self, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
         """The non-sink heads' widths (int64 [m], summing to at most heads.target) and their pre-rounding
         levels (float64 [m], NaN where there are none), m = heads that are not sinks."""
-        raise NotImplementedError
 
     def allocate(
         self,
         entropy: pd.DataFrame,
         budget: float,
         *,
-        price=None,
+        price: Callable[[int], float] | None = None,
         sensitivity: pd.DataFrame | None = None,
     ) -> Allocation:
         self.check_budget(budget)

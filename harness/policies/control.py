@@ -7,6 +7,7 @@ which width is random, so a gain of `entropy` over it is a gain from choosing he
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -33,7 +34,7 @@ class Random(Entropy):
         entropy: pd.DataFrame,
         budget: float,
         *,
-        price=None,
+        price: Callable[[int], float] | None = None,
         sensitivity: pd.DataFrame | None = None,
     ) -> Allocation:
         allocation = super().allocate(entropy, budget, price=price, sensitivity=sensitivity)

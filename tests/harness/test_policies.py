@@ -1,4 +1,5 @@
-"""Tests for harness.policies: hand-worked allocations, validation messages and budget properties."""
+"""Tests for harness.policies: hand-worked allocations, validation messages, budget properties, and the invariants
+every registered policy keeps (TABLE)."""
 
 from __future__ import annotations
 
