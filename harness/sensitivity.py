@@ -43,6 +43,7 @@ from harness.attention_swap import attending_with
 from harness.cache import kv_heads
 from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.io import write_atomic, write_text_atomic
+from harness.policies import quantized_widths
 from harness.quant import Scheme
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
@@ -136,7 +137,7 @@ def _cache_shape(model) -> tuple[int, int]:
 
 
 def _quantized_widths(widths: Sequence[int]) -> list[int]:
-    quantized = sorted({int(w) for w in widths} - {FULL_WIDTH})
+    quantized = quantized_widths(widths)
     if not quantized:
         raise ValueError(
             f"policy.widths: needs at least one quantized width (2, 3, 4, 8); got {list(widths)}"

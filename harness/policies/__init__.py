@@ -38,7 +38,7 @@ from harness.policies.base import (
     SinkPolicy,
     from_point,
 )
-from harness.policies.budget import scale_bits
+from harness.policies.budget import quantized_widths, scale_bits
 from harness.policies.stats import ENTROPY_KEYS, kv_head_entropy
 
 # isort: off
@@ -73,5 +73,6 @@ __all__ = [
     "from_point",
     "head_errors",
     "kv_head_entropy",
+    "quantized_widths",
     "scale_bits",
 ]

@@ -61,9 +61,8 @@ class Measured(SinkPolicy):
 
     def free_widths(self, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
         candidates = heads.quantized + ([FULL_WIDTH] if FULL_WIDTH in self.widths else [])
-        errors = head_errors(heads.sensitivity, tuple(heads.cached.shape), candidates)[
-            heads.cached
-        ]  # [n, |W|]
+        grid = head_errors(heads.sensitivity, tuple(heads.cached.shape), candidates)  # [L, Hkv, |W|]
+        errors = grid[heads.cached]  # [n, |W|]
         if torch.isnan(errors).any():
             raise ValueError("sensitivity table: lacks measurements for some cached heads")
         layer = heads.cached.nonzero()[:, 0]  # [n]
