@@ -6,7 +6,7 @@ greedy tokens) and quantize-dequantize of every K and V inside attention (harnes
 - entropy (`policy.entropy_key`: H1 Shannon, as the claim's code, or H2 Rényi) from the first
   `calibration_sequences` of those same sequences at the query positions `calibration_positions` only
   (calibration and test overlap, as in the claim);
-- widths with `budget_mode=claim` (harness/policies.py): Uniform, Adaptive (alpha), Skip `skip` + adaptive
+- widths with `budget_mode=claim` (harness/policies/): Uniform, Adaptive (alpha), Skip `skip` + adaptive
   (the `skip` lowest-entropy KV heads at 16 bits, the budget on the others);
 - "Combined": uniform at the budget plus a top-k mask keeping ceil(visible / topk_factor) weights per attention
   row, renormalized; its "Nx" is 16 / mean bits x topk_factor, the claim's count (the mask frees no memory);
@@ -107,7 +107,8 @@ def settings(cfg: DictConfig) -> ClaimSettings:
 
 
 def rows(s: ClaimSettings) -> list[dict]:
-    """The claim's configurations: label and allocation arguments (harness.policies.allocate), plus top-k."""
+    """The claim's configurations: label, the policy's point fields (harness.policies.from_point) and budget, plus
+    top-k."""
     b, a = s.budget, s.alpha
     claim = dict(budget=b, widths=s.widths, budget_mode="claim", entropy_key=s.entropy_key)
     return [
@@ -125,7 +126,7 @@ def rows(s: ClaimSettings) -> list[dict]:
 
 def validate(cfg: DictConfig) -> list[dict]:
     """Check a claim-protocol config; return its rows (the claim's 'points')."""
-    from harness.policies import validate as validate_policy
+    from harness.policies import Entropy
 
     s = settings(cfg)
     for name in POSITIVE:
@@ -150,8 +151,6 @@ def validate(cfg: DictConfig) -> list[dict]:
         raise ValueError(
             f"sweep.claim.sequence_tokens: + new_tokens exceeds {s.model}'s context limit {limit}"
         )
-    if s.entropy_key not in ("H1", "H2"):
-        raise ValueError(f"policy.entropy_key: unknown {s.entropy_key!r}; allowed: H1, H2")
     if s.scheme not in packed_names():  # the quantize-dequantize attention reads per-token groups only
         raise ValueError(
             f"quant.scheme: {s.scheme!r} with the claim protocol; allowed: {', '.join(packed_names())}"
@@ -159,9 +158,15 @@ def validate(cfg: DictConfig) -> list[dict]:
     if isinstance(s.group_size, bool) or not isinstance(s.group_size, int) or s.group_size < 1:
         raise ValueError(f"quant.group_size: {s.group_size!r} is not a positive integer")
     try:
-        validate_policy(s.budget, "entropy", s.alpha, None, None, s.widths, "claim")
-    except ValueError as err:  # budget, alpha and widths are set under sweep.claim here
-        raise ValueError(str(err).replace("policy.", "sweep.claim.", 1)) from None
+        policy = Entropy(widths=s.widths, budget_mode="claim", entropy_key=s.entropy_key, alpha=s.alpha)
+        policy.check_budget(s.budget)
+    except (
+        ValueError
+    ) as err:  # budget, alpha and widths are set under sweep.claim here; entropy_key under policy
+        message = str(err)
+        if not message.startswith("policy.entropy_key:"):
+            message = message.replace("policy.", "sweep.claim.", 1)
+        raise ValueError(message) from None
     return rows(s)
 
 
@@ -204,7 +209,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
     from harness import metrics
     from harness.attention import QDQ, QDQSpec, installed
     from harness.calibrate import head_entropies
-    from harness.policies import allocate, kv_head_entropy
+    from harness.policies import from_point, kv_head_entropy
 
     symmetric = get_scheme(s.scheme, s.group_size).symmetric
     entropy = head_entropies(model, ids[: s.calibration_sequences], positions=list(s.calibration_positions))
@@ -216,11 +221,8 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
             base_nll = sequence_nll(model, ids)
         out = []
         for row in tqdm(rows(s), desc=f"claim protocol on {s.model}", unit="row"):
-            alloc = allocate(
-                entropy, row["budget"], row["policy"], row["alpha"],
-                sink_fraction=row["skip"] / n_heads if row["skip"] else None,
-                widths=row["widths"], budget_mode="claim", entropy_key=row["entropy_key"],
-            )  # fmt: skip
+            policy = from_point({**row, "sink_fraction": row["skip"] / n_heads if row["skip"] else None})
+            alloc = policy.allocate(entropy, row["budget"])
             spec = QDQSpec(alloc.bits, s.group_size, symmetric, row["topk_factor"])
             with installed(model, QDQ, spec):
                 tokens = greedy_no_cache(model, ids, s.new_tokens)

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from omegaconf import DictConfig, OmegaConf
 
 from harness import precision
+from harness.policies import from_point
 
 POLICY_FIELDS = (
     "policy",
@@ -158,17 +159,11 @@ def expand(cfg: DictConfig) -> list[dict]:
 
 
 def _dedupe(points: list[dict]) -> list[dict]:
-    """Drop repeated points, and normalize fields a policy ignores so equal evaluations share one key."""
+    """Drop repeated points, and normalize fields a policy ignores (harness.policies: Policy.normalize) so equal
+    evaluations share one key."""
     seen, out = set(), []
     for p in points:
-        if p["policy"] == "uniform":
-            p = {**p, "alpha": 0.0, "sink_threshold": None, "sink_fraction": None}
-        elif p["policy"] in ("sinks", "sensitivity", "layerwise"):
-            p = {**p, "alpha": 0.0}
-        if p["policy"] != "random":  # only the random control draws: other policies ignore policy.seed
-            p = {**p, "policy_seed": 0}
-        if p.get("budget_mode") == "claim":  # the claim's procedure budgets the non-sink heads in bits
-            p = {**p, "budget_unit": "bits"}
+        p = _normalize_policy(p)
         if p.get("residual") is None:
             from harness.schemes import default_residual  # imports torch: only where a grid is expanded
 
@@ -182,6 +177,16 @@ def _dedupe(points: list[dict]) -> list[dict]:
             seen.add(k)
             out.append(p)
     return out
+
+
+def _normalize_policy(point: dict) -> dict:
+    """The point with its policy fields as its normalized policy writes them (harness.policies: settings the policy
+    ignores at their neutral values); an invalid policy is left as it is, for validation to report."""
+    try:
+        policy = from_point(point)
+    except ValueError:
+        return point
+    return {**point, **policy.normalize().point_fields()}
 
 
 def shard(points: list[dict], index: int, count: int) -> list[dict]:

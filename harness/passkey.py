@@ -7,7 +7,7 @@ This module owns the prompts, the scorer and the run loop; harness/passkey_repor
   The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
   joined as token ids, so the length is exact for any tokenizer.
 - Score: the first run of digits in the decoded answer equals the key.
-- Policies: conf/policy/<name>.yaml (with harness.policies.allocate on the model's calibration entropies, made
+- Policies: conf/policy/<name>.yaml (allocated by harness.policies on the model's calibration entropies, made
   as harness/runner.py makes them) at each budget, plus the unquantized baseline (a DynamicCache).
 - prefill=exact (default): per batch of trials ONE full-precision chunked prefill of everything before the
   question, shared by every policy and budget; each quantized cache is QuantizedKVCache.from_prefilled of it, and
@@ -38,7 +38,7 @@ from harness.capacity import element_price, shape_from_config
 from harness.data import BOS_RULES, uses_bos
 from harness.io import CONF_DIR
 from harness.passkey_report import BASELINE
-from harness.policies import BUDGET_UNITS
+from harness.policies import BUDGET_UNITS, from_point
 from harness.registry import unknown_name_message
 from harness.schemes import get_scheme
 
@@ -236,33 +236,24 @@ def policy_config(name: str) -> dict:
     return OmegaConf.to_container(cfg.policy, resolve=True)
 
 
+def policy_point(config: dict, seed: int, budget_unit: str) -> dict:
+    """A conf/policy config as a grid point's policy fields (harness.policies.from_point), with the passkey's own
+    seed (the random control's draw) and budget unit."""
+    return {**config, "policy": config["name"], "policy_seed": seed, "budget_unit": budget_unit}
+
+
 def allocations(
     entropy, policies: list[str], budgets: list[float], seed: int, budget_unit: str = "bits", price=None
 ) -> dict[tuple[str, float], object]:
     """(policy, budget) -> harness.policies.Allocation, or the ValueError text of an infeasible budget.
 
     `price`: the scheme's bytes per element at each width, for `budget_unit="bytes"` (harness.policies)."""
-    from harness.policies import allocate
-
     out = {}
     for name in policies:
-        p = policy_config(name)
+        point = policy_point(policy_config(name), seed, budget_unit)
         for budget in budgets:
             try:
-                out[(name, budget)] = allocate(
-                    entropy,
-                    budget,
-                    policy=p["name"],
-                    alpha=p["alpha"],
-                    sink_threshold=p["sink_threshold"],
-                    sink_fraction=p["sink_fraction"],
-                    widths=tuple(p["widths"]),
-                    budget_mode=p["budget_mode"],
-                    seed=seed,
-                    entropy_key=p.get("entropy_key", "H2"),
-                    budget_unit=budget_unit,
-                    price=price,
-                )
+                out[(name, budget)] = from_point(point).allocate(entropy, budget, price=price)
             except ValueError as err:
                 out[(name, budget)] = str(err)
     return out
@@ -453,7 +444,6 @@ def default_contexts(model: str) -> list[int]:
 def jobs(args) -> list[Job]:
     """The validated jobs of the command line (ValueError naming the option for bad input)."""
     from harness.models import model_spec
-    from harness.policies import validate
 
     settings = Settings(
         args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
@@ -466,18 +456,9 @@ def jobs(args) -> list[Job]:
     if any(not 0 <= d <= 1 for d in args.depths):
         raise ValueError(f"passkey.depths: {args.depths}; allowed: numbers in [0, 1]")
     for name in args.policies:
-        p = policy_config(name)
+        policy = from_point(policy_point(policy_config(name), args.seed, args.budget_unit))
         for budget in args.budgets:
-            validate(
-                budget,
-                p["name"],
-                p["alpha"],
-                p["sink_threshold"],
-                p["sink_fraction"],
-                p["widths"],
-                p["budget_mode"],
-                args.budget_unit,
-            )
+            policy.check_budget(budget)
     out = []
     for model in args.models:
         limit = model_spec(model).get("context_limit", 2048)

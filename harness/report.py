@@ -34,6 +34,7 @@ from omegaconf import OmegaConf
 from harness import peers, results
 from harness.grid import EVICTION_FIELDS, HARNESS, POLICY_FIELDS, engine
 from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, format_difference, paired_difference_ci
+from harness.policies import ALLOWED_WIDTHS, from_point
 from harness.schemes import default_residual
 
 CLAIM_BUDGET = 4
@@ -51,7 +52,6 @@ CLAIM_COLUMNS = (
 # The metrics compared with uniform and plotted against bytes, and which way is better for each.
 HIGHER_IS_BETTER = {"kl_mean": False, "ppl_ratio": False, "bleu": True, "token_match": True}
 DIFF_METRICS = ("bleu", "token_match", "ppl_ratio", "kl_mean")
-WIDTH_LEVELS = (2, 3, 4, 8, 16)
 DEFAULT_N_BOOT = 1000
 EQUAL_BYTES_TOLERANCE = 0.005  # a comparison at "equal memory" holds true bytes per token within 0.5%
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
@@ -84,23 +84,15 @@ def category(row: Mapping) -> str:
     return policy
 
 
-def _sink_label(row: Mapping) -> str:
-    if pd.notna(row.get("sink_threshold")):
-        return f"sinks H2<{row['sink_threshold']:g}"
-    return f"sinks top {100 * row['sink_fraction']:g}%"
-
-
 def _policy_label(row: Mapping) -> str:
-    kind = category(row)
-    if kind in ("entropy", "inverted"):
-        return f"{kind} a={row['alpha']:g}"
-    if kind == "entropy+sinks":
-        return f"entropy a={row['alpha']:g} + {_sink_label(row)}"
-    if kind == "sinks":
-        return _sink_label(row)
-    if kind == "random":
-        return f"random (draw {row.get('policy_seed', 0)})"
-    return kind
+    """The row's policy as harness.policies labels it. A table's row holds widths as JSON text
+    (harness.results.flatten), and NaN where its records lack a value (the policy's default then)."""
+    if row["policy"] == "baseline":
+        return "baseline"
+    point = {k: v for k, v in row.items() if not (pd.api.types.is_scalar(v) and pd.isna(v))}
+    if isinstance(point.get("widths"), str):
+        point["widths"] = json.loads(point["widths"])
+    return from_point(point).label()
 
 
 def _storage_label(row: Mapping) -> str:
@@ -703,7 +695,7 @@ def allocation_point(records: list[dict], model: str) -> dict | None:
 def plot_allocation(record: dict) -> Figure:
     """Bits per layer (rows) and KV head (columns) of one point, discrete colours; uncached layers blank."""
     bits = np.asarray(record["allocation"]["bits"], dtype=np.int64)  # (L, Hkv); 0 = no KV cache
-    levels = sorted(set(WIDTH_LEVELS) | set(bits[bits > 0].tolist()))
+    levels = sorted(set(ALLOWED_WIDTHS) | set(bits[bits > 0].tolist()))
     codes = np.ma.masked_where(bits == 0, np.searchsorted(levels, bits))
     cmap = ListedColormap(matplotlib.colormaps["viridis"](np.linspace(0, 1, len(levels))))
     norm = BoundaryNorm(np.arange(len(levels) + 1) - 0.5, len(levels))

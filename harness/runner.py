@@ -27,7 +27,7 @@ from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_ev
 from harness.grid import HARNESS, NO_EVICTION, engine, point_key, without_peer_fields
 from harness.io import write_json_atomic, write_parquet_atomic
 from harness.models import load_model, model_spec
-from harness.policies import MEASURED_POLICIES, allocate
+from harness.policies import from_point
 from harness.schemes import get_scheme
 from harness.sensitivity import cached_sensitivity
 
@@ -150,30 +150,18 @@ def allocation(ctx: ModelContext, point: dict):
 
     The measured policies' table is measured once per model, scheme (with its options) and widths.
     """
-    table = None
+    policy = from_point(point)
     scheme = get_scheme(
         point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
     )
-    if point["policy"] in MEASURED_POLICIES:
+    table = None
+    if policy.needs_sensitivity:
         key = (scheme, tuple(point["widths"]))
         if key not in ctx.sensitivity:
             ctx.sensitivity[key] = cached_sensitivity(ctx.model, ctx.name, ctx.calib_ids, *key)
         table = ctx.sensitivity[key]
-    return allocate(
-        ctx.entropy,
-        point["budget"],
-        policy=point["policy"],
-        alpha=point["alpha"],
-        sink_threshold=point["sink_threshold"],
-        sink_fraction=point["sink_fraction"],
-        widths=tuple(point["widths"]),
-        budget_mode=point["budget_mode"],
-        seed=point.get("policy_seed", 0),
-        entropy_key=point["entropy_key"],
-        sensitivity=table,
-        budget_unit=point["budget_unit"],
-        price=element_price(ctx.shape, scheme),
-    )
+    price = element_price(ctx.shape, scheme)
+    return policy.allocate(ctx.entropy, point["budget"], price=price, sensitivity=table)
 
 
 def measurement_key(point: dict, alloc) -> tuple:

@@ -1,6 +1,6 @@
 """Measured sensitivity of each KV head: how much quantizing it at each width hurts, on calibration data.
 
-This module owns the measurement behind the `sensitivity` and `layerwise` policies (harness/policies.py
+This module owns the measurement behind the `sensitivity` and `layerwise` policies (harness/policies/measured.py
 turns its table into widths), the measurement's on-disk cache, and the check that it predicts the real loss.
 
 The proxy. In one calibration forward, each attention layer l computes its output O (B, T, Hq, D) with the
@@ -41,10 +41,12 @@ from harness.attention import SENSITIVITY_PROBE, installed
 from harness.cache import kv_heads
 from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.io import write_atomic, write_text_atomic
+from harness.policies import quantized_widths
 from harness.schemes import Scheme, get_scheme
+from kernels.layout import FULL_WIDTH
+from kernels.reference import WIDTHS as PACKED_WIDTHS
 
 CACHE_VERSION = 2  # 2: no rows for KV-shared layers
-UNQUANTIZED = 16
 Quantizer = Callable[[torch.Tensor, int, str], torch.Tensor]  # (x (B, Hkv, T, D), width, role) -> same shape
 
 
@@ -118,7 +120,7 @@ def _cache_shape(model) -> tuple[int, int]:
 
 
 def _quantized_widths(widths: Sequence[int]) -> list[int]:
-    quantized = sorted({int(w) for w in widths} - {UNQUANTIZED})
+    quantized = quantized_widths(widths)
     if not quantized:
         raise ValueError(
             f"policy.widths: needs at least one quantized width (2, 3, 4, 8); got {list(widths)}"
@@ -217,7 +219,7 @@ def proxy_check(
     )
     rows = []
     for layer, kv_head in heads:
-        bits = torch.full(shape, UNQUANTIZED, dtype=torch.long)
+        bits = torch.full(shape, FULL_WIDTH, dtype=torch.long)
         bits[layer, kv_head] = width
         factory = partial(QuantizedKVCache, model.config, bits, prefill="quantized", **options)
         run = evaluate.teacher_forced(model, sequences, factory, chunk=chunk, baseline=base)
@@ -282,8 +284,10 @@ def _check_context(args) -> tuple[DictConfig, dict, Scheme]:
     point = base_point(cfg)
     if isinstance(args.check_heads, bool) or args.check_heads < 2:
         raise ValueError(f"--check-heads: {args.check_heads} is too few; allowed: an integer >= 2")
-    if args.width not in (2, 3, 4, 8):
-        raise ValueError(f"--width: {args.width} is not a quantized width; allowed: 2, 3, 4, 8")
+    if args.width not in PACKED_WIDTHS:
+        raise ValueError(
+            f"--width: {args.width} is not a quantized width; allowed: {', '.join(map(str, PACKED_WIDTHS))}"
+        )
     scheme = get_scheme(
         point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
     )

@@ -17,6 +17,7 @@ from harness import io, precision
 from harness.data import BOS_RULES
 from harness.grid import HARNESS, engine, expand
 from harness.models import model_spec
+from harness.policies import from_point
 from harness.registry import unknown_name_message
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
@@ -57,7 +58,6 @@ def preflight_overrides(args: list[str], conf_dir: str) -> None:
 def _check_point(point: dict, backend: str = "auto") -> None:
     from harness.cache import PREFILL_MODES
     from harness.eviction import EvictionSpec
-    from harness.policies import validate
     from harness.schemes import check_backend, get_scheme
 
     try:
@@ -72,16 +72,7 @@ def _check_point(point: dict, backend: str = "auto") -> None:
             raise ValueError(
                 f"model.dtype: {point['dtype']!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
             )
-        validate(
-            point["budget"],
-            point["policy"],
-            point["alpha"],
-            point["sink_threshold"],
-            point["sink_fraction"],
-            point["widths"],
-            point["budget_mode"],
-            point["budget_unit"],
-        )
+        from_point(point).check_budget(point["budget"])
         _check_positive_ints(point)
         scheme = get_scheme(point["scheme"], point["group_size"], point["sink_tokens"], point["residual"])
         scheme.check_widths(point["widths"])
@@ -92,12 +83,8 @@ def _check_point(point: dict, backend: str = "auto") -> None:
             )
         if point["bos"] not in BOS_RULES:
             raise ValueError(f"eval.bos: unknown {point['bos']!r}; allowed: {', '.join(BOS_RULES)}")
-        if point["entropy_key"] not in ("H2", "H1"):
-            raise ValueError(f"policy.entropy_key: unknown {point['entropy_key']!r}; allowed: H1, H2")
         if not isinstance(point["seed"], int):
             raise ValueError(f"seed: {point['seed']!r} is not an integer")
-        if isinstance(point["policy_seed"], bool) or not isinstance(point["policy_seed"], int):
-            raise ValueError(f"policy.seed: {point['policy_seed']!r} is not an integer")
         _check_eviction_composes(EvictionSpec.from_point(point), scheme)
         limit = model_spec(point["model"]).get("context_limit", 2048)
         if point["prompt_tokens"] + point["new_tokens"] > limit:

@@ -17,7 +17,7 @@ from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedLayer, kv_heads
 from harness.calibrate import head_entropies, layer_types
 from harness.models import load_model
-from harness.policies import allocate
+from harness.policies import Entropy
 
 ARCHS = ["tiny-gpt2", "tiny-qwen2", "tiny-qwen3_5", "tiny-gemma3", "tiny-gemma4", "tiny-gemma4-kv"]
 PROMPT, NEW, GROUP = 18, 8, 16  # prompt + new tokens run past the sliding window of 16
@@ -64,9 +64,10 @@ def test_calibrate_allocate_generate_and_measure(arch):
 
     # One sink head; budget_mode=claim puts the 3-bit budget on the others, so even 2 cached heads can pay for it.
     n = sum(n_kv[i] for i in cached)
-    alloc = allocate(
-        table, 3, "entropy", alpha=2.0, sink_fraction=1 / n, widths=(2, 3, 4, 8), budget_mode="claim"
+    policy = Entropy(
+        alpha=2.0, sink_fraction=1 / n, widths=(2, 3, 4, 8), budget_mode="claim", budget_unit="bits"
     )
+    alloc = policy.allocate(table, 3)
     assert alloc.bits.shape == (len(kinds), max(n_kv))
     # a layer's own KV heads are cached, the padding of a layer with fewer is not, nor layers without a cache
     assert alloc.cached.sum(1).tolist() == [n_kv[i] if k != "linear" else 0 for i, k in enumerate(kinds)]

@@ -1,4 +1,5 @@
-"""Tests for harness.policies: hand-worked allocations, validation messages and budget properties."""
+"""Tests for harness.policies: hand-worked allocations, validation messages, budget properties, and the invariants
+every registered policy keeps (TABLE)."""
 
 from __future__ import annotations
 
@@ -14,14 +15,34 @@ from hypothesis import strategies as st
 from harness.policies import (
     ALLOWED_WIDTHS,
     BUDGET_MODES,
-    ENTROPY_POLICIES,
-    UNQUANTIZED,
-    allocate,
+    BUDGET_UNITS,
+    POLICIES,
+    Allocation,
+    Entropy,
+    Inverted,
+    Layerwise,
+    Random,
+    Sensitivity,
+    Sinks,
+    Uniform,
+    from_point,
     kv_head_entropy,
-    validate,
 )
+from kernels.layout import FULL_WIDTH as UNQUANTIZED
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+ENTROPY_POLICIES = tuple(name for name in POLICIES if not POLICIES.get(name).needs_sensitivity)
+
+
+def allocate(entropy, budget, policy="entropy", *, price=None, sensitivity=None, **fields):
+    """The policy a grid point with these policy fields names (a bits budget unless told), at `budget`."""
+    point = {"policy": policy, "budget_unit": "bits", **fields}
+    return from_point(point).allocate(entropy, budget, price=price, sensitivity=sensitivity)
+
+
+def validate(budget, **fields):
+    """The checks a grid point's policy fields and budget get (harness.validate)."""
+    from_point(fields).check_budget(budget)
 
 
 def table(per_query_head: dict[int, list[list[float]]], num_layers: int | None = None) -> pd.DataFrame:
@@ -208,14 +229,14 @@ def test_random_is_seeded_and_keeps_the_sinks():
     df = table({layer: [[0.1 * layer + 0.3 * head] for head in range(8)] for layer in range(4)})
     kwargs = {"budget": 4, "alpha": 1.0, "sink_fraction": 0.1}
     first, again = (
-        allocate(df, policy="random", seed=3, **kwargs),
-        allocate(df, policy="random", seed=3, **kwargs),
+        allocate(df, policy="random", policy_seed=3, **kwargs),
+        allocate(df, policy="random", policy_seed=3, **kwargs),
     )
     entropy = allocate(df, policy="entropy", **kwargs)
     assert torch.equal(first.bits, again.bits) and first.policy == "random"
     assert torch.equal(first.sinks, entropy.sinks)
     assert first.histogram() == entropy.histogram() and first.mean_bits == entropy.mean_bits
-    others = [allocate(df, policy="random", seed=seed, **kwargs).bits for seed in range(4, 8)]
+    others = [allocate(df, policy="random", policy_seed=seed, **kwargs).bits for seed in range(4, 8)]
     assert any(not torch.equal(first.bits, bits) for bits in others)
 
 
@@ -414,7 +435,7 @@ def test_random_has_the_entropy_histogram(df, config, seed, mode):
     entropy = allocate_or_refused(df, "entropy", config)
     if entropy is None:
         return
-    shuffled = allocate(df, policy="random", seed=seed, **config)
+    shuffled = allocate(df, policy="random", policy_seed=seed, **config)
     assert shuffled.histogram() == entropy.histogram()
     assert torch.equal(shuffled.sinks, entropy.sinks)
     assert (shuffled.bits[shuffled.sinks] == UNQUANTIZED).all()
@@ -431,3 +452,109 @@ def test_claim_mode_budgets_the_non_sink_heads(df, config, policy):
     assert set(alloc.bits[free].tolist()) <= set(config["widths"]) - {UNQUANTIZED}
     assert (alloc.bits[alloc.sinks] == UNQUANTIZED).all()
     assert alloc.mean_bits == pytest.approx(alloc.bits[cached].sum().item() / int(cached.sum()))
+
+
+# ----------------------------------------------------------------------------------- every registered policy
+
+# One line per registered policy, with representative settings: a new policy is tested by adding its line.
+TABLE = [
+    Uniform(),
+    Entropy(alpha=0.5, sink_threshold=0.5),
+    Sinks(sink_fraction=0.1),
+    Random(alpha=0.5, sink_fraction=0.1, seed=3),
+    Inverted(alpha=0.5, widths=(2, 4, 8)),
+    Sensitivity(sink_fraction=0.1),
+    Layerwise(widths=(2, 3, 4, 8, 16)),
+]
+TABLE_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def price(width: int) -> float:
+    """Bytes per element of a per-token scheme with an fp16 scale and zero per 16 elements (2 bits)."""
+    return 2.0 if width == UNQUANTIZED else (width + 2) / 8
+
+
+def sensitivity_for(df: pd.DataFrame, widths) -> pd.DataFrame:
+    """A measured table for every cached head of df at every quantized width: errors falling with the width."""
+    h = kv_head_entropy(df)  # [L, Hkv]
+    rows = [
+        {"layer": layer, "kv_head": kv_head, "bits": w, "error": (1 + h[layer, kv_head].item()) / w}
+        for layer, kv_head in (~torch.isnan(h)).nonzero().tolist()
+        for w in sorted(set(widths) - {UNQUANTIZED})
+    ]
+    return pd.DataFrame(rows)
+
+
+def test_the_table_lists_every_registered_policy_once():
+    assert [policy.name for policy in TABLE] == POLICIES.names()
+    labels = [policy.label() for policy in TABLE]
+    assert all(labels) and len(set(labels)) == len(labels)
+
+
+@pytest.mark.parametrize("policy", TABLE, ids=lambda p: p.name)
+def test_a_policy_survives_its_grid_point_and_normalizes_idempotently(policy):
+    fields = policy.point_fields()
+    assert from_point(fields) == policy and from_point(fields).label() == policy.label()
+    normal = policy.normalize()
+    assert normal.normalize() == normal and from_point(normal.point_fields()) == normal
+    claim = from_point({**fields, "budget_mode": "claim"}).normalize()
+    assert claim.budget_unit == "bits" and claim.normalize() == claim
+
+
+def test_settings_a_policy_ignores_normalize_away():
+    ignored = {"alpha": 1.0, "sink_threshold": 0.5, "sink_fraction": None, "policy_seed": 7}
+    assert from_point({"policy": "uniform", **ignored}) == Uniform()
+    assert from_point({"policy": "sinks", **ignored}) == Sinks(sink_threshold=0.5)
+    assert from_point({"policy": "entropy", **ignored}).point_fields()["policy_seed"] == 0
+    assert from_point({"policy": "random", **ignored}).point_fields()["policy_seed"] == 7
+
+
+@TABLE_SETTINGS
+@given(
+    df=entropy_tables(),
+    unit=st.sampled_from(BUDGET_UNITS),
+    mode=st.sampled_from(BUDGET_MODES),
+    fraction=st.floats(0, 1),
+    index=st.integers(0, len(TABLE) - 1),
+)
+def test_every_policy_keeps_its_budget_in_its_unit_and_is_deterministic(df, unit, mode, fraction, index):
+    policy = from_point({**TABLE[index].point_fields(), "budget_unit": unit, "budget_mode": mode})
+    quantized = sorted(set(policy.widths) - {UNQUANTIZED})
+    budget = quantized[0] + fraction * (max(policy.widths) - quantized[0])
+    inputs = dict(price=price, sensitivity=sensitivity_for(df, policy.widths))
+    try:
+        alloc = policy.allocate(df, budget, **inputs)
+    except ValueError as err:
+        assert "cannot pay" in str(err) and mode == "exact"
+        return
+    again = policy.allocate(df, budget, **inputs)
+    assert torch.equal(alloc.key_bits, again.key_bits) and torch.equal(alloc.value_bits, again.value_bits)
+    assert torch.equal(alloc.sinks, again.sinks) and alloc.policy == policy.name
+    cached = ~torch.isnan(kv_head_entropy(df))  # [L, Hkv]
+    assert torch.equal(alloc.cached, cached)
+    for bits in (alloc.key_bits, alloc.value_bits):
+        assert (bits[~cached] == 0).all() and (bits[alloc.sinks] == UNQUANTIZED).all()
+        assert set(bits[cached & ~alloc.sinks].tolist()) <= set(policy.widths)
+    units = torch.cat([alloc.key_bits[cached], alloc.value_bits[cached]])  # [2n]: every (head, K|V) unit
+    assert alloc.mean_bits == pytest.approx(units.double().mean().item())
+    free = torch.cat([(~alloc.sinks)[cached]] * 2)  # [2n]
+    if mode == "claim":  # the budget applies to the non-sink units, in bits
+        assert units[free].sum().item() <= budget * int(free.sum()) + 1e-9
+    elif unit == "bits":
+        assert units.sum().item() <= budget * len(units) + 1e-9
+    else:  # the bytes uniform at `budget` bits would hold
+        held = sum(price(int(b)) for b in units.tolist())
+        assert held <= price(quantized[0]) * len(units) + (budget - quantized[0]) / 8 * len(units) + 1e-9
+
+
+def test_an_allocation_with_different_key_and_value_widths_has_no_single_width():
+    bits = torch.tensor([[4, 2]])
+    values = torch.tensor([[4, 4]])
+    alloc = Allocation(
+        bits, values, torch.zeros(1, 2, dtype=torch.bool), torch.full((1, 2), math.nan), "k4v2"
+    )
+    assert alloc.mean_bits == 3.5 and alloc.cached.all()
+    with pytest.raises(ValueError, match="keys and values different widths"):
+        _ = alloc.bits
+    same = Allocation.per_head(values, alloc.sinks, alloc.continuous, "uniform")
+    assert torch.equal(same.bits, values) and same.histogram() == {4: 2}

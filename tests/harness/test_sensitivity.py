@@ -22,7 +22,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from harness import sensitivity
 from harness.calibrate import head_entropies
 from harness.models import load_model
-from harness.policies import UNQUANTIZED, allocate, head_errors
+from harness.policies import POLICIES, Layerwise, Sensitivity, head_errors
 from harness.schemes import get_scheme
 from harness.sensitivity import (
     cached_sensitivity,
@@ -32,6 +32,7 @@ from harness.sensitivity import (
     spearman,
 )
 from kernels import reference
+from kernels.layout import FULL_WIDTH as UNQUANTIZED
 
 ROOT = Path(__file__).resolve().parents[2]
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -124,7 +125,7 @@ def test_other_architectures_measure_exactly_their_attention_heads(name, packed)
     assert sorted(set(zip(table.layer, table.kv_head))) == heads
     errors = table.pivot_table(index=["layer", "kv_head"], columns="bits", values="error")
     assert (errors[2] > errors[8]).all() and (errors[8] > 0).all()
-    alloc = allocate(entropy, 4, "sensitivity", widths=(2, 8), sensitivity=table)
+    alloc = Sensitivity(widths=(2, 8), budget_unit="bits").allocate(entropy, 4, sensitivity=table)
     assert sorted(map(tuple, alloc.cached.nonzero().tolist())) == heads
 
 
@@ -154,13 +155,13 @@ def brute_force(table: pd.DataFrame, n_layers: int, n_heads: int, budget: float,
 def test_greedy_hand_worked_and_equal_to_brute_force():
     entropy, table = entropy_table(2, 2), error_table(HAND, WIDTHS)
     # 4 extra bits over 2-bit heads: (0,0) 2->3 (4/bit), (1,0) 2->4 (2.5/bit), (0,0) 3->4 (2/bit)
-    alloc = allocate(entropy, 3, "sensitivity", sensitivity=table)
+    alloc = Sensitivity(budget_unit="bits").allocate(entropy, 3, sensitivity=table)
     assert (
         alloc.bits.tolist() == [[4, 2], [4, 2]] and alloc.mean_bits == 3.0 and alloc.policy == "sensitivity"
     )
     assert total_error(table, alloc.bits, WIDTHS) == brute_force(table, 2, 2, 3, per_layer=False) == 6.0
     # per layer (steps cost 2 bits): layer 0 2->3 (5 / 2 bits), then 3->4 (2.5 / 2 bits); layer 1 stays at 2
-    layers = allocate(entropy, 3, "layerwise", sensitivity=table)
+    layers = Layerwise(budget_unit="bits").allocate(entropy, 3, sensitivity=table)
     assert layers.bits.tolist() == [[4, 4], [2, 2]] and layers.mean_bits == 3.0
     assert total_error(table, layers.bits, WIDTHS) == brute_force(table, 2, 2, 3, per_layer=True) == 9.5
     assert torch.isnan(alloc.continuous).all() and not alloc.sinks.any()
@@ -169,25 +170,27 @@ def test_greedy_hand_worked_and_equal_to_brute_force():
 def test_sinks_first_and_sixteen_only_when_listed():
     entropy = entropy_table(2, 2, [0.1, 3.0, 3.0, 3.0])  # (0, 0) is a sink at threshold 0.5
     table = error_table(HAND, WIDTHS)
-    alloc = allocate(entropy, 6, "sensitivity", sink_threshold=0.5, sensitivity=table)
+    alloc = Sensitivity(budget_unit="bits", sink_threshold=0.5).allocate(entropy, 6, sensitivity=table)
     assert alloc.bits[0, 0] == UNQUANTIZED and alloc.sinks.tolist() == [[True, False], [False, False]]
     assert alloc.bits.sum() <= 6 * 4 and UNQUANTIZED not in alloc.bits.flatten().tolist()[1:]
     # 16 in widths: a non-sink head may be promoted to 16 (error 0) when it pays most per bit
     table16 = error_table({head: [*values[:3], 9.0] for head, values in HAND.items()}, [2, 3, 4, 8])
-    wide = allocate(entropy_table(2, 2), 8, "sensitivity", widths=(2, 3, 4, 8, 16), sensitivity=table16)
+    wide = Sensitivity(widths=(2, 3, 4, 8, 16), budget_unit="bits").allocate(
+        entropy_table(2, 2), 8, sensitivity=table16
+    )
     assert UNQUANTIZED in wide.bits.flatten().tolist() and wide.bits.sum() <= 8 * 4
     with pytest.raises(ValueError, match="cannot pay"):
-        allocate(entropy, 2, "sensitivity", sink_threshold=0.5, sensitivity=table)
+        Sensitivity(budget_unit="bits", sink_threshold=0.5).allocate(entropy, 2, sensitivity=table)
 
 
 def test_measured_policies_refuse_a_missing_or_short_table():
     entropy, table = entropy_table(2, 2), error_table(HAND, WIDTHS)
     with pytest.raises(ValueError, match="^policy.name: layerwise allocates from measured errors"):
-        allocate(entropy, 3, "layerwise")
+        Layerwise(budget_unit="bits").allocate(entropy, 3)
     with pytest.raises(ValueError, match=r"no measurements at width 3; measured widths: \[2, 4, 8\]"):
-        allocate(entropy, 3, "sensitivity", sensitivity=table[table["bits"] != 3])
+        Sensitivity(budget_unit="bits").allocate(entropy, 3, sensitivity=table[table["bits"] != 3])
     with pytest.raises(ValueError, match="lacks measurements for some cached heads"):
-        allocate(entropy, 3, "sensitivity", sensitivity=table[table["layer"] == 0])
+        Sensitivity(budget_unit="bits").allocate(entropy, 3, sensitivity=table[table["layer"] == 0])
 
 
 @st.composite
@@ -218,9 +221,8 @@ def test_greedy_never_exceeds_the_budget_and_gains_with_it(case, policy, data):
     previous = math.inf
     for budget in budgets:
         try:
-            alloc = allocate(
-                entropy, budget, policy, sink_fraction=fraction, widths=widths, sensitivity=table
-            )
+            measured = POLICIES.get(policy)(sink_fraction=fraction, widths=widths, budget_unit="bits")
+            alloc = measured.allocate(entropy, budget, sensitivity=table)
         except ValueError as err:  # the sinks alone cost more than the budget
             assert "cannot pay" in str(err)
             continue

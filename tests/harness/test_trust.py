@@ -15,7 +15,7 @@ from harness import data, evaluate, metrics, report
 from harness.attention import QDQ, QDQSpec, installed, kv_source_layer
 from harness.capacity import element_price, shape_from_config
 from harness.models import byte_tokenizer, load_model
-from harness.policies import allocate, scale_bits
+from harness.policies import Sinks, Uniform, from_point, scale_bits
 from harness.schemes import get_scheme
 
 TEXT = "".join(chr(ord("a") + int(c)) for c in np.random.default_rng(0).integers(0, 26, 4000))  # aperiodic
@@ -202,16 +202,20 @@ def test_a_bytes_budget_never_exceeds_uniforms_bytes_and_pays_sinks_their_real_p
     storage = get_scheme("asym_token", group)
     price = lambda w: storage.token_bytes(w, 64) / 64  # noqa: E731
     table = _entropy_table(h)
-    opts = dict(alpha=0.5, sink_threshold=0.5, widths=(2, 3, 4, 8), price=price)
+    opts = dict(alpha=0.5, sink_threshold=0.5, widths=(2, 3, 4, 8))
     uniform_bytes = price(2) + (budget - 2) / 8  # bytes per element that uniform at `budget` bits holds
     try:
-        in_bytes = allocate(table, budget, policy, budget_unit="bytes", **opts)
+        in_bytes = from_point({"policy": policy, "budget_unit": "bytes", **opts}).allocate(
+            table, budget, price=price
+        )
     except ValueError as err:
         assert "cannot pay" in str(err)
         return
     assert _bytes_per_element(in_bytes.bits, price) <= uniform_bytes + 1e-9
     try:
-        in_bits = allocate(table, budget, policy, budget_unit="bits", **opts)
+        in_bits = from_point({"policy": policy, "budget_unit": "bits", **opts}).allocate(
+            table, budget, price=price
+        )
     except ValueError as err:  # bits charge a sink more than its bytes: it may not pay where bytes do
         assert "cannot pay" in str(err) and policy != "uniform"
         return
@@ -225,11 +229,11 @@ def test_sinks_at_equal_bytes_hold_what_uniform_holds():
     h[:3, 0] = 0.1  # 3 sinks of 30 heads
     price = lambda w: get_scheme("asym_token", 32).token_bytes(w, 64) / 64  # noqa: E731
     table = _entropy_table(h)
-    uniform = allocate(table, 4, "uniform", widths=(2, 3, 4, 8), budget_unit="bytes", price=price)
-    sinks = allocate(
-        table, 4, "sinks", sink_threshold=0.5, widths=(2, 3, 4, 8), budget_unit="bytes", price=price
+    uniform = Uniform(widths=(2, 3, 4, 8), budget_unit="bytes").allocate(table, 4, price=price)
+    sinks = Sinks(sink_threshold=0.5, widths=(2, 3, 4, 8), budget_unit="bytes").allocate(
+        table, 4, price=price
     )
-    bits_rule = allocate(table, 4, "sinks", sink_threshold=0.5, widths=(2, 3, 4, 8), budget_unit="bits")
+    bits_rule = Sinks(sink_threshold=0.5, widths=(2, 3, 4, 8), budget_unit="bits").allocate(table, 4)
     u, s, b = (_bytes_per_element(a.bits, price) for a in (uniform, sinks, bits_rule))
     assert s <= u and (u - s) / u < 0.005  # equal true bytes within 0.5%
     assert b < s  # the bits rule charged each sink its 16 bits but not the scales it saves
@@ -238,9 +242,9 @@ def test_sinks_at_equal_bytes_hold_what_uniform_holds():
 def test_a_bytes_budget_needs_the_scheme_byte_model():
     table = _entropy_table(np.ones((2, 2)))
     with pytest.raises(ValueError, match="policy.budget_unit: bytes needs the scheme's byte model"):
-        allocate(table, 4, "uniform", budget_unit="bytes")
+        Uniform(budget_unit="bytes").allocate(table, 4)
     with pytest.raises(ValueError, match="policy.budget_unit: unknown 'kilobytes'"):
-        allocate(table, 4, "uniform", budget_unit="kilobytes")
+        Uniform(budget_unit="kilobytes").allocate(table, 4)
 
 
 # --- KV-shared layers in the claim protocol ----------------------------------------------------------------

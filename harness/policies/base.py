@@ -1,0 +1,345 @@
+"""The policy type: what an allocation rule is, what it returns, and how a grid point names one.
+
+This module owns:
+- `Allocation`: widths per allocation unit (layer, KV head, K|V), for keys and values separately, plus the sinks
+  and the pre-rounding levels; `bits` is the one width per head that today's consumers read;
+- `Policy`: a frozen dataclass per allocation rule, its fields the rule's hyperparameters (checked in
+  `__post_init__`, each failure one line naming the config key); `allocate(entropy, budget, ...)` is the one
+  method a rule implements, `label()` names it in reports, `normalize()` maps configurations that allocate
+  identically to one, `point_fields()` writes it back as a grid point's policy fields;
+- `HeadPolicy` and `SinkPolicy`: the common case, a rule that shares a budget among the cached heads of the
+  entropy table (with a sink rule, for `SinkPolicy`) and implements only `free_widths`;
+- `POLICIES` (name -> class) and `from_point` (a grid point's or result row's policy).
+
+A grid point is flat (harness.grid): `policy` names the class, `policy_seed` is the field `seed`, every other
+field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
+key's neutral value (alpha 0, no sink rule, seed 0), as grid points always did.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from abc import ABC, abstractmethod
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import ClassVar
+
+import pandas as pd
+import torch
+
+from harness.policies.budget import free_target, quantized_widths, scale_bits
+from harness.policies.stats import ENTROPY_KEYS, kv_head_entropy
+from harness.registry import Registry, unknown_name_message
+from kernels.layout import FULL_WIDTH
+from kernels.reference import WIDTHS as PACKED_WIDTHS
+
+ALLOWED_WIDTHS = (*PACKED_WIDTHS, FULL_WIDTH)  # what a policy may assign; 16 = unquantized
+BUDGET_MODES = ("exact", "claim")
+BUDGET_UNITS = ("bytes", "bits")
+POINT_KEYS = {"seed": "policy_seed"}  # field -> grid point key, where they differ
+NEUTRAL = {"alpha": 0.0, "sink_threshold": None, "sink_fraction": None, "policy_seed": 0}  # unused point keys
+
+
+@dataclass(frozen=True, eq=False)
+class Allocation:
+    """One policy's widths per (layer, KV head, K|V) and how it got there."""
+
+    key_bits: (
+        torch.Tensor
+    )  # int64 [num_layers, num_kv_heads]; 16 = unquantized; uncached rows and padding hold 0
+    value_bits: torch.Tensor  # int64 [num_layers, num_kv_heads]; likewise, for the values
+    sinks: torch.Tensor  # bool [num_layers, num_kv_heads]
+    continuous: torch.Tensor  # float64 [num_layers, num_kv_heads]; pre-rounding b_h, NaN for sinks/uncached
+    policy: str
+
+    @classmethod
+    def per_head(cls, bits: torch.Tensor, sinks: torch.Tensor, continuous: torch.Tensor, policy: str):
+        """Keys and values of each head at the same width (bits: int64 [num_layers, num_kv_heads])."""
+        return cls(bits, bits, sinks, continuous, policy)
+
+    @property
+    def bits(self) -> torch.Tensor:
+        """int64 [num_layers, num_kv_heads]: the one width of each head's keys and values; ValueError when
+        they differ (read key_bits and value_bits there)."""
+        if not torch.equal(self.key_bits, self.value_bits):
+            raise ValueError(
+                f"allocation: {self.policy} gives keys and values different widths; this consumer reads one "
+                "width per head (use key_bits and value_bits)"
+            )
+        return self.key_bits
+
+    @property
+    def cached(self) -> torch.Tensor:
+        """bool [num_layers, num_kv_heads]: the heads that have a KV cache."""
+        return self.key_bits > 0
+
+    @property
+    def mean_bits(self) -> float:
+        """Realized mean width over the cached units (layer, KV head, K|V); sinks count 16."""
+        total = self.key_bits.sum().item() + self.value_bits.sum().item()
+        return total / (2 * int(self.cached.sum()))
+
+    def histogram(self) -> dict[int, int]:
+        """Width -> number of cached heads at that width (sinks under 16)."""
+        return dict(sorted(Counter(self.bits[self.cached].tolist()).items()))
+
+    def to_records(self) -> list[dict]:
+        """One JSON-ready dict per cached head, in (layer, kv_head) order."""
+        records = []
+        for layer, kv_head in self.cached.nonzero().tolist():
+            value = self.continuous[layer, kv_head].item()
+            records.append(
+                {
+                    "layer": layer,
+                    "kv_head": kv_head,
+                    "bits": int(self.bits[layer, kv_head]),
+                    "sink": bool(self.sinks[layer, kv_head]),
+                    "continuous": None if math.isnan(value) else value,
+                }
+            )
+        return records
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def is_real(value: object) -> bool:
+    """A real number that is not a bool and not NaN."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def _checked_widths(widths: object) -> tuple[int, ...]:
+    """The widths as given, as a tuple, or ValueError naming policy.widths."""
+    allowed = ", ".join(map(str, ALLOWED_WIDTHS))
+    if isinstance(widths, str | bytes) or not isinstance(widths, Iterable):
+        raise ValueError(f"policy.widths: expected a list of widths from {allowed}; got {widths!r}")
+    widths = list(widths)
+    for width in widths:
+        if not isinstance(width, numbers.Integral) or isinstance(width, bool) or width not in ALLOWED_WIDTHS:
+            raise ValueError(f"policy.widths: {width!r} is not an allowed width; allowed: {allowed}")
+    if not any(width != FULL_WIDTH for width in widths):
+        raise ValueError(f"policy.widths: needs at least one quantized width (2, 3, 4, 8); got {widths}")
+    return tuple(int(width) for width in widths)
+
+
+def _check_name(key: str, value: object, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(unknown_name_message(key, value, list(allowed)))
+
+
+# ---------------------------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class Policy(ABC):
+    """An allocation rule; subclasses are frozen dataclasses whose fields are its hyperparameters.
+
+    `widths`: the widths it may assign (16 = unquantized, only where listed); `budget_mode`: `exact` (the total
+    over all cached heads, sinks included, meets the budget) or `claim` (the claim's procedure: the budget
+    applies to the non-sink heads); `budget_unit`: `bytes` (the budget holds in the scheme's true bytes) or
+    `bits` (in mean bits); `entropy_key`: the entropy column read (H2 or H1).
+    """
+
+    name: ClassVar[str] = ""  # the registered name (POLICIES), set by `register`
+    needs_sensitivity: ClassVar[bool] = False  # allocates from a measured table (harness.sensitivity)
+
+    widths: tuple[int, ...] = PACKED_WIDTHS
+    budget_mode: str = "exact"
+    budget_unit: str = "bytes"
+    entropy_key: str = "H2"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "widths", _checked_widths(self.widths))
+        _check_name("policy.budget_mode", self.budget_mode, BUDGET_MODES)
+        _check_name("policy.budget_unit", self.budget_unit, BUDGET_UNITS)
+        _check_name("policy.entropy_key", self.entropy_key, ENTROPY_KEYS)
+
+    @abstractmethod
+    def allocate(
+        self,
+        entropy: pd.DataFrame,
+        budget: float,
+        *,
+        price: Callable[[int], float] | None = None,
+        sensitivity: pd.DataFrame | None = None,
+    ) -> Allocation:
+        """Widths per (layer, KV head, K|V) at `budget` bits per element (harness/policies/__init__.py).
+
+        `entropy`: the calibration table (harness.calibrate), which decides the cached heads; `price(w)`: the
+        scheme's bytes per stored element at width w (harness.capacity.element_price), needed by a bytes
+        budget in exact mode; `sensitivity`: the measured table (harness.sensitivity) of a policy with
+        `needs_sensitivity`.
+        """
+
+    def check_budget(self, budget: object) -> None:
+        """ValueError naming policy.budget unless budget lies in [smallest quantized width, largest width]."""
+        low, high = quantized_widths(self.widths)[0], max(self.widths)
+        if not is_real(budget) or not low <= budget <= high:
+            raise ValueError(
+                f"policy.budget: {budget!r} is not allowed; expected a number of bits per head in "
+                f"[{low}, {high}] (smallest quantized width to largest width)"
+            )
+
+    def label(self) -> str:
+        """The policy as reports name it, without budget or scheme (e.g. 'entropy a=0.25 + sinks H2<0.5')."""
+        return self.name
+
+    def normalize(self) -> Policy:
+        """The canonical form of this configuration: configurations that allocate identically normalise equal
+        (harness.grid gives them one key). A setting a policy ignores is no field of it (`from_point` drops
+        it); what is left is the claim's mode, which budgets in bits whatever budget_unit says."""
+        return replace(self, budget_unit="bits") if self.budget_mode == "claim" else self
+
+    def point_fields(self) -> dict:
+        """The grid point's policy fields but the budget (harness.grid.POLICY_FIELDS), keys this policy has no
+        field for at their neutral values."""
+        out = {"policy": self.name, **NEUTRAL}
+        for field in fields(self):
+            out[POINT_KEYS.get(field.name, field.name)] = getattr(self, field.name)
+        out["widths"] = list(self.widths)
+        return out
+
+
+POLICIES = Registry[type[Policy]]("policy.name")
+
+
+def register(name: str):
+    """Class decorator: add a Policy subclass to POLICIES under `name` (its `name`)."""
+
+    def add(cls: type[Policy]) -> type[Policy]:
+        cls.name = name
+        return POLICIES.register(name)(cls)
+
+    return add
+
+
+def from_point(point: Mapping) -> Policy:
+    """The policy of a grid point or result row: `policy` names it, its fields come from their point keys (a
+    missing key takes the field's default, a key it has no field for is ignored); ValueError naming the key."""
+    name = point.get("policy")
+    if not isinstance(name, str):
+        raise ValueError(unknown_name_message(POLICIES.key, name, POLICIES.names()))
+    cls = POLICIES.get(name)
+    keys = {field.name: POINT_KEYS.get(field.name, field.name) for field in fields(cls)}
+    return cls(**{field: point[key] for field, key in keys.items() if key in point})
+
+
+# ---------------------------------------------------------------------------------------- the common case
+
+
+@dataclass(frozen=True)
+class Heads:
+    """What a `HeadPolicy` shares out: the cached heads of the entropy table, (layer, kv_head) order."""
+
+    cached: torch.Tensor  # bool [num_layers, num_kv_heads]
+    entropy: torch.Tensor  # float64 [n]: each cached head's entropy
+    sinks: torch.Tensor  # bool [n]: heads kept at 16
+    budget: float  # bits per element per cached head
+    target: float  # bits the non-sink heads may hold in total
+    credit: float  # bits per element of scales that a 16-bit head does not store (a bytes budget; else 0)
+    quantized: list[int]  # the policy's quantized widths, ascending
+    sensitivity: pd.DataFrame | None  # the measured table, for a policy with needs_sensitivity
+
+
+@dataclass(frozen=True)
+class HeadPolicy(Policy):
+    """A policy that gives every cached head of the entropy table one width (keys and values alike) within the
+    budget: the sinks (`sinks`) at 16, the others by `free_widths`, the one method a subclass implements."""
+
+    def sinks(self, h: torch.Tensor) -> torch.Tensor:
+        """bool [n]: the heads kept at 16, of n cached heads with entropies h [n]; none by default."""
+        return torch.zeros_like(h, dtype=torch.bool)
+
+    @abstractmethod
+    def free_widths(self, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
+        """The non-sink heads' widths (int64 [m], summing to at most heads.target) and their pre-rounding
+        levels (float64 [m], NaN where there are none), m = heads that are not sinks."""
+
+    def allocate(
+        self,
+        entropy: pd.DataFrame,
+        budget: float,
+        *,
+        price: Callable[[int], float] | None = None,
+        sensitivity: pd.DataFrame | None = None,
+    ) -> Allocation:
+        self.check_budget(budget)
+        bytes_budget = self.budget_unit == "bytes" and self.budget_mode == "exact"
+        if bytes_budget and price is None:
+            raise ValueError("policy.budget_unit: bytes needs the scheme's byte model (price=); or use bits")
+        if self.needs_sensitivity and sensitivity is None:
+            raise ValueError(
+                f"policy.name: {self.name} allocates from measured errors; pass sensitivity= "
+                "(harness.sensitivity.cached_sensitivity)"
+            )
+        head_entropy = kv_head_entropy(entropy, self.entropy_key)  # [L, Hkv]
+        cached = ~torch.isnan(head_entropy)  # [L, Hkv]
+        h = head_entropy[cached]  # [n], (layer, kv_head) order
+        n = len(h)
+        if n == 0:
+            raise ValueError("entropy table: no cached heads to allocate")
+        quantized = quantized_widths(self.widths)
+        sinks = self.sinks(h)  # [n]
+        n_sinks = int(sinks.sum())
+        # bytes: every head's scales cost the same bits per element, except a sink's, which stores none;
+        # the scales the sinks do not store go to the other heads.
+        credit = scale_bits(price, self.widths) if bytes_budget else 0.0
+        target = free_target(budget, n, n_sinks, self.budget_mode, quantized[0], credit)
+        heads = Heads(cached, h, sinks, budget, target, credit, quantized, sensitivity)
+        free_bits, continuous = self.free_widths(heads)
+        flat_bits = torch.full((n,), FULL_WIDTH, dtype=torch.int64)  # [n]
+        flat_bits[~sinks] = free_bits
+        flat_continuous = torch.full((n,), math.nan, dtype=torch.float64)  # [n]
+        flat_continuous[~sinks] = continuous
+        bits = torch.zeros(cached.shape, dtype=torch.int64)  # [L, Hkv]
+        bits[cached] = flat_bits
+        sink_grid = torch.zeros(cached.shape, dtype=torch.bool)  # [L, Hkv]
+        sink_grid[cached] = sinks
+        continuous_grid = torch.full(cached.shape, math.nan, dtype=torch.float64)  # [L, Hkv]
+        continuous_grid[cached] = flat_continuous
+        return Allocation.per_head(bits, sink_grid, continuous_grid, self.name)
+
+
+@dataclass(frozen=True)
+class SinkPolicy(HeadPolicy):
+    """A HeadPolicy with a sink rule: heads with entropy below `sink_threshold`, or the
+    floor(sink_fraction * n + 0.5) lowest of the n cached heads (ties by order), kept at 16; at most one rule."""
+
+    sink_threshold: float | None = None
+    sink_fraction: float | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        threshold, fraction = self.sink_threshold, self.sink_fraction
+        if threshold is not None and not (is_real(threshold) and threshold >= 0):
+            raise ValueError(f"policy.sink_threshold: expected null or a number >= 0; got {threshold!r}")
+        if fraction is not None and not (is_real(fraction) and 0 <= fraction <= 1):
+            raise ValueError(f"policy.sink_fraction: expected null or a number in [0, 1]; got {fraction!r}")
+        if threshold is not None and fraction is not None:
+            raise ValueError(
+                "policy.sink_fraction: set at most one sink rule; policy.sink_threshold and "
+                f"policy.sink_fraction are both set ({threshold!r}, {fraction!r})"
+            )
+
+    @property
+    def has_sink_rule(self) -> bool:
+        return self.sink_threshold is not None or self.sink_fraction is not None
+
+    def sinks(self, h: torch.Tensor) -> torch.Tensor:
+        if self.sink_threshold is not None:
+            return h < self.sink_threshold
+        sinks = torch.zeros_like(h, dtype=torch.bool)
+        if self.sink_fraction is not None:
+            count = math.floor(self.sink_fraction * len(h) + 0.5)
+            sinks[torch.argsort(h, stable=True)[:count]] = True
+        return sinks
+
+    def sink_label(self) -> str:
+        """The sink rule as reports name it: 'sinks H2<0.5' or 'sinks top 2%' ('sinks none' without one)."""
+        if self.sink_threshold is not None:
+            return f"sinks H2<{self.sink_threshold:g}"
+        if self.sink_fraction is not None:
+            return f"sinks top {100 * self.sink_fraction:g}%"
+        return "sinks none"
