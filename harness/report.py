@@ -518,11 +518,11 @@ def tables_markdown(
     ]
     seeds = text_seeds(frame)
     for model, scheme in groups(frame):
-        for seed in seeds:
-            at_seed = f", text seed {seed}" if len(seeds) > 1 else ""
+        for text_seed in seeds:  # not `seed`: that is the bootstrap's, printed below
+            at_seed = f", text seed {text_seed}" if len(seeds) > 1 else ""
             parts += [
                 f"\n## {model} / {scheme}: claim table at budget {CLAIM_BUDGET}{at_seed}\n",
-                markdown_table(claim_table(frame, model, scheme, seed=seed)),
+                markdown_table(claim_table(frame, model, scheme, seed=text_seed)),
             ]
     parts += ["\n## Full grid (ok points)\n", markdown_table(grid_table(frame))]
     beside = peer_table(frame)
@@ -758,6 +758,24 @@ def default_n_boot(run_dir: Path) -> int:
     return int(OmegaConf.select(OmegaConf.load(path), "eval.bootstrap", default=DEFAULT_N_BOOT))
 
 
+def varies_storage(records: list[dict]) -> bool:
+    """Whether a harness point of the run stores its cache other than the plain cache does (PLAIN, any policy):
+    then tables.md compares with the plain cache too and each model gets an all-schemes Pareto plot."""
+    return any(
+        not is_plain({**r["config"], "policy": "uniform"})
+        for r in records
+        if r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
+    )
+
+
+def tables_text(run_dir: Path, records: list[dict], n_boot: int | None = None, seed: int = 0) -> str:
+    """The tables.md of run_dir from its point records (n_boot: default_n_boot's choice when None)."""
+    n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
+    plain_diffs = differences(records, n_boot, seed, against="plain") if varies_storage(records) else None
+    diffs = differences(records, n_boot, seed)
+    return tables_markdown(run_dir, results.table(records), diffs, n_boot, seed, plain_diffs)
+
+
 def write_report(
     run_dir: str | Path, n_boot: int | None = None, seed: int = 0, allocation_key: str | None = None
 ) -> list[Path]:
@@ -769,23 +787,17 @@ def write_report(
     run_dir = Path(run_dir)
     records = results.load_records(run_dir)
     frame = results.table(records)
-    n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
     written = [results.write_parquet(run_dir)]
     tables = run_dir / "tables.md"
-    varies_storage = any(
-        not is_plain({**r["config"], "policy": "uniform"})
-        for r in records
-        if r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
-    )
-    plain_diffs = differences(records, n_boot, seed, against="plain") if varies_storage else None
-    diffs = differences(records, n_boot, seed)
-    tables.write_text(tables_markdown(run_dir, frame, diffs, n_boot, seed, plain_diffs))
+    tables.write_text(tables_text(run_dir, records, n_boot, seed))
     written.append(tables)
     for model, scheme in groups(frame):
         written += save(
             plot_pareto(frame, model, scheme), run_dir / f"pareto-{model}-{scheme}", ("png", "svg")
         )
-    if varies_storage:  # every scheme and storage option of a model on one plot: equal true bytes line up
+    if varies_storage(
+        records
+    ):  # every scheme and storage option of a model on one plot: equal true bytes line up
         for model in sorted({m for m, _ in groups(frame)}):
             written += save(plot_pareto(frame, model), run_dir / f"pareto-{model}-all", ("png", "svg"))
     for model in sorted(set(frame["model"].dropna())):
