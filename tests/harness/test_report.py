@@ -398,3 +398,67 @@ def test_committed_tables_regenerate_identically(run_dir, tmp_path):
         text = passkey_report.tables_markdown(run_dir, passkey_report.load_points(run_dir))
     (tmp_path / "tables.md").write_text(text)
     assert (tmp_path / "tables.md").read_bytes() == (run_dir / "tables.md").read_bytes()
+
+
+def test_a_pareto_plot_of_many_policies_has_one_legend_entry_per_scheme_and_family():
+    """39 configurations (13 policies x 3 schemes) over 3 budgets: colours are schemes, markers policy families,
+    the legend lists each once (and the frontier and unquantized lines); KL is on a log axis."""
+    rng = np.random.default_rng(0)
+    policies = [
+        ("uniform", {}),
+        ("entropy", {"alpha": 0.25}),
+        ("entropy", {"alpha": 0.5}),
+        ("entropy", {"alpha": 1.0}),
+        ("sinks", {"threshold": 0.5}),
+        ("sinks", {"fraction": 0.02}),
+        ("entropy", {"alpha": 0.25, "threshold": 0.5}),
+        ("entropy", {"alpha": 0.25, "fraction": 0.02}),
+        ("random", {"alpha": 0.25}),
+        ("inverted", {"alpha": -0.5}),
+        ("sensitivity", {}),
+        ("layerwise", {}),
+    ]
+    schemes = ("asym_token", "kivi", "sym_token")
+    records = []
+    for scheme in schemes:
+        for budget in (2, 3, 4):
+            for i, (policy, options) in enumerate([*policies, ("random", {"alpha": 0.25})]):
+                record = synthetic(f"{scheme}-{budget}-{i}", policy, budget, **options)
+                record["config"].update(scheme=scheme, policy_seed=i)
+                record["metrics"].update(
+                    kl_mean=float(rng.uniform(0.01, 2.0) / budget**2),
+                    ppl_ratio=float(1 + rng.uniform(0, 1) / budget),
+                    token_match=float(rng.uniform(0.2, 0.9)),
+                )
+                records.append(record)
+    base = synthetic("base", "baseline", 16)
+    base["config"]["scheme"] = "none"
+    base["metrics"].update(bleu=1.0, kl_mean=0.0, ppl_ratio=1.0, token_match=1.0)
+    frame = results.table([*records, base])
+    families = {
+        "uniform",
+        "entropy",
+        "sinks",
+        "entropy+sinks",
+        "random",
+        "inverted",
+        "sensitivity",
+        "layerwise",
+    }
+    lines = {"Pareto frontier", "unquantized"}
+
+    fig = report.plot_pareto(frame, "m")
+    kl = fig.axes[0]
+    assert len(kl.collections) == len(schemes) * 13  # every configuration drawn, one collection each
+    legend = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+    assert len(legend) <= len(schemes) + len(families) + len(lines)
+    assert sorted(legend) == sorted({*schemes, *families, *lines})
+    assert kl.get_ylabel().startswith("kl_mean") and kl.get_yscale() == "log"
+    assert [ax.get_yscale() for ax in fig.axes[1:4]] == ["linear"] * 3
+
+    one = report.plot_pareto(frame, "m", "kivi")
+    legend = [t.get_text() for legend in one.legends for t in legend.get_texts()]
+    assert sorted(legend) == sorted({"kivi", *families, *lines})
+    by_label = {c.get_label(): c for c in one.axes[0].collections}
+    shape = {k: tuple(c.get_paths()[0].vertices.round(3).ravel()) for k, c in by_label.items()}
+    assert shape["entropy a=0.25"] == shape["entropy a=1"] != shape["uniform"]  # a marker per family
