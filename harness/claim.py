@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 from harness import precision
 from harness.models import model_spec
@@ -197,8 +198,6 @@ def architecture(config) -> str:
 
 def measure(model, s: ClaimSettings, ids) -> list[dict]:
     """Every claim row on sequences ids (N, T) of `model`: allocation, BLEU, token match, PPL ratio, Nx."""
-    from tqdm import tqdm
-
     from harness import metrics
     from harness.calibrate import head_entropies
     from harness.policies import allocate, kv_head_entropy
@@ -212,7 +211,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
             base_tokens = greedy_no_cache(model, ids, s.new_tokens)
             base_nll = sequence_nll(model, ids)
         out = []
-        for row in tqdm(rows(s), desc=f"claim protocol on {s.model}", unit="row"):
+        for row in tqdm(rows(s), desc=f"claim protocol on {s.model}", unit="row", dynamic_ncols=True):
             alloc = allocate(
                 entropy, row["budget"], row["policy"], row["alpha"],
                 sink_fraction=row["skip"] / n_heads if row["skip"] else None,
