@@ -70,8 +70,8 @@ FAMILY_MARKERS = {
     "sensitivity": "s",
     "layerwise": "P",
 }
-EXTRA_MARKERS = ("*", ">")
-PEER_MARKERS = ("p", "h", "8", "d", "H")
+EXTRA_MARKERS = (">", "H")
+PEER_MARKERS = ("p", "*", "d", "h", "8")  # filled; shapes that differ most first
 PEER_COLUMNS = (
     "bytes_per_token",
     "compression_true",
