@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
 
 from harness import precision
 from harness.metrics import format_difference, paired_difference_ci
@@ -204,8 +205,6 @@ def architecture(config) -> str:
 
 def measure(model, s: ClaimSettings, ids) -> list[dict]:
     """Every claim row on sequences ids (N, T) of `model`: allocation, BLEU, token match, PPL ratio, Nx."""
-    from tqdm import tqdm
-
     from harness import metrics
     from harness.attention import QDQ, QDQSpec, installed
     from harness.calibrate import head_entropies
@@ -220,7 +219,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
             base_tokens = greedy_no_cache(model, ids, s.new_tokens)
             base_nll = sequence_nll(model, ids)
         out = []
-        for row in tqdm(rows(s), desc=f"claim protocol on {s.model}", unit="row"):
+        for row in tqdm(rows(s), desc=f"claim protocol on {s.model}", unit="row", dynamic_ncols=True):
             policy = from_point({**row, "sink_fraction": row["skip"] / n_heads if row["skip"] else None})
             alloc = policy.allocate(entropy, row["budget"])
             spec = QDQSpec(alloc.bits, s.group_size, symmetric, row["topk_factor"])

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 
 import torch
 import transformers
-from tqdm.auto import tqdm
 
 CacheFactory = Callable[[], transformers.Cache]  # a fresh, empty cache per batch
 
@@ -45,9 +44,8 @@ def _check_eval(model: transformers.PreTrainedModel) -> None:
         raise ValueError("put the model in eval mode (model.eval()) before evaluating it")
 
 
-def _batches(n: int, batch_size: int, progress: bool, desc: str) -> Iterator[slice]:
-    starts = range(0, n, batch_size)
-    for start in tqdm(starts, desc=desc, disable=not progress):
+def _batches(n: int, batch_size: int) -> Iterator[slice]:
+    for start in range(0, n, batch_size):
         yield slice(start, min(start + batch_size, n))
 
 
@@ -112,7 +110,6 @@ def greedy_generate(
     new_tokens: int,
     cache_factory: CacheFactory,
     batch_size: int = 8,
-    progress: bool = False,
 ) -> torch.Tensor:
     """Greedy continuations (N, M) int64 on CPU of prompts (N, P) int64, all of one length (no padding).
 
@@ -121,7 +118,7 @@ def greedy_generate(
     """
     _check_eval(model)
     outputs = []
-    for rows in _batches(prompts.shape[0], batch_size, progress, "generate"):
+    for rows in _batches(prompts.shape[0], batch_size):
         cache = cache_factory()
         first = _prefill(model, prompts[rows], cache)
         outputs.append(_decode(model, cache, first, prompts.shape[1], new_tokens))
@@ -133,7 +130,7 @@ def prefill(model: torch.nn.Module, prompts: torch.Tensor, batch_size: int = 8) 
     """Full-precision prefill of prompts (N, P) in batches, to be shared by every decode (prefill=exact)."""
     _check_eval(model)
     out = []
-    for rows in _batches(prompts.shape[0], batch_size, False, "prefill"):
+    for rows in _batches(prompts.shape[0], batch_size):
         cache = transformers.DynamicCache(config=model.config)
         out.append(Prefilled(rows, cache, _prefill(model, prompts[rows], cache), prompts.shape[1]))
     return out
@@ -179,7 +176,6 @@ def teacher_forced(
     batch_size: int = 1,
     baseline: TeacherForced | None = None,
     logprobs_dtype: torch.dtype = torch.float16,
-    progress: bool = False,
 ) -> TeacherForced:
     """Score sequences (S, T) int64 teacher-forced, fed in chunks of `chunk` tokens through a fresh cache per batch.
 
@@ -201,7 +197,7 @@ def teacher_forced(
     kl = None if baseline is None else torch.empty(n_seq, n_pos)  # (S, T-1)
     logprobs = None  # (S, T-1, V), allocated once V is known from the logits
 
-    for rows in _batches(n_seq, batch_size, progress, "teacher-forced"):
+    for rows in _batches(n_seq, batch_size):
         cache = cache_factory()
         inputs = sequences[rows, :-1].to(model.device)  # (B, T-1)
         for start in range(0, n_pos, chunk):

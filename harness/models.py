@@ -9,13 +9,17 @@ Weights are loaded in the dtype asked for (harness/precision.py: float32 or bflo
 `dtype`): a GGUF's weights are dequantized and cast once at load, a tiny model is built in float32 (so every
 dtype starts from the same random weights) and cast once.
 Nothing here reaches a model hub: every load passes local_files_only.
+A load is quiet (quiet_loading): transformers' own progress bars stay off, so the caller's one progress display
+(a sweep's points bar) keeps its line.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-from functools import cache
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -119,6 +123,29 @@ def load_hf(spec: dict, dtype: torch.dtype):
     return model, tokenizer
 
 
+@contextmanager
+def quiet_loading() -> Iterator[None]:
+    """transformers' progress bars off for the block, then as they were: its "Loading weights" bar (and the hub's
+    download bars) through transformers.utils.logging, and the GGUF reader's "Converting and de-quantizing GGUF
+    tensors" bar, a plain tqdm that switch does not reach, by disabling that module's tqdm."""
+    import huggingface_hub.utils as hub_utils
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+    from transformers.utils import logging as hf_logging
+
+    was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
+    gguf_tqdm = gguf_reader.tqdm
+    hf_logging.disable_progress_bar()
+    gguf_reader.tqdm = partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_reader.tqdm = gguf_tqdm
+        if was_on:
+            hf_logging.enable_progress_bar()
+        if hub_was_off:
+            hub_utils.disable_progress_bars()
+
+
 def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None):
     """Load a registered model in eval mode with its tokenizer: -> (model, tokenizer).
 
@@ -128,14 +155,15 @@ def load_model(name: str, device: str | torch.device = "cpu", dtype: torch.dtype
     if not isinstance(dtype, torch.dtype):
         dtype = torch_dtype(dtype or spec.get("dtype", "float32"))
     source = spec["source"]
-    if source == "tiny":
-        model, tokenizer = build_tiny(spec)
-        model = model.to(dtype)
-    elif source == "gguf_package":
-        model, tokenizer = load_gguf(spec, dtype)
-    elif source == "hf":
-        model, tokenizer = load_hf(spec, dtype)
-    else:
+    if source not in ("tiny", "gguf_package", "hf"):
         raise ValueError(f"model.source: unknown {source!r} in {name}; allowed: gguf_package, hf, tiny")
+    with quiet_loading():
+        if source == "tiny":
+            model, tokenizer = build_tiny(spec)
+            model = model.to(dtype)
+        elif source == "gguf_package":
+            model, tokenizer = load_gguf(spec, dtype)
+        else:
+            model, tokenizer = load_hf(spec, dtype)
     model.config.use_cache = True
     return model.to(device).eval(), tokenizer

@@ -5,9 +5,11 @@ This module owns what a run is turned into for reading:
 - tables.md: the command and commit, per model and scheme the claim table (uniform, entropy, sinks and
   entropy + sinks at budget 4, beside the baseline), the full grid, the infeasible points, and every
   non-uniform point's difference to uniform at the same budget with its paired bootstrap 95% interval;
-- pareto-<model>-<scheme>.png/.svg: quality against true bytes per token with the Pareto frontier, peer engines'
-  points (harness.peers: llama.cpp, transformers' QuantizedCache) drawn beside with filled markers, and tables.md
-  listing each peer beside the harness point nearest to it in true bytes;
+- pareto-<model>-<scheme>.png/.svg (and pareto-<model>-all when a run varies storage): quality against true
+  bytes per token with the Pareto frontier, KL on a log axis, colour by cache (scheme and storage options),
+  hollow marker by policy family, peer engines' points (harness.peers: llama.cpp, transformers' QuantizedCache)
+  beside with a filled marker per engine, a legend of one entry per colour and per marker; tables.md lists each
+  peer beside the harness point nearest to it in true bytes;
 - entropy-<model>.png (H2 per layer and query head) and allocation-<model>.png (bits per layer and KV head).
 
 Every table and figure is its own function returning a DataFrame or a matplotlib Figure (Agg canvas, no
@@ -28,6 +30,8 @@ import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
 from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarFormatter
 from omegaconf import OmegaConf
 
@@ -54,9 +58,21 @@ HIGHER_IS_BETTER = {"kl_mean": False, "ppl_ratio": False, "bleu": True, "token_m
 DIFF_METRICS = ("bleu", "token_match", "ppl_ratio", "kl_mean")
 DEFAULT_N_BOOT = 1000
 EQUAL_BYTES_TOLERANCE = 0.005  # a comparison at "equal memory" holds true bytes per token within 0.5%
-MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
-# Peers: filled markers none of MARKERS uses, 5 markers against 8 colours, so 40 peers differ in both
-PEER_MARKERS = ("p", "h", "8", "d", "H")
+# Pareto plots: colour = the cache (scheme and storage options, or a peer's cache type), marker = the policy
+# family (hollow) or the peer engine (filled), the same marker for a family on every plot; families not named
+# here and peer engines take the next of EXTRA_MARKERS / PEER_MARKERS.
+FAMILY_MARKERS = {
+    "uniform": "o",
+    "entropy": "^",
+    "sinks": "v",
+    "entropy+sinks": "D",
+    "random": "X",
+    "inverted": "<",
+    "sensitivity": "s",
+    "layerwise": "P",
+}
+EXTRA_MARKERS = (">", "H")
+PEER_MARKERS = ("p", "*", "d", "h", "8")  # filled; shapes that differ most first
 PEER_COLUMNS = (
     "bytes_per_token",
     "compression_true",
@@ -500,11 +516,11 @@ def tables_markdown(
     ]
     seeds = text_seeds(frame)
     for model, scheme in groups(frame):
-        for seed in seeds:
-            at_seed = f", text seed {seed}" if len(seeds) > 1 else ""
+        for text_seed in seeds:  # not `seed`: that is the bootstrap's, printed below
+            at_seed = f", text seed {text_seed}" if len(seeds) > 1 else ""
             parts += [
                 f"\n## {model} / {scheme}: claim table at budget {CLAIM_BUDGET}{at_seed}\n",
-                markdown_table(claim_table(frame, model, scheme, seed=seed)),
+                markdown_table(claim_table(frame, model, scheme, seed=text_seed)),
             ]
     parts += ["\n## Full grid (ok points)\n", markdown_table(grid_table(frame))]
     beside = peer_table(frame)
@@ -571,54 +587,74 @@ def frontier(
     return frame.iloc[keep]
 
 
-def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> Figure:
-    """Four panels (kl_mean, ppl_ratio, bleu, token_match) against true bytes per token, frontier as steps.
+def cache_label(row: Mapping) -> str:
+    """A point's colour on the Pareto plots: its scheme with its storage options ('asym_token + h2o keep 0.5'),
+    or a peer's cache type ('q4_0')."""
+    if engine(row) != HARNESS:
+        return str(row["scheme"])
+    return f"{row['scheme']}{_storage_label(row)}"
 
-    scheme=None: every scheme of the model on one plot, each label prefixed by its scheme.
-    Peer engines' points of the model are drawn on every plot, filled, each with its own marker; the frontier
-    is the harness's.
+
+def family(row: Mapping) -> str:
+    """A point's marker on the Pareto plots: its policy family (category), or a peer's engine."""
+    return category(row) if engine(row) == HARNESS else peers.engine_label(row)
+
+
+def _markers(names: list[str], fixed: Mapping[str, str], extra: tuple[str, ...]) -> dict[str, str]:
+    """Each name's marker: its fixed one, else the next of extra (cycled) in the order given."""
+    others = [n for n in names if n not in fixed]
+    return {n: fixed.get(n) or extra[others.index(n) % len(extra)] for n in names}
+
+
+def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> Figure:
+    """Four panels (kl_mean on a log axis, ppl_ratio, bleu, token_match) against true bytes per token, the
+    harness's frontier as steps.
+
+    Colour: the cache (cache_label); marker: the policy family, hollow, or the peer engine, filled (family).
+    The legend has one entry per colour and one per marker (tables.md names every point). scheme=None: every
+    scheme of the model on one plot. Peer engines' points of the model are drawn on every plot.
     """
     here = frame[(frame["model"] == model) & (frame["status"] == "ok") & (frame["policy"] != "baseline")]
     here = here[np.isfinite(here["bytes_per_token"].astype(float))]
     points, peer_points = here[_is_harness(here)], here[~_is_harness(here)]
     if scheme is not None:
         points = points[points["scheme"] == scheme]
-    peer_labels = sorted({configuration(r) for r in peer_points.to_dict("records")})
-    if scheme is None:
-        label_of = lambda r: f"{r['scheme']}: {configuration(r)}"
-    else:
-        label_of = configuration
-    labels = list(dict.fromkeys(label_of(r) for r in _ordered(points).to_dict("records")))
+    mine, theirs = points.to_dict("records"), peer_points.to_dict("records")
+    caches = sorted({cache_label(r) for r in mine}) + sorted(
+        {cache_label(r) for r in theirs} - {*map(cache_label, mine)}
+    )
+    palette = matplotlib.colormaps["tab10" if len(caches) <= 10 else "tab20"]
+    colour = {c: palette(i % palette.N) for i, c in enumerate(caches)}
+    kinds = {family(r) for r in mine}
+    families = [f for f in FAMILY_MARKERS if f in kinds] + sorted(kinds - FAMILY_MARKERS.keys())
+    marker = _markers(families, FAMILY_MARKERS, EXTRA_MARKERS)
+    engines = sorted({family(r) for r in theirs})
+    marker.update(_markers(engines, {}, PEER_MARKERS))
+    # one collection per configuration, named after it (scheme-prefixed on the all-schemes plot)
+    name_of = configuration if scheme is not None else (lambda r: f"{r['scheme']}: {configuration(r)}")
+    drawn = {}
+    for row in _ordered(points).to_dict("records"):
+        drawn.setdefault((name_of(row), False), []).append(row)
+    for row in theirs:
+        drawn.setdefault((configuration(row), True), []).append(row)
     base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
-    legend_columns = 2 if len(labels) + len(peer_labels) > 12 else 4
-    legend_rows = -(-(len(labels) + len(peer_labels) + 2) // legend_columns)
-    fig = _figure(12 if len(labels) + len(peer_labels) > 12 else 10, 7 + 0.2 * legend_rows)
+    fig = _figure(10, 7.8)
     axes = fig.subplots(2, 2).ravel()
     for ax, metric in zip(axes, HIGHER_IS_BETTER):
-        for i, label in enumerate(labels):
-            mine = points[[label_of(r) == label for r in points.to_dict("records")]]
+        log_y = metric == "kl_mean"  # KL spans decades between 2 and 8 bits
+        if log_y:
+            ax.set_yscale("log", nonpositive="mask")
+        for (name, is_peer), rows in drawn.items():
+            first = rows[0]
             ax.scatter(
-                mine["bytes_per_token"],
-                mine[metric],
-                # its own marker per label; past ten labels the marker shifts against the colour cycle, so no two
-                # labels share both
-                marker=MARKERS[(i + i // 10) % len(MARKERS)],
-                facecolors="none",
-                edgecolors=matplotlib.colormaps["tab10"](i % 10),
-                label=label,
-                zorder=3,
-            )
-        for j, label in enumerate(peer_labels):
-            mine = peer_points[[configuration(r) == label for r in peer_points.to_dict("records")]]
-            ax.scatter(
-                mine["bytes_per_token"],
-                mine[metric],
-                marker=PEER_MARKERS[j % len(PEER_MARKERS)],
-                color=matplotlib.colormaps["Dark2"](j % 8),
-                edgecolors="black",
-                linewidths=0.5,
-                label=label,
-                zorder=4,
+                [r["bytes_per_token"] for r in rows],
+                [r[metric] for r in rows],
+                marker=marker[family(first)],
+                facecolors=colour[cache_label(first)] if is_peer else "none",
+                edgecolors="black" if is_peer else colour[cache_label(first)],
+                linewidths=0.5 if is_peer else 1.0,
+                label=name,
+                zorder=4 if is_peer else 3,
             )
         edge = frontier(points, metric)
         if len(edge):
@@ -626,8 +662,9 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
             xs = [*edge["bytes_per_token"], points["bytes_per_token"].max()]
             ys = [*edge[metric], edge[metric].iloc[-1]]
             ax.step(xs, ys, where="post", color="black", linewidth=1, label="Pareto frontier", zorder=2)
-        if len(base) and pd.notna(base.iloc[0][metric]):
-            ax.axhline(base.iloc[0][metric], color="grey", linestyle=":", linewidth=1, label="unquantized")
+        unquantized = base.iloc[0][metric] if len(base) else math.nan
+        if pd.notna(unquantized) and not (log_y and unquantized <= 0):  # KL 0 has no place on a log axis
+            ax.axhline(unquantized, color="grey", linestyle=":", linewidth=1, label="unquantized")
         ax.set_xscale("log")
         # budgets span about a decade at most: linear-spaced ticks in plain numbers read better than powers
         ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
@@ -636,14 +673,34 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
         ax.set_xlabel("bytes per token (true, KV cache)")
         ax.set_ylabel(f"{metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
         ax.grid(True, which="both", alpha=0.3)
-    handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(
-        handles,
-        names,
-        loc="outside lower center",
-        ncols=min(legend_columns, max(1, len(names))),
-        fontsize="small",
-    )
+    # two legends side by side: the colours, then the markers and lines
+    swatches = [Patch(facecolor=colour[c], label=c) for c in caches]
+    shapes = [
+        Line2D([], [], linestyle="none", marker=marker[f], markerfacecolor="none", color="black", label=f)
+        for f in families
+    ]
+    shapes += [
+        Line2D([], [], linestyle="none", marker=marker[e], markerfacecolor="grey", color="black", label=e)
+        for e in engines
+    ]
+    lines = {}
+    for ax in axes:  # the frontier and the unquantized line, once each
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            if isinstance(handle, Line2D) and name in ("Pareto frontier", "unquantized"):
+                lines.setdefault(name, handle)
+    shapes += lines.values()
+    for where, handles, title in (
+        ("outside lower left", swatches, "cache (colour)"),
+        ("outside lower right", shapes, "policy or engine (marker)"),
+    ):
+        fig.legend(
+            handles=handles,
+            loc=where,
+            ncols=-(-len(handles) // 5),  # at most five rows
+            fontsize="small",
+            title=title,
+            title_fontsize="small",
+        )
     fig.suptitle(f"{model} / {scheme or 'all schemes'}: quality against KV-cache bytes")
     return fig
 
@@ -740,6 +797,24 @@ def default_n_boot(run_dir: Path) -> int:
     return int(OmegaConf.select(OmegaConf.load(path), "eval.bootstrap", default=DEFAULT_N_BOOT))
 
 
+def varies_storage(records: list[dict]) -> bool:
+    """Whether a harness point of the run stores its cache other than the plain cache does (PLAIN, any policy):
+    then tables.md compares with the plain cache too and each model gets an all-schemes Pareto plot."""
+    return any(
+        not is_plain({**r["config"], "policy": "uniform"})
+        for r in records
+        if r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
+    )
+
+
+def tables_text(run_dir: Path, records: list[dict], n_boot: int | None = None, seed: int = 0) -> str:
+    """The tables.md of run_dir from its point records (n_boot: default_n_boot's choice when None)."""
+    n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
+    plain_diffs = differences(records, n_boot, seed, against="plain") if varies_storage(records) else None
+    diffs = differences(records, n_boot, seed)
+    return tables_markdown(run_dir, results.table(records), diffs, n_boot, seed, plain_diffs)
+
+
 def write_report(
     run_dir: str | Path, n_boot: int | None = None, seed: int = 0, allocation_key: str | None = None
 ) -> list[Path]:
@@ -751,23 +826,17 @@ def write_report(
     run_dir = Path(run_dir)
     records = results.load_records(run_dir)
     frame = results.table(records)
-    n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
     written = [results.write_parquet(run_dir)]
     tables = run_dir / "tables.md"
-    varies_storage = any(
-        not is_plain({**r["config"], "policy": "uniform"})
-        for r in records
-        if r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
-    )
-    plain_diffs = differences(records, n_boot, seed, against="plain") if varies_storage else None
-    diffs = differences(records, n_boot, seed)
-    tables.write_text(tables_markdown(run_dir, frame, diffs, n_boot, seed, plain_diffs))
+    tables.write_text(tables_text(run_dir, records, n_boot, seed))
     written.append(tables)
     for model, scheme in groups(frame):
         written += save(
             plot_pareto(frame, model, scheme), run_dir / f"pareto-{model}-{scheme}", ("png", "svg")
         )
-    if varies_storage:  # every scheme and storage option of a model on one plot: equal true bytes line up
+    if varies_storage(
+        records
+    ):  # every scheme and storage option of a model on one plot: equal true bytes line up
         for model in sorted({m for m, _ in groups(frame)}):
             written += save(plot_pareto(frame, model), run_dir / f"pareto-{model}-all", ("png", "svg"))
     for model in sorted(set(frame["model"].dropna())):

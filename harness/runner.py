@@ -350,10 +350,11 @@ def run(
     )
     for point in todo:
         key = point_key(point)
-        bar.set_postfix_str(f"{point['model']} {point['policy']} b={point['budget']} {point['scheme']}")
         ckey = context_key(point)
         if ckey not in contexts:
             contexts.clear()  # one model in memory at a time
+            # the load shows on this bar, the sweep's one progress display (harness.models loads quietly)
+            bar.set_postfix_str(f"{point['model']}: loading, calibrating, baseline")
             contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir, backend, simulate)
             timings["models"][point["model"]] = ctx.timings
             base_point = {
@@ -381,6 +382,7 @@ def run(
                     },
                 )
         ctx = contexts[ckey]
+        bar.set_postfix_str(f"{point['model']} {point['policy']} b={point['budget']} {point['scheme']}")
         t = time.perf_counter()
         if engine(point) != HARNESS:
             result = peers.measure(ctx, point)

@@ -97,6 +97,13 @@ def label(row: Mapping) -> str:
     return f"transformers {row['engine']} {row['scheme']} (g{GROUP_SIZE}, residual {RESIDUAL})"
 
 
+def engine_label(row: Mapping) -> str:
+    """A peer point's engine with its options, without its cache type: 'llama.cpp + rotation', 'transformers hqq'."""
+    if row["engine"] == "llamacpp":
+        return "llama.cpp" + (" + rotation" if row.get("rotation") is True else "")
+    return f"transformers {row['engine']}"
+
+
 def measure(ctx, point: dict) -> dict:
     """A peer point's record body: {"status": "ok", "metrics", "items"} or {"status": "infeasible", "error"}.
 

@@ -87,3 +87,41 @@ def test_token_windows_are_seeded_and_disjoint():
     assert not torch.equal(a, data.token_windows(tok, text, 6, 50, seed=4))
     with pytest.raises(ValueError, match="fewer than the 1000 asked for"):
         data.token_windows(tok, text, 1000, 50)
+
+
+@pytest.mark.parametrize("bars_on", [True, False], ids=["bars-on", "bars-off"])
+def test_a_load_draws_no_progress_bar_and_restores_the_setting(bars_on, monkeypatch, tmp_path, capfd):
+    """transformers' "Loading weights" bar (a tiny model saved here, loaded as an hf model) and the GGUF reader's
+    bar stay off during a load; transformers' setting and the reader's tqdm are as before afterwards."""
+    import huggingface_hub.utils as hub_utils
+    from transformers import modeling_gguf_pytorch_utils as gguf_reader
+    from transformers.utils import logging as hf_logging
+
+    model, tokenizer = models.build_tiny(model_spec("tiny-llama"))
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    spec = {"name": "saved-tiny", "source": "hf", "path": str(tmp_path), "install": "built by this test"}
+    monkeypatch.setattr(models, "model_spec", lambda name: spec)
+    before, hub_before, gguf_tqdm = (
+        hf_logging.is_progress_bar_enabled(),
+        hub_utils.are_progress_bars_disabled(),
+        gguf_reader.tqdm,
+    )
+    (hf_logging.enable_progress_bar if bars_on else hf_logging.disable_progress_bar)()
+    try:
+        capfd.readouterr()
+        if bars_on:  # the control: outside quiet_loading the bar is drawn, and this test would see it
+            models.load_hf(spec, torch.float32)
+            assert "Loading weights" in capfd.readouterr().err
+        loaded, _ = load_model("saved-tiny")
+        with models.quiet_loading():
+            for _ in gguf_reader.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+                pass
+        err = capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled() == bars_on
+        assert gguf_reader.tqdm is gguf_tqdm
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+        (hub_utils.disable_progress_bars if hub_before else hub_utils.enable_progress_bars)()
+    assert "Loading weights" not in err and "GGUF" not in err and "it/s]" not in err, err
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), loaded.state_dict().values()))

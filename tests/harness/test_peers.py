@@ -226,8 +226,12 @@ def test_the_pareto_plot_draws_peers_with_their_own_filled_markers(peer_run):
     for collection in peers.values():
         assert collection.get_facecolors()[0][3] > 0  # filled
     assert len(by_label["uniform"].get_facecolors()) == 0  # the harness's markers are hollow
-    markers = [tuple(c.get_paths()[0].vertices.round(3).ravel()) for c in peers.values()]
-    assert len(set(markers)) == len(markers)  # one marker shape per peer (up to five)
+    # marker: the engine, colour: the cache type, so no two peers share both
+    looks = [
+        (tuple(c.get_paths()[0].vertices.round(3).ravel()), tuple(c.get_facecolors()[0].round(3)))
+        for c in peers.values()
+    ]
+    assert len(set(looks)) == len(looks)
     assert (run_dir / "pareto-tiny-llama-asym_token.png").exists()
 
 
