@@ -102,12 +102,15 @@ def category(row: Mapping) -> str:
 
 def _policy_label(row: Mapping) -> str:
     """The row's policy as harness.policies labels it. A table's row holds widths as JSON text
-    (harness.results.flatten), and NaN where its records lack a value (the policy's default then)."""
+    (harness.results.flatten), NaN where its records lack a value (the policy's default then), and integers as
+    floats in a column that also holds NaN (policy_seed)."""
     if row["policy"] == "baseline":
         return "baseline"
     point = {k: v for k, v in row.items() if not (pd.api.types.is_scalar(v) and pd.isna(v))}
     if isinstance(point.get("widths"), str):
         point["widths"] = json.loads(point["widths"])
+    if isinstance(point.get("policy_seed"), float) and point["policy_seed"].is_integer():
+        point["policy_seed"] = int(point["policy_seed"])
     return from_point(point).label()
 
 
