@@ -34,7 +34,7 @@ HARNESS = "harness"  # the engine of every point without an `engine` field
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
 
 
-def _setting(config: str, group: str, *default: Any):
+def _setting(config: str, group: str, *default: Any) -> Any:
     """A point field set by the config key `config`, in `group`; `default`: today's value where a config or an
     older record lacks it."""
     return field(metadata={"config": config, "group": group}, **({"default": default[0]} if default else {}))
@@ -83,9 +83,9 @@ class Point:
     engine: str = _setting("sweep.peers.engine", "peer", HARNESS)
     rotation: bool | None = _setting("sweep.peers.rotation", "peer", None)
     # Fields the record it was read from lacked (made before they existed): out of to_dict(), so out of key().
-    unrecorded: frozenset[str] = field(default=frozenset(), metadata={})
+    unrecorded: frozenset[str] = frozenset()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if isinstance(self.widths, list):  # one value: a tuple, so a point is hashable
             object.__setattr__(self, "widths", tuple(self.widths))
 
@@ -133,9 +133,8 @@ class Point:
         return replace(self, **defaults)
 
 
-FIELDS = tuple(
-    f.name for f in fields(Point) if "config" in f.metadata
-)  # result-column order (harness.results)
+# The settings, in declaration order: the configuration columns of a result table (harness.results).
+FIELDS = tuple(f.name for f in fields(Point) if "config" in f.metadata)
 CONFIG_KEYS = {f.name: f.metadata["config"] for f in fields(Point) if "config" in f.metadata}
 GROUPS = {
     g: tuple(f.name for f in fields(Point) if f.metadata.get("group") == g)
@@ -165,5 +164,5 @@ def base_point(cfg: DictConfig) -> Point:
         default = {} if f.default is MISSING else {"default": f.default}
         out[f.name] = OmegaConf.select(cfg, f.metadata["config"], **default)
     out["dtype"] = precision.resolve(out["dtype"], cfg.get("device", "cpu"))
-    out["widths"] = list(out["widths"])
+    out["widths"] = tuple(out["widths"])
     return Point(**out)

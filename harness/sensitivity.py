@@ -254,10 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     command = io.command_line("python -m harness.sensitivity", argv)
     try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
         cfg, point, scheme = _check_context(args)
-        out = (
-            args.out
-            or Path("results/sensitivity") / f"check-{point['model']}-{scheme.name}-w{args.width}.csv"
-        )
+        out = args.out or Path("results/sensitivity") / f"check-{point.model}-{scheme.name}-w{args.width}.csv"
         io.set_threads(cfg.threads)
         io.check_writable(out.parent, key="--out")
         io.check_clean(out.parent, cfg.allow_dirty)

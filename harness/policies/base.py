@@ -11,8 +11,8 @@ This module owns:
   entropy table (with a sink rule, for `SinkPolicy`) and implements only `free_widths`;
 - `POLICIES` (name -> class) and `from_point` (a grid point's or result row's policy).
 
-A grid point is flat (harness.config.Point): `policy` names the class, `policy_seed` is the field `seed`, every other
-field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
+A grid point is flat (harness.config.Point): `policy` names the class, `policy_seed` is the field `seed`, every
+other field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
 key's neutral value (alpha 0, no sink rule, seed 0), as grid points always did.
 """
 
