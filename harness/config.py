@@ -7,8 +7,8 @@ stored rows, parquet columns and committed runs read back unchanged; each field 
 that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error messages, and its group
 (policy, quant, eviction, eval, calibration, peer, context), from which the field lists below are derived.
 
-Its key (`Point.key`) is a hash of `Point.to_dict()`, so a finished point is recognized on re-run whatever
-order the grid lists it in:
+Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is a hash of `Point.to_dict()`,
+so a finished point is recognized on re-run whatever order the grid lists it in:
 - the model dtype enters the hash only when it is not float32, so points made before dtypes were recorded keep
   their keys;
 - the peer fields are in the dict only for a peer point (engine not HARNESS), so the harness's own points keep
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
@@ -112,11 +113,8 @@ class Point:
         return cls(**values, unrecorded=frozenset(missing))
 
     def key(self) -> str:
-        """A short stable hash of the point's full configuration (a float32 dtype left out, see the docstring)."""
-        point = self.to_dict()
-        if point.get("dtype") == precision.DEFAULT:
-            del point["dtype"]
-        return hashlib.sha256(json.dumps(point, sort_keys=True, default=str).encode()).hexdigest()[:16]
+        """A short stable hash of the point's full configuration: key_of(to_dict())."""
+        return key_of(self.to_dict())
 
     def group(self, name: str) -> dict:
         """The point's fields of one group (e.g. `policy`: harness.policies.from_point reads them), as in
@@ -146,6 +144,14 @@ EVICTION_FIELDS = GROUPS["eviction"]
 EVAL_FIELDS = GROUPS["eval"]
 CALIBRATION_FIELDS = GROUPS["calibration"]
 PEER_FIELDS = GROUPS["peer"]
+
+
+def key_of(config: Mapping) -> str:
+    """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, a
+    float32 dtype left out (see the docstring)."""
+    if config.get("dtype") == precision.DEFAULT:
+        config = {k: v for k, v in config.items() if k != "dtype"}
+    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def config_key(name: str) -> str:
