@@ -2,7 +2,7 @@
 `python -m harness.compare_runs RUN_A RUN_B [--out DIR]`.
 
 This module owns the comparison only; each run's own numbers and intervals come from harness/report.py.
-- Points are matched on their configuration without `dtype` (harness/grid.py), so a float32 run and a bfloat16
+- Points are matched on their configuration without `dtype` (harness/config.py), so a float32 run and a bfloat16
   run of the same grid pair up point for point.
 - Per matched point: ppl_ratio and kl_mean in each run and their difference (B - A).
 - Per difference to uniform (harness.report.differences: the paired bootstrap 95% interval over the same

@@ -31,6 +31,7 @@ import torch
 
 from harness.attention import PACKED, SCORED, installed, post_scorer
 from harness.cache import QuantizedKVCache, QuantizedLayer
+from harness.config import Point
 from harness.registry import unknown_name_message
 
 POLICIES = ("none", "streaming", "h2o")
@@ -63,14 +64,9 @@ class EvictionSpec:
             raise ValueError(f"eviction.recent: {self.recent!r} must be a number in [0, 1]")
 
     @classmethod
-    def from_point(cls, point: dict) -> EvictionSpec:
-        """The spec of a grid point (harness.grid's eviction fields; a point without them evicts nothing)."""
-        return cls(
-            name=point.get("eviction", "none"),
-            keep=point.get("evict_keep", 1.0),
-            sink_tokens=point.get("evict_sinks", 4),
-            recent=point.get("evict_recent", 0.5),
-        )
+    def from_point(cls, point: Point) -> EvictionSpec:
+        """The spec of a grid point (its eviction fields, harness.config)."""
+        return cls(point.eviction, point.evict_keep, point.evict_sinks, point.evict_recent)
 
     @property
     def active(self) -> bool:

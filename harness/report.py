@@ -36,7 +36,7 @@ from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter, ScalarF
 from omegaconf import OmegaConf
 
 from harness import peers, results
-from harness.grid import EVICTION_FIELDS, HARNESS, POLICY_FIELDS, engine
+from harness.config import EVICTION_FIELDS, HARNESS, POLICY_FIELDS
 from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, format_difference, paired_difference_ci
 from harness.policies import ALLOWED_WIDTHS, from_point
 from harness.schemes import default_residual
@@ -134,7 +134,7 @@ def _positive(value) -> bool:
 def configuration(row: Mapping) -> str:
     """A point's configuration without its budget and scheme, e.g. 'entropy a=0.25 + sinks H2<0.5 + h2o keep 0.33';
     a peer engine's point is named by harness.peers.label, e.g. 'llama.cpp q4_0 + rotation'."""
-    if engine(row) != HARNESS:
+    if row.get("engine", HARNESS) != HARNESS:
         return peers.label(row)
     return _policy_label(row) + _storage_label(row)
 
@@ -371,7 +371,9 @@ def differences(
     ok = [
         r
         for r in records
-        if r["status"] == "ok" and r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
+        if r["status"] == "ok"
+        and r["config"]["policy"] != "baseline"
+        and r["config"].get("engine", HARNESS) == HARNESS
     ]
     references = {key_of(r["config"]): r for r in ok if is_reference(r["config"])}
     rows = []
@@ -593,14 +595,14 @@ def frontier(
 def cache_label(row: Mapping) -> str:
     """A point's colour on the Pareto plots: its scheme with its storage options ('asym_token + h2o keep 0.5'),
     or a peer's cache type ('q4_0')."""
-    if engine(row) != HARNESS:
+    if row.get("engine", HARNESS) != HARNESS:
         return str(row["scheme"])
     return f"{row['scheme']}{_storage_label(row)}"
 
 
 def family(row: Mapping) -> str:
     """A point's marker on the Pareto plots: its policy family (category), or a peer's engine."""
-    return category(row) if engine(row) == HARNESS else peers.engine_label(row)
+    return category(row) if row.get("engine", HARNESS) == HARNESS else peers.engine_label(row)
 
 
 def _markers(names: list[str], fixed: Mapping[str, str], extra: tuple[str, ...]) -> dict[str, str]:
@@ -806,7 +808,7 @@ def varies_storage(records: list[dict]) -> bool:
     return any(
         not is_plain({**r["config"], "policy": "uniform"})
         for r in records
-        if r["config"]["policy"] != "baseline" and engine(r["config"]) == HARNESS
+        if r["config"]["policy"] != "baseline" and r["config"].get("engine", HARNESS) == HARNESS
     )
 
 

@@ -13,30 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from harness.grid import (
-    CALIBRATION_FIELDS,
-    EVAL_FIELDS,
-    EVICTION_FIELDS,
-    HARNESS,
-    PEER_FIELDS,
-    POLICY_FIELDS,
-    QUANT_FIELDS,
-)
+from harness.config import FIELDS, HARNESS
 from harness.io import write_parquet_atomic
 from harness.precision import DEFAULT as DEFAULT_DTYPE
 
-CONFIG_FIELDS = (
-    "model",
-    "dtype",
-    *POLICY_FIELDS,
-    *QUANT_FIELDS,
-    *EVICTION_FIELDS,
-    *EVAL_FIELDS,
-    *CALIBRATION_FIELDS,
-    "data_path",
-    "seed",
-    *PEER_FIELDS,
-)
+CONFIG_FIELDS = FIELDS  # harness.config.Point's fields, in its order
 METRICS = (
     "bleu",
     "bleu_tok",

@@ -23,10 +23,10 @@ from harness import data, evaluate, metrics, peers, precision, results
 from harness.cache import QuantizedKVCache
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, element_price, shape_from_config
+from harness.config import CALIBRATION_FIELDS, EVAL_FIELDS, HARNESS, NO_EVICTION, Point
 from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
-from harness.grid import HARNESS, NO_EVICTION, engine, point_key, without_peer_fields
 from harness.io import write_json_atomic, write_parquet_atomic
-from harness.models import load_model, model_spec
+from harness.models import load_model
 from harness.policies import from_point
 from harness.schemes import get_scheme
 from harness.sensitivity import cached_sensitivity
@@ -57,76 +57,58 @@ class ModelContext:
     peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
 
 
-def context_key(point: dict) -> tuple:
+def context_key(point: Point) -> tuple:
     """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
-    fields = (
-        "model",
-        "dtype",
-        "data_path",
-        "seed",
-        "num_prompts",
-        "prompt_tokens",
-        "new_tokens",
-        "num_sequences",
-        "sequence_tokens",
-        "chunk",
-        "bos",
-        "calibration_sequences",
-        "calibration_tokens",
-        "i0",
-    )
-    return tuple(point[f] for f in fields)
+    fields = ("model", "dtype", "data_path", "seed", *EVAL_FIELDS, *CALIBRATION_FIELDS)
+    return tuple(getattr(point, f) for f in fields)
 
 
 def build_context(
-    point: dict, batch_size: int, device: str, run_dir: Path, backend: str = "auto", simulate: bool = False
+    point: Point, batch_size: int, device: str, run_dir: Path, backend: str = "auto", simulate: bool = False
 ) -> ModelContext:
     timings = {}
     t = time.perf_counter()
-    model, tokenizer = load_model(point["model"], device=device, dtype=point["dtype"])
+    model, tokenizer = load_model(point.model, device=device, dtype=point.dtype)
     timings["load_s"] = time.perf_counter() - t
 
-    text = data.split(point["data_path"])
-    limit = model_spec(point["model"]).get("context_limit", 2048)
-    if point["prompt_tokens"] + point["new_tokens"] > limit or point["sequence_tokens"] > limit:
-        raise ValueError(f"eval: contexts exceed {point['model']}'s context limit of {limit} tokens")
-    bos = data.uses_bos(tokenizer, point["bos"])
+    text = data.split(point.data_path)  # the point was checked (harness.validate): its windows fit the model
+    bos = data.uses_bos(tokenizer, point.bos)
     calib_ids = data.token_windows(
         tokenizer,
         text.calibration,
-        point["calibration_sequences"],
-        point["calibration_tokens"],
-        point["seed"],
+        point.calibration_sequences,
+        point.calibration_tokens,
+        point.seed,
         bos=bos,
     )
     prompts = data.token_windows(
-        tokenizer, text.evaluation, point["num_prompts"], point["prompt_tokens"], point["seed"], bos=bos
+        tokenizer, text.evaluation, point.num_prompts, point.prompt_tokens, point.seed, bos=bos
     )
     sequences = data.token_windows(
         tokenizer,
         text.evaluation,
-        point["num_sequences"],
-        point["sequence_tokens"],
-        point["seed"] + 1,
+        point.num_sequences,
+        point.sequence_tokens,
+        point.seed + 1,
         bos=bos,
     )
 
     t = time.perf_counter()
-    entropy = cached_head_entropies(model, point["model"], calib_ids, i0=point["i0"])
+    entropy = cached_head_entropies(model, point.model, calib_ids, i0=point.i0)
     timings["calibrate_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
     prefilled = evaluate.prefill(model, prompts, batch_size=batch_size)
-    base_tokens = evaluate.decode(model, prefilled, point["new_tokens"], cache_from_prefilled=None)
+    base_tokens = evaluate.decode(model, prefilled, point.new_tokens, cache_from_prefilled=None)
     base_tf = evaluate.teacher_forced(
-        model, sequences, evaluate.dynamic_cache_factory(model), chunk=point["chunk"], batch_size=batch_size
+        model, sequences, evaluate.dynamic_cache_factory(model), chunk=point.chunk, batch_size=batch_size
     )
     timings["baseline_s"] = time.perf_counter() - t
-    entropy_path = Path(run_dir) / f"entropy-{point['model']}.parquet"
+    entropy_path = Path(run_dir) / f"entropy-{point.model}.parquet"
     if not entropy_path.exists():  # shards may race here: write atomically
         write_parquet_atomic(entropy_path, entropy)
     return ModelContext(
-        point["model"],
+        point.model,
         model,
         tokenizer,
         entropy,
@@ -140,56 +122,54 @@ def build_context(
         simulate,
         timings,
         calib_ids=calib_ids,
-        shape=shape_from_config(model.config, point["model"]),
+        shape=shape_from_config(model.config, point.model),
         bos=bos,
     )
 
 
-def allocation(ctx: ModelContext, point: dict):
+def allocation(ctx: ModelContext, point: Point):
     """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks.
 
     The measured policies' table is measured once per model, scheme (with its options) and widths.
     """
-    policy = from_point(point)
-    scheme = get_scheme(
-        point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
-    )
+    policy = from_point(point.group("policy"))
+    scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
     table = None
     if policy.needs_sensitivity:
-        key = (scheme, tuple(point["widths"]))
+        key = (scheme, tuple(point.widths))
         if key not in ctx.sensitivity:
             ctx.sensitivity[key] = cached_sensitivity(ctx.model, ctx.name, ctx.calib_ids, *key)
         table = ctx.sensitivity[key]
     price = element_price(ctx.shape, scheme)
-    return policy.allocate(ctx.entropy, point["budget"], price=price, sensitivity=table)
+    return policy.allocate(ctx.entropy, point.budget, price=price, sensitivity=table)
 
 
-def measurement_key(point: dict, alloc) -> tuple:
+def measurement_key(point: Point, alloc) -> tuple:
     """Everything a measurement depends on beyond the shared context: equal keys give equal metrics."""
     return (
         alloc.bits.numpy().tobytes(),
-        point["scheme"],
-        point["group_size"],
-        point.get("sink_tokens", 0),
-        point.get("residual"),  # None: the scheme's default (grid points carry it resolved)
-        point["prefill"],
+        point.scheme,
+        point.group_size,
+        point.sink_tokens,
+        point.residual,  # None: the scheme's default (grid points carry it resolved)
+        point.prefill,
         EvictionSpec.from_point(point),
     )
 
 
-def cache_options(point: dict, backend: str, simulate: bool = False) -> dict:
+def cache_options(point: Point, backend: str, simulate: bool = False) -> dict:
     """QuantizedKVCache keyword arguments (besides bits and prefill) for a point."""
     return dict(
-        scheme=point["scheme"],
-        group_size=point["group_size"],
-        sink_tokens=point.get("sink_tokens", 0),
-        residual=point.get("residual"),
+        scheme=point.scheme,
+        group_size=point.group_size,
+        sink_tokens=point.sink_tokens,
+        residual=point.residual,
         backend=backend,
         simulate=simulate,
     )
 
 
-def measure(ctx: ModelContext, point: dict, alloc) -> dict:
+def measure(ctx: ModelContext, point: Point, alloc) -> dict:
     """Run generation and teacher-forced evaluation through the quantized (and evicting) cache; measure."""
     spec = EvictionSpec.from_point(point)
     # quantized caches are attended from their packed form (h2o: with the scores), restored after
@@ -197,7 +177,7 @@ def measure(ctx: ModelContext, point: dict, alloc) -> dict:
         return _measure(ctx, point, alloc, spec)
 
 
-def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
+def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict:
     config = ctx.model.config
     cache_kwargs = cache_options(point, ctx.backend, ctx.simulate)
     caches = []
@@ -210,19 +190,19 @@ def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
         return caches[-1]
 
     # h2o scores the prompt's own attention, so it prefills through its cache instead of sharing the prefill.
-    if point["prefill"] == "exact" and not spec.needs_scores:
+    if point.prefill == "exact" and not spec.needs_scores:
         tokens = evaluate.decode(
-            ctx.model, ctx.prefilled, point["new_tokens"], cache_from_prefilled=from_prefilled
+            ctx.model, ctx.prefilled, point.new_tokens, cache_from_prefilled=from_prefilled
         )
     else:
 
         def factory():
-            cache = QuantizedKVCache(config, alloc.bits, prefill=point["prefill"], **cache_kwargs)
+            cache = QuantizedKVCache(config, alloc.bits, prefill=point.prefill, **cache_kwargs)
             caches.append(with_eviction(cache, spec))
             return caches[-1]
 
         tokens = evaluate.greedy_generate(
-            ctx.model, ctx.prompts, point["new_tokens"], factory, batch_size=ctx.batch_size
+            ctx.model, ctx.prompts, point.new_tokens, factory, batch_size=ctx.batch_size
         )
     # Bytes held after eviction (evicting layers apply their pending eviction first), against fp16 bytes of
     # every token seen; and what the caches really kept in memory (measured).
@@ -236,7 +216,7 @@ def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
         lambda: with_eviction(
             QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs), spec
         ),
-        chunk=point["chunk"],
+        chunk=point.chunk,
         batch_size=ctx.batch_size,
         baseline=ctx.base_tf,
     )
@@ -248,7 +228,7 @@ def _measure(ctx: ModelContext, point: dict, alloc, spec: EvictionSpec) -> dict:
         "mean_bits": alloc.mean_bits,
         "compression_nominal": 16.0 / alloc.mean_bits,
         "compression_true": fp16 / held,
-        "bytes_per_token": held / (ctx.prompts.shape[0] * (ctx.prompts.shape[1] + point["new_tokens"])),
+        "bytes_per_token": held / (ctx.prompts.shape[0] * (ctx.prompts.shape[1] + point.new_tokens)),
         "resident_bytes": resident,
         "resident_ratio": resident / held,
         "simulate": ctx.simulate,
@@ -297,7 +277,7 @@ def baseline_record(ctx: ModelContext) -> dict:
     }
 
 
-def _measure_harness_point(ctx: ModelContext, point: dict, key: str) -> dict:
+def _measure_harness_point(ctx: ModelContext, point: Point, key: str) -> dict:
     """A harness point's record body: its allocation, then its measurement (or infeasible, with the reason)."""
     try:
         alloc = allocation(ctx, point)
@@ -316,7 +296,7 @@ def _measure_harness_point(ctx: ModelContext, point: dict, key: str) -> dict:
 
 
 def run(
-    points: list[dict],
+    points: list[Point],
     run_dir: Path,
     batch_size: int = 8,
     device: str = "cpu",
@@ -336,7 +316,7 @@ def run(
     provenance = provenance or {}
     run_dir = Path(run_dir)
     (run_dir / "points").mkdir(parents=True, exist_ok=True)
-    todo = [p for p in points if not (run_dir / "points" / f"{point_key(p)}.json").exists()]
+    todo = [p for p in points if not (run_dir / "points" / f"{p.key()}.json").exists()]
     # Points of one context run back to back (grid order kept within it), so each model loads once.
     first_seen = {}
     for p in todo:
@@ -349,32 +329,31 @@ def run(
         total=len(points), initial=len(points) - len(todo), desc="points", unit="pt", dynamic_ncols=True
     )
     for point in todo:
-        key = point_key(point)
+        key = point.key()
         ckey = context_key(point)
         if ckey not in contexts:
             contexts.clear()  # one model in memory at a time
             # the load shows on this bar, the sweep's one progress display (harness.models loads quietly)
-            bar.set_postfix_str(f"{point['model']}: loading, calibrating, baseline")
+            bar.set_postfix_str(f"{point.model}: loading, calibrating, baseline")
             contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir, backend, simulate)
-            timings["models"][point["model"]] = ctx.timings
-            base_point = {
-                **without_peer_fields(point),
-                "policy": "baseline",
-                "budget": 16,
-                "alpha": 0.0,
-                "sink_threshold": None,
-                "sink_fraction": None,
-                "scheme": "none",
+            timings["models"][point.model] = ctx.timings
+            base_point = point.without_peer_fields().replace(
+                policy="baseline",
+                budget=16,
+                alpha=0.0,
+                sink_threshold=None,
+                sink_fraction=None,
+                scheme="none",
                 **NO_EVICTION,
-            }
-            base_path = run_dir / "points" / f"{point_key(base_point)}.json"
+            )
+            base_path = run_dir / "points" / f"{base_point.key()}.json"
             if not base_path.exists():
                 write_json_atomic(
                     base_path,
                     {
-                        "key": point_key(base_point),
+                        "key": base_point.key(),
                         "status": "ok",
-                        "config": base_point,
+                        "config": base_point.to_dict(),
                         "resolved": resolved(ctx),
                         **provenance,
                         "metrics": baseline_record(ctx),
@@ -382,14 +361,14 @@ def run(
                     },
                 )
         ctx = contexts[ckey]
-        bar.set_postfix_str(f"{point['model']} {point['policy']} b={point['budget']} {point['scheme']}")
+        bar.set_postfix_str(f"{point.model} {point.policy} b={point.budget} {point.scheme}")
         t = time.perf_counter()
-        if engine(point) != HARNESS:
+        if point.engine != HARNESS:
             result = peers.measure(ctx, point)
         else:
             result = _measure_harness_point(ctx, point, key)
         timings["points"][key] = time.perf_counter() - t
-        record = {"key": key, "config": point, "resolved": resolved(ctx), **provenance, **result}
+        record = {"key": key, "config": point.to_dict(), "resolved": resolved(ctx), **provenance, **result}
         write_json_atomic(run_dir / "points" / f"{key}.json", record)
         write_json_atomic(timings_path, timings)
         results.write_parquet(run_dir)

@@ -40,6 +40,7 @@ from omegaconf import DictConfig
 from harness.attention import SENSITIVITY_PROBE, installed
 from harness.cache import kv_heads
 from harness.calibrate import disk_cached, layer_types, model_identity
+from harness.config import Point, base_point
 from harness.io import write_atomic, write_text_atomic
 from harness.policies import quantized_widths
 from harness.schemes import Scheme, get_scheme
@@ -253,10 +254,7 @@ def main(argv: list[str] | None = None) -> None:
     command = io.command_line("python -m harness.sensitivity", argv)
     try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
         cfg, point, scheme = _check_context(args)
-        out = (
-            args.out
-            or Path("results/sensitivity") / f"check-{point['model']}-{scheme.name}-w{args.width}.csv"
-        )
+        out = args.out or Path("results/sensitivity") / f"check-{point.model}-{scheme.name}-w{args.width}.csv"
         io.set_threads(cfg.threads)
         io.check_writable(out.parent, key="--out")
         io.check_clean(out.parent, cfg.allow_dirty)
@@ -268,11 +266,10 @@ def main(argv: list[str] | None = None) -> None:
     _run_check(args, point, scheme, out, command=command)
 
 
-def _check_context(args) -> tuple[DictConfig, dict, Scheme]:
+def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     """The composed config, the point the overrides describe and its scheme, validated before any model loads."""
     from hydra import compose, initialize_config_dir
 
-    from harness.grid import base_point
     from harness.io import CONF_DIR
     from harness.validate import check_model_inputs, preflight_overrides, validate_config
 
@@ -288,48 +285,46 @@ def _check_context(args) -> tuple[DictConfig, dict, Scheme]:
         raise ValueError(
             f"--width: {args.width} is not a quantized width; allowed: {', '.join(map(str, PACKED_WIDTHS))}"
         )
-    scheme = get_scheme(
-        point["scheme"], point["group_size"], point.get("sink_tokens", 0), point.get("residual")
-    )
+    scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
     scheme.check_widths([args.width])
     check_model_inputs(cfg, [point])
     return cfg, point, scheme
 
 
-def _run_check(args, point: dict, scheme: Scheme, out: Path, command: str) -> None:
+def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
     from harness import data
     from harness.models import load_model
 
-    model, tokenizer = load_model(point["model"], dtype=point["dtype"])
-    text = data.split(point["data_path"])
-    bos = data.uses_bos(tokenizer, point["bos"])
+    model, tokenizer = load_model(point.model, dtype=point.dtype)
+    text = data.split(point.data_path)
+    bos = data.uses_bos(tokenizer, point.bos)
     calibration = data.token_windows(
         tokenizer,
         text.calibration,
-        point["calibration_sequences"],
-        point["calibration_tokens"],
-        point["seed"],
+        point.calibration_sequences,
+        point.calibration_tokens,
+        point.seed,
         bos=bos,
     )
     sequences = data.token_windows(
         tokenizer,
         text.evaluation,
-        point["num_sequences"],
-        point["sequence_tokens"],
-        point["seed"] + 1,
+        point.num_sequences,
+        point.sequence_tokens,
+        point.seed + 1,
         bos=bos,
     )
-    widths = sorted(set(_quantized_widths(point["widths"])) | {args.width})
-    table = cached_sensitivity(model, point["model"], calibration, scheme, widths)
-    heads = sample_heads(table, args.check_heads, point["seed"])
-    rows, rho = proxy_check(model, sequences, table, heads, args.width, scheme, point["chunk"])
+    widths = sorted(set(_quantized_widths(point.widths)) | {args.width})
+    table = cached_sensitivity(model, point.model, calibration, scheme, widths)
+    heads = sample_heads(table, args.check_heads, point.seed)
+    rows, rho = proxy_check(model, sequences, table, heads, args.width, scheme, point.chunk)
     write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
-    summary = dict(command=command, spearman=rho, heads=len(rows), width=args.width, point=point)
+    summary = dict(command=command, spearman=rho, heads=len(rows), width=args.width, point=point.to_dict())
     write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1, default=str))
     print(rows.to_string(index=False))
     print(
         f"spearman(proxy, kl_mean) = {rho:.3f} over {len(rows)} heads "
-        f"({point['model']}, {scheme.name}, width {args.width}); wrote {out}"
+        f"({point.model}, {scheme.name}, width {args.width}); wrote {out}"
     )
 
 

@@ -9,6 +9,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness import precision, runner
+from harness.config import Point
 from harness.grid import shard
 from harness.io import command_line, environment, provenance, write_environment, write_text_atomic
 
@@ -45,7 +46,7 @@ def format_table(table: pd.DataFrame) -> str:
     )
 
 
-def run_session(cfg: DictConfig, points: list[dict]) -> pd.DataFrame:
+def run_session(cfg: DictConfig, points: list[Point]) -> pd.DataFrame:
     """Run this process's shard of the grid into cfg.run_dir, then the report and the W&B summary.
 
     W&B mirrors every point as it finishes; a tracker failure only warns. Sharded jobs each write their

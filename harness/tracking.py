@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from harness.grid import HARNESS, engine, point_key
+from harness.config import HARNESS, Point
 
 MODES = ("online", "offline", "disabled")
 
@@ -36,22 +36,20 @@ def sync_command(run_dir: Path) -> str:
     return f"wandb sync {shlex.quote(str(Path(run_dir) / 'wandb'))}/offline-run-*"
 
 
-def run_name(point: dict) -> str:
+def run_name(point: Point) -> str:
     """A short readable name for a point's run, e.g. `gpt2 entropy b3 a0.5 sink>0.9 asym_token`, or for a peer
     engine's point `smollm2-135m llama.cpp q4_0 + rotation`."""
-    if engine(point) != HARNESS:
+    if point.engine != HARNESS:
         from harness.peers import label
 
-        return f"{point['model']} {label(point)}"
-    if point.get("sink_threshold") is not None:
-        sinks = f"sink>{point['sink_threshold']}"
-    elif point.get("sink_fraction") is not None:
-        sinks = f"sink{point['sink_fraction']:.0%}"
+        return f"{point.model} {label(point.to_dict())}"
+    if point.sink_threshold is not None:
+        sinks = f"sink>{point.sink_threshold}"
+    elif point.sink_fraction is not None:
+        sinks = f"sink{point.sink_fraction:.0%}"
     else:
         sinks = "nosink"
-    return (
-        f"{point['model']} {point['policy']} b{point['budget']} a{point['alpha']} {sinks} {point['scheme']}"
-    )
+    return f"{point.model} {point.policy} b{point.budget} a{point.alpha} {sinks} {point.scheme}"
 
 
 class Tracker:
@@ -72,7 +70,7 @@ class Tracker:
         self.run_dir = Path(run_dir)
         self.enabled = mode != "disabled"
 
-    def log_point(self, point: dict, record: dict) -> None:
+    def log_point(self, point: Point, record: dict) -> None:
         """One finished run for one evaluated point: its configuration, and its metrics or why it has none."""
 
         def send(wandb: ModuleType) -> None:
@@ -80,8 +78,10 @@ class Tracker:
                 summary = {"status": "ok", **record["metrics"]}
             else:
                 summary = {"status": record["status"], "error": record.get("error", "")}
-            summary["key"] = point_key(point)  # links the W&B run to <run_dir>/points/<key>.json
-            with self._init(wandb, job_type=point["policy"], name=run_name(point), config=point) as run:
+            summary["key"] = point.key()  # links the W&B run to <run_dir>/points/<key>.json
+            with self._init(
+                wandb, job_type=point.policy, name=run_name(point), config=point.to_dict()
+            ) as run:
                 run.summary.update(summary)
 
         self._guarded("logging a point", send)

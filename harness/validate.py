@@ -4,6 +4,10 @@ Three stages, cheapest first: `validate_config` (the composed config and every g
 `check_run_dir` (run_dir writable; a clean git tree for results/), `check_model_inputs` (what the model's
 config and tokenizer say about the point: group size against head_dim, text long enough for the windows;
 seconds, never the weights).
+
+This is the one place a grid point (harness.config.Point) is checked: `_check_point` runs every check of its
+fields, asking the types it names (policy, scheme, eviction, peer engine) to check their own settings, and
+names a bad field by its config key (harness.config.config_key). The runner trusts the points it is given.
 """
 
 from __future__ import annotations
@@ -14,8 +18,9 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import io, precision
+from harness.config import HARNESS, Point, config_key
 from harness.data import BOS_RULES
-from harness.grid import HARNESS, engine, expand
+from harness.grid import expand
 from harness.models import model_spec
 from harness.policies import from_point
 from harness.registry import unknown_name_message
@@ -55,61 +60,59 @@ def preflight_overrides(args: list[str], conf_dir: str) -> None:
                 raise ConfigError(unknown_name_message(group, choice, options))
 
 
-def _check_point(point: dict, backend: str = "auto") -> None:
+def _check_point(point: Point, backend: str = "auto") -> None:
     from harness.cache import PREFILL_MODES
     from harness.eviction import EvictionSpec
     from harness.schemes import check_backend, get_scheme
 
     try:
-        model_spec(point["model"])
-        if engine(point) != HARNESS:
+        model_spec(point.model)
+        if point.engine != HARNESS:
             from harness.peers import check_point
 
             _check_positive_ints(point)
             check_point(point)
             return
-        if point["dtype"] not in precision.DTYPES:  # a sweep entry may set it; `auto` is resolved before here
+        if point.dtype not in precision.DTYPES:  # a sweep entry may set it; `auto` is resolved before here
             raise ValueError(
-                f"model.dtype: {point['dtype']!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
+                f"model.dtype: {point.dtype!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
             )
-        from_point(point).check_budget(point["budget"])
+        from_point(point.group("policy")).check_budget(point.budget)
         _check_positive_ints(point)
-        scheme = get_scheme(point["scheme"], point["group_size"], point["sink_tokens"], point["residual"])
-        scheme.check_widths(point["widths"])
+        scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
+        scheme.check_widths(point.widths)
         check_backend(scheme, backend)
-        if point["prefill"] not in PREFILL_MODES:
-            raise ValueError(
-                f"quant.prefill: unknown {point['prefill']!r}; allowed: {', '.join(PREFILL_MODES)}"
-            )
-        if point["bos"] not in BOS_RULES:
-            raise ValueError(f"eval.bos: unknown {point['bos']!r}; allowed: {', '.join(BOS_RULES)}")
-        if not isinstance(point["seed"], int):
-            raise ValueError(f"seed: {point['seed']!r} is not an integer")
+        if point.prefill not in PREFILL_MODES:
+            raise ValueError(f"quant.prefill: unknown {point.prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
+        if point.bos not in BOS_RULES:
+            raise ValueError(f"eval.bos: unknown {point.bos!r}; allowed: {', '.join(BOS_RULES)}")
+        if not isinstance(point.seed, int):
+            raise ValueError(f"seed: {point.seed!r} is not an integer")
         _check_eviction_composes(EvictionSpec.from_point(point), scheme)
-        limit = model_spec(point["model"]).get("context_limit", 2048)
-        if point["prompt_tokens"] + point["new_tokens"] > limit:
+        limit = model_spec(point.model).get("context_limit", 2048)
+        if point.prompt_tokens + point.new_tokens > limit:
             raise ValueError(
-                f"eval.prompt_tokens / eval.new_tokens: {point['prompt_tokens']} + {point['new_tokens']} exceeds "
-                f"{point['model']}'s context limit; allowed: a sum up to {limit}"
+                f"eval.prompt_tokens / eval.new_tokens: {point.prompt_tokens} + {point.new_tokens} exceeds "
+                f"{point.model}'s context limit; allowed: a sum up to {limit}"
             )
-        if point["sequence_tokens"] > limit:
+        if point.sequence_tokens > limit:
             raise ValueError(
-                f"eval.sequence_tokens: {point['sequence_tokens']} exceeds {point['model']}'s context limit; "
+                f"eval.sequence_tokens: {point.sequence_tokens} exceeds {point.model}'s context limit; "
                 f"allowed: up to {limit}"
             )
-        if point["i0"] < 0 or point["i0"] >= point["calibration_tokens"]:
-            raise ValueError(f"eval.calibration.i0: {point['i0']} must lie in [0, eval.calibration.tokens)")
+        if point.i0 < 0 or point.i0 >= point.calibration_tokens:
+            raise ValueError(f"eval.calibration.i0: {point.i0} must lie in [0, eval.calibration.tokens)")
     except ConfigError:
         raise
     except ValueError as err:
         raise ConfigError(str(err).splitlines()[0]) from None
 
 
-def _check_positive_ints(point: dict) -> None:
+def _check_positive_ints(point: Point) -> None:
     for name in POSITIVE_INTS:
-        value = point[name]
+        value = getattr(point, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{_key(name)}: {value!r} is not a positive integer")
+            raise ValueError(f"{config_key(name)}: {value!r} is not a positive integer")
 
 
 def _check_eviction_composes(eviction, scheme) -> None:
@@ -128,14 +131,6 @@ def _check_eviction_composes(eviction, scheme) -> None:
         )
 
 
-def _key(name: str) -> str:
-    if name == "group_size":
-        return "quant.group_size"
-    if name.startswith("calibration_"):
-        return "eval.calibration." + name.removeprefix("calibration_").replace("sequences", "num_sequences")
-    return f"eval.{name}"
-
-
 def protocol(cfg: DictConfig) -> str:
     """The sweep's protocol (PROTOCOLS): `runner` unless the sweep sets `protocol: claim`."""
     sweep = cfg.get("sweep")
@@ -145,8 +140,9 @@ def protocol(cfg: DictConfig) -> str:
     return name
 
 
-def validate_config(cfg: DictConfig) -> list[dict]:
-    """Check the whole configuration and every grid point; return the points."""
+def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
+    """Check the whole configuration and every grid point; return the points (the claim protocol: its rows,
+    harness.claim.validate)."""
     mode = cfg.tracking.wandb.mode
     if mode not in WANDB_MODES:
         raise ConfigError(f"tracking.wandb.mode: unknown {mode!r}; allowed: {', '.join(WANDB_MODES)}")
@@ -237,19 +233,17 @@ class ModelInputs:
     windows: tuple[Windows, ...]
 
 
-def _inputs_of_point(point: dict) -> ModelInputs:
+def _inputs_of_point(point: Point) -> ModelInputs:
     windows = (
-        Windows("calibration", point["calibration_sequences"], point["calibration_tokens"],
+        Windows("calibration", point.calibration_sequences, point.calibration_tokens,
                 ("eval.calibration.num_sequences", "eval.calibration.tokens"), "calibration windows"),
-        Windows("evaluation", point["num_prompts"], point["prompt_tokens"],
+        Windows("evaluation", point.num_prompts, point.prompt_tokens,
                 ("eval.num_prompts", "eval.prompt_tokens"), "prompts"),
-        Windows("evaluation", point["num_sequences"], point["sequence_tokens"],
+        Windows("evaluation", point.num_sequences, point.sequence_tokens,
                 ("eval.num_sequences", "eval.sequence_tokens"), "sequences"),
     )  # fmt: skip
-    widths = tuple(point["widths"])
-    return ModelInputs(
-        point["model"], point["scheme"], point["group_size"], widths, point["data_path"], windows
-    )
+    widths = tuple(point.widths)
+    return ModelInputs(point.model, point.scheme, point.group_size, widths, point.data_path, windows)
 
 
 def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
@@ -309,7 +303,7 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
     )
 
 
-def check_model_inputs(cfg: DictConfig, points: list[dict]) -> None:
+def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:
     """Checks that need the model's config or tokenizer, never its weights (harness.preload): the group size
     against every head_dim, then the text against the windows asked for."""
     from harness import preload

@@ -1,7 +1,7 @@
 """Peers: other implementations of a quantized KV cache, measured by the harness on the same model file, tokens,
 chunks and metrics as its own points, so that tables and Pareto plots show them beside ours.
 
-Engines (a point's `engine`; the harness's own points have none, harness.grid.HARNESS):
+Engines (a point's `engine`; the harness's own points have none, harness.config.HARNESS):
 - llamacpp (harness/peers/llamacpp.py): llama.cpp through llama-cpp-python on the model's GGUF, K and V stored as
   one of its cache types, its Hadamard rotation of K and V on or off; compared with its own f16 cache.
 - quanto, hqq (harness/peers/quantized_cache.py): transformers' QuantizedCache with that backend, compared with
@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Mapping
 
+from harness.config import Point
+
 # engine -> (its storage types: name -> bits of one code, the module it needs, its install hint)
 LLAMACPP_TYPES = {"f16": 16, "q8_0": 8, "q5_1": 5, "q5_0": 5, "q4_1": 4, "q4_0": 4, "iq4_nl": 4}
 ENGINES = {
@@ -32,7 +34,7 @@ def _allowed(name: str, value, allowed) -> None:
         raise ValueError(f"{name}: unknown {value!r}; allowed: {', '.join(map(str, allowed))}")
 
 
-def peer_point(base: Mapping, fields: Mapping) -> dict:
+def peer_point(base: Point, fields: Mapping) -> Point:
     """A peer point from a sweep's `peers` entry (`engine`, `scheme`, `rotation` for llamacpp, optionally `model`)
     on the harness point `base` (its context fields: data, eval sizes, seed).
 
@@ -54,35 +56,34 @@ def peer_point(base: Mapping, fields: Mapping) -> dict:
     if engine == "llamacpp":
         _allowed("sweep.peers.rotation", rotation, [True, False])
         rotation = rotation and fields["scheme"] != "f16"  # llama.cpp rotates quantized K/V only
-    return {
-        **base,
-        "model": fields.get("model", base["model"]),
-        "engine": engine,
-        "rotation": rotation,
-        "policy": engine,
-        "budget": types[fields["scheme"]],
-        "scheme": fields["scheme"],
-        "alpha": 0.0,
-        "sink_threshold": None,
-        "sink_fraction": None,
-        "policy_seed": 0,
-    }  # no eviction: harness.grid sets the eviction fields
+    return base.replace(
+        model=fields.get("model", base.model),
+        engine=engine,
+        rotation=rotation,
+        policy=engine,
+        budget=types[fields["scheme"]],
+        scheme=fields["scheme"],
+        alpha=0.0,
+        sink_threshold=None,
+        sink_fraction=None,
+        policy_seed=0,
+    )  # no eviction: harness.grid sets the eviction fields
 
 
-def check_point(point: Mapping) -> None:
+def check_point(point: Point) -> None:
     """ValueError (one line: the key, what is allowed) for a peer point this machine cannot measure."""
     from harness.models import model_spec
 
-    engine = point["engine"]
+    engine = point.engine
     _allowed("engine", engine, list(ENGINES))
     types, module, install = ENGINES[engine]
-    _allowed(f"scheme (engine {engine})", point["scheme"], list(types))
-    if engine == "llamacpp" and model_spec(point["model"])["source"] != "gguf_package":
+    _allowed(f"scheme (engine {engine})", point.scheme, list(types))
+    if engine == "llamacpp" and model_spec(point.model)["source"] != "gguf_package":
         from harness.models import model_names
 
         gguf = [n for n in model_names() if model_spec(n)["source"] == "gguf_package"]
         raise ValueError(
-            f"model: engine llamacpp reads a GGUF file, {point['model']} has none; allowed: {', '.join(gguf)}"
+            f"model: engine llamacpp reads a GGUF file, {point.model} has none; allowed: {', '.join(gguf)}"
         )
     if importlib.util.find_spec(module.split(".")[0]) is None or importlib.util.find_spec(module) is None:
         raise ValueError(f"engine: {engine} needs the Python module {module}; run: {install}")
@@ -104,13 +105,13 @@ def engine_label(row: Mapping) -> str:
     return f"transformers {row['engine']}"
 
 
-def measure(ctx, point: dict) -> dict:
+def measure(ctx, point: Point) -> dict:
     """A peer point's record body: {"status": "ok", "metrics", "items"} or {"status": "infeasible", "error"}.
 
     ctx: the harness.runner.ModelContext of the point's context (its model, tokenizer, teacher-forced sequences,
     unquantized baseline; `peer_state` keeps what the points of one engine share, e.g. llama.cpp's f16 run).
     """
-    if point["engine"] == "llamacpp":
+    if point.engine == "llamacpp":
         from harness.peers import llamacpp
 
         return llamacpp.measure(ctx, point)

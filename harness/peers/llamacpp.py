@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import torch
 
 from harness import evaluate
+from harness.config import Point
 
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"
 
@@ -162,21 +163,21 @@ def teacher_forced(
         llm.close()
 
 
-def measure(ctx, point: dict) -> dict:
+def measure(ctx, point: Point) -> dict:
     """A llamacpp point's record body on ctx's teacher-forced sequences, against llama.cpp's f16 cache."""
     from harness.models import gguf_path, model_spec
     from harness.peers.record import fp16_bytes, record
 
-    path = gguf_path(model_spec(point["model"]))
-    chunk = point["chunk"]
+    path = gguf_path(model_spec(point.model))
+    chunk = point.chunk
     if "llamacpp_f16" not in ctx.peer_state:
         ctx.peer_state["llamacpp_f16"] = teacher_forced(path, ctx.sequences, "f16", False, chunk)
     f16 = ctx.peer_state["llamacpp_f16"]
-    if point["scheme"] == "f16":  # the reference itself: every comparison at identity
+    if point.scheme == "f16":  # the reference itself: every comparison at identity
         run = evaluate.TeacherForced(f16.targets, f16.nll, f16.top1, kl=torch.zeros_like(f16.nll))
     else:
-        run = teacher_forced(path, ctx.sequences, point["scheme"], point["rotation"], chunk, baseline=f16)
+        run = teacher_forced(path, ctx.sequences, point.scheme, point.rotation, chunk, baseline=f16)
     sequences, tokens = ctx.sequences.shape[0], ctx.sequences.shape[1] - 1  # token T-1 is never fed
-    held = sequences * cache_bytes(point["model"], point["scheme"], tokens)
-    fp16 = fp16_bytes(point["model"], tokens, sequences)
-    return record(f16, run, point["budget"], held, fp16, sequences * tokens)
+    held = sequences * cache_bytes(point.model, point.scheme, tokens)
+    fp16 = fp16_bytes(point.model, tokens, sequences)
+    return record(f16, run, point.budget, held, fp16, sequences * tokens)

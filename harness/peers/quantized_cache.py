@@ -18,6 +18,7 @@ import torch
 import transformers
 
 from harness import evaluate
+from harness.config import Point
 from kernels.layout import FP16_BYTES
 
 GROUP_SIZE = 64  # QuantizedCache's q_group_size default
@@ -56,11 +57,11 @@ def make_cache(backend: str, config, bits: int) -> transformers.QuantizedCache:
     )
 
 
-def measure(ctx, point: dict) -> dict:
+def measure(ctx, point: Point) -> dict:
     """A quanto / hqq point's record body on ctx's teacher-forced sequences, against ctx's baseline."""
     from harness.peers.record import fp16_bytes, record
 
-    backend, bits = point["engine"], point["budget"]
+    backend, bits = point.engine, point.budget
     try:
         make_cache(backend, ctx.model.config, bits)
     except ValueError as err:  # layer types QuantizedCache refuses
@@ -75,7 +76,7 @@ def measure(ctx, point: dict) -> dict:
         ctx.model,
         ctx.sequences,
         factory,
-        chunk=point["chunk"],
+        chunk=point.chunk,
         batch_size=ctx.batch_size,
         baseline=ctx.base_tf,
     )

@@ -11,8 +11,8 @@ This module owns:
   entropy table (with a sink rule, for `SinkPolicy`) and implements only `free_widths`;
 - `POLICIES` (name -> class) and `from_point` (a grid point's or result row's policy).
 
-A grid point is flat (harness.grid): `policy` names the class, `policy_seed` is the field `seed`, every other
-field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
+A grid point is flat (harness.config.Point): `policy` names the class, `policy_seed` is the field `seed`, every
+other field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
 key's neutral value (alpha 0, no sink rule, seed 0), as grid points always did.
 """
 
@@ -193,7 +193,7 @@ class Policy(ABC):
         return replace(self, budget_unit="bits") if self.budget_mode == "claim" else self
 
     def point_fields(self) -> dict:
-        """The grid point's policy fields but the budget (harness.grid.POLICY_FIELDS), keys this policy has no
+        """The grid point's policy fields but the budget (harness.config.POLICY_FIELDS), keys this policy has no
         field for at their neutral values."""
         out = {"policy": self.name, **NEUTRAL}
         for field in fields(self):

@@ -18,8 +18,8 @@ from transformers import DynamicCache
 from harness import calibrate, claim, data, evaluate, metrics, passkey
 from harness.cache import QuantizedKVCache, kv_heads
 from harness.calibrate import head_entropies
+from harness.config import Point
 from harness.eviction import EvictionSpec, attention_for, with_eviction
-from harness.grid import point_key
 from harness.models import load_model
 from harness.schemes import SCHEMES, Fp8, Scheme, get_scheme
 from kernels.reference import FP8_MAX, FP16_MAX, hadamard_rotate
@@ -390,11 +390,16 @@ def test_bf16_smoke_sweep_is_finite_and_keyed_apart_from_float32(smoke_runs):
     assert ok["native_bf16"].notna().all()
     for path in (bf16_dir / "points").glob("*.json"):  # keys are the hash of each point with its dtype
         record = json.loads(path.read_text())
-        assert record["key"] == point_key(record["config"]) and record["config"]["dtype"] == "bfloat16"
+        assert (
+            record["key"] == Point.from_dict(record["config"]).key()
+            and record["config"]["dtype"] == "bfloat16"
+        )
     env = json.loads((bf16_dir / "env.json").read_text())
     assert env["dtype"] == "bfloat16" and isinstance(env["native_bf16"], bool)
     # fp32 keys are the keys the same points had before dtypes were recorded
-    assert all(point_key({**c, "dtype": "float32"}) == k for c, k in _configs(smoke_runs["float32"][0]))
+    assert all(
+        Point.from_dict({**c, "dtype": "float32"}).key() == k for c, k in _configs(smoke_runs["float32"][0])
+    )
 
 
 def _configs(run_dir: Path):

@@ -74,11 +74,11 @@ def test_unknown_group_choice_is_caught_before_hydra():
 
 
 def test_valid_default_and_sweep_configs_expand():
-    assert [p["policy"] for p in validate_config(compose_cfg())] == ["uniform", "entropy"]
+    assert [p.policy for p in validate_config(compose_cfg())] == ["uniform", "entropy"]
     points = validate_config(compose_cfg("+sweep=pareto"))
-    assert len(points) >= 30 and {p["budget"] for p in points} == {2, 3, 4, 8}
+    assert len(points) >= 30 and {p.budget for p in points} == {2, 3, 4, 8}
     hybrid = validate_config(compose_cfg("+sweep=hybrid"))
-    assert {p["model"] for p in hybrid} == {"smollm2-135m", "gemma3-270m"}
+    assert {p.model for p in hybrid} == {"smollm2-135m", "gemma3-270m"}
 
 
 @pytest.mark.parametrize("sweep", sorted(p.stem for p in (Path(CONF) / "sweep").glob("*.yaml")))
@@ -88,10 +88,10 @@ def test_every_shipped_sweep_validates(sweep):
 
 def test_random_control_draws_apart_from_the_text_seed():
     points = validate_config(compose_cfg("policy.name=random", "policy.seed=5", "seed=2"))
-    random_point = next(p for p in points if p["policy"] == "random")
-    uniform_point = next(p for p in points if p["policy"] == "uniform")
-    assert (random_point["policy_seed"], random_point["seed"]) == (5, 2)
-    assert uniform_point["policy_seed"] == 0  # ignored by every other policy: one key per evaluation
+    random_point = next(p for p in points if p.policy == "random")
+    uniform_point = next(p for p in points if p.policy == "uniform")
+    assert (random_point.policy_seed, random_point.seed) == (5, 2)
+    assert uniform_point.policy_seed == 0  # ignored by every other policy: one key per evaluation
     with pytest.raises(ConfigError, match=r"^policy.seed: 'x' is not an integer"):
         validate_config(compose_cfg("policy.name=random", "policy.seed=x"))
 

@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from harness import compare_runs
-from harness.grid import point_key
+from harness.config import key_of
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 20  # prompts and sequences per point: enough for a bootstrap interval
@@ -22,7 +22,7 @@ def record(config: dict, kl: np.ndarray, nll: np.ndarray, nll_base: np.ndarray, 
     """A point record as the runner writes it, from per-item values (N,) each."""
     stats = np.tile([10, 10, 8, 6, 4, 2, 10, 9, 8, 7], (len(kl), 1))  # same BLEU everywhere: difference 0
     return {
-        "key": point_key(config),
+        "key": key_of(config),
         "config": config,
         "status": "ok",
         "metrics": {

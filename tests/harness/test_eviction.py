@@ -284,10 +284,10 @@ def test_invalid_eviction_config_gives_one_line(override, message):
 def test_eviction_group_and_point_fields():
     with pytest.raises(ConfigError, match=r"^eviction: unknown 'lru'"):
         preflight_overrides(["eviction=lru"], CONF)
-    (plain,) = {p["eviction"] for p in validate_config(compose_cfg())}
+    (plain,) = {p.eviction for p in validate_config(compose_cfg())}
     assert plain == "none"
     points = validate_config(compose_cfg("eviction=streaming", "eviction.keep=0.5"))
-    assert {(p["eviction"], p["evict_keep"], p["evict_sinks"], p["evict_recent"]) for p in points} == {
+    assert {(p.eviction, p.evict_keep, p.evict_sinks, p.evict_recent) for p in points} == {
         ("streaming", 0.5, 4, 1.0)
     }
 

@@ -13,7 +13,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import evaluate, report, results, runner
-from harness.grid import HARNESS, NO_EVICTION, expand, point_key, without_peer_fields
+from harness.config import HARNESS, NO_EVICTION
+from harness.grid import expand
 from harness.peers import ENGINES, LLAMACPP_TYPES, label, peer_point
 from harness.peers.llamacpp import LlamaCppModel
 from harness.peers.quantized_cache import GROUP_SIZE, stored_bytes
@@ -33,10 +34,10 @@ def compose_cfg(*overrides: str):
 def test_peers_leave_every_harness_point_and_key_as_it_was():
     plain = expand(compose_cfg())
     with_peers = expand(compose_cfg("+sweep.peers=[{engine:quanto,scheme:[int2,int4]}]"))
-    ours = [p for p in with_peers if "engine" not in p]
-    assert [point_key(p) for p in ours] == [point_key(p) for p in plain]
-    peers = [p for p in with_peers if "engine" in p]
-    assert [(p["engine"], p["scheme"], p["budget"], p["policy"]) for p in peers] == [
+    ours = [p for p in with_peers if p.engine == HARNESS]
+    assert [p.key() for p in ours] == [p.key() for p in plain]
+    peers = [p for p in with_peers if p.engine != HARNESS]
+    assert [(p.engine, p.scheme, p.budget, p.policy) for p in peers] == [
         ("quanto", "int2", 2, "quanto"),
         ("quanto", "int4", 4, "quanto"),
     ]
@@ -48,28 +49,30 @@ def test_a_peer_point_gives_the_baseline_a_harness_point_gives():
     peer = peer_point(harness_point, {"engine": "llamacpp", "scheme": "q4_0", "rotation": False})
 
     def baseline(point):
-        return {
-            **without_peer_fields(point),
-            "policy": "baseline",
-            "budget": 16,
-            "alpha": 0.0,
-            "sink_threshold": None,
-            "sink_fraction": None,
-            "scheme": "none",
+        return point.without_peer_fields().replace(
+            policy="baseline",
+            budget=16,
+            alpha=0.0,
+            sink_threshold=None,
+            sink_fraction=None,
+            scheme="none",
             **NO_EVICTION,
-        }
+        )
 
-    assert point_key(baseline(peer)) == point_key(baseline(harness_point))
+    assert baseline(peer).key() == baseline(harness_point).key()
 
 
 def test_llamacpp_f16_has_no_rotation_and_quantized_types_default_to_it():
     base = expand(compose_cfg())[0]
-    assert peer_point(base, {"engine": "llamacpp", "scheme": "f16", "rotation": True})["rotation"] is False
-    assert peer_point(base, {"engine": "llamacpp", "scheme": "q4_0"})["rotation"] is True
-    assert label(peer_point(base, {"engine": "llamacpp", "scheme": "q4_0"})) == "llama.cpp q4_0 + rotation"
-    assert label(peer_point(base, {"engine": "llamacpp", "scheme": "iq4_nl", "rotation": False})) == (
-        "llama.cpp iq4_nl"
+    assert peer_point(base, {"engine": "llamacpp", "scheme": "f16", "rotation": True}).rotation is False
+    assert peer_point(base, {"engine": "llamacpp", "scheme": "q4_0"}).rotation is True
+    assert (
+        label(peer_point(base, {"engine": "llamacpp", "scheme": "q4_0"}).to_dict())
+        == "llama.cpp q4_0 + rotation"
     )
+    assert label(
+        peer_point(base, {"engine": "llamacpp", "scheme": "iq4_nl", "rotation": False}).to_dict()
+    ) == ("llama.cpp iq4_nl")
     assert set(ENGINES["llamacpp"][0]) == set(LLAMACPP_TYPES)
 
 
@@ -147,7 +150,7 @@ def peer_run(tmp_path_factory):
         compose_cfg(*common, "sweep.models=[tiny-gemma3]", "+sweep.peers=[{engine:quanto,scheme:int4}]")
     )
     run_dir = tmp_path_factory.mktemp("peers") / "run"
-    peers_first = sorted(points, key=lambda p: "engine" not in p)  # a peer opens the context
+    peers_first = sorted(points, key=lambda p: p.engine == HARNESS)  # a peer opens the context
     runner.run(peers_first, run_dir, batch_size=2)
     runner.run(gemma, run_dir, batch_size=2)
     report.write_report(run_dir, n_boot=50)
@@ -163,7 +166,7 @@ def _has(module: str) -> bool:
 def test_peer_rows_carry_their_engine_and_metrics_beside_ours(peer_run):
     run_dir, points = peer_run
     table = results.load(run_dir)
-    assert set(table["key"]) >= {point_key(p) for p in points}
+    assert set(table["key"]) >= {p.key() for p in points}
     assert (
         table["policy"] == "baseline"
     ).sum() == 2  # one per model: the peer that came first did not fork it
@@ -264,9 +267,9 @@ def test_wandb_logs_a_peer_like_any_point_under_its_engine(tmp_path, monkeypatch
     assert (run.init["job_type"], run.init["name"], run.init["config"]) == (
         "llamacpp",
         run_name(point),
-        point,
+        point.to_dict(),
     )
-    assert run.summary == {"status": "ok", **record["metrics"], "key": point_key(point)}
+    assert run.summary == {"status": "ok", **record["metrics"], "key": point.key()}
 
 
 # --- the llama.cpp adapter, against a scripted context ---------------------------------------------------------
@@ -327,7 +330,7 @@ def test_the_peers_sweep_validates_with_every_engine_installed():
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=["+sweep=peers"])
     points = validate_config(cfg)
-    peers = [p for p in points if "engine" in p]
-    assert {p["engine"] for p in peers} == set(ENGINES)
-    assert len([p for p in peers if p["engine"] == "llamacpp"]) == 1 + 2 * 6  # f16, six types x rotation
-    assert {p["model"] for p in points} == {"smollm2-135m"}
+    peers = [p for p in points if p.engine != HARNESS]
+    assert {p.engine for p in peers} == set(ENGINES)
+    assert len([p for p in peers if p.engine == "llamacpp"]) == 1 + 2 * 6  # f16, six types x rotation
+    assert {p.model for p in points} == {"smollm2-135m"}

@@ -11,7 +11,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import precision, results
-from harness.grid import expand, point_key
+from harness.config import Point
+from harness.grid import expand
 from harness.models import load_model
 from harness.passkey import Settings
 from harness.validate import ConfigError, _check_point, validate_config
@@ -95,20 +96,22 @@ def test_a_grid_point_holds_a_resolved_dtype():
         with pytest.raises(
             ConfigError, match=f"model.dtype: '{bad}' in a grid point; allowed: float32, bfloat16"
         ):
-            _check_point({**point, "dtype": bad})
+            _check_point(point.replace(dtype=bad))
 
 
 def test_dtype_is_in_every_point_and_in_the_key_only_when_not_float32():
     fp32 = validate_config(cfg("+sweep=smoke"))
     bf16 = validate_config(cfg("+sweep=smoke", "model.dtype=bfloat16"))
-    assert {p["dtype"] for p in fp32} == {"float32"} and {p["dtype"] for p in bf16} == {"bfloat16"}
+    assert {p.dtype for p in fp32} == {"float32"} and {p.dtype for p in bf16} == {"bfloat16"}
     for a, b in zip(fp32, bf16, strict=True):
-        assert {**a, "dtype": "bfloat16"} == b
-        without = {k: v for k, v in a.items() if k != "dtype"}
-        assert point_key(a) == point_key(without)  # points made before the field existed keep their keys
-        assert point_key(b) != point_key(a)
+        assert a.replace(dtype="bfloat16") == b
+        without = {k: v for k, v in a.to_dict().items() if k != "dtype"}
+        assert (
+            a.key() == Point.from_dict(without).key()
+        )  # points made before the field existed keep their keys
+        assert b.key() != a.key()
     auto = expand(cfg("+sweep=smoke", "model.dtype=auto"))
-    assert {p["dtype"] for p in auto} == {precision.resolve("auto")}
+    assert {p.dtype for p in auto} == {precision.resolve("auto")}
 
 
 def test_every_committed_point_keeps_its_key():
@@ -118,7 +121,7 @@ def test_every_committed_point_keeps_its_key():
     assert records, "no committed points to check"
     for r in records:  # made before the dtype was recorded (float32), or with it in the config
         config = r["config"] if "dtype" in r["config"] else {**r["config"], "dtype": "float32"}
-        assert point_key(config) == r["key"], r["key"]
+        assert Point.from_dict(config).key() == r["key"], r["key"]
 
 
 def test_rows_of_records_without_a_dtype_say_float32():

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from harness.grid import expand, point_key
+from harness.grid import expand
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ["bleu", "token_match", "ppl", "ppl_ratio", "kl_mean", "kl_p99", "top1_agree", "compression_true"]
@@ -79,4 +79,4 @@ def test_committed_runs_resume_with_the_new_keys(run_dir):
     cfg = OmegaConf.load(run_dir / "config.yaml")
     cfg.threads, cfg.allow_dirty = 1, False
     done = {p.stem for p in (run_dir / "points").glob("*.json")}
-    assert {point_key(p) for p in expand(cfg)} <= done
+    assert {p.key() for p in expand(cfg)} <= done

@@ -430,16 +430,16 @@ def test_bad_scheme_options_give_one_line_naming_the_key(overrides, message):
 
 def test_points_carry_each_schemes_residual():
     points = validate_config(compose_cfg("+sweep=smoke", "sweep.schemes=[asym_token,kivi,rotate+kivi]"))
-    assert {(p["scheme"], p["residual"], p["sink_tokens"]) for p in points} == {
+    assert {(p.scheme, p.residual, p.sink_tokens) for p in points} == {
         ("asym_token", 0, 0),
         ("kivi", 32, 0),
         ("rotate+kivi", 32, 0),
     }
-    assert {p["residual"] for p in validate_config(compose_cfg("quant=kivi", "quant.residual=4"))} == {4}
+    assert {p.residual for p in validate_config(compose_cfg("quant=kivi", "quant.residual=4"))} == {4}
     point = validate_config(
         compose_cfg("quant=fp8", "policy=uniform", "policy.budget=8", "policy.widths=[8]")
     )[0]
-    assert (point["scheme"], point["residual"]) == ("fp8", 0)
+    assert (point.scheme, point.residual) == ("fp8", 0)
 
 
 def harness(*args, run_dir):

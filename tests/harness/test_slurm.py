@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.grid import expand, point_key, shard
+from harness.grid import expand, shard
 from harness.results import CONFIG_FIELDS, METRICS
 from harness.validate import validate_config
 
@@ -93,7 +93,7 @@ def smoke_points(num_shards: int) -> list[list[str]]:
     """The point keys each shard of the smoke grid evaluates."""
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         points = expand(compose("config", overrides=["+sweep=smoke"]))
-    return [[point_key(p) for p in shard(points, i, num_shards)] for i in range(num_shards)]
+    return [[p.key() for p in shard(points, i, num_shards)] for i in range(num_shards)]
 
 
 def compose_sweep(name: str, *overrides: str):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from harness.grid import point_key
+from harness.config import Point
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = [
@@ -54,7 +54,7 @@ def single(tmp_path_factory):
 
 def test_smoke_run_writes_every_point_once(single):
     records = [json.loads(p.read_text()) for p in (single / "points").glob("*.json")]
-    assert all(r["key"] == point_key(r["config"]) for r in records)
+    assert all(r["key"] == Point.from_dict(r["config"]).key() for r in records)
     got = table(single)
     assert len(got) == len(records) == got["key"].nunique()
     assert set(got["status"]) <= {"ok", "infeasible"} and (got["status"] == "ok").sum() >= 4
@@ -141,7 +141,7 @@ def test_interleaved_models_load_once_each(tmp_path, monkeypatch):
             "config", overrides=["+sweep=smoke", "sweep.models=[tiny-llama,tiny-gpt2]", "sweep.budgets=[4]"]
         )
     points = expand(cfg)
-    models = [p["model"] for p in points]
+    models = [p.model for p in points]
     assert models[:3] == ["tiny-llama", "tiny-gpt2", "tiny-llama"]  # interleaved in grid order
 
     loads = []
@@ -150,4 +150,4 @@ def test_interleaved_models_load_once_each(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
     table = runner.run(points, tmp_path / "run", batch_size=4)
     assert loads == ["tiny-llama", "tiny-gpt2"]
-    assert set(table.loc[table["policy"] != "baseline", "key"]) == {point_key(p) for p in points}
+    assert set(table.loc[table["policy"] != "baseline", "key"]) == {p.key() for p in points}

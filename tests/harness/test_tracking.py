@@ -14,7 +14,7 @@ import matplotlib
 import pandas as pd
 import pytest
 
-from harness.grid import point_key
+from harness.config import Point
 from harness.tracking import Tracker, run_name, sync_command
 
 matplotlib.use("Agg")
@@ -31,9 +31,9 @@ BASE = {
     "data_path": "data/wiki.txt", "seed": 0,
 }  # fmt: skip
 POINTS = [
-    ({**BASE, "policy": "uniform", "alpha": 0.0}, {"status": "ok", "metrics": {"ppl": 12.25, "bleu": 87.5, "n_sinks": 0}}),
-    ({**BASE, "policy": "entropy", "sink_threshold": 0.9}, {"status": "ok", "metrics": {"ppl": 11.75, "bleu": 91.0}}),
-    ({**BASE, "policy": "sinks", "budget": 2, "alpha": 0.0, "sink_fraction": 0.5},
+    (Point.from_dict({**BASE, "policy": "uniform", "alpha": 0.0}), {"status": "ok", "metrics": {"ppl": 12.25, "bleu": 87.5, "n_sinks": 0}}),
+    (Point.from_dict({**BASE, "policy": "entropy", "sink_threshold": 0.9}), {"status": "ok", "metrics": {"ppl": 11.75, "bleu": 91.0}}),
+    (Point.from_dict({**BASE, "policy": "sinks", "budget": 2, "alpha": 0.0, "sink_fraction": 0.5}),
      {"status": "infeasible", "error": "budget 2 cannot pay for 50% sinks"}),
 ]  # fmt: skip
 
@@ -117,7 +117,7 @@ def plot(path: Path) -> Path:
 
 def table() -> pd.DataFrame:
     return pd.DataFrame(
-        [{"key": point_key(p), "status": r["status"], **p, "widths": json.dumps(p["widths"]), **r.get("metrics", {})}
+        [{"key": p.key(), "status": r["status"], **p.to_dict(), "widths": json.dumps(p.widths), **r.get("metrics", {})}
          for p, r in POINTS]
     )  # fmt: skip
 
@@ -145,10 +145,10 @@ def test_offline_runs_hold_points_and_summary(tmp_path: Path, monkeypatch: pytes
     runs = read_runs(run_dir)
     assert len(runs) == len(POINTS) + 1
     for point, record in POINTS:
-        run = runs[f"{point['policy']}/{run_name(point)}"]
+        run = runs[f"{point.policy}/{run_name(point)}"]
         assert (run["group"], run["project"], run["exit_code"]) == ("pareto-test", "kv-bits", 0)
-        assert run["config"] == point
-        expected = {"status": record["status"], "key": point_key(point)}
+        assert run["config"] == point.to_dict()
+        expected = {"status": record["status"], "key": point.key()}
         if record["status"] == "ok":
             expected |= record["metrics"]
         else:

@@ -1,0 +1,63 @@
+"""The grid point type: committed runs read back with their keys, config keys, dict round trips."""
+
+import json
+from dataclasses import FrozenInstanceError
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness.config import CONFIG_KEYS, FIELDS, GROUPS, HARNESS, PEER_FIELDS, Point, config_key
+from harness.grid import expand
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def committed_records() -> list[dict]:
+    paths = [*ROOT.glob("results/*/*/points/*.json"), *ROOT.glob("results/perf/dtype/*/points/*.json")]
+    records = [
+        json.loads(p.read_text()) for p in paths if "passkey" not in p.parts
+    ]  # passkey: no grid points
+    return [r for r in records if "config" in r and "key" in r]
+
+
+def test_every_committed_point_reads_back_with_its_key_and_its_dict():
+    records = committed_records()
+    assert len(records) > 200, "no committed points to check"
+    for r in records:
+        point = Point.from_dict(r["config"])
+        assert point.key() == r["key"], r["key"]
+        assert point.to_dict() == r["config"], r["key"]
+
+
+def test_older_records_take_todays_defaults_outside_their_key():
+    old = next(r for r in committed_records() if "bos" not in r["config"])
+    point = Point.from_dict(old["config"])
+    assert (point.bos, point.budget_unit, point.dtype) == ("auto", "bytes", "float32")
+    assert {"bos", "budget_unit", "dtype"} <= point.unrecorded
+    assert point.replace(bos="auto").key() != old["key"]  # a recorded field enters the key
+
+
+def cfg(*overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_grid_points_are_frozen_complete_and_round_trip():
+    points = expand(cfg("+sweep=smoke", "+sweep.peers=[{engine:quanto,scheme:int4}]"))
+    assert {p.engine for p in points} == {HARNESS, "quanto"}
+    for p in points:
+        assert Point.from_dict(p.to_dict()) == p and not p.unrecorded
+        assert isinstance(p.to_dict()["widths"], list)
+        assert (set(PEER_FIELDS) <= set(p.to_dict())) == (p.engine != HARNESS)
+        with pytest.raises(FrozenInstanceError):
+            p.budget = 1
+
+
+def test_every_field_declares_its_config_key_and_group():
+    assert set(CONFIG_KEYS) == set(FIELDS) == {f for g in GROUPS.values() for f in g}
+    assert config_key("evict_keep") == "eviction.keep" and config_key("policy_seed") == "policy.seed"
+    assert config_key("calibration_sequences") == "eval.calibration.num_sequences"
+    assert config_key("group_size") == "quant.group_size" and config_key("chunk") == "eval.chunk"
+    with pytest.raises(TypeError, match=r"^point field: unknown 'bits'"):
+        Point.from_dict({**expand(cfg())[0].to_dict(), "bits": 4})
