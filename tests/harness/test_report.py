@@ -37,8 +37,6 @@ STALE_TABLES = {
     "results/pareto/2026-11-21_20-28-05": f"older report: {_GRID}; {_DIFFS}",
     "results/hybrid/2026-11-21_hybrid": f"older report: {_GRID}; {_DIFFS}",
     "results/beyond/2026-11-21_beyond": f"older report: {_GRID}; {_DIFFS}",
-    "results/claims_rigorous/2026-11-21_rigorous": f"older report: one claim table over text seeds 0-2 (now one "
-    f"per seed); {_GRID}; {_DIFFS}",
     "results/perf/dtype/pareto-small-bfloat16": f"older report: {_GRID}",
     "results/perf/dtype/pareto-small-float32": f"older report: {_GRID}",
 }
