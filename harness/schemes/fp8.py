@@ -8,7 +8,7 @@ from typing import ClassVar
 import torch
 
 from harness.schemes.base import Scheme, Store, register
-from harness.schemes.wrappers import dense_pv, dense_qk, head_index, take_tokens
+from harness.schemes.wrappers import BlockStore, head_index, take_tokens
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
@@ -37,7 +37,7 @@ class Fp8(Scheme):
         return head_dim + FP16_BYTES  # one e4m3 byte per element, one fp16 scale per (token, head)
 
 
-class Fp8Store:
+class Fp8Store(BlockStore):
     """e4m3 payload with one fp16 absmax scale per (token, head); quantized heads are 8-bit, 16-bit heads exact."""
 
     def __init__(self, bits, head_dim: int, batch: int, dtype: torch.dtype, device, simulate: bool = False):
@@ -92,15 +92,6 @@ class Fp8Store:
         )
         out.index_copy_(1, self.quant_heads, values)
         return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
-
-    def dequantize(self) -> torch.Tensor:
-        return self.block(0, self.length)
-
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_qk(q, self.block(start, end))
-
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_pv(p, self.block(start, end))
 
     def keep_last(self, n: int) -> None:
         start = max(self.length - n, 0)

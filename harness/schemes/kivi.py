@@ -11,7 +11,7 @@ import torch
 
 from harness.schemes.asym_token import AsymToken
 from harness.schemes.base import Store, register
-from harness.schemes.wrappers import dense_pv, dense_qk, head_index
+from harness.schemes.wrappers import BlockStore, head_index
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
@@ -54,7 +54,7 @@ class Kivi(AsymToken):
         return super().base_store(bits, head_dim, batch, dtype, device, role, simulate)
 
 
-class ChannelStore:
+class ChannelStore(BlockStore):
     """KIVI's keys: each group of g consecutive tokens of a quantized head is quantized per channel along the
     sequence (asym, one fp16 scale and zero per (group, channel)); 16-bit heads are kept exact.
 
@@ -130,15 +130,6 @@ class ChannelStore:
             values = reference.channel_dequantize(rows, self.dtype)  # (B, Hw, (last - first) * g, D)
             out.index_copy_(1, self.heads[w], values[:, :, skip : skip + end - start])
         return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
-
-    def dequantize(self) -> torch.Tensor:
-        return self.block(0, self.length)
-
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_qk(q, self.block(start, end))
-
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_pv(p, self.block(start, end))
 
     def keep_last(self, n: int) -> None:
         drop = self.length - n

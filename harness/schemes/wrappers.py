@@ -49,6 +49,23 @@ def dense_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return p @ v.float()
 
 
+class BlockStore:
+    """The common attention of stores that read a block of tokens back to full precision (fp8, KIVI's keys):
+    the store implements `block(start, end)` -> (B, Hkv, end - start, D) and `length`."""
+
+    def block(self, start: int, end: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        return self.block(0, self.length)
+
+    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return dense_qk(q, self.block(start, end))
+
+    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        return dense_pv(p, self.block(start, end))
+
+
 class FullStore:
     """Tokens kept unquantized in the model's dtype (counted at 2 bytes per element, as an fp16 cache)."""
 
