@@ -21,10 +21,10 @@ from tqdm import tqdm
 
 from harness import data, evaluate, metrics, peers, precision, results
 from harness.cache import QuantizedKVCache
+from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, element_price, shape_from_config
 from harness.config import CALIBRATION_FIELDS, EVAL_FIELDS, HARNESS, NO_EVICTION, Point
-from harness.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.io import write_json_atomic, write_parquet_atomic
 from harness.models import load_model
 from harness.policies import from_point

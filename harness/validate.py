@@ -62,7 +62,7 @@ def preflight_overrides(args: list[str], conf_dir: str) -> None:
 
 def _check_point(point: Point, backend: str = "auto") -> None:
     from harness.cache import PREFILL_MODES
-    from harness.eviction import EvictionSpec
+    from harness.cache.eviction import EvictionSpec
     from harness.schemes import check_backend, get_scheme
 
     try:
@@ -191,7 +191,7 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
 def _check_eviction_group(cfg: DictConfig) -> None:
     """The eviction group's values, whichever eviction is chosen: with eviction=none a point forgets them, so a
     mistyped share would otherwise pass unseen."""
-    from harness.eviction import EvictionSpec
+    from harness.cache.eviction import EvictionSpec
 
     e = cfg.get("eviction")
     if e is not None:

@@ -1,6 +1,6 @@
 """Per-layer packed storage of keys (or values): every KV head at its own bit width.
 
-This module owns the memory layout that the torch path (harness/cache.py) and the Triton kernels
+This module owns the memory layout that the torch path (harness/cache/quantized.py) and the Triton kernels
 (kernels/quantize.py, kernels/decode_attention.py) share. The bit-level format of one packed row is
 kernels/reference.py's; this file decides where the rows of all heads of one layer live.
 

@@ -1,6 +1,6 @@
 """The attention that reports attention probabilities to score-based eviction ("kv_scored_sdpa").
 
-This module owns the glue between transformers' attention interface and harness/eviction.py's H2O-style
+This module owns the glue between transformers' attention interface and harness/cache/eviction.py's H2O-style
 scores. An evicting layer that needs scores posts itself, with the key tensor its `update` returns, on the
 installed `Scores` (`post_scorer`, by layer index); this attention then
 - computes the output exactly as the model's usual attention would (harness/attention/packed.py's

@@ -34,7 +34,7 @@ ROLES = ("key", "value")
 class Store(Protocol):
     """One layer's keys or values for a batch, each KV head at its own width (16 = unquantized).
 
-    The torch path of harness/cache.py uses nothing else. Attention reads a store through
+    The torch path of harness/cache/quantized.py uses nothing else. Attention reads a store through
     kernels.packed_attention's `scores` and `weighted`: a kernels.layout.PackedStore directly, any other store
     through its methods qk(q, start, end) and pv(p, start, end), computed from the stored form one block at a
     time.

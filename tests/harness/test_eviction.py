@@ -1,4 +1,4 @@
-"""Token eviction (harness/eviction.py): freed bytes, kept positions, H2O scores, and decode steps against an
+"""Token eviction (harness/cache/eviction.py): freed bytes, kept positions, H2O scores, and decode steps against an
 oracle that attends only the kept tokens."""
 
 import math
@@ -15,7 +15,7 @@ from transformers import DynamicCache
 from harness import evaluate, runner
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
-from harness.eviction import (
+from harness.cache.eviction import (
     EvictingLayer,
     EvictionSpec,
     attention_for,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from harness.attention import PACKED, SCORED, installed, post_scorer
-from harness.cache import QuantizedKVCache, QuantizedLayer
+from harness.cache.quantized import QuantizedKVCache, QuantizedLayer
 from harness.config import Point
 from harness.registry import unknown_name_message
 
@@ -157,7 +157,7 @@ class EvictingLayer(QuantizedLayer):
         if self._scores_due:
             raise RuntimeError(
                 "eviction=h2o: the last update's attention reported no scores; run the model inside "
-                "harness.eviction.attention_for(model, spec)"
+                "harness.cache.eviction.attention_for(model, spec)"
             )
         length = self._held()
         n_keep = self.spec.budget(self.seen)
