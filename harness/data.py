@@ -112,3 +112,37 @@ def token_windows(
         first = torch.full((count, 1), tokenizer.bos_token_id, dtype=torch.long)
         windows = torch.cat([first, windows], dim=1)  # (count, length)
     return windows
+
+
+@dataclass(frozen=True)
+class PointWindows:
+    """A grid point's token windows, each (count, length) int64: calibration (seed), generation prompts (seed) and
+    teacher-forced sequences (seed + 1), all starting with BOS when `bos` (eval.bos resolved for the tokenizer)."""
+
+    bos: bool
+    calibration: torch.Tensor
+    prompts: torch.Tensor
+    sequences: torch.Tensor
+
+
+def point_windows(tokenizer, point) -> PointWindows:
+    """The windows of a harness.config.Point (its data_path, sizes, seed and BOS rule)."""
+    text = split(point.data_path)
+    bos = uses_bos(tokenizer, point.bos)
+    return PointWindows(
+        bos=bos,
+        calibration=token_windows(
+            tokenizer,
+            text.calibration,
+            point.calibration_sequences,
+            point.calibration_tokens,
+            point.seed,
+            bos=bos,
+        ),
+        prompts=token_windows(
+            tokenizer, text.evaluation, point.num_prompts, point.prompt_tokens, point.seed, bos=bos
+        ),
+        sequences=token_windows(
+            tokenizer, text.evaluation, point.num_sequences, point.sequence_tokens, point.seed + 1, bos=bos
+        ),
+    )

@@ -71,27 +71,9 @@ def build_context(
     model, tokenizer = load_model(point.model, device=device, dtype=point.dtype)
     timings["load_s"] = time.perf_counter() - t
 
-    text = data.split(point.data_path)  # the point was checked (harness.validate): its windows fit the model
-    bos = data.uses_bos(tokenizer, point.bos)
-    calib_ids = data.token_windows(
-        tokenizer,
-        text.calibration,
-        point.calibration_sequences,
-        point.calibration_tokens,
-        point.seed,
-        bos=bos,
-    )
-    prompts = data.token_windows(
-        tokenizer, text.evaluation, point.num_prompts, point.prompt_tokens, point.seed, bos=bos
-    )
-    sequences = data.token_windows(
-        tokenizer,
-        text.evaluation,
-        point.num_sequences,
-        point.sequence_tokens,
-        point.seed + 1,
-        bos=bos,
-    )
+    # the point was checked (harness.validate): its windows fit the model
+    windows = data.point_windows(tokenizer, point)
+    bos, calib_ids, prompts, sequences = windows.bos, windows.calibration, windows.prompts, windows.sequences
 
     t = time.perf_counter()
     entropy = cached_head_entropies(model, point.model, calib_ids, i0=point.i0)

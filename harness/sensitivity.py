@@ -296,24 +296,8 @@ def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
     from harness.models import load_model
 
     model, tokenizer = load_model(point.model, dtype=point.dtype)
-    text = data.split(point.data_path)
-    bos = data.uses_bos(tokenizer, point.bos)
-    calibration = data.token_windows(
-        tokenizer,
-        text.calibration,
-        point.calibration_sequences,
-        point.calibration_tokens,
-        point.seed,
-        bos=bos,
-    )
-    sequences = data.token_windows(
-        tokenizer,
-        text.evaluation,
-        point.num_sequences,
-        point.sequence_tokens,
-        point.seed + 1,
-        bos=bos,
-    )
+    windows = data.point_windows(tokenizer, point)
+    calibration, sequences = windows.calibration, windows.sequences
     widths = sorted(set(_quantized_widths(point.widths)) | {args.width})
     table = cached_sensitivity(model, point.model, calibration, scheme, widths)
     heads = sample_heads(table, args.check_heads, point.seed)
