@@ -1,4 +1,4 @@
-"""`python -m harness [overrides]`: compose the Hydra config, validate it, run the grid, print the table.
+"""`python -m harness [overrides]`: compose the Hydra config, validate it, run its protocol (harness.protocols).
 
 Without `+sweep=NAME` it evaluates uniform and the configured policy at the configured budget (plus the
 unquantized baseline); with one it runs that sweep's grid. Invalid input stops before any model weights load with one
@@ -13,7 +13,9 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from harness.io import CONF_DIR
+from harness.io import CONF_DIR, set_threads
+from harness.models import ModelUnavailable
+from harness.protocols import PROTOCOLS
 from harness.validate import (
     ConfigError,
     check_model_inputs,
@@ -26,9 +28,6 @@ from harness.validate import (
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    from harness.io import set_threads
-    from harness.models import ModelUnavailable
-
     try:
         points = validate_config(cfg)
         set_threads(cfg.threads)  # before any work, tokenizing included
@@ -38,14 +37,7 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     try:
-        if protocol(cfg) == "claim":
-            from harness import claim
-
-            claim.run(cfg)
-        else:
-            from harness.session import run_session  # heavy imports only after validation
-
-            run_session(cfg, points)
+        PROTOCOLS[protocol(cfg)].run(cfg, points)
     except ModelUnavailable as err:  # one line naming what to install or provide
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

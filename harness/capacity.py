@@ -27,6 +27,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pandas as pd
+from transformers import AutoConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from harness.models import ModelUnavailable, gguf_path, model_spec
 from harness.registry import unknown_name_message
 from harness.schemes import SCHEMES, AsymToken, Scheme, get_scheme
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -86,7 +91,6 @@ def _linear_state_bytes(config) -> int:
 def shape_from_config(config, name: str = "config", context_limit: int | None = None) -> ModelShape:
     """A ModelShape from a transformers config, with the layer types and per-layer geometry transformers'
     caches use (get_layer_types_and_kwargs, per_layer_config)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
 
     text = config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(text)
@@ -124,9 +128,6 @@ def element_price(shape: ModelShape, scheme: Scheme):
 
 def shape_from_registry(name: str) -> ModelShape:
     """The shape of a model in conf/model (tiny: its config; gguf: the GGUF's metadata; hf: a local config)."""
-    from transformers import AutoConfig
-
-    from harness.models import ModelUnavailable, gguf_path, model_spec
 
     spec = model_spec(name)
     if spec["source"] == "tiny":
@@ -145,7 +146,6 @@ def shape_from_registry(name: str) -> ModelShape:
 
 def shape_from_json(path: str | Path) -> ModelShape:
     """The shape of a model from its config.json (model_type selects transformers' config class)."""
-    from transformers import AutoConfig
 
     values = json.loads(Path(path).read_text())
     if "model_type" not in values:
@@ -195,7 +195,6 @@ PRESETS = {
 
 
 def shape_from_preset(name: str) -> ModelShape:
-    from transformers import AutoConfig
 
     if name not in PRESETS:
         raise ValueError(unknown_name_message("capacity.preset", name, sorted(PRESETS)))
@@ -444,7 +443,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         print(json.dumps(table, indent=1))
         return
-    import pandas as pd
 
     print(_describe(shape))
     print(f"scheme {args.scheme} g={args.group_size} sink_tokens={args.sink_tokens} residual={args.residual}")

@@ -21,6 +21,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from transformers import DynamicCache
+
+from harness.attention import PACKED, installed
+from harness.cache import QuantizedKVCache
+from harness.capacity import max_context, shape_from_registry
+from harness.models import load_model, model_spec
+from harness.schemes import get_scheme
+
 GIB = 2**30
 SCHEME, GROUP_SIZE = "asym_token", 32  # the quantized cache tried (harness.schemes)
 
@@ -35,12 +44,6 @@ def vm_peak_bytes() -> int:
 
 def trial(model_name: str, batch: int, context: int, bits: int, new_tokens: int, chunk: int, cap: int) -> int:
     """Run one capped trial in this process: prefill and decode; prints the peak virtual memory, returns 0."""
-    import torch
-    from transformers import DynamicCache
-
-    from harness.attention import PACKED, installed
-    from harness.cache import QuantizedKVCache
-    from harness.models import load_model
 
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.manual_seed(0)
@@ -99,9 +102,6 @@ def largest_context(args, bits: int) -> int:
 
 def predicted(args, bits: int, overhead: int) -> int | None:
     """harness.capacity's longest context for the cap less `overhead` (16 bits at the model dtype's bytes)."""
-    from harness.capacity import max_context, shape_from_registry
-    from harness.models import model_spec
-    from harness.schemes import get_scheme
 
     shape = shape_from_registry(args.model)
     budget = args.memory_gib * GIB - overhead

@@ -23,11 +23,15 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
+from pathlib import Path
 from typing import Any
 
+from hydra import compose as compose_config
+from hydra import initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from harness import precision
+from harness.io import CONF_DIR
 from harness.registry import unknown_name_message
 
 HARNESS = "harness"  # the engine of every point without an `engine` field
@@ -43,7 +47,7 @@ def _setting(config: str, group: str, *default: Any) -> Any:
 
 @dataclass(frozen=True, kw_only=True)
 class Point:
-    """One grid point (harness.grid makes them). Values are kept as the config gave them (an int budget stays an
+    """One grid point (harness.protocols.sweep makes them). Values are kept as the config gave them (an int budget stays an
     int): the key hashes their JSON."""
 
     model: str = _setting("model.name", "context")
@@ -162,7 +166,7 @@ def config_key(name: str) -> str:
 def base_point(cfg: DictConfig) -> Point:
     """The point the primary config describes (no sweep): every field but the peer fields read from its config
     key (a key the config lacks gives the field's default; the model dtype resolved; residual None: the scheme's
-    default, which harness.grid resolves per point)."""
+    default, which harness.protocols.sweep resolves per point)."""
     out = {}
     for f in fields(Point):
         if "config" not in f.metadata or f.name in PEER_FIELDS:
@@ -172,3 +176,15 @@ def base_point(cfg: DictConfig) -> Point:
     out["dtype"] = precision.resolve(out["dtype"], cfg.get("device", "cpu"))
     out["widths"] = tuple(out["widths"])
     return Point(**out)
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    """The primary config (conf/config.yaml) with `overrides`, as `python -m harness` would compose it: for the
+    commands that read configs outside it (passkey's policies, the sensitivity check's point)."""
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose_config(config_name="config", overrides=overrides)
+
+
+def group_options(group: str) -> list[str]:
+    """The options of a config group: the names of conf/<group>/*.yaml, sorted."""
+    return sorted(path.stem for path in (Path(CONF_DIR) / group).glob("*.yaml"))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import torch
 
@@ -20,8 +21,6 @@ CALIBRATION_SHARE = 0.25
 def documents(path: str | None = None) -> dict[str, str]:
     """Name -> text of every document of the corpus."""
     if path is None:
-        from pydoc_data.topics import topics
-
         return dict(topics)
     p = Path(path)
     if p.is_dir():

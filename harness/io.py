@@ -21,6 +21,10 @@ from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 
+import torch
+
+from harness import precision
+
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")  # the Hydra config folder
 
 REPO = Path(__file__).resolve().parent.parent
@@ -141,7 +145,6 @@ def check_threads(value, key: str = "threads") -> int:
 
 def set_threads(value, key: str = "threads") -> int:
     """Apply a `threads` setting with torch.set_num_threads before any work; returns the count applied."""
-    import torch
 
     count = check_threads(value, key)
     torch.set_num_threads(count)
@@ -195,9 +198,6 @@ def environment(
     """The record of a run, taken when it starts: command, time, git commit and dirty state, versions,
     thread count (as applied by set_threads), device, and precision: the model dtype (resolved) and whether
     this machine computes bfloat16 natively."""
-    import torch
-
-    from harness import precision
 
     versions = {}
     for name in PACKAGES:
@@ -228,6 +228,26 @@ def environment(
 def provenance(env: dict) -> dict:
     """What every result row of a run carries from its env record: the thread count and the commit."""
     return {"threads": env["threads"], "git_commit": env["git_commit"]}
+
+
+def start_record(
+    run_dir: str | Path,
+    command: str,
+    device: str = "cpu",
+    allow_dirty: bool = False,
+    dtype: str | None = None,
+    config_yaml: str | None = None,
+    name: str = "env.json",
+) -> dict:
+    """What every protocol writes when it starts, before any model loads: run_dir, its config.yaml (when given)
+    and the environment record (write_environment); returns the record."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if config_yaml is not None:
+        write_text_atomic(run_dir / "config.yaml", config_yaml)
+    env = environment(command, device, allow_dirty, dtype)
+    write_environment(run_dir, env, name)
+    return env
 
 
 def write_environment(folder: str | Path, env: dict, name: str = "env.json") -> Path:

@@ -22,8 +22,13 @@ from contextlib import contextmanager
 from functools import cache, partial
 from pathlib import Path
 
+import huggingface_hub.utils as hub_utils
 import torch
 import yaml
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers import modeling_gguf_pytorch_utils as gguf_reader
+from transformers.utils import logging as hf_logging
 
 from harness.precision import torch_dtype
 from harness.registry import unknown_name_message
@@ -50,8 +55,6 @@ def model_spec(name: str) -> dict:
 
 def byte_tokenizer():
     """A byte-level tokenizer (256 byte tokens, no merges) for tiny models: any text round-trips exactly."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
@@ -63,7 +66,6 @@ def byte_tokenizer():
 
 def build_tiny(spec: dict):
     """A random model of spec['arch'] from spec['config'], seeded so every build is identical."""
-    from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.for_model(spec["arch"], **spec["config"])
     torch.manual_seed(int(spec.get("seed", 0)))
@@ -92,7 +94,6 @@ def gguf_path(spec: dict) -> Path:
 
 
 def load_gguf(spec: dict, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf_path(spec)
     try:
@@ -110,7 +111,6 @@ def load_gguf(spec: dict, dtype: torch.dtype):
 
 
 def load_hf(spec: dict, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = spec.get("path") or spec["hf_id"]
     try:
@@ -128,9 +128,6 @@ def quiet_loading() -> Iterator[None]:
     """transformers' progress bars off for the block, then as they were: its "Loading weights" bar (and the hub's
     download bars) through transformers.utils.logging, and the GGUF reader's "Converting and de-quantizing GGUF
     tensors" bar, a plain tqdm that switch does not reach, by disabling that module's tqdm."""
-    import huggingface_hub.utils as hub_utils
-    from transformers import modeling_gguf_pytorch_utils as gguf_reader
-    from transformers.utils import logging as hf_logging
 
     was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
     gguf_tqdm = gguf_reader.tqdm

@@ -1,4 +1,4 @@
-"""Passkey results (results/passkey/<run>/points/*.json, written by harness/passkey.py) -> tables.md and a plot.
+"""Passkey results (results/passkey/<run>/points/*.json, written by harness/protocols/passkey.py) -> tables.md and a plot.
 
 - Accuracy per context x (policy, budget): correct trials over all trials of all depths at that context.
 - Failure context of a (policy, budget): the first context, in increasing order, where its accuracy drops below
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
-BASELINE = "baseline"  # the unquantized cache's policy name in passkey records (harness/passkey.py)
+BASELINE = "baseline"  # the unquantized cache's policy name in passkey records (harness/protocols/passkey.py)
 
 FAIL_RATIO = 0.5
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 # Names only: grid points and result tables import this module, and need no torch to read a run.
 DTYPES = ("float32", "bfloat16")
 AUTO = "auto"
@@ -42,8 +44,6 @@ def cpu_flags(cpuinfo: Path | None = None) -> set[str]:
 def native_bf16(device: str = "cpu", cpuinfo: Path | None = None) -> bool:
     """Whether `device` computes bfloat16 natively (CPU: any of BF16_FLAGS; CUDA: torch's own check)."""
     if str(device).startswith("cuda"):
-        import torch
-
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     return bool(cpu_flags(cpuinfo) & set(BF16_FLAGS))
 
@@ -60,7 +60,6 @@ def resolve(name: str, device: str = "cpu", key: str = "model.dtype") -> str:
 
 def torch_dtype(name: str):
     """The torch dtype of a resolved name (float32 or bfloat16)."""
-    import torch
 
     if name not in DTYPES:
         raise ValueError(f"model.dtype: unknown {name!r}; allowed: {', '.join(DTYPES)}")

@@ -16,8 +16,12 @@ import mmap
 import struct
 from pathlib import Path
 
+from transformers import AutoConfig, AutoTokenizer
+from transformers import __version__ as transformers_version
+
+from harness.capacity import shape_from_config
 from harness.io import cache_root, write_dir_atomic, write_json_atomic
-from harness.models import ModelUnavailable, gguf_path, model_spec
+from harness.models import ModelUnavailable, byte_tokenizer, gguf_path, model_spec
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types (ggml's gguf.h): id -> struct format of one scalar; 8 = string, 9 = array.
@@ -87,7 +91,6 @@ def gguf_head_dims(path: str | Path) -> set[int]:
 
 def _config(spec: dict):
     """The transformers config of a tiny or hf registry entry (no weights are read)."""
-    from transformers import AutoConfig
 
     if spec["source"] == "tiny":
         return AutoConfig.for_model(spec["arch"], **spec["config"])
@@ -105,7 +108,6 @@ def head_dims(name: str) -> set[int]:
     spec = model_spec(name)
     if spec["source"] == "gguf_package":
         return gguf_head_dims(gguf_path(spec))
-    from harness.capacity import shape_from_config
 
     shape = shape_from_config(_config(spec), name)
     return {layer.head_dim for layer in shape.layers if layer.cached}
@@ -113,7 +115,6 @@ def head_dims(name: str) -> set[int]:
 
 def _identity(name: str) -> str:
     """What a cached derivative of a model's files depends on: its registry entry and transformers' version."""
-    from transformers import __version__ as transformers_version
 
     return json.dumps([CACHE_VERSION, model_spec(name), transformers_version], sort_keys=True)
 
@@ -121,7 +122,6 @@ def _identity(name: str) -> str:
 def _gguf_tokenizer(name: str, path: Path):
     """A GGUF's tokenizer. transformers converts it from the GGUF's metadata (5-50 s); the converted tokenizer
     is saved once under the disk cache and read back from there (under a second to a few)."""
-    from transformers import AutoTokenizer
 
     key = hashlib.sha256(_identity(name).encode()).hexdigest()[:20]
     saved = cache_root() / "tokenizers" / f"{name}-{key}"
@@ -136,12 +136,9 @@ def tokenizer(name: str):
     """The registered model's tokenizer alone, as harness.models.load_model builds it."""
     spec = model_spec(name)
     if spec["source"] == "tiny":
-        from harness.models import byte_tokenizer
-
         return byte_tokenizer()
     if spec["source"] == "gguf_package":
         return _gguf_tokenizer(name, gguf_path(spec))
-    from transformers import AutoTokenizer
 
     where = spec.get("path") or spec["hf_id"]
     try:

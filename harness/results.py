@@ -1,6 +1,6 @@
 """Reading a run directory: its point records, their flat table, and its calibration tables.
 
-This module owns reading only (harness.runner writes; harness.report and notebooks read through here). The
+This module owns reading only (harness.run writes; harness.report and notebooks read through here). The
 point JSONs under <run_dir>/points are the source of truth: results.parquet is a derived copy. Every finished
 JSON counts, whichever process (shard) wrote it; a file that does not parse (a write from a tool that is not
 atomic, caught mid-way) is skipped, as are the runner's hidden temporary files.

@@ -27,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from harness.config import HARNESS, Point
+from harness.peers import label
 
 MODES = ("online", "offline", "disabled")
 
@@ -40,8 +41,6 @@ def run_name(point: Point) -> str:
     """A short readable name for a point's run, e.g. `gpt2 entropy b3 a0.5 sink>0.9 asym_token`, or for a peer
     engine's point `smollm2-135m llama.cpp q4_0 + rotation`."""
     if point.engine != HARNESS:
-        from harness.peers import label
-
         return f"{point.model} {label(point.to_dict())}"
     if point.sink_threshold is not None:
         sinks = f"sink>{point.sink_threshold}"

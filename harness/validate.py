@@ -17,13 +17,20 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from harness import io, precision
+from harness import data, io, precision, preload
+from harness.cache import BACKENDS, PREFILL_MODES
+from harness.cache.eviction import EvictionSpec
 from harness.config import HARNESS, Point, config_key
 from harness.data import BOS_RULES
-from harness.grid import expand
 from harness.models import model_spec
+from harness.peers import check_point
 from harness.policies import from_point
+from harness.protocols import PROTOCOLS, claim
+from harness.protocols.claim import settings
+from harness.protocols.sweep import expand
 from harness.registry import unknown_name_message
+from harness.schemes import check_backend, get_scheme
+from kernels.layout import FULL_WIDTH
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
 POSITIVE_INTS = (
@@ -38,7 +45,6 @@ POSITIVE_INTS = (
     "group_size",
 )
 WANDB_MODES = ("online", "offline", "disabled")
-PROTOCOLS = ("runner", "claim")  # sweep.protocol: the normal grid runner, or harness/claim.py
 
 
 class ConfigError(ValueError):
@@ -61,15 +67,10 @@ def preflight_overrides(args: list[str], conf_dir: str) -> None:
 
 
 def _check_point(point: Point, backend: str = "auto") -> None:
-    from harness.cache import PREFILL_MODES
-    from harness.cache.eviction import EvictionSpec
-    from harness.schemes import check_backend, get_scheme
 
     try:
         model_spec(point.model)
         if point.engine != HARNESS:
-            from harness.peers import check_point
-
             _check_positive_ints(point)
             check_point(point)
             return
@@ -136,13 +137,13 @@ def protocol(cfg: DictConfig) -> str:
     sweep = cfg.get("sweep")
     name = "runner" if sweep is None else sweep.get("protocol", "runner")
     if name not in PROTOCOLS:
-        raise ConfigError(f"sweep.protocol: unknown {name!r}; allowed: {', '.join(PROTOCOLS)}")
+        raise ConfigError(unknown_name_message("sweep.protocol", name, list(PROTOCOLS)))
     return name
 
 
 def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
     """Check the whole configuration and every grid point; return the points (the claim protocol: its rows,
-    harness.claim.validate)."""
+    harness.protocols.claim.validate)."""
     mode = cfg.tracking.wandb.mode
     if mode not in WANDB_MODES:
         raise ConfigError(f"tracking.wandb.mode: unknown {mode!r}; allowed: {', '.join(WANDB_MODES)}")
@@ -160,7 +161,6 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
         raise ConfigError(str(err)) from None
     if not isinstance(cfg.get("allow_dirty", False), bool):
         raise ConfigError(f"allow_dirty: {cfg.allow_dirty!r} is not allowed; allowed: true, false")
-    from harness.cache import BACKENDS
 
     if cfg.quant.backend not in BACKENDS:
         raise ConfigError(f"quant.backend: unknown {cfg.quant.backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -173,8 +173,6 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if protocol(cfg) == "claim":
-        from harness import claim
-
         try:
             return claim.validate(cfg)
         except ValueError as err:
@@ -191,7 +189,6 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
 def _check_eviction_group(cfg: DictConfig) -> None:
     """The eviction group's values, whichever eviction is chosen: with eviction=none a point forgets them, so a
     mistyped share would otherwise pass unseen."""
-    from harness.cache.eviction import EvictionSpec
 
     e = cfg.get("eviction")
     if e is not None:
@@ -247,7 +244,6 @@ def _inputs_of_point(point: Point) -> ModelInputs:
 
 
 def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
-    from harness.claim import settings
 
     s = settings(cfg)
     keys = ("sweep.claim.num_sequences", "sweep.claim.sequence_tokens")
@@ -257,8 +253,6 @@ def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
 
 def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
     """A scheme that quantizes groups along head_dim needs a group size dividing every head_dim."""
-    from harness.schemes import get_scheme
-    from kernels.layout import FULL_WIDTH
 
     scheme = get_scheme(inputs.scheme, inputs.group_size)
     if all(w == FULL_WIDTH for w in inputs.widths):
@@ -279,7 +273,6 @@ def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
 
 def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> None:
     """Every window set fits its split of the text, counted with the model's own tokenizer."""
-    from harness import data, preload
 
     try:
         text = data.split(data_path)
@@ -306,7 +299,6 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
 def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:
     """Checks that need the model's config or tokenizer, never its weights (harness.preload): the group size
     against every head_dim, then the text against the windows asked for."""
-    from harness import preload
 
     inputs = [_inputs_of_claim(cfg)] if protocol(cfg) == "claim" else [_inputs_of_point(p) for p in points]
     dims: dict[str, set[int]] = {}

@@ -14,9 +14,10 @@ import triton
 import triton.language as tl
 
 from kernels.layout import FULL_WIDTH
+from kernels.reference import WIDTHS
 
 FP16_MAX = tl.constexpr(65504.0)  # reference.FP16_MAX, as a constant the kernel can read
-KERNEL_WIDTHS = (2, 3, 4, 8, FULL_WIDTH)
+KERNEL_WIDTHS = (*WIDTHS, FULL_WIDTH)
 
 
 @triton.jit

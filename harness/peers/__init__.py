@@ -19,6 +19,9 @@ import importlib.util
 from collections.abc import Mapping
 
 from harness.config import Point
+from harness.models import model_names, model_spec
+from harness.peers import llamacpp, quantized_cache
+from harness.peers.quantized_cache import GROUP_SIZE, RESIDUAL
 
 # engine -> (its storage types: name -> bits of one code, the module it needs, its install hint)
 LLAMACPP_TYPES = {"f16": 16, "q8_0": 8, "q5_1": 5, "q5_0": 5, "q4_1": 4, "q4_0": 4, "iq4_nl": 4}
@@ -67,20 +70,17 @@ def peer_point(base: Point, fields: Mapping) -> Point:
         sink_threshold=None,
         sink_fraction=None,
         policy_seed=0,
-    )  # no eviction: harness.grid sets the eviction fields
+    )  # no eviction: harness.protocols.sweep sets the eviction fields
 
 
 def check_point(point: Point) -> None:
     """ValueError (one line: the key, what is allowed) for a peer point this machine cannot measure."""
-    from harness.models import model_spec
 
     engine = point.engine
     _allowed("engine", engine, list(ENGINES))
     types, module, install = ENGINES[engine]
     _allowed(f"scheme (engine {engine})", point.scheme, list(types))
     if engine == "llamacpp" and model_spec(point.model)["source"] != "gguf_package":
-        from harness.models import model_names
-
         gguf = [n for n in model_names() if model_spec(n)["source"] == "gguf_package"]
         raise ValueError(
             f"model: engine llamacpp reads a GGUF file, {point.model} has none; allowed: {', '.join(gguf)}"
@@ -93,7 +93,6 @@ def label(row: Mapping) -> str:
     """A peer point's configuration, e.g. 'llama.cpp q4_0 + rotation' or 'transformers quanto int4'."""
     if row["engine"] == "llamacpp":
         return f"llama.cpp {row['scheme']}" + (" + rotation" if row.get("rotation") is True else "")
-    from harness.peers.quantized_cache import GROUP_SIZE, RESIDUAL
 
     return f"transformers {row['engine']} {row['scheme']} (g{GROUP_SIZE}, residual {RESIDUAL})"
 
@@ -108,13 +107,10 @@ def engine_label(row: Mapping) -> str:
 def measure(ctx, point: Point) -> dict:
     """A peer point's record body: {"status": "ok", "metrics", "items"} or {"status": "infeasible", "error"}.
 
-    ctx: the harness.runner.ModelContext of the point's context (its model, tokenizer, teacher-forced sequences,
+    ctx: the harness.run.context.ModelContext of the point's context (its model, tokenizer, teacher-forced sequences,
     unquantized baseline; `peer_state` keeps what the points of one engine share, e.g. llama.cpp's f16 run).
     """
     if point.engine == "llamacpp":
-        from harness.peers import llamacpp
-
         return llamacpp.measure(ctx, point)
-    from harness.peers import quantized_cache
 
     return quantized_cache.measure(ctx, point)

@@ -27,7 +27,10 @@ from types import SimpleNamespace
 import torch
 
 from harness import evaluate
+from harness.capacity import held_tokens
 from harness.config import Point
+from harness.models import gguf_path, model_spec
+from harness.peers.record import fp16_bytes, model_shape, record
 
 ROTATION_ENV = "LLAMA_ATTN_ROT_DISABLE"
 
@@ -60,8 +63,6 @@ KV_TYPES = {
 
 def cache_bytes(model: str, kv_type: str, tokens: int) -> int:
     """Bytes a cache of `kv_type` K and V holds for one sequence of `tokens` tokens of a registered model."""
-    from harness.capacity import held_tokens
-    from harness.peers.record import model_shape
 
     kind = KV_TYPES[kv_type]
     total = 0
@@ -165,8 +166,6 @@ def teacher_forced(
 
 def measure(ctx, point: Point) -> dict:
     """A llamacpp point's record body on ctx's teacher-forced sequences, against llama.cpp's f16 cache."""
-    from harness.models import gguf_path, model_spec
-    from harness.peers.record import fp16_bytes, record
 
     path = gguf_path(model_spec(point.model))
     chunk = point.chunk

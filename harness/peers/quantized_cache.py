@@ -19,6 +19,7 @@ import transformers
 
 from harness import evaluate
 from harness.config import Point
+from harness.peers.record import fp16_bytes, record
 from kernels.layout import FP16_BYTES
 
 GROUP_SIZE = 64  # QuantizedCache's q_group_size default
@@ -59,7 +60,6 @@ def make_cache(backend: str, config, bits: int) -> transformers.QuantizedCache:
 
 def measure(ctx, point: Point) -> dict:
     """A quanto / hqq point's record body on ctx's teacher-forced sequences, against ctx's baseline."""
-    from harness.peers.record import fp16_bytes, record
 
     backend, bits = point.engine, point.budget
     try:

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 from functools import cache
 
+from harness import metrics
+from harness.capacity import cache_bytes, shape_from_registry
+
 
 @cache
 def model_shape(model: str):
     """harness.capacity's layer shapes of a registered model (from its config; no weights loaded)."""
-    from harness.capacity import shape_from_registry
 
     return shape_from_registry(model)
 
 
 def fp16_bytes(model: str, tokens: int, sequences: int) -> int:
     """Bytes of an unquantized 2-byte K/V cache of `sequences` sequences of `tokens` tokens."""
-    from harness.capacity import cache_bytes
 
     return cache_bytes(model_shape(model), tokens, 16, batch=sequences).fp16_bytes
 
@@ -24,7 +25,6 @@ def fp16_bytes(model: str, tokens: int, sequences: int) -> int:
 def record(base, run, bits: int, held_bytes: float, fp16_bytes: float, tokens: int) -> dict:
     """A peer's record body from its teacher-forced run against `base` (harness.evaluate.TeacherForced, same
     sequences) and the bytes its cache held (true and at fp16) for `tokens` tokens in all."""
-    from harness import metrics
 
     items = {k: v.tolist() for k, v in metrics.teacher_forced_items(base, run).items()}
     return {

@@ -120,7 +120,9 @@ def _checked_widths(widths: object) -> tuple[int, ...]:
         if not isinstance(width, numbers.Integral) or isinstance(width, bool) or width not in ALLOWED_WIDTHS:
             raise ValueError(f"policy.widths: {width!r} is not an allowed width; allowed: {allowed}")
     if not any(width != FULL_WIDTH for width in widths):
-        raise ValueError(f"policy.widths: needs at least one quantized width (2, 3, 4, 8); got {widths}")
+        raise ValueError(
+            f"policy.widths: needs at least one quantized width ({', '.join(map(str, PACKED_WIDTHS))}); got {widths}"
+        )
     return tuple(int(width) for width in widths)
 
 
@@ -188,7 +190,7 @@ class Policy(ABC):
 
     def normalize(self) -> Policy:
         """The canonical form of this configuration: configurations that allocate identically normalise equal
-        (harness.grid gives them one key). A setting a policy ignores is no field of it (`from_point` drops
+        (the sweep gives them one key). A setting a policy ignores is no field of it (`from_point` drops
         it); what is left is the claim's mode, which budgets in bits whatever budget_unit says."""
         return replace(self, budget_unit="bits") if self.budget_mode == "claim" else self
 

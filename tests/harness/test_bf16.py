@@ -15,12 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from harness import calibrate, claim, data, evaluate, metrics, passkey
+from harness import calibrate, data, evaluate, metrics
 from harness.cache import QuantizedKVCache, kv_heads
 from harness.cache.eviction import EvictionSpec, attention_for, with_eviction
 from harness.calibrate import head_entropies
 from harness.config import Point
 from harness.models import load_model
+from harness.protocols import claim, passkey
 from harness.schemes import SCHEMES, Fp8, Scheme, get_scheme
 from kernels.reference import FP8_MAX, FP16_MAX, hadamard_rotate
 

@@ -1,4 +1,4 @@
-"""The claim protocol (harness/claim.py) and its QDQ attention (harness/attention/qdq.py) on tiny-llama."""
+"""The claim protocol (harness/protocols/claim.py) and its QDQ attention (harness/attention/qdq.py) on tiny-llama."""
 
 import json
 import math
@@ -11,10 +11,10 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import claim
 from harness.attention import QDQ, QDQSpec, installed
 from harness.attention.qdq import top_k_rows
 from harness.models import load_model
+from harness.protocols import claim
 from harness.validate import ConfigError, validate_config
 from kernels import reference
 

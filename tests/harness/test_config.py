@@ -8,7 +8,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from harness.config import CONFIG_KEYS, FIELDS, GROUPS, HARNESS, PEER_FIELDS, Point, config_key
-from harness.grid import expand
+from harness.protocols.sweep import expand
 
 ROOT = Path(__file__).resolve().parents[2]
 

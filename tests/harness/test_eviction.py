@@ -12,7 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from transformers import DynamicCache
 
-from harness import evaluate, runner
+from harness import evaluate
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.cache.eviction import (
@@ -24,6 +24,7 @@ from harness.cache.eviction import (
     with_eviction,
 )
 from harness.models import load_model
+from harness.run import runner
 from harness.validate import ConfigError, preflight_overrides, validate_config
 from kernels.layout import PackedStore
 

@@ -1,4 +1,4 @@
-"""harness.passkey: prompt placement and length, the scorer, 16-bit equality with a DynamicCache, resumability."""
+"""harness.protocols.passkey: prompt placement and length, the scorer, 16-bit equality with a DynamicCache, resumability."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from harness import passkey
 from harness.attention import PACKED, installed
 from harness.models import load_model
 from harness.passkey_report import accuracy_table, fail_contexts, load_points
+from harness.protocols import passkey
 
 
 @pytest.fixture(scope="module")

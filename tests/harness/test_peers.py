@@ -12,12 +12,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import evaluate, report, results, runner
+from harness import evaluate, report, results
 from harness.config import HARNESS, NO_EVICTION
-from harness.grid import expand
 from harness.peers import ENGINES, LLAMACPP_TYPES, label, peer_point
 from harness.peers.llamacpp import LlamaCppModel
 from harness.peers.quantized_cache import GROUP_SIZE, stored_bytes
+from harness.protocols.sweep import expand
+from harness.run import runner
 from harness.validate import ConfigError, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]

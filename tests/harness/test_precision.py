@@ -12,9 +12,9 @@ from hydra import compose, initialize_config_dir
 
 from harness import precision, results
 from harness.config import Point
-from harness.grid import expand
 from harness.models import load_model
-from harness.passkey import Settings
+from harness.protocols.passkey import Settings
+from harness.protocols.sweep import expand
 from harness.validate import ConfigError, _check_point, validate_config
 
 ROOT = Path(__file__).resolve().parents[2]

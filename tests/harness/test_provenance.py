@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from harness.grid import expand
+from harness.protocols.sweep import expand
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ["bleu", "token_match", "ppl", "ppl_ratio", "kl_mean", "kl_p99", "top1_agree", "compression_true"]

@@ -23,6 +23,7 @@ from harness import sensitivity
 from harness.calibrate import head_entropies
 from harness.models import load_model
 from harness.policies import POLICIES, Layerwise, Sensitivity, head_errors
+from harness.protocols import sensitivity_check
 from harness.schemes import get_scheme
 from harness.sensitivity import (
     cached_sensitivity,
@@ -299,7 +300,7 @@ def test_check_cli_writes_the_csv_and_refuses_bad_input(tmp_path, monkeypatch, c
         "eval=tiny",
         "eval.num_sequences=1",
     ]
-    sensitivity.main(args)
+    sensitivity_check.main(args)
     rows = pd.read_csv(out)
     assert len(rows) == 3 and list(rows.columns) == ["layer", "kv_head", "bits", "proxy", "kl_mean"]
     summary = json.loads(out.with_suffix(".json").read_text())
@@ -310,7 +311,7 @@ def test_check_cli_writes_the_csv_and_refuses_bad_input(tmp_path, monkeypatch, c
         ("--width=5", "^error: --width: 5"),
     ]:
         with pytest.raises(SystemExit) as exit_:
-            sensitivity.main(["--model", "tiny-llama", bad])
+            sensitivity_check.main(["--model", "tiny-llama", bad])
         assert exit_.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and re.match(message, err), err

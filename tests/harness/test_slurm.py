@@ -18,7 +18,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.grid import expand, shard
+from harness.protocols.sweep import expand, shard
 from harness.results import CONFIG_FIELDS, METRICS
 from harness.validate import validate_config
 

@@ -133,8 +133,8 @@ def test_interleaved_models_load_once_each(tmp_path, monkeypatch):
     """A grid that alternates models (one policy after another) still builds each model's context once."""
     from hydra import compose, initialize_config_dir
 
-    from harness import runner
-    from harness.grid import expand
+    from harness.protocols.sweep import expand
+    from harness.run import context, runner
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose(
@@ -145,8 +145,8 @@ def test_interleaved_models_load_once_each(tmp_path, monkeypatch):
     assert models[:3] == ["tiny-llama", "tiny-gpt2", "tiny-llama"]  # interleaved in grid order
 
     loads = []
-    real_load = runner.load_model
-    monkeypatch.setattr(runner, "load_model", lambda name, **kw: loads.append(name) or real_load(name, **kw))
+    real_load = context.load_model
+    monkeypatch.setattr(context, "load_model", lambda name, **kw: loads.append(name) or real_load(name, **kw))
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
     table = runner.run(points, tmp_path / "run", batch_size=4)
     assert loads == ["tiny-llama", "tiny-gpt2"]

@@ -14,7 +14,8 @@ forward pass. It reads the head's real queries, keys and values and measures the
 where attention consumes it (a key error that leaves the attention rows unchanged costs nothing), and being
 relative it puts heads with outputs of different scale on one footing. It ignores the output projection's
 weight on the head and how later layers amplify or absorb the error: `proxy_check` measures whether the
-ranking survives that (Spearman correlation with the real KL); `python -m harness.sensitivity` runs it.
+ranking survives that (Spearman correlation with the real KL); `python -m harness.sensitivity` runs it
+(harness/protocols/sensitivity_check.py).
 
 Each layer is measured on full-precision inputs, so errors do not compound across layers. The whole
 sequence is stored at once; every shipped scheme quantizes heads independently, so all heads are stored at w
@@ -25,25 +26,20 @@ window is the sequence's last R tokens, not each query's most recent R as in dec
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Callable, Sequence
 from functools import partial
-from pathlib import Path
 
 import pandas as pd
 import torch
-from omegaconf import DictConfig
 
+from harness import evaluate
 from harness.attention import SENSITIVITY_PROBE, installed
-from harness.cache import kv_heads
+from harness.cache import QuantizedKVCache, kv_heads
 from harness.calibrate import disk_cached, layer_types, model_identity
-from harness.config import Point, base_point
-from harness.io import write_atomic, write_text_atomic
 from harness.policies import quantized_widths
-from harness.schemes import Scheme, get_scheme
+from harness.schemes import Scheme
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
@@ -120,18 +116,18 @@ def _cache_shape(model) -> tuple[int, int]:
     return len(heads), max(heads)
 
 
-def _quantized_widths(widths: Sequence[int]) -> list[int]:
+def measured_widths(widths: Sequence[int]) -> list[int]:
     quantized = quantized_widths(widths)
     if not quantized:
         raise ValueError(
-            f"policy.widths: needs at least one quantized width (2, 3, 4, 8); got {list(widths)}"
+            f"policy.widths: needs at least one quantized width ({', '.join(map(str, PACKED_WIDTHS))}); got {list(widths)}"
         )
     return quantized
 
 
 @torch.no_grad()
 def head_sensitivity(
-    model, input_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int] = (2, 3, 4, 8), batch_size: int = 1
+    model, input_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int] = PACKED_WIDTHS, batch_size: int = 1
 ) -> pd.DataFrame:
     """The proxy error of every cached (layer, KV head) at every quantized width in `widths`, on input_ids.
 
@@ -140,7 +136,7 @@ def head_sensitivity(
     any layer). Layers without a KV cache of their own (linear attention, KV sharing) have no rows; a layer
     has rows for its own KV heads only.
     """
-    widths = _quantized_widths(widths)
+    widths = measured_widths(widths)
     scheme.check_widths(widths)
     cached = {i for i, kind in enumerate(layer_types(model.config)) if kind != "linear"}
     meter = _Meter(scheme_quantizer(scheme), widths, cached)
@@ -151,11 +147,11 @@ def head_sensitivity(
 
 
 def cached_sensitivity(
-    model, model_name: str, input_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int] = (2, 3, 4, 8)
+    model, model_name: str, input_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int] = PACKED_WIDTHS
 ) -> pd.DataFrame:
     """head_sensitivity, read from disk (calibration's cache dir) when measured before with the same model,
     model config, calibration tokens, scheme (name, group size, options) and widths."""
-    widths = _quantized_widths(widths)
+    widths = measured_widths(widths)
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
     identity = (
         f"{CACHE_VERSION}|{model_identity(model, model_name)}|{options}|{widths}|{tuple(input_ids.shape)}"
@@ -203,9 +199,6 @@ def proxy_check(
     other head stays at 16 bits; the cache stores with quantize-on-write (prefill=quantized), as the runner's
     teacher-forced metrics do.
     """
-    from harness import evaluate
-    from harness.cache import QuantizedKVCache
-
     measured = table[table["bits"] == width].set_index(["layer", "kv_head"])["error"]
     if measured.empty:
         raise ValueError(f"--width: {width} was not measured; measured widths: {sorted(set(table['bits']))}")
@@ -230,87 +223,3 @@ def proxy_check(
         )
     result = pd.DataFrame(rows, columns=["layer", "kv_head", "bits", "proxy", "kl_mean"])
     return result, spearman(result["proxy"], result["kl_mean"])
-
-
-def main(argv: list[str] | None = None) -> None:
-    """`python -m harness.sensitivity --model NAME --check-heads N [--width W] [--out CSV] [overrides]`."""
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.sensitivity",
-        description="Does the sensitivity proxy rank heads like the teacher-forced KL with only that head "
-        "quantized? Measures both for a random sample of heads and prints their Spearman correlation.",
-    )
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--check-heads", type=int, default=12, help="how many heads to sample")
-    parser.add_argument("--width", type=int, default=2, help="the width every sampled head is checked at")
-    parser.add_argument("--out", type=Path, help="CSV path (default results/sensitivity/check-*.csv)")
-    parser.add_argument(
-        "overrides", nargs="*", help="Hydra overrides, e.g. eval=small quant.scheme=sym_token"
-    )
-    from harness import io
-    from harness.models import ModelUnavailable
-
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    command = io.command_line("python -m harness.sensitivity", argv)
-    try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
-        cfg, point, scheme = _check_context(args)
-        out = args.out or Path("results/sensitivity") / f"check-{point.model}-{scheme.name}-w{args.width}.csv"
-        io.set_threads(cfg.threads)
-        io.check_writable(out.parent, key="--out")
-        io.check_clean(out.parent, cfg.allow_dirty)
-    except (ValueError, ModelUnavailable) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-    env = io.environment(command, "cpu", cfg.allow_dirty)
-    io.write_environment(out.parent, env, out.with_suffix(".env.json").name)
-    _run_check(args, point, scheme, out, command=command)
-
-
-def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
-    """The composed config, the point the overrides describe and its scheme, validated before any model loads."""
-    from hydra import compose, initialize_config_dir
-
-    from harness.io import CONF_DIR
-    from harness.validate import check_model_inputs, preflight_overrides, validate_config
-
-    overrides = [f"model={args.model}", *args.overrides]
-    preflight_overrides(overrides, CONF_DIR)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    validate_config(cfg)
-    point = base_point(cfg)
-    if isinstance(args.check_heads, bool) or args.check_heads < 2:
-        raise ValueError(f"--check-heads: {args.check_heads} is too few; allowed: an integer >= 2")
-    if args.width not in PACKED_WIDTHS:
-        raise ValueError(
-            f"--width: {args.width} is not a quantized width; allowed: {', '.join(map(str, PACKED_WIDTHS))}"
-        )
-    scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
-    scheme.check_widths([args.width])
-    check_model_inputs(cfg, [point])
-    return cfg, point, scheme
-
-
-def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
-    from harness import data
-    from harness.models import load_model
-
-    model, tokenizer = load_model(point.model, dtype=point.dtype)
-    windows = data.point_windows(tokenizer, point)
-    calibration, sequences = windows.calibration, windows.sequences
-    widths = sorted(set(_quantized_widths(point.widths)) | {args.width})
-    table = cached_sensitivity(model, point.model, calibration, scheme, widths)
-    heads = sample_heads(table, args.check_heads, point.seed)
-    rows, rho = proxy_check(model, sequences, table, heads, args.width, scheme, point.chunk)
-    write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
-    summary = dict(command=command, spearman=rho, heads=len(rows), width=args.width, point=point.to_dict())
-    write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1, default=str))
-    print(rows.to_string(index=False))
-    print(
-        f"spearman(proxy, kl_mean) = {rho:.3f} over {len(rows)} heads "
-        f"({point.model}, {scheme.name}, width {args.width}); wrote {out}"
-    )
-
-
-if __name__ == "__main__":
-    main()

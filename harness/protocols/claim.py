@@ -30,9 +30,14 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from harness import precision
+from harness import data, metrics, precision
+from harness.attention import QDQ, QDQSpec, installed
+from harness.cache import kv_heads
+from harness.calibrate import head_entropies, layer_types
+from harness.io import command_line, provenance, start_record, write_text_atomic
 from harness.metrics import format_difference, paired_difference_ci
-from harness.models import model_spec
+from harness.models import load_model, model_spec
+from harness.policies import Entropy, from_point, kv_head_entropy
 from harness.schemes import get_scheme, packed_names
 
 PROTOCOL = "claim"
@@ -127,8 +132,6 @@ def rows(s: ClaimSettings) -> list[dict]:
 
 def validate(cfg: DictConfig) -> list[dict]:
     """Check a claim-protocol config; return its rows (the claim's 'points')."""
-    from harness.policies import Entropy
-
     s = settings(cfg)
     for name in POSITIVE:
         value = getattr(s, name)
@@ -194,22 +197,14 @@ def sequence_nll(model, ids):
 
 def architecture(config) -> str:
     """The claim's architecture label: standard or hybrid (which layer kinds), + GQA when KV heads are shared."""
-    from harness.cache import kv_heads
-    from harness.calibrate import layer_types
-
     kinds = sorted(set(layer_types(config)))
     text = config.get_text_config(decoder=True)
     label = "standard" if kinds == ["full"] else f"hybrid ({' + '.join(kinds)})"
     return label + (" + GQA" if min(kv_heads(config)) < text.num_attention_heads else "")
 
 
-def measure(model, s: ClaimSettings, ids) -> list[dict]:
-    """Every claim row on sequences ids (N, T) of `model`: allocation, BLEU, token match, PPL ratio, Nx."""
-    from harness import metrics
-    from harness.attention import QDQ, QDQSpec, installed
-    from harness.calibrate import head_entropies
-    from harness.policies import from_point, kv_head_entropy
-
+def measure(model, s: ClaimSettings, ids, configurations: list[dict]) -> list[dict]:
+    """Every claim row (`rows(s)`) on sequences ids (N, T) of `model`: allocation, BLEU, token match, PPL ratio, Nx."""
     symmetric = get_scheme(s.scheme, s.group_size).symmetric
     entropy = head_entropies(model, ids[: s.calibration_sequences], positions=list(s.calibration_positions))
     n_heads = int((~kv_head_entropy(entropy, s.entropy_key).isnan()).sum())
@@ -219,7 +214,7 @@ def measure(model, s: ClaimSettings, ids) -> list[dict]:
             base_tokens = greedy_no_cache(model, ids, s.new_tokens)
             base_nll = sequence_nll(model, ids)
         out = []
-        for row in tqdm(rows(s), desc=f"claim protocol on {s.model}", unit="row", dynamic_ncols=True):
+        for row in tqdm(configurations, desc=f"claim protocol on {s.model}", unit="row", dynamic_ncols=True):
             policy = from_point({**row, "sink_fraction": row["skip"] / n_heads if row["skip"] else None})
             alloc = policy.allocate(entropy, row["budget"])
             spec = QDQSpec(alloc.bits, s.group_size, symmetric, row["topk_factor"])
@@ -359,8 +354,6 @@ def rerender(run_dir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m harness.claim RUN_DIR...`: rewrite each claim run's tables.md from its stored rows."""
-    from harness.io import write_text_atomic
-
     for name in argv if argv is not None else sys.argv[1:]:
         run_dir = Path(name)
         write_text_atomic(run_dir / "tables.md", rerender(run_dir))
@@ -371,27 +364,28 @@ if __name__ == "__main__":
     main()
 
 
-def run(cfg: DictConfig) -> list[dict]:
-    """Run the claim protocol of a validated config into cfg.run_dir; print and return its rows.
+def run(cfg: DictConfig, configurations: list[dict]) -> list[dict]:
+    """Run the claim protocol of a validated config (its rows: `validate`) into cfg.run_dir; print and return the
+    measured rows.
 
     config.yaml and env.json are written before the model loads, so the record names the code that ran.
     """
-    from harness import data
-    from harness.io import command_line, environment, provenance, write_environment, write_text_atomic
-    from harness.models import load_model
-
     s = settings(cfg)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
-    env = environment(command_line("python -m harness"), cfg.device, cfg.get("allow_dirty", False), s.dtype)
-    write_environment(run_dir, env)
+    env = start_record(
+        run_dir,
+        command_line("python -m harness"),
+        cfg.device,
+        cfg.get("allow_dirty", False),
+        s.dtype,
+        config_yaml=OmegaConf.to_yaml(cfg, resolve=True),
+    )
     model, tokenizer = load_model(s.model, device=cfg.device, dtype=s.dtype)
     text = data.split(s.data_path)
     bos = data.uses_bos(tokenizer, s.bos)
     ids = data.token_windows(tokenizer, text.evaluation, s.num_sequences, s.sequence_tokens, s.seed, bos=bos)
     ids = ids.to(model.device)
-    measured = [{**row, **provenance(env)} for row in measure(model, s, ids)]
+    measured = [{**row, **provenance(env)} for row in measure(model, s, ids, configurations)]
     write_text_atomic(run_dir / "rows.json", json.dumps({"settings": asdict(s), "rows": measured}, indent=1))
     tables = render(s, measured, env["command"])
     write_text_atomic(run_dir / "tables.md", tables)

@@ -1,0 +1,483 @@
+"""Passkey retrieval through a quantized KV cache: a random 5-digit key hidden at a depth of repetitive filler,
+a question, a few greedy tokens, exact match of the key. `python -m harness.passkey --help`.
+
+This module owns the prompts, the scorer and the run loop (points and resume: harness.run.records); the page of
+a run is harness/passkey_report.py's.
+- Prompt (exactly `context` tokens): special tokens the tokenizer adds, an instruction, filler, the needle
+  ("The pass key is 12345. Remember it. 12345 is the pass key."), filler, the question ("What is the pass key?
+  The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
+  joined as token ids, so the length is exact for any tokenizer.
+- Score: the first run of digits in the decoded answer equals the key.
+- Policies: conf/policy/<name>.yaml (allocated by harness.policies on the model's calibration entropies, made
+  as harness/run/measure.py makes them) at each budget, plus the unquantized baseline (a DynamicCache).
+- prefill=exact (default): per batch of trials ONE full-precision chunked prefill of everything before the
+  question, shared by every policy and budget; each quantized cache is QuantizedKVCache.from_prefilled of it, and
+  the question and the answer tokens then read the document through the quantized cache.
+  prefill=quantized: every policy prefills the whole prompt itself through its quantized cache (quantize-on-write;
+  no sharing, one prefill per policy and budget).
+Results: results/passkey/<run>/points/<model>__c<context>__d<depth>__<policy>__b<budget>__<settings hash>.json,
+one per point, written atomically once all its trials are done; a point whose file exists is skipped, and a
+(context, depth) whose points all exist costs no prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from transformers import DynamicCache
+
+from harness import data, io, precision
+from harness.attention import PACKED, installed
+from harness.cache import PREFILL_MODES, QuantizedKVCache
+from harness.calibrate import cached_head_entropies
+from harness.capacity import element_price, shape_from_config
+from harness.config import compose, group_options
+from harness.data import BOS_RULES, uses_bos
+from harness.models import load_model, model_spec
+from harness.passkey_report import BASELINE, write_report
+from harness.policies import BUDGET_UNITS, from_point
+from harness.registry import unknown_name_message
+from harness.run.records import PointLog
+from harness.schemes import get_scheme
+
+INSTRUCTION = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there."
+)
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    ids: torch.Tensor  # (context,) int64
+    key: str
+    needle_start: int  # token index where the needle begins
+    question_tokens: int  # the last question_tokens ids are the question
+
+
+class PromptBuilder:
+    """Passkey prompts of an exact token length for one tokenizer (the fixed pieces are tokenized once)."""
+
+    def __init__(self, tokenizer, bos: bool = False):
+        self.tokenizer = tokenizer
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+        self.encode = encode
+        self.head = [tokenizer.bos_token_id] * bos + encode(INSTRUCTION)
+        self.question = encode(QUESTION)
+        self.sentence = encode(FILLER)
+        self.filler: list[int] = []
+
+    def _filler(self, n: int) -> list[int]:
+        while len(self.filler) < n:  # tokenized in sentence-sized pieces, so any prefix is a valid filler
+            self.filler += self.sentence
+        return self.filler[:n]
+
+    def minimum_context(self, key: str = "99999") -> int:
+        return len(self.head) + len(self.encode(NEEDLE.format(key=key))) + len(self.question)
+
+    def build(self, context: int, depth: float, key: str) -> PasskeyPrompt:
+        if not 0.0 <= depth <= 1.0:
+            raise ValueError(f"passkey.depths: {depth} is outside [0, 1]")
+        needle = self.encode(NEEDLE.format(key=key))
+        n_filler = context - len(self.head) - len(needle) - len(self.question)
+        if n_filler < 0:
+            raise ValueError(
+                f"passkey.contexts: {context} tokens cannot hold the prompt; the minimum is {context - n_filler}"
+            )
+        before = round(depth * n_filler)
+        ids = self.head + self._filler(before) + needle + self._filler(n_filler - before) + self.question
+        return PasskeyPrompt(
+            torch.tensor(ids, dtype=torch.long), key, len(self.head) + before, len(self.question)
+        )
+
+
+def trial_key(seed: int, model: str, context: int, depth: float, trial: int) -> str:
+    """The 5-digit key of one trial: the same for every policy and budget, independent of run order."""
+    digest = hashlib.sha256(f"{seed}|{model}|{context}|{depth:g}|{trial}".encode()).digest()
+    return str(10000 + int.from_bytes(digest[:8], "little") % 90000)
+
+
+def extract_answer(text: str) -> str | None:
+    """The first run of digits in a decoded answer, or None."""
+    match = re.search(r"\d+", text)
+    return match.group(0) if match else None
+
+
+def score(text: str, key: str) -> bool:
+    """Exact match: the answer's first number is the key (a longer or shorter number is wrong)."""
+    return extract_answer(text) == key
+
+
+# --------------------------------------------------------------------------------------------- decoding
+
+
+def _forward(model, ids: torch.Tensor, start: int, cache) -> torch.Tensor:
+    """Last-position logits (B, V) of ids (B, L) at positions start..start+L-1, through cache."""
+    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)  # (B, L)
+    out = model(
+        input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+    )
+    return out.logits[:, -1]
+
+
+@torch.no_grad()
+def prefill(model, ids: torch.Tensor, cache, chunk: int, start: int = 0) -> torch.Tensor:
+    """Feed ids (B, L) into cache in chunks of `chunk` tokens (bounded attention memory); last logits (B, V)."""
+    logits = None
+    for s in range(0, ids.shape[1], chunk):
+        logits = _forward(model, ids[:, s : s + chunk], start + s, cache)
+    return logits
+
+
+@torch.no_grad()
+def answer(model, cache, question: torch.Tensor, start: int, new_tokens: int) -> torch.Tensor:
+    """Greedy answer tokens (B, new_tokens): the question (B, q) at `start` through cache, then single steps."""
+    tokens = [_forward(model, question, start, cache).argmax(-1)]  # new_tokens x (B,)
+    for step in range(1, new_tokens):
+        tokens.append(
+            _forward(model, tokens[-1][:, None], start + question.shape[1] + step - 1, cache).argmax(-1)
+        )
+    return torch.stack(tokens, 1)
+
+
+def answer_from_prefilled(
+    model, document_cache, question: torch.Tensor, start: int, new_tokens: int, bits=None, **cache_options
+):
+    """prefill=exact: answer tokens (B, M) and the cache read, from a full-precision DynamicCache of the document.
+
+    bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits`.
+    """
+    if bits is None:
+        cache = copy.deepcopy(document_cache)
+    else:
+        cache = QuantizedKVCache.from_prefilled(
+            document_cache, model.config, bits, prefill="exact", **cache_options
+        )
+    return answer(model, cache, question, start, new_tokens), cache
+
+
+# ------------------------------------------------------------------------------------------------ points
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything besides (model, context, depth, policy, budget) that can change an answer."""
+
+    trials: int = 20
+    seed: int = 0
+    scheme: str = "asym_token"
+    group_size: int = 32
+    prefill: str = "exact"
+    new_tokens: int = 8
+    chunk: int = 1024
+    calibration_sequences: int = 8
+    calibration_tokens: int = 512
+    i0: int = 32
+    bos: str = "auto"  # eval.bos: every prompt and calibration window starts with BOS (harness.data.uses_bos)
+    budget_unit: str = "bytes"  # policy.budget_unit of every policy (harness.policies)
+    dtype: str = "float32"  # the model's, resolved (harness/precision.py)
+
+    def __post_init__(self):
+        if self.bos not in BOS_RULES:
+            raise ValueError(f"passkey.bos: unknown {self.bos!r}; allowed: {', '.join(BOS_RULES)}")
+        if self.budget_unit not in BUDGET_UNITS:
+            raise ValueError(
+                f"passkey.budget_unit: unknown {self.budget_unit!r}; allowed: {', '.join(BUDGET_UNITS)}"
+            )
+        if self.dtype not in precision.DTYPES:
+            raise ValueError(f"passkey.dtype: unknown {self.dtype!r}; allowed: {', '.join(precision.DTYPES)}")
+        if self.prefill not in PREFILL_MODES:
+            raise ValueError(
+                f"passkey.prefill: unknown {self.prefill!r}; allowed: {', '.join(PREFILL_MODES)}"
+            )
+        for key in (
+            "trials",
+            "group_size",
+            "new_tokens",
+            "chunk",
+            "calibration_sequences",
+            "calibration_tokens",
+        ):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
+
+    def digest(self) -> str:
+        """A hash of the settings; a float32 dtype is left out, so points made before it was recorded keep their
+        names."""
+        fields = {k: v for k, v in self.__dict__.items() if not (k == "dtype" and v == "float32")}
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def point_name(model: str, context: int, depth: float, policy: str, budget: float, settings: Settings) -> str:
+    return f"{model}__c{context}__d{depth:g}__{policy}__b{budget:g}__{settings.digest()}"
+
+
+def policy_config(name: str) -> dict:
+    """conf/policy/<name>.yaml as the primary config composes it (defaults included), as a plain dict."""
+    names = group_options("policy")
+    if name not in names:
+        raise ValueError(unknown_name_message("passkey.policies", name, names))
+    return OmegaConf.to_container(compose([f"policy={name}"]).policy, resolve=True)
+
+
+def policy_point(config: dict, seed: int, budget_unit: str) -> dict:
+    """A conf/policy config as a grid point's policy fields (harness.policies.from_point), with the passkey's own
+    seed (the random control's draw) and budget unit."""
+    return {**config, "policy": config["name"], "policy_seed": seed, "budget_unit": budget_unit}
+
+
+def allocations(
+    entropy, policies: list[str], budgets: list[float], seed: int, budget_unit: str = "bits", price=None
+) -> dict[tuple[str, float], object]:
+    """(policy, budget) -> harness.policies.Allocation, or the ValueError text of an infeasible budget.
+
+    `price`: the scheme's bytes per element at each width, for `budget_unit="bytes"` (harness.policies)."""
+    out = {}
+    for name in policies:
+        point = policy_point(policy_config(name), seed, budget_unit)
+        for budget in budgets:
+            try:
+                out[(name, budget)] = from_point(point).allocate(entropy, budget, price=price)
+            except ValueError as err:
+                out[(name, budget)] = str(err)
+    return out
+
+
+def calibration_entropy(model, tokenizer, name: str, settings: Settings):
+    """The model's per-head entropies from the calibration split, as harness.run.context.build_context makes them."""
+    ids = data.token_windows(
+        tokenizer, data.split(None).calibration, settings.calibration_sequences, settings.calibration_tokens,
+        settings.seed, bos=data.uses_bos(tokenizer, settings.bos),
+    )  # fmt: skip
+    return cached_head_entropies(model, name, ids, i0=settings.i0)
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+@dataclass
+class Job:
+    """What one model's run evaluates."""
+
+    model: str
+    contexts: list[int]
+    depths: list[float]
+    policies: list[str]
+    budgets: list[float]
+    settings: Settings
+    batch_size: int = 4
+
+
+def _pending(job: Job, log: PointLog, context: int, depth: float) -> list[tuple[str, float]]:
+    wanted = [(BASELINE, 16)] + [(p, b) for p in job.policies for b in job.budgets]
+    return [pb for pb in wanted if not log.done(point_name(job.model, context, depth, *pb, job.settings))]
+
+
+def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None = None) -> int:
+    """Evaluate every missing point of `job` into run_dir/points; returns the number of points written.
+
+    `provenance` (harness.io.provenance: thread count, commit) is recorded in every point, outside its name.
+    """
+    log = PointLog(run_dir)
+    todo = [(c, d) for c in job.contexts for d in job.depths if _pending(job, log, c, d)]
+    if not todo:
+        return 0
+    model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
+    s = job.settings
+    builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
+    price = element_price(shape_from_config(model.config, job.model), get_scheme(s.scheme, s.group_size))
+    entropy = calibration_entropy(model, tokenizer, job.model, s)
+    allocs = allocations(entropy, job.policies, job.budgets, s.seed, s.budget_unit, price)
+    cache_options = dict(scheme=s.scheme, group_size=s.group_size)
+    written = 0
+    with installed(model, PACKED):  # the quantized caches are attended from their packed form
+        for context, depth in todo:
+            pending = _pending(job, log, context, depth)
+            prompts = [
+                builder.build(context, depth, trial_key(s.seed, job.model, context, depth, t))
+                for t in range(s.trials)
+            ]
+            tokens = {pb: [] for pb in pending}  # (policy, budget) -> list of (B, M) answer tokens
+            held = {pb: [0, 0] for pb in pending}  # true bytes, fp16 bytes of the caches read
+            seconds = {pb: 0.0 for pb in pending}
+            prefill_s = 0.0
+            for first in range(0, s.trials, job.batch_size):
+                batch = prompts[first : first + job.batch_size]
+                ids = torch.stack([p.ids for p in batch])  # (B, context)
+                q = batch[0].question_tokens
+                document, question = ids[:, : context - q], ids[:, context - q :]
+                t0 = time.perf_counter()
+                document_cache = DynamicCache(config=model.config)
+                prefill(model, document, document_cache, s.chunk)
+                prefill_s += time.perf_counter() - t0
+                for pb in pending:
+                    alloc = None if pb[0] == BASELINE else allocs[pb]
+                    if isinstance(alloc, str):
+                        continue  # infeasible: recorded below
+                    t0 = time.perf_counter()
+                    bits = None if alloc is None else alloc.bits
+                    if s.prefill == "exact" or bits is None:
+                        out, cache = answer_from_prefilled(
+                            model, document_cache, question, context - q, s.new_tokens, bits, **cache_options
+                        )
+                    else:
+                        cache = QuantizedKVCache(model.config, bits, prefill="quantized", **cache_options)
+                        prefill(model, document, cache, s.chunk)
+                        out = answer(model, cache, question, context - q, s.new_tokens)
+                    seconds[pb] += time.perf_counter() - t0
+                    tokens[pb].append(out)
+                    if bits is not None:
+                        held[pb][0] += cache.nbytes()
+                        held[pb][1] += cache.nbytes_fp16()
+            for pb in pending:
+                name = point_name(job.model, context, depth, *pb, s)
+                config = dict(
+                    model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__
+                )
+                record = {"key": name, "config": config, **(provenance or {})}
+                alloc = None if pb[0] == BASELINE else allocs[pb]
+                if isinstance(alloc, str):
+                    record.update(status="infeasible", error=alloc)
+                else:
+                    texts = [tokenizer.decode(row) for row in torch.cat(tokens[pb]).tolist()]
+                    correct = [score(text, p.key) for text, p in zip(texts, prompts)]
+                    record.update(
+                        status="ok",
+                        accuracy=sum(correct) / len(correct),
+                        correct=correct,
+                        keys=[p.key for p in prompts],
+                        answers=texts,
+                        needle_starts=[p.needle_start for p in prompts],
+                        mean_bits=16.0 if alloc is None else alloc.mean_bits,
+                        compression_nominal=1.0 if alloc is None else 16.0 / alloc.mean_bits,
+                        compression_true=1.0 if alloc is None else held[pb][1] / held[pb][0],
+                        answer_s=seconds[pb],
+                        shared_prefill_s=prefill_s,
+                    )
+                log.write(name, record)
+                written += 1
+            progress(
+                f"{job.model} context {context} depth {depth:g}: {len(pending)} points, prefill {prefill_s:.1f} s"
+            )
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m harness.passkey", description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", default=["smollm2-135m"])
+    p.add_argument(
+        "--contexts", type=int, nargs="+", help="prompt tokens; default 1024, 2048, ... up to the limit"
+    )
+    p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
+    p.add_argument("--trials", type=int, default=20, help="trials per (context, depth)")
+    p.add_argument("--policies", nargs="+", default=["uniform", "entropy"], help="names from conf/policy")
+    p.add_argument("--budgets", type=float, nargs="+", default=[2, 3, 4])
+    p.add_argument("--scheme", default="asym_token")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--prefill", default="exact", help=f"one of {', '.join(PREFILL_MODES)}")
+    p.add_argument("--new-tokens", type=int, default=8, help="greedy answer tokens")
+    p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens")
+    p.add_argument("--batch", type=int, default=4, help="trials per prefill batch")
+    p.add_argument("--calibration-sequences", type=int, default=8)
+    p.add_argument("--calibration-tokens", type=int, default=512)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bos", default="auto", help="auto, always or never: BOS before every prompt (eval.bos)")
+    p.add_argument("--budget-unit", default="bytes", help="bytes (true bytes, default) or bits")
+    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: every core")
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="run into results/ from a git tree with uncommitted changes (recorded in env.json)",
+    )
+    p.add_argument(
+        "--dtype", default=precision.DEFAULT, help=f"model dtype: {', '.join(precision.dtype_names())}"
+    )
+    p.add_argument("--run", default="default", help="results/passkey/<run>/; re-running the same run resumes")
+    p.add_argument("--root", default="results/passkey")
+    p.add_argument(
+        "--report-only", action="store_true", help="rebuild tables.md and the plot, evaluate nothing"
+    )
+    return p
+
+
+def default_contexts(model: str) -> list[int]:
+    limit = model_spec(model).get("context_limit", 2048)
+    return [1024 * 2**i for i in range(16) if 1024 * 2**i <= limit]
+
+
+def jobs(args) -> list[Job]:
+    """The validated jobs of the command line (ValueError naming the option for bad input)."""
+    settings = Settings(
+        args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
+        args.calibration_sequences, args.calibration_tokens, bos=args.bos, budget_unit=args.budget_unit,
+        dtype=precision.resolve(args.dtype, key="passkey.dtype"),
+    )  # fmt: skip
+    get_scheme(args.scheme, args.group_size)
+    if args.batch < 1:
+        raise ValueError(f"passkey.batch: {args.batch} is not a positive integer")
+    if any(not 0 <= d <= 1 for d in args.depths):
+        raise ValueError(f"passkey.depths: {args.depths}; allowed: numbers in [0, 1]")
+    for name in args.policies:
+        policy = from_point(policy_point(policy_config(name), args.seed, args.budget_unit))
+        for budget in args.budgets:
+            policy.check_budget(budget)
+    out = []
+    for model in args.models:
+        limit = model_spec(model).get("context_limit", 2048)
+        contexts = args.contexts or default_contexts(model)
+        if max(contexts) > limit:
+            raise ValueError(
+                f"passkey.contexts: {max(contexts)} exceeds {model}'s context_limit of {limit} tokens"
+            )
+        out.append(Job(model, contexts, args.depths, args.policies, args.budgets, settings, args.batch))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    run_dir = Path(args.root) / args.run
+    command = io.command_line("python -m harness.passkey", argv)
+    try:
+        todo = [] if args.report_only else jobs(args)
+        if todo:  # before any model loads: threads applied, a clean tree for results/, env.json written
+            io.set_threads(args.threads, key="--threads")
+            io.check_writable(run_dir, key="--root / --run")
+            io.check_clean(run_dir, args.allow_dirty, key="--allow-dirty")
+        if todo:
+            env = io.start_record(run_dir, command, "cpu", args.allow_dirty, todo[0].settings.dtype)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for job in todo:
+            t0 = time.perf_counter()
+            n = run_model(job, run_dir, provenance=io.provenance(env))
+            print(f"{job.model}: {n} points in {time.perf_counter() - t0:.1f} s")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if not args.report_only:
+        with open(run_dir / "commands.txt", "a") as f:  # a resumed run may add sizes: every command is kept
+            f.write(command + "\n")
+    for path in write_report(run_dir):
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""What every point of one model shares, built once per model and evaluation setup: the model (loaded once), its
+token windows (harness.data.point_windows), per-head attention entropies (harness.calibrate, cached on disk), the
+unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache) and one full-precision
+prefill of the prompts that every point with prefill=exact starts from.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from harness import data, evaluate
+from harness.calibrate import cached_head_entropies
+from harness.capacity import ModelShape, shape_from_config
+from harness.config import CALIBRATION_FIELDS, EVAL_FIELDS, Point
+from harness.io import write_parquet_atomic
+from harness.models import load_model
+
+
+@dataclass
+class ModelContext:
+    """What every point of one model shares: the model, its data, calibration, baseline and prefill."""
+
+    name: str
+    model: object
+    tokenizer: object
+    entropy: pd.DataFrame
+    prompts: torch.Tensor  # (N, P)
+    sequences: torch.Tensor  # (S, T)
+    base_tokens: torch.Tensor  # (N, M)
+    base_tf: evaluate.TeacherForced
+    prefilled: list  # evaluate.Prefilled per prompt batch
+    batch_size: int
+    backend: str  # quant.backend: an execution choice, not part of a point's key (like the device)
+    simulate: bool  # quant.simulate: likewise (the same metrics either way), recorded in every row
+    timings: dict = field(default_factory=dict)
+    measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
+    calib_ids: torch.Tensor | None = None  # (C, Tc) calibration tokens, for the measured policies
+    sensitivity: dict = field(default_factory=dict)  # (scheme, widths) -> harness.sensitivity table, lazily
+    shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
+    bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
+    peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
+
+
+def context_key(point: Point) -> tuple:
+    """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
+    fields = ("model", "dtype", "data_path", "seed", *EVAL_FIELDS, *CALIBRATION_FIELDS)
+    return tuple(getattr(point, f) for f in fields)
+
+
+def build_context(
+    point: Point, batch_size: int, device: str, run_dir: Path, backend: str = "auto", simulate: bool = False
+) -> ModelContext:
+    timings = {}
+    t = time.perf_counter()
+    model, tokenizer = load_model(point.model, device=device, dtype=point.dtype)
+    timings["load_s"] = time.perf_counter() - t
+
+    # the point was checked (harness.validate): its windows fit the model
+    windows = data.point_windows(tokenizer, point)
+    bos, calib_ids, prompts, sequences = windows.bos, windows.calibration, windows.prompts, windows.sequences
+
+    t = time.perf_counter()
+    entropy = cached_head_entropies(model, point.model, calib_ids, i0=point.i0)
+    timings["calibrate_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    prefilled = evaluate.prefill(model, prompts, batch_size=batch_size)
+    base_tokens = evaluate.decode(model, prefilled, point.new_tokens, cache_from_prefilled=None)
+    base_tf = evaluate.teacher_forced(
+        model, sequences, evaluate.dynamic_cache_factory(model), chunk=point.chunk, batch_size=batch_size
+    )
+    timings["baseline_s"] = time.perf_counter() - t
+    entropy_path = Path(run_dir) / f"entropy-{point.model}.parquet"
+    if not entropy_path.exists():  # shards may race here: write atomically
+        write_parquet_atomic(entropy_path, entropy)
+    return ModelContext(
+        point.model,
+        model,
+        tokenizer,
+        entropy,
+        prompts,
+        sequences,
+        base_tokens,
+        base_tf,
+        prefilled,
+        batch_size,
+        backend,
+        simulate,
+        timings,
+        calib_ids=calib_ids,
+        shape=shape_from_config(model.config, point.model),
+        bos=bos,
+    )

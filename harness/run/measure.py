@@ -1,0 +1,187 @@
+"""One grid point measured on its model's context (harness.run.context): the point's allocation (its policy on the
+context's entropies, priced by its scheme's byte model), generation and teacher-forced evaluation through its
+quantized (and evicting) cache, and the metrics of its row; the baseline row of a context.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from harness import evaluate, metrics, precision
+from harness.cache import QuantizedKVCache
+from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
+from harness.capacity import element_price
+from harness.config import Point
+from harness.policies import from_point
+from harness.run.context import ModelContext
+from harness.schemes import get_scheme
+from harness.sensitivity import cached_sensitivity
+
+
+def allocation(ctx: ModelContext, point: Point):
+    """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks.
+
+    The measured policies' table is measured once per model, scheme (with its options) and widths.
+    """
+    policy = from_point(point.group("policy"))
+    scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
+    table = None
+    if policy.needs_sensitivity:
+        key = (scheme, tuple(point.widths))
+        if key not in ctx.sensitivity:
+            ctx.sensitivity[key] = cached_sensitivity(ctx.model, ctx.name, ctx.calib_ids, *key)
+        table = ctx.sensitivity[key]
+    price = element_price(ctx.shape, scheme)
+    return policy.allocate(ctx.entropy, point.budget, price=price, sensitivity=table)
+
+
+def measurement_key(point: Point, alloc) -> tuple:
+    """Everything a measurement depends on beyond the shared context: equal keys give equal metrics."""
+    return (
+        alloc.bits.numpy().tobytes(),
+        point.scheme,
+        point.group_size,
+        point.sink_tokens,
+        point.residual,  # None: the scheme's default (grid points carry it resolved)
+        point.prefill,
+        EvictionSpec.from_point(point),
+    )
+
+
+def cache_options(point: Point, backend: str, simulate: bool = False) -> dict:
+    """QuantizedKVCache keyword arguments (besides bits and prefill) for a point."""
+    return dict(
+        scheme=point.scheme,
+        group_size=point.group_size,
+        sink_tokens=point.sink_tokens,
+        residual=point.residual,
+        backend=backend,
+        simulate=simulate,
+    )
+
+
+def measure(ctx: ModelContext, point: Point, alloc) -> dict:
+    """Run generation and teacher-forced evaluation through the quantized (and evicting) cache; measure."""
+    spec = EvictionSpec.from_point(point)
+    # quantized caches are attended from their packed form (h2o: with the scores), restored after
+    with attention_for(ctx.model, spec):
+        return _measure(ctx, point, alloc, spec)
+
+
+def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict:
+    config = ctx.model.config
+    cache_kwargs = cache_options(point, ctx.backend, ctx.simulate)
+    caches = []
+
+    def from_prefilled(prefilled_cache):
+        cache = QuantizedKVCache.from_prefilled(
+            prefilled_cache, config, alloc.bits, prefill="exact", **cache_kwargs
+        )
+        caches.append(with_eviction(cache, spec))
+        return caches[-1]
+
+    # h2o scores the prompt's own attention, so it prefills through its cache instead of sharing the prefill.
+    if point.prefill == "exact" and not spec.needs_scores:
+        tokens = evaluate.decode(
+            ctx.model, ctx.prefilled, point.new_tokens, cache_from_prefilled=from_prefilled
+        )
+    else:
+
+        def factory():
+            cache = QuantizedKVCache(config, alloc.bits, prefill=point.prefill, **cache_kwargs)
+            caches.append(with_eviction(cache, spec))
+            return caches[-1]
+
+        tokens = evaluate.greedy_generate(
+            ctx.model, ctx.prompts, point.new_tokens, factory, batch_size=ctx.batch_size
+        )
+    # Bytes held after eviction (evicting layers apply their pending eviction first), against fp16 bytes of
+    # every token seen; and what the caches really kept in memory (measured).
+    held = sum(c.nbytes() for c in caches)
+    fp16 = sum(c.nbytes_fp16() for c in caches)
+    resident = sum(c.resident_bytes() for c in caches)
+
+    tf = evaluate.teacher_forced(
+        ctx.model,
+        ctx.sequences,
+        lambda: with_eviction(
+            QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs), spec
+        ),
+        chunk=point.chunk,
+        batch_size=ctx.batch_size,
+        baseline=ctx.base_tf,
+    )
+    gen = metrics.generation_metrics(ctx.base_tokens, tokens, ctx.tokenizer.decode)
+    tfm = metrics.teacher_forced_metrics(ctx.base_tf, tf)
+    result_metrics = {
+        **gen,
+        **tfm,
+        "mean_bits": alloc.mean_bits,
+        "compression_nominal": 16.0 / alloc.mean_bits,
+        "compression_true": fp16 / held,
+        "bytes_per_token": held / (ctx.prompts.shape[0] * (ctx.prompts.shape[1] + point.new_tokens)),
+        "resident_bytes": resident,
+        "resident_ratio": resident / held,
+        "simulate": ctx.simulate,
+        "n_sinks": int(alloc.sinks.sum()),
+        "tokens_kept_fraction": kept_fraction(caches),
+    }
+    items = {k: np.asarray(v).tolist() for k, v in metrics.generation_items(ctx.base_tokens, tokens).items()}
+    items.update(
+        {k: np.asarray(v).tolist() for k, v in metrics.teacher_forced_items(ctx.base_tf, tf).items()}
+    )
+    decode = ctx.tokenizer.decode
+    items["bleu_stats"] = metrics.bleu_sufficient_stats(
+        [decode(row) for row in tokens.tolist()], [decode(row) for row in ctx.base_tokens.tolist()]
+    ).tolist()  # (N, 10) per-prompt sacrebleu statistics: corpus BLEU of any resample of prompts
+    return {
+        "metrics": result_metrics,
+        "items": items,
+        "tokens": tokens.tolist(),
+        "allocation": {"bits": alloc.bits.tolist(), "histogram": alloc.histogram()},
+    }
+
+
+def resolved(ctx: ModelContext) -> dict:
+    """What a point's configuration resolved to when it ran (rules that depend on the model or the machine, such
+    as whether the CPU computes bf16 natively): its row records it."""
+    return {"bos_used": ctx.bos, **precision.describe(ctx.model.device.type)}
+
+
+def baseline_record(ctx: ModelContext) -> dict:
+    """The unquantized-cache reference row of a model: its perplexity, every comparison at identity."""
+    ppl = float(torch.exp(ctx.base_tf.nll.double().mean()))
+    gen = metrics.generation_metrics(ctx.base_tokens, ctx.base_tokens, ctx.tokenizer.decode)
+    return {
+        **gen,
+        "ppl": ppl,
+        "ppl_base": ppl,
+        "ppl_ratio": 1.0,
+        "kl_mean": 0.0,
+        "kl_p99": 0.0,
+        "top1_agree": 1.0,
+        "mean_bits": 16.0,
+        "compression_nominal": 1.0,
+        "compression_true": 1.0,
+        "tokens_kept_fraction": 1.0,
+        "simulate": False,  # a DynamicCache: no working copy beside a stored form
+    }
+
+
+def measure_point(ctx: ModelContext, point: Point, key: str) -> dict:
+    """A harness point's record body: its allocation, then its measurement (or infeasible, with the reason)."""
+    try:
+        alloc = allocation(ctx, point)
+    except ValueError as err:  # an allocation the budget cannot pay for: recorded, not fatal
+        return {"status": "infeasible", "error": str(err)}
+    # Points whose allocations coincide (e.g. every policy at the largest width) share one measurement.
+    mkey = measurement_key(point, alloc)
+    if mkey not in ctx.measured:
+        ctx.measured[mkey] = (key, measure(ctx, point, alloc))
+    first_key, result = ctx.measured[mkey]
+    return {
+        "status": "ok",
+        **result,
+        **({"same_measurement_as": first_key} if first_key != key else {}),
+    }
