@@ -91,7 +91,6 @@ def _linear_state_bytes(config) -> int:
 def shape_from_config(config, name: str = "config", context_limit: int | None = None) -> ModelShape:
     """A ModelShape from a transformers config, with the layer types and per-layer geometry transformers'
     caches use (get_layer_types_and_kwargs, per_layer_config)."""
-
     text = config.get_text_config(decoder=True)
     types, kwargs = get_layer_types_and_kwargs(text)
     layers = []
@@ -128,7 +127,6 @@ def element_price(shape: ModelShape, scheme: Scheme):
 
 def shape_from_registry(name: str) -> ModelShape:
     """The shape of a model in conf/model (tiny: its config; gguf: the GGUF's metadata; hf: a local config)."""
-
     spec = model_spec(name)
     if spec["source"] == "tiny":
         config = AutoConfig.for_model(spec["arch"], **spec["config"])
@@ -146,7 +144,6 @@ def shape_from_registry(name: str) -> ModelShape:
 
 def shape_from_json(path: str | Path) -> ModelShape:
     """The shape of a model from its config.json (model_type selects transformers' config class)."""
-
     values = json.loads(Path(path).read_text())
     if "model_type" not in values:
         raise ValueError(f"capacity.config: {path} has no model_type")

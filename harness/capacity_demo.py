@@ -28,7 +28,10 @@ from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.capacity import max_context, shape_from_registry
 from harness.models import load_model, model_spec
+from harness.precision import torch_dtype
 from harness.schemes import get_scheme
+from kernels.layout import FULL_WIDTH
+from kernels.reference import WIDTHS as PACKED_WIDTHS
 
 GIB = 2**30
 SCHEME, GROUP_SIZE = "asym_token", 32  # the quantized cache tried (harness.schemes)
@@ -44,14 +47,13 @@ def vm_peak_bytes() -> int:
 
 def trial(model_name: str, batch: int, context: int, bits: int, new_tokens: int, chunk: int, cap: int) -> int:
     """Run one capped trial in this process: prefill and decode; prints the peak virtual memory, returns 0."""
-
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
     torch.manual_seed(0)
     with torch.no_grad():
         model, _ = load_model(model_name)
         with installed(model, PACKED):
             config = model.config
-            if bits == 16:
+            if bits == FULL_WIDTH:
                 cache = DynamicCache(config=config)
             else:
                 cache = QuantizedKVCache(
@@ -102,11 +104,12 @@ def largest_context(args, bits: int) -> int:
 
 def predicted(args, bits: int, overhead: int) -> int | None:
     """harness.capacity's longest context for the cap less `overhead` (16 bits at the model dtype's bytes)."""
-
     shape = shape_from_registry(args.model)
     budget = args.memory_gib * GIB - overhead
-    if bits == 16:  # harness.capacity counts 16-bit tokens at 2 bytes; a DynamicCache holds the model's dtype
-        budget = budget * 2 // {"float32": 4, "bfloat16": 2, "float16": 2}[model_spec(args.model)["dtype"]]
+    if (
+        bits == FULL_WIDTH
+    ):  # harness.capacity counts 16-bit tokens at 2 bytes; a DynamicCache holds the model's dtype
+        budget = budget * 2 // torch_dtype(model_spec(args.model)["dtype"]).itemsize
     return max_context(shape, max(budget, 0), bits, get_scheme(SCHEME, GROUP_SIZE), batch=args.batch)
 
 
@@ -128,16 +131,22 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    bad = [b for b in args.bits if b not in (2, 3, 4, 8, 16)]
+    bad = [b for b in args.bits if b not in (*PACKED_WIDTHS, FULL_WIDTH)]
     if bad or args.memory_gib <= 0 or min(args.batch, args.step, args.chunk, args.new_tokens) < 1:
-        what = f"--bits: {bad[0]}; allowed: 2, 3, 4, 8, 16" if bad else "sizes: allowed: positive numbers"
+        what = (
+            f"--bits: {bad[0]}; allowed: {', '.join(map(str, (*PACKED_WIDTHS, FULL_WIDTH)))}"
+            if bad
+            else "sizes: allowed: positive numbers"
+        )
         print(f"error: {what}", file=sys.stderr)
         raise SystemExit(2)
     cap = int(args.memory_gib * GIB)
     if args.trial:
         bits = args.bits[0]
         raise SystemExit(trial(args.model, args.batch, args.context, bits, args.new_tokens, args.chunk, cap))
-    ok, overhead = fits(args, 16, 1)  # an (almost) empty cache: what the process needs besides the cache
+    ok, overhead = fits(
+        args, FULL_WIDTH, 1
+    )  # an (almost) empty cache: what the process needs besides the cache
     if not ok:
         print(f"error: --memory-gib: {args.memory_gib} does not hold {args.model} itself", file=sys.stderr)
         raise SystemExit(2)
@@ -158,7 +167,9 @@ def main(argv: list[str] | None = None) -> None:
         "|---|---|---|---|---|",
     ]
     for bits, context, guess in rows:
-        name = "DynamicCache" if bits == 16 else f"QuantizedKVCache {SCHEME} g{GROUP_SIZE} (packed-only)"
+        name = (
+            "DynamicCache" if bits == FULL_WIDTH else f"QuantizedKVCache {SCHEME} g{GROUP_SIZE} (packed-only)"
+        )
         lines.append(f"| {name} | {bits} | {context} | {args.batch * context} | {guess} |")
     text = "\n".join(lines) + "\n"
     out = Path(args.out)

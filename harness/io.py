@@ -145,7 +145,6 @@ def check_threads(value, key: str = "threads") -> int:
 
 def set_threads(value, key: str = "threads") -> int:
     """Apply a `threads` setting with torch.set_num_threads before any work; returns the count applied."""
-
     count = check_threads(value, key)
     torch.set_num_threads(count)
     return count
@@ -198,7 +197,6 @@ def environment(
     """The record of a run, taken when it starts: command, time, git commit and dirty state, versions,
     thread count (as applied by set_threads), device, and precision: the model dtype (resolved) and whether
     this machine computes bfloat16 natively."""
-
     versions = {}
     for name in PACKAGES:
         try:

@@ -55,7 +55,6 @@ def model_spec(name: str) -> dict:
 
 def byte_tokenizer():
     """A byte-level tokenizer (256 byte tokens, no merges) for tiny models: any text round-trips exactly."""
-
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -66,7 +65,6 @@ def byte_tokenizer():
 
 def build_tiny(spec: dict):
     """A random model of spec['arch'] from spec['config'], seeded so every build is identical."""
-
     config = AutoConfig.for_model(spec["arch"], **spec["config"])
     torch.manual_seed(int(spec.get("seed", 0)))
     return AutoModelForCausalLM.from_config(config), byte_tokenizer()
@@ -128,7 +126,6 @@ def quiet_loading() -> Iterator[None]:
     """transformers' progress bars off for the block, then as they were: its "Loading weights" bar (and the hub's
     download bars) through transformers.utils.logging, and the GGUF reader's "Converting and de-quantizing GGUF
     tensors" bar, a plain tqdm that switch does not reach, by disabling that module's tqdm."""
-
     was_on, hub_was_off = hf_logging.is_progress_bar_enabled(), hub_utils.are_progress_bars_disabled()
     gguf_tqdm = gguf_reader.tqdm
     hf_logging.disable_progress_bar()

@@ -60,7 +60,6 @@ def resolve(name: str, device: str = "cpu", key: str = "model.dtype") -> str:
 
 def torch_dtype(name: str):
     """The torch dtype of a resolved name (float32 or bfloat16)."""
-
     if name not in DTYPES:
         raise ValueError(f"model.dtype: unknown {name!r}; allowed: {', '.join(DTYPES)}")
     return getattr(torch, name)

@@ -91,7 +91,6 @@ def gguf_head_dims(path: str | Path) -> set[int]:
 
 def _config(spec: dict):
     """The transformers config of a tiny or hf registry entry (no weights are read)."""
-
     if spec["source"] == "tiny":
         return AutoConfig.for_model(spec["arch"], **spec["config"])
     where = spec.get("path") or spec["hf_id"]
@@ -115,14 +114,12 @@ def head_dims(name: str) -> set[int]:
 
 def _identity(name: str) -> str:
     """What a cached derivative of a model's files depends on: its registry entry and transformers' version."""
-
     return json.dumps([CACHE_VERSION, model_spec(name), transformers_version], sort_keys=True)
 
 
 def _gguf_tokenizer(name: str, path: Path):
     """A GGUF's tokenizer. transformers converts it from the GGUF's metadata (5-50 s); the converted tokenizer
     is saved once under the disk cache and read back from there (under a second to a few)."""
-
     key = hashlib.sha256(_identity(name).encode()).hexdigest()[:20]
     saved = cache_root() / "tokenizers" / f"{name}-{key}"
     if saved.is_dir():

@@ -189,7 +189,6 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
 def _check_eviction_group(cfg: DictConfig) -> None:
     """The eviction group's values, whichever eviction is chosen: with eviction=none a point forgets them, so a
     mistyped share would otherwise pass unseen."""
-
     e = cfg.get("eviction")
     if e is not None:
         EvictionSpec(e.name, e.keep, e.sink_tokens, e.recent)
@@ -253,7 +252,6 @@ def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
 
 def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
     """A scheme that quantizes groups along head_dim needs a group size dividing every head_dim."""
-
     scheme = get_scheme(inputs.scheme, inputs.group_size)
     if all(w == FULL_WIDTH for w in inputs.widths):
         return
@@ -273,7 +271,6 @@ def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
 
 def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> None:
     """Every window set fits its split of the text, counted with the model's own tokenizer."""
-
     try:
         text = data.split(data_path)
     except ValueError as err:
@@ -299,7 +296,6 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
 def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:
     """Checks that need the model's config or tokenizer, never its weights (harness.preload): the group size
     against every head_dim, then the text against the windows asked for."""
-
     inputs = [_inputs_of_claim(cfg)] if protocol(cfg) == "claim" else [_inputs_of_point(p) for p in points]
     dims: dict[str, set[int]] = {}
     for item in inputs:

@@ -75,7 +75,6 @@ def peer_point(base: Point, fields: Mapping) -> Point:
 
 def check_point(point: Point) -> None:
     """ValueError (one line: the key, what is allowed) for a peer point this machine cannot measure."""
-
     engine = point.engine
     _allowed("engine", engine, list(ENGINES))
     types, module, install = ENGINES[engine]

@@ -63,7 +63,6 @@ KV_TYPES = {
 
 def cache_bytes(model: str, kv_type: str, tokens: int) -> int:
     """Bytes a cache of `kv_type` K and V holds for one sequence of `tokens` tokens of a registered model."""
-
     kind = KV_TYPES[kv_type]
     total = 0
     for layer in model_shape(model).layers:
@@ -166,7 +165,6 @@ def teacher_forced(
 
 def measure(ctx, point: Point) -> dict:
     """A llamacpp point's record body on ctx's teacher-forced sequences, against llama.cpp's f16 cache."""
-
     path = gguf_path(model_spec(point.model))
     chunk = point.chunk
     if "llamacpp_f16" not in ctx.peer_state:

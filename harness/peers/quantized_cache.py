@@ -60,7 +60,6 @@ def make_cache(backend: str, config, bits: int) -> transformers.QuantizedCache:
 
 def measure(ctx, point: Point) -> dict:
     """A quanto / hqq point's record body on ctx's teacher-forced sequences, against ctx's baseline."""
-
     backend, bits = point.engine, point.budget
     try:
         make_cache(backend, ctx.model.config, bits)

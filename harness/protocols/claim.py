@@ -39,6 +39,7 @@ from harness.metrics import format_difference, paired_difference_ci
 from harness.models import load_model, model_spec
 from harness.policies import Entropy, from_point, kv_head_entropy
 from harness.schemes import get_scheme, packed_names
+from kernels.layout import FULL_WIDTH
 
 PROTOCOL = "claim"
 KEYS = (
@@ -124,7 +125,7 @@ def rows(s: ClaimSettings) -> list[dict]:
             label=f"Skip {s.skip} + adaptive {b}-bit", policy="entropy", alpha=a, skip=s.skip, topk_factor=None, **claim
         ),
         dict(
-            label=f"Combined {16 / b * s.topk_factor:g}x", policy="uniform", alpha=0.0, skip=0,
+            label=f"Combined {FULL_WIDTH / b * s.topk_factor:g}x", policy="uniform", alpha=0.0, skip=0,
             topk_factor=s.topk_factor, **claim,
         ),
     ]  # fmt: skip
@@ -209,7 +210,7 @@ def measure(model, s: ClaimSettings, ids, configurations: list[dict]) -> list[di
     entropy = head_entropies(model, ids[: s.calibration_sequences], positions=list(s.calibration_positions))
     n_heads = int((~kv_head_entropy(entropy, s.entropy_key).isnan()).sum())
     with torch.no_grad():
-        plain = QDQSpec(torch.full((entropy.attrs["num_layers"], entropy.attrs["num_kv_heads"]), 16))
+        plain = QDQSpec(torch.full((entropy.attrs["num_layers"], entropy.attrs["num_kv_heads"]), FULL_WIDTH))
         with installed(model, QDQ, plain):
             base_tokens = greedy_no_cache(model, ids, s.new_tokens)
             base_nll = sequence_nll(model, ids)
@@ -235,7 +236,7 @@ def measure(model, s: ClaimSettings, ids, configurations: list[dict]) -> list[di
                     "ppl_base": math.exp(base_nll.mean()),
                     "ppl_ratio": math.exp(nll.mean() - base_nll.mean()),
                     "mean_bits": alloc.mean_bits,
-                    "compression": 16 / alloc.mean_bits * (row["topk_factor"] or 1),
+                    "compression": FULL_WIDTH / alloc.mean_bits * (row["topk_factor"] or 1),
                     "n_sinks": int(alloc.sinks.sum()),
                     "histogram": alloc.histogram(),
                     "bits": alloc.bits.tolist(),

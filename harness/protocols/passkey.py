@@ -49,6 +49,7 @@ from harness.policies import BUDGET_UNITS, from_point
 from harness.registry import unknown_name_message
 from harness.run.records import PointLog
 from harness.schemes import get_scheme
+from kernels.layout import FULL_WIDTH
 
 INSTRUCTION = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -285,7 +286,7 @@ class Job:
 
 
 def _pending(job: Job, log: PointLog, context: int, depth: float) -> list[tuple[str, float]]:
-    wanted = [(BASELINE, 16)] + [(p, b) for p in job.policies for b in job.budgets]
+    wanted = [(BASELINE, FULL_WIDTH)] + [(p, b) for p in job.policies for b in job.budgets]
     return [pb for pb in wanted if not log.done(point_name(job.model, context, depth, *pb, job.settings))]
 
 
@@ -364,8 +365,8 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
                         keys=[p.key for p in prompts],
                         answers=texts,
                         needle_starts=[p.needle_start for p in prompts],
-                        mean_bits=16.0 if alloc is None else alloc.mean_bits,
-                        compression_nominal=1.0 if alloc is None else 16.0 / alloc.mean_bits,
+                        mean_bits=float(FULL_WIDTH) if alloc is None else alloc.mean_bits,
+                        compression_nominal=1.0 if alloc is None else FULL_WIDTH / alloc.mean_bits,
                         compression_true=1.0 if alloc is None else held[pb][1] / held[pb][0],
                         answer_s=seconds[pb],
                         shared_prefill_s=prefill_s,

@@ -17,6 +17,7 @@ from harness.policies import from_point
 from harness.run.context import ModelContext
 from harness.schemes import get_scheme
 from harness.sensitivity import cached_sensitivity
+from kernels.layout import FULL_WIDTH
 
 
 def allocation(ctx: ModelContext, point: Point):
@@ -118,7 +119,7 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         **gen,
         **tfm,
         "mean_bits": alloc.mean_bits,
-        "compression_nominal": 16.0 / alloc.mean_bits,
+        "compression_nominal": FULL_WIDTH / alloc.mean_bits,
         "compression_true": fp16 / held,
         "bytes_per_token": held / (ctx.prompts.shape[0] * (ctx.prompts.shape[1] + point.new_tokens)),
         "resident_bytes": resident,
@@ -161,7 +162,7 @@ def baseline_record(ctx: ModelContext) -> dict:
         "kl_mean": 0.0,
         "kl_p99": 0.0,
         "top1_agree": 1.0,
-        "mean_bits": 16.0,
+        "mean_bits": float(FULL_WIDTH),
         "compression_nominal": 1.0,
         "compression_true": 1.0,
         "tokens_kept_fraction": 1.0,

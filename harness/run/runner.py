@@ -20,6 +20,7 @@ from harness.io import write_json_atomic
 from harness.run.context import ModelContext, build_context, context_key
 from harness.run.measure import baseline_record, measure_point, resolved
 from harness.run.records import PointLog
+from kernels.layout import FULL_WIDTH
 
 
 def run(
@@ -66,7 +67,7 @@ def run(
             timings["models"][point.model] = ctx.timings
             base_point = point.without_peer_fields().replace(
                 policy="baseline",
-                budget=16,
+                budget=FULL_WIDTH,
                 alpha=0.0,
                 sink_threshold=None,
                 sink_fraction=None,
