@@ -1,7 +1,7 @@
 """Passkey retrieval through a quantized KV cache: a random 5-digit key hidden at a depth of repetitive filler,
 a question, a few greedy tokens, exact match of the key. `python -m harness.passkey --help`.
 
-This module owns the prompts, the scorer and the run loop; harness/passkey_report.py renders the results.
+This module owns the prompts, the scorer and the run loop; harness/report/passkey.py renders the results.
 - Prompt (exactly `context` tokens): special tokens the tokenizer adds, an instruction, filler, the needle
   ("The pass key is 12345. Remember it. 12345 is the pass key."), filler, the question ("What is the pass key?
   The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
@@ -37,9 +37,9 @@ from harness import precision
 from harness.capacity import element_price, shape_from_config
 from harness.data import BOS_RULES, uses_bos
 from harness.io import CONF_DIR
-from harness.passkey_report import BASELINE
 from harness.policies import BUDGET_UNITS, from_point
 from harness.registry import unknown_name_message
+from harness.report.passkey import BASELINE
 from harness.schemes import get_scheme
 
 INSTRUCTION = (
@@ -473,7 +473,7 @@ def jobs(args) -> list[Job]:
 
 def main(argv: list[str] | None = None) -> None:
     from harness import io
-    from harness.passkey_report import write_report
+    from harness.report.passkey import write_report
 
     args = parser().parse_args(argv)
     run_dir = Path(args.root) / args.run

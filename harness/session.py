@@ -53,7 +53,7 @@ def run_session(cfg: DictConfig, points: list[Point]) -> pd.DataFrame:
     points; the report (merge) runs in every job over whatever points exist, and the W&B summary run is made
     by unsharded sessions only (after a sharded sweep: python -m harness.report <run_dir>).
     """
-    from harness.report import write_report
+    from harness.report.sweep import write_report
     from harness.tracking import Tracker, sync_command
 
     run_dir = Path(cfg.run_dir)
