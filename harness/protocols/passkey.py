@@ -2,7 +2,7 @@
 a question, a few greedy tokens, exact match of the key. `python -m harness.passkey --help`.
 
 This module owns the prompts, the scorer and the run loop (points and resume: harness.run.records); the page of
-a run is harness/passkey_report.py's.
+a run is harness/report/passkey.py's.
 - Prompt (exactly `context` tokens): special tokens the tokenizer adds, an instruction, filler, the needle
   ("The pass key is 12345. Remember it. 12345 is the pass key."), filler, the question ("What is the pass key?
   The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
@@ -44,9 +44,9 @@ from harness.capacity import element_price, shape_from_config
 from harness.config import compose, group_options
 from harness.data import BOS_RULES, uses_bos
 from harness.models import load_model, model_spec
-from harness.passkey_report import BASELINE, write_report
 from harness.policies import BUDGET_UNITS, from_point
 from harness.registry import unknown_name_message
+from harness.report.passkey import BASELINE, write_report
 from harness.run.records import PointLog
 from harness.schemes import get_scheme
 from kernels.layout import FULL_WIDTH

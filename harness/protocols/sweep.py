@@ -29,7 +29,7 @@ from harness.config import NO_EVICTION, Point, base_point
 from harness.io import command_line, provenance, start_record
 from harness.peers import peer_point
 from harness.policies import from_point
-from harness.report import write_report
+from harness.report.sweep import write_report
 from harness.run import runner
 from harness.schemes import default_residual
 from harness.tracking import Tracker, sync_command

@@ -15,6 +15,7 @@ from harness.attention import QDQ, QDQSpec, installed
 from harness.attention.qdq import top_k_rows
 from harness.models import load_model
 from harness.protocols import claim
+from harness.report import claim as claim_tables
 from harness.validate import ConfigError, validate_config
 from kernels import reference
 
@@ -136,18 +137,18 @@ def test_tables_in_the_claims_format():
         ),
         dict(base, label="Combined 12x", bleu_tok=0.4641, token_match=0.3, ppl_ratio=1.16, compression=12.0),
     ]
-    assert claim.claim2_table(measured).splitlines() == [
+    assert claim_tables.claim2_table(measured).splitlines() == [
         "| Config | BLEU | Token match | PPL ratio | Nx |",
         "|---|---|---|---|---|",
         "| Uniform 4-bit | 0.531 | 51.2% | 1.101 | 4.00x |",
         "| Skip 1 + adaptive 4-bit | 0.574 | 60.0% | 1.062 | 3.20x |",
     ]
-    assert claim.claim1_table(measured).splitlines()[::2] == [
+    assert claim_tables.claim1_table(measured).splitlines()[::2] == [
         "| Model | Architecture | Combined 12x BLEU | PPL increase |",
         "| m | hybrid (full + sliding) + GQA | 0.464 | +16.0% |",
     ]
-    assert claim._ppl_increase(150.0) == ">150x"
-    text = claim.render(s, measured, "python -m harness +sweep=claim_smollm2")
+    assert claim_tables._ppl_increase(150.0) == ">150x"
+    text = claim_tables.render(s, measured, "python -m harness +sweep=claim_smollm2")
     assert text.startswith(
         "# Claim protocol on tiny-llama\n\nCommand: `python -m harness +sweep=claim_smollm2`"
     )
@@ -239,12 +240,12 @@ def test_paired_differences_recover_a_known_shift_and_refuse_small_n():
     worse = _claim_row("Worse", rng, 16, 0.25)
     base = np.asarray(uniform["items"]["nll_base"])  # the same sequences: one baseline
     worse["items"].update(nll=list(base + 0.25 + rng.normal(0, 0.01, 16)), nll_base=list(base))
-    table = claim.differences_table([uniform, worse])
+    table = claim_tables.differences_table([uniform, worse])
     cell = table.splitlines()[-1].split("|")[4].strip()  # the PPL ratio column
     expected = math.exp(np.mean(worse["items"]["nll"]) - np.mean(uniform["items"]["nll_base"])) - math.exp(
         np.mean(uniform["items"]["nll"]) - np.mean(uniform["items"]["nll_base"])
     )
     assert cell.startswith("**") and "n=16" in cell  # a 0.2-nat shift with 0.01 noise is significant
     assert float(cell.strip("*").split()[0]) == pytest.approx(expected, rel=1e-2)
-    small = claim.differences_table([_claim_row("U", rng, 8, 0.0), _claim_row("W", rng, 8, 0.2)])
+    small = claim_tables.differences_table([_claim_row("U", rng, 8, 0.0), _claim_row("W", rng, 8, 0.2)])
     assert small.count("n=8 too small for an interval") == 3 and "[" not in small

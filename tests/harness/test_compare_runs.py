@@ -1,5 +1,5 @@
-"""harness.compare_runs on synthetic runs whose conclusions are known by construction (the smoke runs in both
-dtypes are compared in test_bf16.py)."""
+"""harness.report.compare (python -m harness.compare_runs) on synthetic runs whose conclusions are known by
+construction (the smoke runs in both dtypes are compared in test_bf16.py)."""
 
 import json
 import math
@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from harness import compare_runs
 from harness.config import key_of
+from harness.report import compare
 
 ROOT = Path(__file__).resolve().parents[2]
 N = 20  # prompts and sequences per point: enough for a bootstrap interval
@@ -86,7 +86,7 @@ def runs(tmp_path):
 
 def test_points_are_matched_without_the_dtype_and_differenced(runs):
     run_a, run_b, a, b = runs
-    summaries, points, diffs, unmatched = compare_runs.compare(run_a, run_b, n_boot=200)
+    summaries, points, diffs, unmatched = compare.compare(run_a, run_b, n_boot=200)
     assert unmatched == (0, 1)
     assert len(points) == 2 and points["key_a"].tolist() != points["key_b"].tolist()
     for ra, rb in zip(a, b[:2]):
@@ -101,7 +101,7 @@ def test_points_are_matched_without_the_dtype_and_differenced(runs):
 
 def test_a_flipped_conclusion_is_caught_and_a_kept_one_is_not(runs):
     run_a, run_b, _, _ = runs
-    _, _, diffs, _ = compare_runs.compare(run_a, run_b, n_boot=200)
+    _, _, diffs, _ = compare.compare(run_a, run_b, n_boot=200)
     kl = diffs[diffs["metric"] == "kl_mean"].iloc[0]
     assert kl["difference_a"] < 0 < kl["difference_b"]
     assert (kl["verdict_a"], kl["verdict_b"]) == ("better", "worse")
@@ -112,12 +112,12 @@ def test_a_flipped_conclusion_is_caught_and_a_kept_one_is_not(runs):
 
 
 def test_verdict_follows_the_metric_direction():
-    assert compare_runs.verdict("kl_mean", -0.1, -0.2, True) == "better"
-    assert compare_runs.verdict("kl_mean", 0.1, 0.05, True) == "worse"
-    assert compare_runs.verdict("bleu", 0.1, 0.05, True) == "better"
-    assert compare_runs.verdict("bleu", -0.1, -0.3, False) == "n.s."
-    assert compare_runs.verdict("ppl_ratio", 0.1, math.nan, False) == "no interval"  # fewer than 16 items
-    assert compare_runs.verdict("ppl_ratio", math.nan, math.nan, False) == "no interval"
+    assert compare.verdict("kl_mean", -0.1, -0.2, True) == "better"
+    assert compare.verdict("kl_mean", 0.1, 0.05, True) == "worse"
+    assert compare.verdict("bleu", 0.1, 0.05, True) == "better"
+    assert compare.verdict("bleu", -0.1, -0.3, False) == "n.s."
+    assert compare.verdict("ppl_ratio", 0.1, math.nan, False) == "no interval"  # fewer than 16 items
+    assert compare.verdict("ppl_ratio", math.nan, math.nan, False) == "no interval"
 
 
 def test_points_with_too_few_items_get_no_verdict(tmp_path):
@@ -135,7 +135,7 @@ def test_points_with_too_few_items_get_no_verdict(tmp_path):
                 ],
             )
         )
-    _, _, diffs, _ = compare_runs.compare(*runs, n_boot=50)
+    _, _, diffs, _ = compare.compare(*runs, n_boot=50)
     assert set(diffs["verdict_a"]) == set(diffs["verdict_b"]) == {"no interval"} and (diffs["n"] == few).all()
 
 

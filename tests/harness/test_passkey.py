@@ -11,8 +11,8 @@ from transformers import DynamicCache
 
 from harness.attention import PACKED, installed
 from harness.models import load_model
-from harness.passkey_report import accuracy_table, fail_contexts, load_points
 from harness.protocols import passkey
+from harness.report.passkey import accuracy_table, fail_contexts, load_points
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +173,7 @@ def test_report_reads_points(tmp_path):
         (points / f"{row['policy']}{row['budget']}{row['context']}.json").write_text(json.dumps(record))
     frame = load_points(tmp_path)
     assert accuracy_table(frame, "m").loc["uniform @ 2 bits", 2048] == pytest.approx(0.3)
-    from harness.passkey_report import write_report
+    from harness.report.passkey import write_report
 
     assert [p.name for p in write_report(tmp_path)] == ["tables.md", "passkey.png"]
     assert "| uniform @ 2 bits | 2048 |" in (tmp_path / "tables.md").read_text()

@@ -12,12 +12,13 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import evaluate, report, results
+from harness import evaluate, results
 from harness.config import HARNESS, NO_EVICTION
 from harness.peers import ENGINES, LLAMACPP_TYPES, label, peer_point
 from harness.peers.llamacpp import LlamaCppModel
 from harness.peers.quantized_cache import GROUP_SIZE, stored_bytes
 from harness.protocols.sweep import expand
+from harness.report import plots, sweep, tables
 from harness.run import runner
 from harness.validate import ConfigError, validate_config
 
@@ -154,7 +155,7 @@ def peer_run(tmp_path_factory):
     peers_first = sorted(points, key=lambda p: p.engine == HARNESS)  # a peer opens the context
     runner.run(peers_first, run_dir, batch_size=2)
     runner.run(gemma, run_dir, batch_size=2)
-    report.write_report(run_dir, n_boot=50)
+    sweep.write_report(run_dir, n_boot=50)
     return run_dir, points + gemma
 
 
@@ -201,7 +202,7 @@ def test_a_hybrid_model_gets_an_infeasible_quantized_cache_row_that_says_why(pee
 def test_tables_list_each_peer_beside_the_nearest_harness_point_in_bytes(peer_run):
     run_dir, _ = peer_run
     frame = results.load(run_dir)
-    beside = report.peer_table(frame)
+    beside = tables.peer_table(frame)
     assert len(beside) == ((frame["engine"] != HARNESS) & (frame["status"] == "ok")).sum()
     ours = frame[(frame["engine"] == HARNESS) & (frame["policy"] != "baseline") & (frame["status"] == "ok")]
     for row in beside.to_dict("records"):
@@ -221,7 +222,7 @@ def test_tables_list_each_peer_beside_the_nearest_harness_point_in_bytes(peer_ru
 def test_the_pareto_plot_draws_peers_with_their_own_filled_markers(peer_run):
     run_dir, _ = peer_run
     frame = results.load(run_dir)
-    fig = report.plot_pareto(frame, "tiny-llama", "asym_token")
+    fig = plots.plot_pareto(frame, "tiny-llama", "asym_token")
     ax = fig.axes[0]  # kl_mean
     by_label = {c.get_label(): c for c in ax.collections}
     peers = {k: v for k, v in by_label.items() if k.startswith("transformers ")}

@@ -18,7 +18,8 @@ from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 from sacrebleu.metrics import BLEU
 
-from harness import passkey_report, report, results
+from harness import results
+from harness.report import paired, passkey, plots, sweep, tables
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUTS = (
@@ -67,7 +68,7 @@ def run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reported(run):
     run_dir, _ = run
-    report.write_report(run_dir)
+    sweep.write_report(run_dir)
     return run_dir
 
 
@@ -157,7 +158,7 @@ def test_a_difference_recomputed_from_the_json_items(run, tmp_path):
     uniform = find(records, policy="uniform", budget=2)
     point["items"] = find(records, policy="uniform", budget=4)["items"]
     (copy / "points" / f"{point['key']}.json").write_text(json.dumps(point))
-    report.write_report(copy, n_boot=N_BOOT)
+    sweep.write_report(copy, n_boot=N_BOOT)
 
     row = next(
         line
@@ -253,9 +254,9 @@ def test_frontier_in_both_directions():
             "bleu": math.nan,
         },  # no measurement: ignored
     ]
-    assert report.frontier(records, "kl_mean")["key"].tolist() == ["a2", "c", "e"]
-    assert report.frontier(records, "bleu")["key"].tolist() == ["a", "b", "d", "e"]
-    assert report.frontier(pd.DataFrame(records), "kl_mean", higher_is_better=True)["key"].tolist() == [
+    assert plots.frontier(records, "kl_mean")["key"].tolist() == ["a2", "c", "e"]
+    assert plots.frontier(records, "bleu")["key"].tolist() == ["a", "b", "d", "e"]
+    assert plots.frontier(pd.DataFrame(records), "kl_mean", higher_is_better=True)["key"].tolist() == [
         "a",
         "b",
     ]
@@ -325,17 +326,17 @@ def test_claim_table_and_allocation_point_pick_the_claimed_configurations():
         synthetic("u2", "uniform", 2),
         synthetic("e2", "entropy", 2, alpha=0.25, threshold=0.5),
     ]
-    claim = report.claim_table(results.table(records), "m", "asym_token")
+    claim = tables.claim_table(results.table(records), "m", "asym_token")
     assert claim.set_index("row")["key"].to_dict() == {
         "uniform": "u",
         "entropy": "e025",
         "sinks": "s",
         "entropy+sinks": "est",
     }
-    assert report.allocation_point(records, "m")["key"] == "est"
+    assert plots.allocation_point(records, "m")["key"] == "est"
     without_sinks = [r for r in records if r["key"] not in ("est", "esf")]
-    assert report.allocation_point(without_sinks, "m")["key"] == "e025"
-    assert report.allocation_point([records[6], records[7]], "m")["key"] == "u"
+    assert plots.allocation_point(without_sinks, "m")["key"] == "e025"
+    assert plots.allocation_point([records[6], records[7]], "m")["key"] == "u"
 
 
 def test_storage_variants_are_compared_with_the_plain_cache(run, tmp_path):
@@ -354,19 +355,19 @@ def test_storage_variants_are_compared_with_the_plain_cache(run, tmp_path):
     variant["items"]["kl_mean"] = (kl_items + rng.uniform(0.1, 0.2, len(kl_items))).tolist()
     (copy_dir / "points" / "kivi-variant.json").write_text(json.dumps(variant))
 
-    diffs = report.differences([*records, variant], n_boot=50, against="plain")
+    diffs = paired.differences([*records, variant], n_boot=50, against="plain")
     kl = diffs[(diffs["key"] == "kivi-variant") & (diffs["metric"] == "kl_mean")].iloc[0]
     assert kl["uniform_key"] == plain["key"]
     expected = np.mean(variant["items"]["kl_mean"]) - np.mean(plain["items"]["kl_mean"])
     assert math.isclose(kl["difference"], expected, rel_tol=1e-12) and kl["excludes_zero"]
     assert plain["key"] not in set(diffs["key"])  # the reference is not compared with itself
 
-    written = {p.name for p in report.write_report(copy_dir, n_boot=50)}
+    written = {p.name for p in sweep.write_report(copy_dir, n_boot=50)}
     assert {"pareto-tiny-llama-all.png", "pareto-tiny-llama-kivi.png"} <= written
     text = (copy_dir / "tables.md").read_text()
     assert "## Differences to the plain cache" in text.split("## Differences to uniform")[1]
     with pytest.raises(ValueError, match="against: unknown"):
-        report.differences(records, against="dense")
+        paired.differences(records, against="dense")
 
 
 def committed_runs() -> list:
@@ -387,13 +388,13 @@ def test_every_stale_entry_is_a_committed_run():
 
 @pytest.mark.parametrize("run_dir", committed_runs())
 def test_committed_tables_regenerate_identically(run_dir, tmp_path):
-    """tables.md from points/ alone, byte for byte: harness.report for sweep runs, harness.passkey_report for
+    """tables.md from points/ alone, byte for byte: harness.report.sweep for sweep runs, harness.report.passkey for
     passkey runs (their records carry accuracy, not metrics). Tables only: plots are tested on the smoke run."""
     first = json.loads(next((run_dir / "points").glob("*.json")).read_text())
     if "metrics" in first:
-        text = report.tables_text(run_dir, results.load_records(run_dir))
+        text = sweep.tables_text(run_dir, results.load_records(run_dir))
     else:
-        text = passkey_report.tables_markdown(run_dir, passkey_report.load_points(run_dir))
+        text = passkey.tables_markdown(run_dir, passkey.load_points(run_dir))
     (tmp_path / "tables.md").write_text(text)
     assert (tmp_path / "tables.md").read_bytes() == (run_dir / "tables.md").read_bytes()
 
@@ -445,7 +446,7 @@ def test_a_pareto_plot_of_many_policies_has_one_legend_entry_per_scheme_and_fami
     }
     lines = {"Pareto frontier", "unquantized"}
 
-    fig = report.plot_pareto(frame, "m")
+    fig = plots.plot_pareto(frame, "m")
     kl = fig.axes[0]
     assert len(kl.collections) == len(schemes) * 13  # every configuration drawn, one collection each
     legend = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
@@ -454,7 +455,7 @@ def test_a_pareto_plot_of_many_policies_has_one_legend_entry_per_scheme_and_fami
     assert kl.get_ylabel().startswith("kl_mean") and kl.get_yscale() == "log"
     assert [ax.get_yscale() for ax in fig.axes[1:4]] == ["linear"] * 3
 
-    one = report.plot_pareto(frame, "m", "kivi")
+    one = plots.plot_pareto(frame, "m", "kivi")
     legend = [t.get_text() for legend in one.legends for t in legend.get_texts()]
     assert sorted(legend) == sorted({"kivi", *families, *lines})
     by_label = {c.get_label(): c for c in one.axes[0].collections}

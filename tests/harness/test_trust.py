@@ -11,11 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import processors
 
-from harness import data, evaluate, metrics, report
+from harness import data, evaluate, metrics
 from harness.attention import QDQ, QDQSpec, installed, kv_source_layer
 from harness.capacity import element_price, shape_from_config
 from harness.models import byte_tokenizer, load_model
 from harness.policies import Sinks, Uniform, from_point, scale_bits
+from harness.report import paired, tables
 from harness.schemes import get_scheme
 
 TEXT = "".join(chr(ord("a") + int(c)) for c in np.random.default_rng(0).integers(0, 26, 4000))  # aperiodic
@@ -125,15 +126,15 @@ def _record(key: str, policy: str, n: int, shift: float, seed: int = 0, bytes_pe
 
 @pytest.mark.parametrize("n", [2, 8, 15])
 def test_the_report_refuses_an_interval_below_16_paired_items(n):
-    diffs = report.differences([_record("u", "uniform", n, 0.0), _record("e", "entropy", n, 0.1)])
+    diffs = paired.differences([_record("u", "uniform", n, 0.0), _record("e", "entropy", n, 0.1)])
     assert (diffs["n"] == n).all() and diffs["low"].isna().all() and not diffs["excludes_zero"].any()
-    cells = report.difference_table(diffs).iloc[0]
+    cells = paired.difference_table(diffs).iloc[0]
     assert cells["kl_mean"].endswith(f"(n={n} too small for an interval)") and "[" not in cells["kl_mean"]
 
 
 def test_the_report_gives_every_interval_its_n_and_the_bytes_ratio():
     records = [_record("u", "uniform", 20, 0.0), _record("e", "entropy", 20, 0.1, bytes_per_token=101.0)]
-    row = report.difference_table(report.differences(records, n_boot=200)).iloc[0]
+    row = paired.difference_table(paired.differences(records, n_boot=200)).iloc[0]
     assert row["kl_mean"].startswith("**+0.1 [") and row["kl_mean"].endswith("n=20**")
     assert row["bytes"] == "1.0100 (unequal bytes)"  # beyond 0.5%: flagged
 
@@ -146,12 +147,12 @@ def test_a_claim_table_never_mixes_seeds():
                          "budget": 4, "policy": policy, "alpha": 0.25 * (policy == "entropy"),
                          "sink_threshold": sinks, "sink_fraction": None, "seed": seed,
                          "ppl_ratio": 1.0 + seed})  # fmt: skip
-    frame = pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*rows[0], *report.CLAIM_COLUMNS])))
+    frame = pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*rows[0], *tables.CLAIM_COLUMNS])))
     frame["ppl_ratio"] = [1.0 + r["seed"] for r in rows]
     with pytest.raises(ValueError, match="seeds"):
-        report.claim_table(frame, "m", "asym_token")
+        tables.claim_table(frame, "m", "asym_token")
     for seed in (0, 1):
-        table = report.claim_table(frame, "m", "asym_token", seed=seed)
+        table = tables.claim_table(frame, "m", "asym_token", seed=seed)
         found = table.dropna(subset=["key"])
         assert set(found["key"]) == {f"uniform{seed}", f"entropy{seed}", f"sinks{seed}"}
 
