@@ -156,8 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    env = io.environment(io.command_line("python -m harness.perf", argv), "cpu", args.allow_dirty, dtype)
-    io.write_environment(out.parent, env, out.with_suffix(".env.json").name)
+    command = io.command_line("python -m harness.perf", argv)
+    env = io.start_record(
+        out.parent, command, "cpu", args.allow_dirty, dtype, name=out.with_suffix(".env.json").name
+    )
     model, _ = load_model(args.model, dtype=dtype)
     with installed(model, PACKED):  # our caches are attended from their packed form; the others through SDPA
         rows = []
