@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
     command = io.command_line("python -m harness.perf", argv)
-    env = io.start_record(
+    io.start_record(
         out.parent, command, "cpu", args.allow_dirty, dtype, name=out.with_suffix(".env.json").name
     )
     model, _ = load_model(args.model, dtype=dtype)
