@@ -33,7 +33,7 @@ from harness.cache import QuantizedKVCache, resident_bytes
 from harness.models import load_model
 from harness.schemes import get_scheme
 
-QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "HQQ": "hqq"}  # QuantizedCache backend -> its package
+QUANTIZED_BACKENDS = {"quanto": "optimum.quanto", "hqq": "hqq"}  # QuantizedCache backend -> its package
 
 SCHEME = get_scheme("asym_token", 32)  # the quantized cache measured
 

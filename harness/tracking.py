@@ -93,7 +93,10 @@ class Tracker:
                 wandb, job_type="summary", name=f"{self.group} summary", config={"points": len(table)}
             ) as run:
                 # Logged before the images so that a bad image path still leaves the table in the run.
-                run.log({"results": wandb.Table(dataframe=table, allow_mixed_types=True)})
+                rows = table.astype(object).where(
+                    table.notna(), None
+                )  # pandas' NA (nullable columns): no JSON
+                run.log({"results": wandb.Table(dataframe=rows, allow_mixed_types=True)})
                 run.log({name: wandb.Image(str(path)) for name, path in images.items()})
             # Stops the wandb-core service, which lives on after the last run and holds its log file
             # under this run_dir; a later Tracker in the same process starts its own.

@@ -11,7 +11,7 @@ def test_perf_writes_every_cache_with_its_resident_bytes(tmp_path):
     out = tmp_path / "decode_step.csv"
     perf.main(
         ["--model", "tiny-llama", "--batch", "2", "--contexts", "40", "--bits", "4", "2", "--steps", "1",
-         "--warmup", "0", "--without", "quanto", "HQQ", "--out", str(out)]
+         "--warmup", "0", "--without", "quanto", "hqq", "--out", str(out)]
     )  # fmt: skip
     lines = out.read_text().splitlines()
     assert lines[0].startswith("# command: python -m harness.perf --model tiny-llama")

@@ -116,10 +116,15 @@ def plot(path: Path) -> Path:
 
 
 def table() -> pd.DataFrame:
-    return pd.DataFrame(
+    frame = pd.DataFrame(
         [{"key": p.key(), "status": r["status"], **p.to_dict(), "widths": json.dumps(p.widths), **r.get("metrics", {})}
          for p, r in POINTS]
     )  # fmt: skip
+    # A nullable column as harness.results gives one: NA where a point has no measurement (infeasible)
+    frame["simulate"] = pd.array(
+        [False if r["status"] == "ok" else pd.NA for _, r in POINTS], dtype="boolean"
+    )
+    return frame
 
 
 def test_offline_runs_hold_points_and_summary(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,6 +171,8 @@ def test_offline_runs_hold_points_and_summary(tmp_path: Path, monkeypatch: pytes
     rows = json.loads(staged.read_text())
     assert len(rows["data"]) == len(POINTS)
     assert rows["data"][1][rows["columns"].index("ppl")] == 11.75
+    simulate = [row[rows["columns"].index("simulate")] for row in rows["data"]]
+    assert simulate == [False if r["status"] == "ok" else None for _, r in POINTS]
     for name in images:
         assert summary["summary"][f"{name}._type"] == "image-file"
         assert (summary["dir"] / "files" / summary["summary"][f"{name}.path"]).exists()
