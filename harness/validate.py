@@ -137,7 +137,7 @@ def protocol(cfg: DictConfig) -> str:
     sweep = cfg.get("sweep")
     name = "runner" if sweep is None else sweep.get("protocol", "runner")
     if name not in PROTOCOLS:
-        raise ConfigError(unknown_name_message("sweep.protocol", name, list(PROTOCOLS)))
+        raise ConfigError(f"sweep.protocol: unknown {name!r}; allowed: {', '.join(PROTOCOLS)}")
     return name
 
 
