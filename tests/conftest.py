@@ -1,4 +1,5 @@
-"""Session-wide test setup: without CUDA, Triton kernels run in Triton's CPU interpreter.
+"""Session-wide test setup: without CUDA, Triton kernels run in Triton's CPU interpreter; `cli` runs the
+project's commands (python -m MODULE) as a new process.
 
 Triton picks interpreted or compiled builtins when a @triton.jit function is defined, i.e. when triton (and
 a module defining kernels) is first imported, and transformers imports triton while test modules are being
@@ -8,6 +9,9 @@ before anything imports triton (importing torch does not).
 
 import contextlib
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +20,28 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_module(
+    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """`python -m MODULE ARGS` from the repository root, stdout and stderr captured as text; env replaces the
+    environment when given (else the process inherits this one's); TimeoutExpired after `timeout` seconds."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="session")
+def cli():
+    """run_module for tests and fixtures of any scope: cli("harness", "+sweep=smoke", ...)."""
+    return run_module
 
 
 @pytest.fixture(

@@ -3,8 +3,6 @@ teacher-forced metrics, the claim protocol, passkey, and a whole sweep on the sm
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -341,20 +339,13 @@ def test_bf16_passkey_points_are_named_apart_and_record_the_dtype(tmp_path, monk
 # --- a whole sweep ----------------------------------------------------------------------------------------------
 
 
-def sweep(run_dir: Path, *overrides: str) -> pd.DataFrame:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "+sweep=smoke",
-            f"run_dir={run_dir}",
-            "tracking.wandb.mode=disabled",
-            *overrides,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
+def sweep(cli, run_dir: Path, *overrides: str) -> pd.DataFrame:
+    proc = cli(
+        "harness",
+        "+sweep=smoke",
+        f"run_dir={run_dir}",
+        "tracking.wandb.mode=disabled",
+        *overrides,
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -362,11 +353,11 @@ def sweep(run_dir: Path, *overrides: str) -> pd.DataFrame:
 
 
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory):
+def smoke_runs(tmp_path_factory, cli):
     """The smoke grid in float32 and in bfloat16: (run dir, table) each."""
     root = tmp_path_factory.mktemp("dtypes")
     return {
-        dtype: (root / dtype, sweep(root / dtype, f"model.dtype={dtype}"))
+        dtype: (root / dtype, sweep(cli, root / dtype, f"model.dtype={dtype}"))
         for dtype in ("float32", "bfloat16")
     }
 
@@ -409,16 +400,10 @@ def _configs(run_dir: Path):
         yield {k: v for k, v in record["config"].items() if k != "dtype"}, record["key"]
 
 
-def test_compare_runs_on_the_two_smoke_runs(smoke_runs, tmp_path):
+def test_compare_runs_on_the_two_smoke_runs(smoke_runs, tmp_path, cli):
     (a, fp32), (b, _) = smoke_runs["float32"], smoke_runs["bfloat16"]
     out = tmp_path / "cmp"
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.compare_runs", str(a), str(b), "--out", str(out), "--n-boot", "50"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli("harness.compare_runs", str(a), str(b), "--out", str(out), "--n-boot", "50")
     assert proc.returncode == 0, proc.stderr[-2000:]
     points = pd.read_csv(out / "points.csv")
     n_ok = ((fp32["status"] == "ok") & (fp32["policy"] != "baseline")).sum()

@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from harness import capacity_demo
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def args_for(*extra: str):
@@ -40,13 +35,8 @@ def test_the_prediction_grows_as_the_widths_shrink():
     assert capacity_demo.predicted(args, 4, overhead=3 * 2**30) == 0  # nothing left for a cache
 
 
-def test_bad_arguments_exit_2_with_one_line():
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.capacity_demo", "--bits", "5"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+def test_bad_arguments_exit_2_with_one_line(cli):
+    proc = cli("harness.capacity_demo", "--bits", "5")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --bits: 5; allowed: 2, 3, 4, 8, 16"
 
 

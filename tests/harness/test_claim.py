@@ -3,8 +3,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -202,15 +200,9 @@ def test_protocol_end_to_end_writes_tables_and_rows(tmp_path):
     assert (tmp_path / "tables.md").read_text() == tables
 
 
-def test_gpt2_without_local_weights_stops_with_the_models_message(tmp_path):
+def test_gpt2_without_local_weights_stops_with_the_models_message(tmp_path, cli):
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness", "+sweep=claim_gpt2", f"run_dir={tmp_path / 'run'}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
+    proc = cli("harness", "+sweep=claim_gpt2", f"run_dir={tmp_path / 'run'}", env=env, timeout=120)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(

@@ -2,8 +2,6 @@
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -100,7 +98,7 @@ def test_random_control_draws_apart_from_the_text_seed():
 
 
 @pytest.fixture(scope="module")
-def guarded(tmp_path_factory):
+def guarded(tmp_path_factory, cli):
     """Run `python -m harness ARGS` in a process where loading any model exits with REFUSED_LOAD.
 
     The guard is a sitecustomize module (imported by Python at start-up) that replaces
@@ -121,17 +119,7 @@ def guarded(tmp_path_factory):
     )
     env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}", "KVBITS_CACHE": str(folder / "cache")}
 
-    def run(*args):
-        return subprocess.run(
-            [sys.executable, "-m", "harness", *args, "tracking.wandb.mode=disabled"],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-
-    return run
+    return lambda *args: cli("harness", *args, "tracking.wandb.mode=disabled", env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,6 @@ construction (the smoke runs in both dtypes are compared in test_bf16.py)."""
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +12,6 @@ import pytest
 from harness.config import key_of
 from harness.report import compare
 
-ROOT = Path(__file__).resolve().parents[2]
 N = 20  # prompts and sequences per point: enough for a bootstrap interval
 
 
@@ -139,17 +136,10 @@ def test_points_with_too_few_items_get_no_verdict(tmp_path):
     assert set(diffs["verdict_a"]) == set(diffs["verdict_b"]) == {"no interval"} and (diffs["n"] == few).all()
 
 
-def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp_path):
+def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp_path, cli):
     run_a, run_b, _, _ = runs
     out = tmp_path / "out"
-    cli = [sys.executable, "-m", "harness.compare_runs"]
-    proc = subprocess.run(
-        [*cli, str(run_a), str(run_b), "--out", str(out), "--n-boot", "100"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli("harness.compare_runs", str(run_a), str(run_b), "--out", str(out), "--n-boot", "100")
     assert proc.returncode == 0, proc.stderr
     text = (out / "compare.md").read_text()
     assert text.startswith(f"`python -m harness.compare_runs {run_a} {run_b}")
@@ -162,6 +152,6 @@ def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp
         ([str(run_a), str(tmp_path / "none")], "has no points/ directory"),
         ([str(run_a), str(run_b), "--n-boot", "0"], "--n-boot: 0 is not a positive integer"),
     ):
-        proc = subprocess.run([*cli, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = cli("harness.compare_runs", *args)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert message in proc.stderr

@@ -2,8 +2,6 @@
 oracle that attends only the kept tokens."""
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -293,24 +291,16 @@ def test_eviction_group_and_point_fields():
     }
 
 
-def test_cli_streaming_run_reports_bytes_after_eviction(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "model=tiny-llama",
-            "eval=tiny",
-            "eviction=streaming",
-            "policy=uniform",
-            "policy.budget=4",
-            "tracking.wandb.mode=disabled",
-            f"run_dir={tmp_path}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def test_cli_streaming_run_reports_bytes_after_eviction(tmp_path, cli):
+    proc = cli(
+        "harness",
+        "model=tiny-llama",
+        "eval=tiny",
+        "eviction=streaming",
+        "policy=uniform",
+        "policy.budget=4",
+        "tracking.wandb.mode=disabled",
+        f"run_dir={tmp_path}",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = pd.read_parquet(tmp_path / "results.parquet").set_index("policy")

@@ -2,7 +2,6 @@
 QuantizedCache rows on tiny models, the llama.cpp adapter against a scripted context."""
 
 import math
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -112,14 +111,8 @@ def test_bad_peer_entries_are_one_line_naming_the_key(entry, message):
     assert "\n" not in str(err.value)
 
 
-def test_the_cli_stops_on_a_bad_peer_with_exit_code_2():
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness", "+sweep=peers", "sweep.peers=[{engine:llamacpp,scheme:q3_0}]"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def test_the_cli_stops_on_a_bad_peer_with_exit_code_2(cli):
+    proc = cli("harness", "+sweep=peers", "sweep.peers=[{engine:llamacpp,scheme:q3_0}]")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: sweep: sweep.peers.scheme (engine llamacpp): unknown 'q3_0'; "

@@ -4,9 +4,6 @@ cross-check with the harness, q8_0 against f16, the rotation switch and the byte
 import csv
 import ctypes
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +13,6 @@ from harness.models import gguf_path, load_model, model_spec
 from harness.peers import LLAMACPP_TYPES
 from harness.peers.llamacpp import KV_TYPES, ROTATION_ENV, cache_bytes, open_llama, teacher_forced
 
-ROOT = Path(__file__).resolve().parents[2]
 CHUNK = 128
 # llama.cpp's f16 perplexity against the harness's unquantized baseline on the same window: the same GGUF weights,
 # different kernels (llama.cpp multiplies its Q4_1 weights with activations quantized to 8 bits and stores K/V in
@@ -163,7 +159,7 @@ def test_the_speed_command_refuses_bad_arguments_before_loading(capsys, monkeypa
 
 
 @pytest.mark.slow
-def test_the_speed_command_writes_median_and_spread_per_type(tmp_path):
+def test_the_speed_command_writes_median_and_spread_per_type(tmp_path, cli):
     out = tmp_path / "speed.csv"
     args = [
         "--contexts",
@@ -178,13 +174,7 @@ def test_the_speed_command_writes_median_and_spread_per_type(tmp_path):
         "--threads",
         "1",
     ]
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.peers.speed", *args, "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = cli("harness.peers.speed", *args, "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = out.read_text().splitlines()
     assert lines[0] == "# command: python -m harness.peers.speed " + " ".join([*args, "--out", str(out)])

@@ -2,8 +2,6 @@
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -68,18 +66,12 @@ def test_dtype_names_and_bad_names():
             precision.resolve(bad)
 
 
-def test_bad_dtype_stops_before_loading_with_exit_2():
+def test_bad_dtype_stops_before_loading_with_exit_2(cli):
     with pytest.raises(
         ConfigError, match=r"^model.dtype: unknown 'float16'; allowed: float32, bfloat16, auto$"
     ):
         validate_config(cfg("model.dtype=float16"))
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness", "model.dtype=half", "tracking.wandb.mode=disabled"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli("harness", "model.dtype=half", "tracking.wandb.mode=disabled")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: model.dtype: unknown 'half'; allowed: float32, bfloat16, auto"

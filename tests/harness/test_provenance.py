@@ -2,8 +2,6 @@
 leave the count out (so committed runs still resume), and env.json written before any model loads."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pandas as pd
@@ -16,22 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 METRICS = ["bleu", "token_match", "ppl", "ppl_ratio", "kl_mean", "kl_p99", "top1_agree", "compression_true"]
 
 
-def harness(*args):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "model=tiny-llama",
-            "eval=tiny",
-            "tracking.wandb.mode=disabled",
-            *args,
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def harness(cli, *args):
+    proc = cli("harness", "model=tiny-llama", "eval=tiny", "tracking.wandb.mode=disabled", *args, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc
 
@@ -40,10 +24,10 @@ def rows(run_dir: Path) -> pd.DataFrame:
     return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
 
 
-def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_adds_nothing(tmp_path):
+def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_adds_nothing(tmp_path, cli):
     a, b = tmp_path / "a", tmp_path / "b"
-    harness("threads=1", "seed=3", f"run_dir={a}")
-    harness("threads=1", "seed=3", f"run_dir={b}")
+    harness(cli, "threads=1", "seed=3", f"run_dir={a}")
+    harness(cli, "threads=1", "seed=3", f"run_dir={b}")
     first, second = rows(a), rows(b)
     assert len(first) == 3 and first["key"].tolist() == second["key"].tolist()  # baseline, uniform, entropy
     pd.testing.assert_frame_equal(first[METRICS], second[METRICS], check_exact=True)
@@ -53,7 +37,7 @@ def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_add
 
     # The thread count is recorded beside the configuration, never in the key: a resume at another count adds
     # no point, and keeps the first start's record.
-    harness("threads=2", "seed=3", f"run_dir={a}")
+    harness(cli, "threads=2", "seed=3", f"run_dir={a}")
     assert rows(a)["key"].tolist() == first["key"].tolist() and (rows(a)["threads"] == 1).all()
     assert json.loads((a / "env.json").read_text())["threads"] == 2
     assert json.loads((a / "env.1.json").read_text())["threads"] == 1

@@ -5,7 +5,6 @@ import json
 import math
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -43,23 +42,10 @@ STALE_TABLES = {
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
+def run(tmp_path_factory, cli):
     """A smoke run and the runner's own results.parquet (read before the report re-writes it)."""
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "+sweep=smoke",
-            f"run_dir={run_dir}",
-            "tracking.wandb.mode=disabled",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    proc = cli("harness", "+sweep=smoke", f"run_dir={run_dir}", "tracking.wandb.mode=disabled", timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir, pd.read_parquet(run_dir / "results.parquet")
 
@@ -218,20 +204,14 @@ def test_plots_exist_as_png_and_svg(reported):
         assert data.startswith(b"\x89PNG") if name.endswith(".png") else b"<svg" in data[:2000], name
 
 
-def test_report_regenerates_identically_from_points_alone(reported, tmp_path):
+def test_report_regenerates_identically_from_points_alone(reported, tmp_path, cli):
     copy = tmp_path / reported.name  # same name: tables.md's title names the run directory
     shutil.copytree(reported, copy)
     before = {name: (copy / name).read_bytes() for name in OUTPUTS}
     table = pd.read_parquet(copy / "results.parquet")
     for name in (*OUTPUTS, "results.parquet"):
         (copy / name).unlink()
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness.report", str(copy)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = cli("harness.report", str(copy))
     assert proc.returncode == 0, proc.stderr[-2000:]
     for name, data in before.items():
         assert (copy / name).read_bytes() == data, name

@@ -1,8 +1,6 @@
 """Quantization schemes (kivi, fp8, rotate+, sink tokens, residual window) against an oracle built from
 kernels/reference.py, their byte accounting by hand, and through QuantizedKVCache on tiny models."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -442,18 +440,13 @@ def test_points_carry_each_schemes_residual():
     assert (point.scheme, point.residual) == ("fp8", 0)
 
 
-def harness(*args, run_dir):
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args, f"run_dir={run_dir}", "tracking.wandb.mode=disabled"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+def harness(cli, *args, run_dir):
+    return cli("harness", *args, f"run_dir={run_dir}", "tracking.wandb.mode=disabled")
 
 
-def test_command_runs_kivi_with_sinks(tmp_path):
+def test_command_runs_kivi_with_sinks(tmp_path, cli):
     proc = harness(
+        cli,
         "model=tiny-llama",
         "eval=tiny",
         "quant=kivi",
@@ -478,8 +471,8 @@ def test_command_runs_kivi_with_sinks(tmp_path):
     assert 1 < row["compression_true"] < row["compression_nominal"] == 8
 
 
-def test_command_rejects_fp8_with_other_widths(tmp_path):
-    proc = harness("quant=fp8", "policy.widths=[2,4]", run_dir=tmp_path)
+def test_command_rejects_fp8_with_other_widths(tmp_path, cli):
+    proc = harness(cli, "quant=fp8", "policy.widths=[2,4]", run_dir=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: quant.scheme: fp8"), proc.stderr

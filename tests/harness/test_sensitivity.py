@@ -8,9 +8,6 @@ import json
 import math
 import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -35,7 +32,6 @@ from harness.sensitivity import (
 from kernels import reference
 from kernels.layout import FULL_WIDTH as UNQUANTIZED
 
-ROOT = Path(__file__).resolve().parents[2]
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -320,17 +316,17 @@ def test_check_cli_writes_the_csv_and_refuses_bad_input(tmp_path, monkeypatch, c
 # ------------------------------------------------------------------------------------------------ runner
 
 
-def test_sweep_runs_the_measured_policies_end_to_end(tmp_path):
+def test_sweep_runs_the_measured_policies_end_to_end(tmp_path, cli):
     run_dir = tmp_path / "run"
     entries = "{name:sensitivity,sink_threshold:null},{name:layerwise,alpha:0.7,sink_threshold:null}"
     policies = f"sweep.policies=[{entries}]"
-    proc = subprocess.run(
-        [sys.executable, "-m", "harness", "+sweep=smoke", policies, "sweep.budgets=[3.5]"]
-        + [f"run_dir={run_dir}", "tracking.wandb.mode=disabled"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = cli(
+        "harness",
+        "+sweep=smoke",
+        policies,
+        "sweep.budgets=[3.5]",
+        f"run_dir={run_dir}",
+        "tracking.wandb.mode=disabled",
         env={**os.environ, "KVBITS_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -30,18 +30,6 @@ JOB = ["hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=1", "hydra.launc
 SETTLED = ("COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "PREEMPTED")
 
 
-def python_m(*args: str, env: dict) -> subprocess.CompletedProcess:
-    """python -m ARGS from the repository root."""
-    return subprocess.run(
-        [sys.executable, "-m", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-
-
 def sweep_args(launcher: str, run_dir: Path, *extra: str) -> list[str]:
     """python -m harness arguments of the smoke grid through sweeps/slurm.yaml into run_dir."""
     return [
@@ -65,9 +53,9 @@ def with_cache(env: dict, run_dir: Path) -> dict:
     return {**env, "KVBITS_CACHE": str(run_dir.parent / f"cache-{run_dir.name}")}
 
 
-def merged(run_dir: Path, env: dict) -> pd.DataFrame:
+def merged(cli, run_dir: Path, env: dict) -> pd.DataFrame:
     """Merge the shards with python -m harness.report; the table sorted by key."""
-    proc = python_m("harness.report", str(run_dir), env=env)
+    proc = cli("harness.report", str(run_dir), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
 
@@ -112,10 +100,10 @@ def compose_sweep(name: str, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(tmp_path_factory, cli):
     """The smoke grid in one process: the reference every sharded run must reproduce."""
     run_dir = tmp_path_factory.mktemp("single") / "single"
-    proc = python_m(
+    proc = cli(
         "harness",
         "+sweep=smoke",
         f"run_dir={run_dir}",
@@ -161,13 +149,13 @@ def test_slurm_config_composes_with_both_launchers():
         assert gpu.run_dir == "results/smoke/x"
 
 
-def test_submitit_local_shards_match_single_run(single, tmp_path):
+def test_submitit_local_shards_match_single_run(single, tmp_path, cli):
     run_dir = tmp_path / "local"
     env = with_cache(os.environ, run_dir)
-    proc = python_m(*sweep_args("submitit_local", run_dir, "num_shards=2"), env=env)
+    proc = cli(*sweep_args("submitit_local", run_dir, "num_shards=2"), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "env.shard0.json").exists() and (run_dir / "env.shard1.json").exists()
-    assert_same_rows(merged(run_dir, env), single)
+    assert_same_rows(merged(cli, run_dir, env), single)
 
 
 # ---- a real SLURM cluster ----
@@ -274,7 +262,7 @@ def run_id() -> str:
 
 
 @pytest.mark.slurm
-def test_three_slurm_jobs_match_single_run(cluster, single, tmp_path):
+def test_three_slurm_jobs_match_single_run(cluster, single, tmp_path, cli):
     run_dir = tmp_path / run_id()
     env = with_cache(cluster, run_dir)
     args = sweep_args(
@@ -284,7 +272,7 @@ def test_three_slurm_jobs_match_single_run(cluster, single, tmp_path):
         "hydra.launcher.partition=local",
         "hydra.launcher.account=root",
     )
-    proc = python_m(*args, env=env)
+    proc = cli(*args, env=env, timeout=600)
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{_squeue(env)}"
     job = array_id(run_dir)
     tasks = settle(job, env, 3)
@@ -296,11 +284,11 @@ def test_three_slurm_jobs_match_single_run(cluster, single, tmp_path):
         env_record = json.loads((run_dir / f"env.shard{i}.json").read_text())
         assert env_record["command"].startswith("python -m")
         assert (run_dir / ".jobs" / "submitit" / f"{job}_{i}" / f"{job}_{i}_0_result.pkl").exists()
-    assert_same_rows(merged(run_dir, env), single)
+    assert_same_rows(merged(cli, run_dir, env), single)
 
 
 @pytest.mark.slurm
-def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(cluster, single, tmp_path):
+def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(cluster, single, tmp_path, cli):
     run_dir = tmp_path / run_id()
     env = with_cache(cluster, run_dir)
     args = sweep_args("slurm_cluster", run_dir, "num_shards=3")
@@ -346,10 +334,10 @@ def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(cluster, sin
     partial = pd.read_parquet(run_dir / "results.parquet")  # readable after the cancel
     assert partial["key"].is_unique and len(partial) < len(single)
 
-    proc = python_m(*args, env=env)  # the same sweep resubmitted: finished points are skipped
+    proc = cli(*args, env=env, timeout=600)  # the same sweep resubmitted: finished points are skipped
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{_squeue(env)}"
     assert all(t["State"] == "COMPLETED" for t in settle(array_id(run_dir), env, 3).values())
-    assert_same_rows(merged(run_dir, env), single)  # every point exactly once
+    assert_same_rows(merged(cli, run_dir, env), single)  # every point exactly once
     after = point_files(run_dir)
     assert {name: after[name] for name in done} == done  # finished points were not recomputed
     assert len(after) == len(single)

@@ -29,15 +29,8 @@ METRICS = [
 ]
 
 
-def harness(*args, **kw):
-    return subprocess.run(
-        [sys.executable, "-m", "harness", *args, "tracking.wandb.mode=disabled"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        **kw,
-    )
+def harness(cli, *args):
+    return cli("harness", *args, "tracking.wandb.mode=disabled", timeout=600)
 
 
 def table(run_dir: Path) -> pd.DataFrame:
@@ -45,9 +38,9 @@ def table(run_dir: Path) -> pd.DataFrame:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
+def single(tmp_path_factory, cli):
     run_dir = tmp_path_factory.mktemp("single")
-    proc = harness("+sweep=smoke", f"run_dir={run_dir}")
+    proc = harness(cli, "+sweep=smoke", f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir
 
@@ -65,26 +58,17 @@ def test_smoke_run_writes_every_point_once(single):
     assert env["command"].startswith("python -m harness") and "torch" in env["packages"]
 
 
-def test_same_config_and_seed_give_identical_metrics_and_two_shards_match(single, tmp_path):
+def test_same_config_and_seed_give_identical_metrics_and_two_shards_match(single, tmp_path, cli):
     sharded = tmp_path / "sharded"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "harness",
-            "--config-dir",
-            "sweeps",
-            "--config-name",
-            "local",
-            "+sweep=smoke",
-            f"run_dir={sharded}",
-            "run_name=x",
-            "tracking.wandb.mode=disabled",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    proc = harness(
+        cli,
+        "--config-dir",
+        "sweeps",
+        "--config-name",
+        "local",
+        "+sweep=smoke",
+        f"run_dir={sharded}",
+        "run_name=x",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (sharded / "env.shard0.json").exists() and (sharded / "env.shard1.json").exists()
@@ -93,7 +77,7 @@ def test_same_config_and_seed_give_identical_metrics_and_two_shards_match(single
     pd.testing.assert_frame_equal(a[METRICS], b[METRICS], check_exact=True)
 
 
-def test_sigkill_mid_sweep_then_resume(single, tmp_path):
+def test_sigkill_mid_sweep_then_resume(single, tmp_path, cli):
     run_dir = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -120,7 +104,7 @@ def test_sigkill_mid_sweep_then_resume(single, tmp_path):
     if (run_dir / "results.parquet").exists():
         pd.read_parquet(run_dir / "results.parquet")  # readable whenever it exists
     mtimes = {p.name: p.stat().st_mtime_ns for p in (run_dir / "points").glob("*.json")}
-    proc = harness("+sweep=smoke", f"run_dir={run_dir}")
+    proc = harness(cli, "+sweep=smoke", f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     resumed = table(run_dir)
     assert resumed["key"].tolist() == table(single)["key"].tolist()  # every point exactly once

@@ -9,8 +9,6 @@ from __future__ import annotations
 import csv
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,11 +23,8 @@ def _rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def test_dry_run_exercises_every_stage(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kernels.gpu_check", "--dry-run", "--out", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+def test_dry_run_exercises_every_stage(tmp_path, cli):
+    proc = cli("kernels.gpu_check", "--dry-run", "--out", str(tmp_path), timeout=900)
     folder = tmp_path / "results" / "kernels" / "dry-run-cpu"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     meta = json.loads((folder / "metadata.json").read_text())
