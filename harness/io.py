@@ -9,6 +9,7 @@ dirty tree unless allow_dirty is set, and then the record says so.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -184,6 +185,18 @@ def check_writable(run_dir: str | Path, key: str = "run_dir") -> None:
         raise ValueError(
             f"{key}: {run_dir} is not writable ({err.strerror} in {existing}); allowed: a writable path"
         ) from None
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """--threads and --allow-dirty, the options of every command that writes a result (set_threads, check_clean)."""
+    parser.add_argument(
+        "--threads", type=int, help="CPU threads (torch.set_num_threads); default: every core"
+    )
+    parser.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="write into results/ from a git tree with uncommitted changes (recorded in the env record)",
+    )
 
 
 def command_line(program: str, argv: list[str] | None = None) -> str:

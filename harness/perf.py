@@ -118,12 +118,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="results/perf/decode_step.csv")
     p.add_argument("--dtype", default="float32", help="the model's dtype: float32, bfloat16 or auto")
-    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: every core")
-    p.add_argument(
-        "--allow-dirty",
-        action="store_true",
-        help="write into results/ from a git tree with uncommitted changes (recorded in the env record)",
-    )
+    io.add_run_arguments(p)
     return p
 
 

@@ -403,12 +403,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--bos", default="auto", help="auto, always or never: BOS before every prompt (eval.bos)")
     p.add_argument("--budget-unit", default="bytes", help="bytes (true bytes, default) or bits")
-    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); default: every core")
-    p.add_argument(
-        "--allow-dirty",
-        action="store_true",
-        help="run into results/ from a git tree with uncommitted changes (recorded in env.json)",
-    )
+    io.add_run_arguments(p)
     p.add_argument(
         "--dtype", default=precision.DEFAULT, help=f"model dtype: {', '.join(precision.dtype_names())}"
     )
