@@ -34,7 +34,6 @@ N_BOOT = 300
 _GRID = "full grid without the resident_bytes, resident_ratio and simulate columns"
 _DIFFS = "differences without the bytes column, the n of each interval and the n >= 16 rule"
 STALE_TABLES = {
-    "results/hybrid/2026-11-21_hybrid": f"older report: {_GRID}; {_DIFFS}",
     "results/beyond/2026-11-21_beyond": f"older report: {_GRID}; {_DIFFS}",
     "results/perf/dtype/pareto-small-bfloat16": f"older report: {_GRID}",
     "results/perf/dtype/pareto-small-float32": f"older report: {_GRID}",
