@@ -5,16 +5,18 @@ This module owns the arithmetic and nothing else (no weights, no tensors). Two c
 - true bytes: what harness.cache.QuantizedKVCache.nbytes() reports for a real cache holding the same tokens,
   summed per layer, KV head and role (keys and values are both stored): packed payload (2/4/8-bit codes packed
   into uint8, 3-bit densely at 3 bits per code: kernels.reference.packed_dim), fp16 scales (and zeros for asym)
-  per group of g along head_dim, 16-bit heads, sink tokens and the residual window at 2 bytes per element;
+  per group of g along head_dim (keys: key_group_size; kivi's keys per channel over groups of g tokens, moved
+  out of the residual window a whole group at a time), 16-bit heads, sink tokens and the residual window at 2
+  bytes per element; keys and values each at their own widths and their role's byte model;
   sliding-window layers hold window - 1 tokens after an update (as QuantizedSlidingLayer), sink tokens leave a
   sliding window like any token; linear-attention state (conv + recurrent, at 2 bytes per element, as
   QuantizedKVCache.linear_state_nbytes) is reported apart and counted only in `total_bytes`.
 - nominal bytes: fp16 bytes x mean_bits / 16 (the claim's "16 / mean bits" compression), where mean_bits is the
-  plain mean of the widths over the cached (layer, KV head) pairs, as harness.policies.Allocation.mean_bits.
+  plain mean of the widths over the cached (layer, KV head, K|V) units, as harness.policies.Allocation.mean_bits.
 
 Model shapes come from a transformers config (a registered model's, a local config.json, or a preset of a model
 we do not have, built through transformers' own config class so per-layer head_dim and KV heads are its), or
-from explicit numbers. The bytes of one stored token of one head are the scheme's (harness.schemes,
+from explicit numbers. The bytes of one stored token of one head in one role are the scheme's (harness.schemes,
 Scheme.token_bytes: the one byte model the cache's nbytes() also follows).
 """
 
@@ -33,7 +35,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.models import ModelUnavailable, gguf_path, model_spec
 from harness.registry import unknown_name_message
-from harness.schemes import SCHEMES, AsymToken, Scheme, get_scheme
+from harness.schemes import ROLES, SCHEMES, AsymToken, Scheme, get_scheme
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
 GIB = 2**30
@@ -113,13 +115,14 @@ def shape_from_config(config, name: str = "config", context_limit: int | None = 
 
 
 def element_price(shape: ModelShape, scheme: Scheme):
-    """price(bits) -> bytes per stored element (keys and values alike) of the model's cached KV heads, averaged
-    over them by their head_dim: the byte model that a bytes budget (harness.policies) charges each head."""
+    """price(bits, role) -> bytes per stored element of `role` (keys or values) of the model's cached KV heads,
+    averaged over them by their head_dim: the byte model that a bytes budget (harness.policies) charges each
+    unit (a head's keys, its values)."""
     cached = [layer for layer in shape.layers if layer.cached]
     elements = sum(layer.kv_heads * layer.head_dim for layer in cached)
 
-    def price(bits: int) -> float:
-        held = sum(layer.kv_heads * scheme.token_bytes(bits, layer.head_dim) for layer in cached)
+    def price(bits: int, role: str = "value") -> float:
+        held = sum(layer.kv_heads * scheme.token_bytes(bits, layer.head_dim, role) for layer in cached)
         return held / elements
 
     return price
@@ -225,17 +228,28 @@ def layer_bits(shape: ModelShape, bits) -> list[list[int]]:
     return out
 
 
-def held_tokens(layer: LayerShape, tokens: int, sink_tokens: int = 0, residual: int = 0) -> tuple[int, int]:
+def held_tokens(
+    layer: LayerShape, tokens: int, sink_tokens: int = 0, residual: int = 0, chunk: int = 1
+) -> tuple[int, int]:
     """(tokens kept at 16 bits, tokens quantized) that `layer` holds after `tokens` tokens, as the cache's stores
-    keep them: sinks are sequence positions [0, sink_tokens), the residual window the newest tokens after them."""
+    keep them: sinks are sequence positions [0, sink_tokens), the residual window the newest tokens after them;
+    a per-channel role quantizes whole chunks of `chunk` tokens only (kivi's keys: more stay in the window). A
+    sliding window that evicts part of a chunk is not modelled (the chunk's codes stay stored until it leaves)."""
     held = tokens if layer.kind == "full" else min(tokens, layer.window - 1)
     sinks = max(0, min(sink_tokens, tokens) - (tokens - held))  # sinks still inside a sliding window
     residual = min(residual, held - sinks)
-    return sinks + residual, held - sinks - residual
+    quantized = (held - sinks - residual) // chunk * chunk
+    return held - quantized, quantized
 
 
-def mean_bits(shape: ModelShape, bits) -> float:
-    widths = [b for row in layer_bits(shape, bits) for b in row]
+def mean_bits(shape: ModelShape, bits, value_bits=None) -> float:
+    """Mean width over the cached (layer, KV head, K|V) units; value_bits None: the values at `bits`."""
+    widths = [
+        b
+        for grid in (bits, bits if value_bits is None else value_bits)
+        for row in layer_bits(shape, grid)
+        for b in row
+    ]
     return sum(widths) / len(widths)
 
 
@@ -269,53 +283,71 @@ class CacheBytes:
 
 
 def cache_bytes(
-    shape: ModelShape, tokens: int, bits, scheme: Scheme = DEFAULT_SCHEME, batch: int = 1
+    shape: ModelShape, tokens: int, bits, scheme: Scheme = DEFAULT_SCHEME, batch: int = 1, value_bits=None
 ) -> CacheBytes:
-    """True, fp16 and nominal bytes of `batch` sequences after `tokens` tokens; `bits` as in layer_bits."""
+    """True, fp16 and nominal bytes of `batch` sequences after `tokens` tokens; `bits` (the keys', and the values'
+    unless `value_bits` gives theirs) as in layer_bits."""
     for key, value in (("capacity.context", tokens), ("capacity.batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{key}: {value!r} is not a non-negative integer")
-    widths = layer_bits(shape, bits)
+    roles = dict(
+        zip(ROLES, (layer_bits(shape, bits), layer_bits(shape, bits if value_bits is None else value_bits)))
+    )
     true = fp16 = state = 0
     by_kind: dict[str, int] = {}
-    for layer, row in zip(shape.layers, widths):
+    for i, layer in enumerate(shape.layers):
         state += layer.state_bytes * batch
         if not layer.cached:
             continue
-        unquantized, quantized = held_tokens(layer, tokens, scheme.sink_tokens, scheme.residual)
-        per_role = sum(
-            unquantized * scheme.token_bytes(FULL_WIDTH, layer.head_dim)
-            + quantized * scheme.token_bytes(b, layer.head_dim)
-            for b in row
-        )  # one of keys / values, every head of the layer
-        layer_true = 2 * batch * per_role
+        tokens_held = sum(held_tokens(layer, tokens, scheme.sink_tokens, scheme.residual))
+        held = 0
+        for role, widths in roles.items():
+            chunk = scheme.role_group_size(role) if scheme.per_channel(role) else 1
+            unquantized, quantized = held_tokens(layer, tokens, scheme.sink_tokens, scheme.residual, chunk)
+            held += sum(
+                unquantized * scheme.token_bytes(FULL_WIDTH, layer.head_dim, role)
+                + quantized * scheme.token_bytes(b, layer.head_dim, role)
+                for b in widths[i]
+            )  # every head of the layer in this role
+        layer_true = round(batch * held)  # a per-channel role's whole groups: an integer
         true += layer_true
         by_kind[layer.kind] = by_kind.get(layer.kind, 0) + layer_true
-        fp16 += 2 * batch * (unquantized + quantized) * layer.kv_heads * layer.head_dim * FP16_BYTES
-    return CacheBytes(tokens, batch, true, fp16, mean_bits(shape, bits), state, by_kind)
+        fp16 += 2 * batch * tokens_held * layer.kv_heads * layer.head_dim * FP16_BYTES
+    return CacheBytes(tokens, batch, true, fp16, mean_bits(shape, bits, value_bits), state, by_kind)
 
 
-def _peak_bytes(shape: ModelShape, tokens: int, bits, scheme: Scheme, batch: int) -> int:
+def _peak_bytes(shape: ModelShape, tokens: int, bits, scheme: Scheme, batch: int, value_bits=None) -> int:
     """The most bytes (K/V and linear state) held at any length up to `tokens`.
 
     Per layer the bytes are piecewise linear in the length, with kinks where sinks fill, the residual fills, a
-    sliding window fills and its sinks have left; the maximum over [0, tokens] lies at one of those or at tokens.
+    sliding window fills and its sinks have left, and drops where a per-channel role moves a group of g tokens
+    out of the residual window (each later group adds bytes, so the last length before a move is the highest
+    of them); the maximum over [0, tokens] lies at one of those or at tokens.
     """
     s, r = scheme.sink_tokens, scheme.residual
     kinks = {s, s + r}
+    for role in ROLES:
+        g = scheme.role_group_size(role)
+        if scheme.per_channel(role) and tokens - s - r >= g:
+            kinks.add(s + r + (tokens - s - r) // g * g - 1)  # just before the last group moved
     for layer in shape.layers:
         if layer.kind == "sliding":
             kinks |= {layer.window - 1, layer.window - 1 + s}
     lengths = [t for t in kinks if t < tokens] + [tokens]
-    return max(cache_bytes(shape, t, bits, scheme, batch).total_bytes for t in lengths)
+    return max(cache_bytes(shape, t, bits, scheme, batch, value_bits).total_bytes for t in lengths)
 
 
 def max_context(
-    shape: ModelShape, memory_bytes: int, bits, scheme: Scheme = DEFAULT_SCHEME, batch: int = 1
+    shape: ModelShape,
+    memory_bytes: int,
+    bits,
+    scheme: Scheme = DEFAULT_SCHEME,
+    batch: int = 1,
+    value_bits=None,
 ) -> int | None:
     """The longest context whose cache never exceeds memory_bytes on the way there (K/V plus linear state);
     -1 if not even an empty cache fits, None if every length fits (no full-attention layer)."""
-    fits = lambda t: _peak_bytes(shape, t, bits, scheme, batch) <= memory_bytes  # noqa: E731
+    fits = lambda t: _peak_bytes(shape, t, bits, scheme, batch, value_bits) <= memory_bytes  # noqa: E731
     if not fits(0):
         return -1
     if fits(MAX_TOKENS):
@@ -337,12 +369,16 @@ def _ints(text: str, count: int, flag: str) -> tuple[int, ...]:
     return tuple(int(p) for p in parts)
 
 
-def _bits_from(path: str) -> list[list[int]]:
-    """The allocation of a harness point JSON (results/<sweep>/<run>/points/<key>.json)."""
+def _bits_from(path: str) -> tuple[list[list[int]], list[list[int]]]:
+    """The keys' and the values' widths of a harness point JSON (results/<sweep>/<run>/points/<key>.json; rows
+    made before keys and values could differ hold one `bits` for both)."""
     record = json.loads(Path(path).read_text())
     if "allocation" not in record:
         raise ValueError(f"capacity.bits_from: {path} holds no allocation (a point JSON of a quantized run)")
-    return record["allocation"]["bits"]
+    allocation = record["allocation"]
+    if "key_bits" in allocation:
+        return allocation["key_bits"], allocation["value_bits"]
+    return allocation["bits"], allocation["bits"]
 
 
 def parser() -> argparse.ArgumentParser:
@@ -360,6 +396,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--bits-from", help="a point JSON whose allocation gives the widths (replaces --bits)")
     p.add_argument("--scheme", default="asym_token", help=f"one of {', '.join(SCHEMES)}")
     p.add_argument("--group-size", type=int, default=32)
+    p.add_argument(
+        "--key-group-size", type=int, default=None, help="the keys' groups (default: --group-size)"
+    )
     p.add_argument("--sink-tokens", type=int, default=0)
     p.add_argument("--residual", type=int, default=0)
     p.add_argument(
@@ -401,14 +440,14 @@ def _describe(shape: ModelShape) -> str:
 
 def rows(args) -> tuple[ModelShape, list[dict]]:
     shape = _shape(args)
-    scheme = get_scheme(args.scheme, args.group_size, args.sink_tokens, args.residual)
+    scheme = get_scheme(args.scheme, args.group_size, args.sink_tokens, args.residual, args.key_group_size)
     allocations = (
-        [("allocation", _bits_from(args.bits_from))] if args.bits_from else [(b, b) for b in args.bits]
+        [("allocation", *_bits_from(args.bits_from))] if args.bits_from else [(b, b, b) for b in args.bits]
     )
     out = []
-    for label, bits in allocations:
+    for label, bits, value_bits in allocations:
         for tokens in args.context:
-            c = cache_bytes(shape, tokens, bits, scheme, args.batch)
+            c = cache_bytes(shape, tokens, bits, scheme, args.batch, value_bits)
             row = {
                 "bits": label,
                 "context": tokens,
@@ -425,7 +464,9 @@ def rows(args) -> tuple[ModelShape, list[dict]]:
                 "true_bytes": c.true_bytes,
             }
             for gib in args.memory_gib:
-                row[f"max_context@{gib:g}GiB"] = max_context(shape, int(gib * GIB), bits, scheme, args.batch)
+                row[f"max_context@{gib:g}GiB"] = max_context(
+                    shape, int(gib * GIB), bits, scheme, args.batch, value_bits
+                )
             out.append(row)
     return shape, out
 

@@ -1,7 +1,7 @@
 """The grid point: one evaluation's every setting that can change a metric, typed, frozen, and keyed.
 
-`Point` has one field per setting (model, dtype, policy, budget, alpha, sink rule, widths, budget mode and unit,
-scheme, group size, prefill, sink tokens, residual window, evaluation sizes, calibration, data, seed, token
+`Point` has one field per setting (model, dtype, policy, budget, alpha, key offset, sink rule, widths, budget mode and unit,
+scheme, group sizes, prefill, sink tokens, residual window, evaluation sizes, calibration, data, seed, token
 eviction, and the peer fields engine and rotation). Field names are the result columns (harness.results), so
 stored rows, parquet columns and committed runs read back unchanged; each field declares once the config key
 that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error messages, and its group
@@ -9,8 +9,9 @@ that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to erro
 
 Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is a hash of `Point.to_dict()`,
 so a finished point is recognized on re-run whatever order the grid lists it in:
-- the model dtype enters the hash only when it is not float32, so points made before dtypes were recorded keep
-  their keys;
+- the model dtype enters the hash only when it is not float32, the kv policy's key_offset only when it is not
+  0, and quant.key_group_size only when it is set (KEYED_UNLESS), so points made before those fields were
+  recorded keep their keys;
 - the peer fields are in the dict only for a peer point (engine not HARNESS), so the harness's own points keep
   the keys they had before peers existed;
 - a point read from a record made before some field existed (`Point.from_dict`) takes today's default for it
@@ -35,6 +36,9 @@ from harness.io import CONF_DIR
 from harness.registry import unknown_name_message
 
 HARNESS = "harness"  # the engine of every point without an `engine` field
+# Fields that enter a key only away from these values (fields added after points were first keyed), so the
+# points made before them keep their keys.
+KEYED_UNLESS = {"dtype": precision.DEFAULT, "key_offset": 0.0, "key_group_size": None}
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
 
@@ -55,6 +59,7 @@ class Point:
     policy: str = _setting("policy.name", "policy")
     budget: float = _setting("policy.budget", "policy")
     alpha: float = _setting("policy.alpha", "policy")
+    key_offset: float = _setting("policy.key_offset", "policy", 0.0)  # kv: keys' bits above values'
     sink_threshold: float | None = _setting("policy.sink_threshold", "policy")
     sink_fraction: float | None = _setting("policy.sink_fraction", "policy")
     widths: tuple[int, ...] = _setting("policy.widths", "policy")
@@ -64,6 +69,7 @@ class Point:
     policy_seed: int = _setting("policy.seed", "policy", 0)
     scheme: str = _setting("quant.scheme", "quant")
     group_size: int = _setting("quant.group_size", "quant")
+    key_group_size: int | None = _setting("quant.key_group_size", "quant", None)  # None: group_size
     prefill: str = _setting("quant.prefill", "quant")
     sink_tokens: int = _setting("quant.sink_tokens", "quant", 0)
     residual: int | None = _setting(
@@ -151,10 +157,10 @@ PEER_FIELDS = GROUPS["peer"]
 
 
 def key_of(config: Mapping) -> str:
-    """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, a
-    float32 dtype left out (see the docstring)."""
-    if config.get("dtype") == precision.DEFAULT:
-        config = {k: v for k, v in config.items() if k != "dtype"}
+    """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, the
+    fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None; see
+    the docstring)."""
+    config = {k: v for k, v in config.items() if k not in KEYED_UNLESS or v != KEYED_UNLESS[k]}
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 

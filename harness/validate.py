@@ -29,7 +29,7 @@ from harness.protocols import PROTOCOLS, claim
 from harness.protocols.claim import settings
 from harness.protocols.sweep import expand
 from harness.registry import unknown_name_message
-from harness.schemes import check_backend, get_scheme
+from harness.schemes import ROLES, SCHEMES, check_backend, get_scheme
 from kernels.layout import FULL_WIDTH
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
@@ -80,7 +80,9 @@ def _check_point(point: Point, backend: str = "auto") -> None:
             )
         from_point(point.group("policy")).check_budget(point.budget)
         _check_positive_ints(point)
-        scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
+        scheme = get_scheme(
+            point.scheme, point.group_size, point.sink_tokens, point.residual, point.key_group_size
+        )
         scheme.check_widths(point.widths)
         check_backend(scheme, backend)
         if point.prefill not in PREFILL_MODES:
@@ -222,8 +224,9 @@ class ModelInputs:
     """What one point asks of its model: a storage scheme at some widths, and windows of its text."""
 
     model: str
-    scheme: str
+    scheme: str | None  # None: a peer engine's point, stored by that engine
     group_size: int
+    key_group_size: int | None  # None: group_size
     widths: tuple[int, ...]
     data_path: str | None
     windows: tuple[Windows, ...]
@@ -239,7 +242,10 @@ def _inputs_of_point(point: Point) -> ModelInputs:
                 ("eval.num_sequences", "eval.sequence_tokens"), "sequences"),
     )  # fmt: skip
     widths = tuple(point.widths)
-    return ModelInputs(point.model, point.scheme, point.group_size, widths, point.data_path, windows)
+    scheme = point.scheme if point.engine == HARNESS else None  # a peer engine stores K/V its own way
+    return ModelInputs(
+        point.model, scheme, point.group_size, point.key_group_size, widths, point.data_path, windows
+    )
 
 
 def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
@@ -247,26 +253,35 @@ def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
     s = settings(cfg)
     keys = ("sweep.claim.num_sequences", "sweep.claim.sequence_tokens")
     windows = (Windows("evaluation", s.num_sequences, s.sequence_tokens, keys, "sequences"),)
-    return ModelInputs(s.model, s.scheme, s.group_size, s.widths, s.data_path, windows)
+    return ModelInputs(s.model, s.scheme, s.group_size, None, s.widths, s.data_path, windows)
 
 
 def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
-    """A scheme that quantizes groups along head_dim needs a group size dividing every head_dim."""
-    scheme = get_scheme(inputs.scheme, inputs.group_size)
+    """A scheme that quantizes a role in groups along head_dim needs that role's group size dividing every
+    head_dim (values: quant.group_size; keys: quant.key_group_size, unless quantized per channel as kivi's). A peer
+    engine's point (scheme None) has no harness storage to check."""
+    if inputs.scheme is None:
+        return
+    scheme = get_scheme(inputs.scheme, inputs.group_size, key_group_size=inputs.key_group_size)
     if all(w == FULL_WIDTH for w in inputs.widths):
         return
     if scheme.rotated and any(d & (d - 1) for d in dims):
         raise ConfigError(
             f"quant.scheme: {scheme.name} needs a power-of-two head_dim; {inputs.model}'s is "
-            f"{', '.join(map(str, sorted(dims)))}; allowed: the scheme without rotate+"
+            f"{', '.join(map(str, sorted(dims)))}; allowed: a scheme without rotation "
+            f"({', '.join(name for name in SCHEMES if not get_scheme(name).rotated)})"
         )
-    if not scheme.head_dim_groups or all(d % inputs.group_size == 0 for d in dims):
+    if not scheme.head_dim_groups:
         return
-    common = [g for g in range(1, min(dims) + 1) if all(d % g == 0 for d in dims)]
-    raise ConfigError(
-        f"quant.group_size: {inputs.group_size} does not divide {inputs.model}'s head_dim "
-        f"{', '.join(map(str, sorted(dims)))}; allowed: {', '.join(map(str, common))}"
-    )
+    for role in reversed(ROLES):  # values first: their group is quant.group_size, the key named first
+        group = scheme.role_group_size(role)
+        if scheme.per_channel(role) or all(d % group == 0 for d in dims):
+            continue
+        common = [g for g in range(1, min(dims) + 1) if all(d % g == 0 for d in dims)]
+        raise ConfigError(
+            f"{scheme.group_key(role)}: {group} does not divide {inputs.model}'s head_dim "
+            f"{', '.join(map(str, sorted(dims)))}; allowed: {', '.join(map(str, common))}"
+        )
 
 
 def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> None:

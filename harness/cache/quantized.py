@@ -10,8 +10,10 @@ calls. Per decoder layer it holds:
   reported apart (`linear_state_nbytes`);
 - a layer that reuses another layer's K/V (Gemma 4's KV sharing; transformers' "dummy" type): the model's
   `DummyLayer`, which stores nothing.
-Widths: `bits` is [num_layers, max KV heads of a layer] (`kv_heads`); a layer with fewer KV heads (Gemma 4's
-global layers) uses the first entries of its row, the rest is padding that is never stored.
+Widths: `bits` (the keys') and `value_bits` (the values'; None: the same) are [num_layers, max KV heads of a
+layer] (`kv_heads`); a layer with fewer KV heads (Gemma 4's global layers) uses the first entries of its row, the
+rest is padding that is never stored. Keys and values may differ (K8V4, K4V2 and per-head mixes): each store is
+built at its own role's widths.
 Reads go through the quantized form: every query attends the stored (quantized) K/V, the new tokens included
 (quantize-on-write), except with `prefill="exact"`, where the first call (the prompt) attends its own
 full-precision K/V, as a prefill computed once in full precision and then stored quantized would.
@@ -67,9 +69,20 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def resolve_backend(
-    backend: str, device: torch.device, bits: list[int], k_dim: int, v_dim: int, group_size: int
+    backend: str,
+    device: torch.device,
+    bits: list[int],
+    k_dim: int,
+    v_dim: int,
+    group_size: int,
+    value_bits: list[int] | None = None,
+    key_group_size: int | None = None,
 ) -> str:
     """'torch' or 'triton' for one layer on `device`; auto takes triton on CUDA when the kernels support the layer.
+
+    `bits`: the keys' widths per KV head, `value_bits` the values' (None: the same); `group_size` the values'
+    group, `key_group_size` the keys' (None: the same). The kernels read each store at its own widths and group
+    size, so keys and values may differ in both.
 
     An explicit triton raises NotImplementedError for what the kernels cannot do, and ValueError for CPU tensors
     unless Triton runs in its interpreter (TRITON_INTERPRET=1).
@@ -78,10 +91,15 @@ def resolve_backend(
         return "torch"
     from kernels.quantize import check_group_size, check_widths  # imports triton: only for the triton backend
 
+    roles = (
+        (bits, k_dim, group_size if key_group_size is None else key_group_size),
+        (bits if value_bits is None else value_bits, v_dim, group_size),
+    )
     try:
-        check_widths(bits, k_dim)
-        if any(b != FULL_WIDTH for b in bits):
-            check_group_size(group_size, k_dim)
+        for widths, dim, group in roles:
+            check_widths(widths, dim)
+            if any(b != FULL_WIDTH for b in widths):
+                check_group_size(group, dim)
         if v_dim != k_dim:
             raise NotImplementedError(
                 f"the Triton kernels need key and value head_dim equal; got {k_dim}, {v_dim}"
@@ -95,6 +113,19 @@ def resolve_backend(
             f"quant.backend: triton needs CUDA tensors (or TRITON_INTERPRET=1); got {device.type}"
         )
     return "triton"
+
+
+def _width_grid(name: str, bits: torch.Tensor | int, shape: tuple[int, int]) -> torch.Tensor:
+    """int64 `shape` (layers, most KV heads of a layer): `bits` as given, or one int everywhere; ValueError
+    naming `name` for another shape."""
+    if isinstance(bits, int) and not isinstance(bits, bool):
+        return torch.full(shape, bits, dtype=torch.long)
+    if not isinstance(bits, torch.Tensor) or tuple(bits.shape) != shape:
+        got = tuple(bits.shape) if isinstance(bits, torch.Tensor) else repr(bits)
+        raise ValueError(
+            f"{name}: shape {got} does not match the model's {shape} (layers, most KV heads of a layer)"
+        )
+    return bits.long()
 
 
 def kv_heads(config) -> list[int]:
@@ -142,14 +173,16 @@ def resident_bytes(objects) -> int:
 
 
 class QuantizedLayer(CacheLayerMixin):
-    """One full-attention layer's K/V, each KV head at its own width (16 = kept in full precision)."""
+    """One full-attention layer's K/V, each KV head's keys at its width of `key_bits` and its values at its width
+    of `value_bits` (16 = kept in full precision)."""
 
     is_sliding = False
     is_croppable = False
 
     def __init__(
         self,
-        bits: list[int],
+        key_bits: list[int],
+        value_bits: list[int],
         scheme: Scheme,
         prefill: str = "exact",
         backend: str = "torch",
@@ -157,7 +190,9 @@ class QuantizedLayer(CacheLayerMixin):
         layer_idx: int = 0,
     ):
         super().__init__()
-        self.bits, self.scheme, self.prefill, self.backend = [int(b) for b in bits], scheme, prefill, backend
+        self.key_bits, self.value_bits = [int(b) for b in key_bits], [int(b) for b in value_bits]
+        assert len(self.key_bits) == len(self.value_bits), (key_bits, value_bits)
+        self.scheme, self.prefill, self.backend = scheme, prefill, backend
         self.simulate = simulate
         self.layer_idx = layer_idx  # the decoder layer: where its steps are posted for its attention
         self.k_store = self.v_store = None
@@ -168,18 +203,31 @@ class QuantizedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         B, H, _, D = key_states.shape  # (B, Hkv, T, D)
-        assert H == len(self.bits), f"layer has {H} KV heads but {len(self.bits)} widths were given"
+        assert H == len(self.key_bits), f"layer has {H} KV heads but {len(self.key_bits)} widths were given"
         self.dtype, self.device = key_states.dtype, key_states.device
         backend = resolve_backend(
-            self.backend, key_states.device, self.bits, D, value_states.shape[-1], self.scheme.group_size
+            self.backend,
+            key_states.device,
+            self.key_bits,
+            D,
+            value_states.shape[-1],
+            self.scheme.group_size,
+            self.value_bits,
+            self.scheme.key_group_size,
         )
         self.fused = backend == "triton"
         simulate = self.simulate and not self.fused
         self.k_store = self.scheme.new_store(
-            self.bits, D, B, key_states.dtype, key_states.device, role="key", simulate=simulate
+            self.key_bits, D, B, key_states.dtype, key_states.device, role="key", simulate=simulate
         )
         self.v_store = self.scheme.new_store(
-            self.bits, value_states.shape[-1], B, value_states.dtype, key_states.device, "value", simulate
+            self.value_bits,
+            value_states.shape[-1],
+            B,
+            value_states.dtype,
+            key_states.device,
+            "value",
+            simulate,
         )
         self.is_initialized = True
 
@@ -261,7 +309,8 @@ class QuantizedSlidingLayer(QuantizedLayer):
 
     def __init__(
         self,
-        bits: list[int],
+        key_bits: list[int],
+        value_bits: list[int],
         scheme: Scheme,
         sliding_window: int,
         prefill: str = "exact",
@@ -269,7 +318,7 @@ class QuantizedSlidingLayer(QuantizedLayer):
         simulate: bool = False,
         layer_idx: int = 0,
     ):
-        super().__init__(bits, scheme, prefill, backend, simulate, layer_idx)
+        super().__init__(key_bits, value_bits, scheme, prefill, backend, simulate, layer_idx)
         self.sliding_window = sliding_window
         self.cumulative_length = 0
 
@@ -310,10 +359,11 @@ class QuantizedSlidingLayer(QuantizedLayer):
 
 class QuantizedKVCache(Cache):
     """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, max(kv_heads(config))], rows of
-    layers with fewer KV heads padded; or one int for all).
+    layers with fewer KV heads padded; or one int for all): the keys' widths, and the values' too unless
+    `value_bits` (the same shape or one int; None: `bits`) gives theirs.
 
-    `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens` and
-    `residual` (None: the scheme's default) are harness.schemes.Scheme's. `simulate`: keep a full-precision
+    `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens`,
+    `residual` (None: the scheme's default) and `key_group_size` (None: group_size) are harness.schemes.Scheme's. `simulate`: keep a full-precision
     working copy for the model's own attention (torch backend; see the module docstring).
     """
 
@@ -328,6 +378,8 @@ class QuantizedKVCache(Cache):
         sink_tokens: int = 0,
         residual: int | None = None,
         simulate: bool = False,
+        value_bits: torch.Tensor | int | None = None,
+        key_group_size: int | None = None,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -336,34 +388,36 @@ class QuantizedKVCache(Cache):
         text_config = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text_config)
         heads = kv_heads(config)
-        if isinstance(bits, int):
-            bits = torch.full((len(types), max(heads)), bits, dtype=torch.long)
-        if tuple(bits.shape) != (len(types), max(heads)):
-            raise ValueError(
-                f"bits: shape {tuple(bits.shape)} does not match the model's ({len(types)}, {max(heads)}) "
-                "(layers, most KV heads of a layer)"
-            )
-        self.scheme = get_scheme(scheme, group_size, sink_tokens, residual)
+        shape = (len(types), max(heads))  # (layers, most KV heads of a layer)
+        bits = _width_grid("bits", bits, shape)
+        value_bits = bits if value_bits is None else _width_grid("value_bits", value_bits, shape)
+        self.scheme = get_scheme(scheme, group_size, sink_tokens, residual, key_group_size)
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         if not isinstance(simulate, bool):
             raise ValueError(f"quant.simulate: {simulate!r} is not allowed; allowed: true, false")
         self.simulate = simulate
-        self.bits = bits.clone()
+        self.key_bits, self.value_bits = bits.clone(), value_bits.clone()
         layers = [
-            self._layer(i, t, kw, bits[i, : heads[i]].tolist())
+            self._layer(i, t, kw, bits[i, : heads[i]].tolist(), value_bits[i, : heads[i]].tolist())
             for i, (t, kw) in enumerate(zip(types, kwargs))
         ]  # each layer's own KV heads: the rest of its row is padding
         self.scheme.check_widths(
-            [b for layer in layers if isinstance(layer, QuantizedLayer) for b in layer.bits]
+            [
+                b
+                for layer in layers
+                if isinstance(layer, QuantizedLayer)
+                for b in (*layer.key_bits, *layer.value_bits)
+            ]
         )
         super().__init__(layers=layers)
 
-    def _layer(self, index: int, layer_type: str, kwargs: dict, bits: list[int]):
+    def _layer(self, index: int, layer_type: str, kwargs: dict, key_bits: list[int], value_bits: list[int]):
+        widths = (key_bits, value_bits, self.scheme)
         if layer_type == "full_attention":
-            return QuantizedLayer(bits, self.scheme, self.prefill, self.backend, self.simulate, index)
+            return QuantizedLayer(*widths, self.prefill, self.backend, self.simulate, index)
         if layer_type in ("sliding_attention", "chunked_attention"):
             return QuantizedSlidingLayer(
-                bits, self.scheme, kwargs["sliding_window"], self.prefill, self.backend, self.simulate, index
+                *widths, kwargs["sliding_window"], self.prefill, self.backend, self.simulate, index
             )
         if layer_type in ("linear_attention", "conv", "dummy"):
             return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
@@ -371,7 +425,8 @@ class QuantizedKVCache(Cache):
 
     @classmethod
     def from_prefilled(cls, prefilled: Cache, config, bits, **kwargs) -> QuantizedKVCache:
-        """A cache holding, quantized, what a full-precision DynamicCache `prefilled` holds (prefill=exact).
+        """A cache holding, quantized, what a full-precision DynamicCache `prefilled` holds (prefill=exact);
+        `bits` and `kwargs` (value_bits among them) as the constructor's.
 
         The prompt's logits and attention came from the full-precision pass; from here on every read goes
         through the quantized form. Linear-attention state is copied unchanged.

@@ -8,12 +8,13 @@ This module owns:
   method a rule implements, `label()` names it in reports, `normalize()` maps configurations that allocate
   identically to one, `point_fields()` writes it back as a grid point's policy fields;
 - `HeadPolicy` and `SinkPolicy`: the common case, a rule that shares a budget among the cached heads of the
-  entropy table (with a sink rule, for `SinkPolicy`) and implements only `free_widths`;
+  entropy table (with a sink rule, for `SinkPolicy`) and implements only `free_widths`; `UnitPolicy`, a
+  SinkPolicy whose `free_widths` gives each head's keys and values apart (two units per head);
 - `POLICIES` (name -> class) and `from_point` (a grid point's or result row's policy).
 
 A grid point is flat (harness.config.Point): `policy` names the class, `policy_seed` is the field `seed`, every
 other field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
-key's neutral value (alpha 0, no sink rule, seed 0), as grid points always did.
+key's neutral value (alpha 0, key_offset 0, no sink rule, seed 0), as grid points always did.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import ClassVar
 import pandas as pd
 import torch
 
-from harness.policies.budget import free_target, quantized_widths, scale_bits
+from harness.policies.budget import free_target, head_scale_bits, quantized_widths, scale_bits
 from harness.policies.stats import ENTROPY_KEYS, kv_head_entropy
 from harness.registry import Registry, unknown_name_message
+from harness.schemes.base import ROLES
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
@@ -39,7 +41,13 @@ ALLOWED_WIDTHS = (*PACKED_WIDTHS, FULL_WIDTH)  # what a policy may assign; 16 = 
 BUDGET_MODES = ("exact", "claim")
 BUDGET_UNITS = ("bytes", "bits")
 POINT_KEYS = {"seed": "policy_seed"}  # field -> grid point key, where they differ
-NEUTRAL = {"alpha": 0.0, "sink_threshold": None, "sink_fraction": None, "policy_seed": 0}  # unused point keys
+NEUTRAL = {  # the point keys a policy has no field for
+    "alpha": 0.0,
+    "key_offset": 0.0,
+    "sink_threshold": None,
+    "sink_fraction": None,
+    "policy_seed": 0,
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,8 +59,15 @@ class Allocation:
     )  # int64 [num_layers, num_kv_heads]; 16 = unquantized; uncached rows and padding hold 0
     value_bits: torch.Tensor  # int64 [num_layers, num_kv_heads]; likewise, for the values
     sinks: torch.Tensor  # bool [num_layers, num_kv_heads]
-    continuous: torch.Tensor  # float64 [num_layers, num_kv_heads]; pre-rounding b_h, NaN for sinks/uncached
+    continuous: (
+        torch.Tensor
+    )  # float64 [num_layers, num_kv_heads]; keys' pre-rounding level, NaN for sinks/uncached
     policy: str
+    value_continuous: torch.Tensor | None = None  # float64 [num_layers, num_kv_heads]; None: `continuous`
+
+    def __post_init__(self) -> None:
+        if self.value_continuous is None:
+            object.__setattr__(self, "value_continuous", self.continuous)
 
     @classmethod
     def per_head(cls, bits: torch.Tensor, sinks: torch.Tensor, continuous: torch.Tensor, policy: str):
@@ -60,10 +75,15 @@ class Allocation:
         return cls(bits, bits, sinks, continuous, policy)
 
     @property
+    def is_per_head(self) -> bool:
+        """Whether every head's keys and values share one width."""
+        return torch.equal(self.key_bits, self.value_bits)
+
+    @property
     def bits(self) -> torch.Tensor:
         """int64 [num_layers, num_kv_heads]: the one width of each head's keys and values; ValueError when
         they differ (read key_bits and value_bits there)."""
-        if not torch.equal(self.key_bits, self.value_bits):
+        if not self.is_per_head:
             raise ValueError(
                 f"allocation: {self.policy} gives keys and values different widths; this consumer reads one "
                 "width per head (use key_bits and value_bits)"
@@ -81,25 +101,42 @@ class Allocation:
         total = self.key_bits.sum().item() + self.value_bits.sum().item()
         return total / (2 * int(self.cached.sum()))
 
-    def histogram(self) -> dict[int, int]:
-        """Width -> number of cached heads at that width (sinks under 16)."""
-        return dict(sorted(Counter(self.bits[self.cached].tolist()).items()))
+    def histogram(self) -> dict:
+        """Width -> number of cached heads at that width (sinks under 16), when keys and values share widths;
+        otherwise the units by role: {"key": {width: heads}, "value": {width: heads}}."""
+        if self.is_per_head:
+            return _counts(self.bits[self.cached])
+        return {"key": _counts(self.key_bits[self.cached]), "value": _counts(self.value_bits[self.cached])}
 
     def to_records(self) -> list[dict]:
-        """One JSON-ready dict per cached head, in (layer, kv_head) order."""
+        """One JSON-ready dict per cached head, in (layer, kv_head) order: its key and value widths and levels
+        (and `bits`, `continuous` when the allocation gives keys and values one width per head)."""
+        per_head = self.is_per_head
         records = []
         for layer, kv_head in self.cached.nonzero().tolist():
-            value = self.continuous[layer, kv_head].item()
-            records.append(
-                {
-                    "layer": layer,
-                    "kv_head": kv_head,
-                    "bits": int(self.bits[layer, kv_head]),
-                    "sink": bool(self.sinks[layer, kv_head]),
-                    "continuous": None if math.isnan(value) else value,
-                }
-            )
+            key_level = _level(self.continuous[layer, kv_head])
+            record = {
+                "layer": layer,
+                "kv_head": kv_head,
+                "key_bits": int(self.key_bits[layer, kv_head]),
+                "value_bits": int(self.value_bits[layer, kv_head]),
+                "sink": bool(self.sinks[layer, kv_head]),
+                "key_continuous": key_level,
+                "value_continuous": _level(self.value_continuous[layer, kv_head]),
+            }
+            if per_head:
+                record.update(bits=record["key_bits"], continuous=key_level)
+            records.append(record)
         return records
+
+
+def _counts(widths: torch.Tensor) -> dict[int, int]:
+    return dict(sorted(Counter(widths.tolist()).items()))
+
+
+def _level(value: torch.Tensor) -> float | None:
+    value = value.item()
+    return None if math.isnan(value) else value
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -145,7 +182,9 @@ class Policy(ABC):
     """
 
     name: ClassVar[str] = ""  # the registered name (POLICIES), set by `register`
-    needs_sensitivity: ClassVar[bool] = False  # allocates from a measured table (harness.sensitivity)
+    # The measured table it allocates from: a name in harness.sensitivity.MEASUREMENTS ("proxy", "unit_kl"),
+    # which the runner measures once per model, scheme, widths and chunk and passes as `sensitivity`; None: none.
+    measurement: ClassVar[str | None] = None
 
     widths: tuple[int, ...] = PACKED_WIDTHS
     budget_mode: str = "exact"
@@ -164,15 +203,15 @@ class Policy(ABC):
         entropy: pd.DataFrame,
         budget: float,
         *,
-        price: Callable[[int], float] | None = None,
+        price: Callable[[int, str], float] | None = None,
         sensitivity: pd.DataFrame | None = None,
     ) -> Allocation:
         """Widths per (layer, KV head, K|V) at `budget` bits per element (harness/policies/__init__.py).
 
-        `entropy`: the calibration table (harness.calibrate), which decides the cached heads; `price(w)`: the
-        scheme's bytes per stored element at width w (harness.capacity.element_price), needed by a bytes
-        budget in exact mode; `sensitivity`: the measured table (harness.sensitivity) of a policy with
-        `needs_sensitivity`.
+        `entropy`: the calibration table (harness.calibrate), which decides the cached heads; `price(w, role)`:
+        the scheme's bytes per stored element of `role` (key or value) at width w
+        (harness.capacity.element_price), needed by a bytes budget in exact mode; `sensitivity`: the measured table
+        (harness.sensitivity) of a policy with a `measurement`.
         """
 
     def check_budget(self, budget: object) -> None:
@@ -242,7 +281,21 @@ class Heads:
     target: float  # bits the non-sink heads may hold in total
     credit: float  # bits per element of scales that a 16-bit head does not store (a bytes budget; else 0)
     quantized: list[int]  # the policy's quantized widths, ascending
-    sensitivity: pd.DataFrame | None  # the measured table, for a policy with needs_sensitivity
+    sensitivity: pd.DataFrame | None  # the measured table, for a policy with a `measurement`
+    role_credit: tuple[
+        float, ...
+    ]  # credit per role (ROLES: keys, values), for units of one role; credit: mean
+
+    def grid(self, free: torch.Tensor, sink=math.nan, uncached=math.nan) -> torch.Tensor:
+        """[num_layers, num_kv_heads] of free's dtype: `free` ([m] or [n]) at the non-sink (or all) cached
+        heads, `sink` at the sinks (when free covers only the others), `uncached` elsewhere."""
+        flat = free
+        if len(free) != len(self.entropy):
+            flat = torch.full((len(self.entropy),), sink, dtype=free.dtype)  # [n]
+            flat[~self.sinks] = free
+        out = torch.full(self.cached.shape, uncached, dtype=free.dtype)  # [L, Hkv]
+        out[self.cached] = flat
+        return out
 
 
 @dataclass(frozen=True)
@@ -259,22 +312,25 @@ class HeadPolicy(Policy):
         """The non-sink heads' widths (int64 [m], summing to at most heads.target) and their pre-rounding
         levels (float64 [m], NaN where there are none), m = heads that are not sinks."""
 
-    def allocate(
+    def share(
         self,
         entropy: pd.DataFrame,
         budget: float,
-        *,
-        price: Callable[[int], float] | None = None,
-        sensitivity: pd.DataFrame | None = None,
-    ) -> Allocation:
+        price: Callable[[int, str], float] | None,
+        sensitivity: pd.DataFrame | None,
+    ) -> Heads:
+        """The cached heads of the entropy table, their sinks and what the non-sink heads may hold in total
+        (one role's bits per element, keys and values each: a head's keys and values together may hold twice
+        that); ValueError for a bytes budget without a price, a measured policy without its table, or a
+        budget that cannot pay for the sinks."""
         self.check_budget(budget)
         bytes_budget = self.budget_unit == "bytes" and self.budget_mode == "exact"
         if bytes_budget and price is None:
             raise ValueError("policy.budget_unit: bytes needs the scheme's byte model (price=); or use bits")
-        if self.needs_sensitivity and sensitivity is None:
+        if self.measurement is not None and sensitivity is None:
             raise ValueError(
                 f"policy.name: {self.name} allocates from measured errors; pass sensitivity= "
-                "(harness.sensitivity.cached_sensitivity)"
+                f"(harness.sensitivity.MEASUREMENTS[{self.measurement!r}])"
             )
         head_entropy = kv_head_entropy(entropy, self.entropy_key)  # [L, Hkv]
         cached = ~torch.isnan(head_entropy)  # [L, Hkv]
@@ -284,24 +340,28 @@ class HeadPolicy(Policy):
             raise ValueError("entropy table: no cached heads to allocate")
         quantized = quantized_widths(self.widths)
         sinks = self.sinks(h)  # [n]
-        n_sinks = int(sinks.sum())
-        # bytes: every head's scales cost the same bits per element, except a sink's, which stores none;
-        # the scales the sinks do not store go to the other heads.
-        credit = scale_bits(price, self.widths) if bytes_budget else 0.0
-        target = free_target(budget, n, n_sinks, self.budget_mode, quantized[0], credit)
-        heads = Heads(cached, h, sinks, budget, target, credit, quantized, sensitivity)
+        # bytes: every head's scales cost the same bits per element (its keys' and values' mean: roles may be
+        # priced apart), except a sink's, which stores none; the scales the sinks do not store go to the others.
+        credit = head_scale_bits(price, self.widths) if bytes_budget else 0.0
+        target = free_target(budget, n, int(sinks.sum()), self.budget_mode, quantized[0], credit)
+        # per role too, for a policy whose units are a head's keys and its values (UnitPolicy)
+        role_credit = tuple(scale_bits(price, self.widths, role) if bytes_budget else 0.0 for role in ROLES)
+        return Heads(cached, h, sinks, budget, target, credit, quantized, sensitivity, role_credit)
+
+    def allocate(
+        self,
+        entropy: pd.DataFrame,
+        budget: float,
+        *,
+        price: Callable[[int, str], float] | None = None,
+        sensitivity: pd.DataFrame | None = None,
+    ) -> Allocation:
+        heads = self.share(entropy, budget, price, sensitivity)
         free_bits, continuous = self.free_widths(heads)
-        flat_bits = torch.full((n,), FULL_WIDTH, dtype=torch.int64)  # [n]
-        flat_bits[~sinks] = free_bits
-        flat_continuous = torch.full((n,), math.nan, dtype=torch.float64)  # [n]
-        flat_continuous[~sinks] = continuous
-        bits = torch.zeros(cached.shape, dtype=torch.int64)  # [L, Hkv]
-        bits[cached] = flat_bits
-        sink_grid = torch.zeros(cached.shape, dtype=torch.bool)  # [L, Hkv]
-        sink_grid[cached] = sinks
-        continuous_grid = torch.full(cached.shape, math.nan, dtype=torch.float64)  # [L, Hkv]
-        continuous_grid[cached] = flat_continuous
-        return Allocation.per_head(bits, sink_grid, continuous_grid, self.name)
+        bits = heads.grid(free_bits, FULL_WIDTH, 0)
+        return Allocation.per_head(
+            bits, heads.grid(heads.sinks, True, False), heads.grid(continuous), self.name
+        )
 
 
 @dataclass(frozen=True)
@@ -345,3 +405,31 @@ class SinkPolicy(HeadPolicy):
         if self.sink_fraction is not None:
             return f"sinks top {100 * self.sink_fraction:g}%"
         return "sinks none"
+
+
+@dataclass(frozen=True)
+class UnitPolicy(SinkPolicy):
+    """A SinkPolicy whose heads' keys and values are separate units: `free_widths` gives the widths and levels of
+    the 2m units of the m non-sink heads (int64 [2m], float64 [2m]: their keys, then their values), summing to at
+    most twice heads.target (what one role may hold: a head's keys and values hold as many elements); a sink
+    head keeps both at 16."""
+
+    def allocate(
+        self,
+        entropy: pd.DataFrame,
+        budget: float,
+        *,
+        price: Callable[[int, str], float] | None = None,
+        sensitivity: pd.DataFrame | None = None,
+    ) -> Allocation:
+        heads = self.share(entropy, budget, price, sensitivity)
+        bits, levels = self.free_widths(heads)  # [2m] each: keys, then values
+        m = len(bits) // 2
+        return Allocation(
+            heads.grid(bits[:m], FULL_WIDTH, 0),
+            heads.grid(bits[m:], FULL_WIDTH, 0),
+            heads.grid(heads.sinks, True, False),
+            heads.grid(levels[:m]),
+            self.name,
+            heads.grid(levels[m:]),
+        )

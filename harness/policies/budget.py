@@ -1,8 +1,9 @@
 """Budget arithmetic shared by the policies: what the free heads may hold, and widths that hold it.
 
 This module owns the numbers behind every allocation, with no policy in it:
-- `scale_bits`: bits per element that a quantized head stores beside its codes, from the scheme's byte model
-  (the credit a 16-bit head, which stores no scales, leaves to the others under a bytes budget);
+- `scale_bits`: bits per element that a quantized unit of one role stores beside its codes, from the scheme's
+  byte model; `head_scale_bits`: a head's mean over its keys and values (the credit a 16-bit head, which stores
+  no scales, leaves to the others under a bytes budget);
 - `free_target`: the bits the non-sink heads may hold in total, in either budget mode (`exact` refuses a
   budget that cannot pay for the sinks at the smallest width);
 - `level_widths` (by `solve_levels`, `round_within`, `claim_round`): continuous levels c + offset meeting a
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
+from harness.schemes.base import ROLES
 from kernels.layout import FULL_WIDTH
 
 TOLERANCE = 1e-9  # bits: float slack when comparing an integer total with budget * n
@@ -27,22 +29,32 @@ def quantized_widths(widths: Iterable[int]) -> list[int]:
     return sorted({int(width) for width in widths} - {FULL_WIDTH})
 
 
-def scale_bits(price: Callable[[int], float], widths: Sequence[int]) -> float:
-    """Bits per element that a quantized head stores beside its codes (scales, zeros), from the byte model.
+def scale_bits(price: Callable[[int, str], float], widths: Sequence[int], role: str = "value") -> float:
+    """Bits per element that a quantized unit of `role` (a head's keys or its values) stores beside its codes
+    (scales, zeros), from the byte model.
 
-    `price(w)`: bytes per stored element at width w. The bytes budget needs it affine in the width (the same
-    overhead at every quantized width), as every per-token and per-channel scheme here is; 16 stores none.
+    `price(w, role)`: bytes per stored element of `role` at width w. The bytes budget needs it affine in the
+    width (the same overhead at every quantized width), as every per-token and per-channel scheme here is; 16
+    stores none.
     """
-    overhead = {w: 8 * price(w) - w for w in quantized_widths(widths)}
+    overhead = {w: 8 * price(w, role) - w for w in quantized_widths(widths)}
     values = list(overhead.values())
     if max(values) - min(values) > 1e-9:
         raise ValueError(
-            f"policy.budget_unit: bytes needs a byte model with the same overhead at every width; got {overhead}"
+            f"policy.budget_unit: bytes needs a byte model with the same overhead at every width; got {overhead} "
+            f"for the {role}s"
         )
-    full = 8 * price(FULL_WIDTH)
+    full = 8 * price(FULL_WIDTH, role)
     if abs(full - FULL_WIDTH) > 1e-9:
         raise ValueError(f"policy.budget_unit: an unquantized head must cost 16 bits per element; got {full}")
     return values[0]
+
+
+def head_scale_bits(price: Callable[[int, str], float], widths: Sequence[int]) -> float:
+    """Bits per element of scales that a quantized head stores: the mean of its keys' and its values' (each role
+    priced by its own byte model). A head at width w costs w + head_scale_bits per element of each role, so
+    the one-role budget arithmetic (free_target) stays exact with this as its credit."""
+    return sum(scale_bits(price, widths, role) for role in ROLES) / len(ROLES)
 
 
 def _check_affordable(budget: float, n: int, n_sinks: int, low: int, credit: float = 0.0) -> None:

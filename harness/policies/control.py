@@ -34,7 +34,7 @@ class Random(Entropy):
         entropy: pd.DataFrame,
         budget: float,
         *,
-        price: Callable[[int], float] | None = None,
+        price: Callable[[int, str], float] | None = None,
         sensitivity: pd.DataFrame | None = None,
     ) -> Allocation:
         allocation = super().allocate(entropy, budget, price=price, sensitivity=sensitivity)

@@ -56,7 +56,7 @@ def head_errors(sensitivity: pd.DataFrame, shape: tuple[int, int], widths: Seque
 class Measured(SinkPolicy):
     """The greedy on measured errors, each head its own unit or (per_layer) one unit per layer."""
 
-    needs_sensitivity: ClassVar[bool] = True
+    measurement: ClassVar[str | None] = "proxy"
     per_layer: ClassVar[bool] = False
 
     def free_widths(self, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:

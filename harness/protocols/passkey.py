@@ -161,7 +161,8 @@ def answer_from_prefilled(
 ):
     """prefill=exact: answer tokens (B, M) and the cache read, from a full-precision DynamicCache of the document.
 
-    bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits`.
+    bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits` (the
+    keys' widths; cache_options may give value_bits).
     """
     if bits is None:
         cache = copy.deepcopy(document_cache)
@@ -332,13 +333,16 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
                     if isinstance(alloc, str):
                         continue  # infeasible: recorded below
                     t0 = time.perf_counter()
-                    bits = None if alloc is None else alloc.bits
+                    bits = None if alloc is None else alloc.key_bits
+                    options = (
+                        cache_options if alloc is None else {**cache_options, "value_bits": alloc.value_bits}
+                    )
                     if s.prefill == "exact" or bits is None:
                         out, cache = answer_from_prefilled(
-                            model, document_cache, question, context - q, s.new_tokens, bits, **cache_options
+                            model, document_cache, question, context - q, s.new_tokens, bits, **options
                         )
                     else:
-                        cache = QuantizedKVCache(model.config, bits, prefill="quantized", **cache_options)
+                        cache = QuantizedKVCache(model.config, bits, prefill="quantized", **options)
                         prefill(model, document, cache, s.chunk)
                         out = answer(model, cache, question, context - q, s.new_tokens)
                     seconds[pb] += time.perf_counter() - t0

@@ -1,10 +1,14 @@
-"""The sensitivity check (`python -m harness.sensitivity --model NAME --check-heads N [--width W] [overrides]`): does
-the sensitivity proxy (harness.sensitivity) rank heads like the teacher-forced KL with only that head quantized?
+"""The sensitivity checks (`python -m harness.sensitivity --model NAME [--check-heads N --width W | --additivity N
+--budget B] [overrides]`):
+- proxy: does the sensitivity proxy (harness.sensitivity) rank heads like the teacher-forced KL with only that head
+  quantized? (harness.sensitivity.proxy_check on a random sample of heads, evaluation text);
+- additivity (`--additivity N`): do unit KLs add up? The unit KL table of the point's widths (cached), then
+  harness.sensitivity.additivity_check: N random joint allocations within --budget mean bits, predicted (summed
+  unit KL) against measured KL on the table's probe sequences.
 
 The point comes from the primary config with the overrides (harness.config.compose), validated before the model
-loads; the start record is written beside the output CSV (<out>.env.json); the measurement is
-harness.sensitivity.proxy_check on a random sample of heads; the CSV, a JSON summary and the Spearman correlation
-are the result.
+loads; the start record is written beside the output CSV (<out>.env.json); the CSV, a JSON summary and the Spearman
+correlation (and, for additivity, the ratio measured / predicted) are the result.
 """
 
 from __future__ import annotations
@@ -21,7 +25,15 @@ from harness.config import Point, base_point, compose
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
 from harness.models import ModelUnavailable, load_model
 from harness.schemes import Scheme, get_scheme
-from harness.sensitivity import cached_sensitivity, measured_widths, proxy_check, sample_heads
+from harness.sensitivity import (
+    additivity_check,
+    cached_sensitivity,
+    cached_unit_kl,
+    measured_widths,
+    probe_ids,
+    proxy_check,
+    sample_heads,
+)
 from harness.validate import check_model_inputs, preflight_overrides, validate_config
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
@@ -31,12 +43,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m harness.sensitivity",
         description="Does the sensitivity proxy rank heads like the teacher-forced KL with only that head "
-        "quantized? Measures both for a random sample of heads and prints their Spearman correlation.",
+        "quantized? Measures both for a random sample of heads and prints their Spearman correlation. With "
+        "--additivity N: do unit KLs add up on N random joint allocations?",
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--check-heads", type=int, default=12, help="how many heads to sample")
     parser.add_argument("--width", type=int, default=2, help="the width every sampled head is checked at")
-    parser.add_argument("--out", type=Path, help="CSV path (default results/sensitivity/check-*.csv)")
+    parser.add_argument(
+        "--additivity", type=int, help="instead: check unit-KL additivity on this many random allocations"
+    )
+    parser.add_argument("--budget", type=float, help="--additivity: mean bits the allocations stay within")
+    parser.add_argument("--out", type=Path, help="CSV path (default results/sensitivity/*.csv)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. eval=small quant.scheme=sym_token"
     )
@@ -45,7 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     command = io.command_line("python -m harness.sensitivity", argv)
     try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
         cfg, point, scheme = _check_context(args)
-        out = args.out or Path("results/sensitivity") / f"check-{point.model}-{scheme.name}-w{args.width}.csv"
+        name = (
+            f"additivity-{point.model}-{scheme.name}"
+            if args.additivity
+            else f"check-{point.model}-{scheme.name}-w{args.width}"
+        )
+        out = args.out or Path("results/sensitivity") / f"{name}.csv"
         io.set_threads(cfg.threads)
         io.check_writable(out.parent, key="--out")
         io.check_clean(out.parent, cfg.allow_dirty)
@@ -53,7 +75,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     io.start_record(out.parent, command, "cpu", cfg.allow_dirty, name=out.with_suffix(".env.json").name)
-    _run_check(args, point, scheme, out, command=command)
+    if args.additivity:
+        _run_additivity(args, point, scheme, out, command=command)
+    else:
+        _run_check(args, point, scheme, out, command=command)
 
 
 def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
@@ -65,11 +90,20 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     point = base_point(cfg)
     if isinstance(args.check_heads, bool) or args.check_heads < 2:
         raise ValueError(f"--check-heads: {args.check_heads} is too few; allowed: an integer >= 2")
+    if args.additivity is not None and (isinstance(args.additivity, bool) or args.additivity < 2):
+        raise ValueError(f"--additivity: {args.additivity} is too few; allowed: an integer >= 2")
+    narrowest = min(measured_widths(point.widths))
+    if args.budget is not None and args.budget < narrowest:
+        raise ValueError(
+            f"--budget: {args.budget} is below the narrowest width; allowed: at least {narrowest}"
+        )
     if args.width not in PACKED_WIDTHS:
         raise ValueError(
             f"--width: {args.width} is not a quantized width; allowed: {', '.join(map(str, PACKED_WIDTHS))}"
         )
-    scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
+    scheme = get_scheme(
+        point.scheme, point.group_size, point.sink_tokens, point.residual, point.key_group_size
+    )
     scheme.check_widths([args.width])
     check_model_inputs(cfg, [point])
     return cfg, point, scheme
@@ -90,4 +124,24 @@ def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
     print(
         f"spearman(proxy, kl_mean) = {rho:.3f} over {len(rows)} heads "
         f"({point.model}, {scheme.name}, width {args.width}); wrote {out}"
+    )
+
+
+def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
+    model, tokenizer = load_model(point.model, dtype=point.dtype)
+    calibration = data.point_windows(tokenizer, point).calibration
+    table = cached_unit_kl(model, point.model, calibration, scheme, point.widths, point.chunk)
+    ids = probe_ids(calibration)  # the sequences the table was measured on
+    rows, rho, ratio = additivity_check(
+        model, ids, table, scheme, args.additivity, args.budget, point.seed, point.chunk
+    )
+    write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
+    summary = dict(
+        command=command, spearman=rho, ratio=ratio, draws=len(rows), budget=args.budget, point=point.to_dict()
+    )
+    write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1, default=str))
+    print(rows.to_string(index=False))
+    print(
+        f"spearman(predicted, measured) = {rho:.3f}, measured / predicted = {ratio:.3f} over {len(rows)} "
+        f"allocations ({point.model}, {scheme.name}, widths {list(point.widths)}); wrote {out}"
     )

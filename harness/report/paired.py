@@ -40,14 +40,23 @@ def item_statistics(record: dict) -> dict[str, tuple[Callable[[np.ndarray], floa
     items = record["items"]
     stats = np.asarray(items["bleu_stats"], dtype=np.int64)  # (N, 10)
     match = np.asarray(items["token_match"], dtype=np.float64)  # (N,)
-    nll, nll_base = (
-        np.asarray(items["nll"], dtype=np.float64),
-        np.asarray(items["nll_base"], dtype=np.float64),
-    )
-    kl = np.asarray(items["kl_mean"], dtype=np.float64)  # (S,)
     return {
         "bleu": (lambda idx: corpus_bleu_from_stats(stats[idx]), len(stats)),
         "token_match": (lambda idx: float(match[idx].mean()), len(match)),
+        **teacher_forced_statistics(record),
+    }
+
+
+def teacher_forced_statistics(record: dict) -> dict[str, tuple[Callable[[np.ndarray], float], int]]:
+    """ppl_ratio and kl_mean as (statistic of sequence indices, number of sequences), from a point's items (a peer
+    engine's point too: it has no generation items)."""
+    items = record["items"]
+    nll, nll_base = (
+        np.asarray(items["nll"], dtype=np.float64),
+        np.asarray(items["nll_base"], dtype=np.float64),
+    )  # (S,) each
+    kl = np.asarray(items["kl_mean"], dtype=np.float64)  # (S,)
+    return {
         "ppl_ratio": (lambda idx: math.exp(nll[idx].mean()) / math.exp(nll_base[idx].mean()), len(nll)),
         "kl_mean": (lambda idx: float(kl[idx].mean()), len(kl)),
     }
@@ -181,7 +190,7 @@ def difference_table(diffs: pd.DataFrame) -> pd.DataFrame:
                 diffs["difference"], diffs["low"], diffs["high"], diffs["excludes_zero"], diffs["n"]
             )
         ],
-        bytes=[_format_bytes_ratio(r) for r in diffs["bytes_ratio"]],
+        bytes=[format_bytes_ratio(r) for r in diffs["bytes_ratio"]],
     )
     index = ["model", "scheme", "budget", "configuration", "key"]
     wide = cells.pivot(index=index, columns="metric", values="cell")
@@ -190,7 +199,7 @@ def difference_table(diffs: pd.DataFrame) -> pd.DataFrame:
     return wide[["model", "scheme", "budget", "configuration", "bytes", *DIFF_METRICS, "key"]]
 
 
-def _format_bytes_ratio(ratio: float) -> str:
+def format_bytes_ratio(ratio: float) -> str:
     """The point's bytes over its reference's, flagged where equal memory does not hold (beyond 0.5%)."""
     if math.isnan(ratio):
         return "—"

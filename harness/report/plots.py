@@ -235,27 +235,38 @@ def allocation_point(records: list[dict], model: str) -> dict | None:
 
 
 def plot_allocation(record: dict) -> Figure:
-    """Bits per layer (rows) and KV head (columns) of one point, discrete colours; uncached layers blank."""
-    bits = np.asarray(record["allocation"]["bits"], dtype=np.int64)  # (L, Hkv); 0 = no KV cache
-    levels = sorted(set(ALLOWED_WIDTHS) | set(bits[bits > 0].tolist()))
-    codes = np.ma.masked_where(bits == 0, np.searchsorted(levels, bits))
+    """Bits per layer (rows) and KV head (columns) of one point, discrete colours; uncached layers blank. An
+    allocation whose keys and values differ gets one panel per role."""
+    allocation = record["allocation"]
+    if "bits" in allocation:
+        panels = {"bits": allocation["bits"]}
+    else:
+        panels = {"key bits": allocation["key_bits"], "value bits": allocation["value_bits"]}
+    grids = {
+        name: np.asarray(grid, dtype=np.int64) for name, grid in panels.items()
+    }  # (L, Hkv); 0 = no cache
+    stored = sorted({w for bits in grids.values() for w in bits[bits > 0].tolist()})
+    levels = sorted(set(ALLOWED_WIDTHS) | set(stored))
     cmap = ListedColormap(matplotlib.colormaps["viridis"](np.linspace(0, 1, len(levels))))
     norm = BoundaryNorm(np.arange(len(levels) + 1) - 0.5, len(levels))
-    fig = _figure(max(4.0, 0.4 * bits.shape[1] + 2.5), max(3.0, 0.25 * bits.shape[0] + 1.5))
-    ax = fig.subplots()
-    image = ax.imshow(codes, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
-    bar = fig.colorbar(image, ax=ax, ticks=range(len(levels)), label="bits")
-    bar.ax.set_yticklabels([str(w) for w in levels])
-    if bits.size <= 400:  # small grids: the width in each cell too
-        for (layer, head), width in np.ndenumerate(bits):
-            if width:
-                ax.text(head, layer, str(width), ha="center", va="center", fontsize="x-small", color="white")
-    _integer_axes(ax, "KV head", "layer")
+    rows, cols = next(iter(grids.values())).shape
+    fig = _figure(len(grids) * max(4.0, 0.4 * cols + 2.5), max(3.0, 0.25 * rows + 1.5))
+    axes = np.atleast_1d(fig.subplots(1, len(grids)))
+    for ax, (name, bits) in zip(axes, grids.items()):
+        codes = np.ma.masked_where(bits == 0, np.searchsorted(levels, bits))
+        image = ax.imshow(codes, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm)
+        bar = fig.colorbar(image, ax=ax, ticks=range(len(levels)), label=name)
+        bar.ax.set_yticklabels([str(w) for w in levels])
+        if bits.size <= 400:  # small grids: the width in each cell too
+            for (layer, head), width in np.ndenumerate(bits):
+                if width:
+                    ax.text(
+                        head, layer, str(width), ha="center", va="center", fontsize="x-small", color="white"
+                    )
+        _integer_axes(ax, "KV head", "layer")
     config = record["config"]
-    ax.set_title(
-        f"{config['model']}: {configuration(config)}, budget {config['budget']}, {config['scheme']}",
-        fontsize="medium",
-    )
+    title = f"{config['model']}: {configuration(config)}, budget {config['budget']}, {config['scheme']}"
+    (axes[0].set_title if len(grids) == 1 else fig.suptitle)(title, fontsize="medium")
     return fig
 
 

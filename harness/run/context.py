@@ -40,7 +40,7 @@ class ModelContext:
     timings: dict = field(default_factory=dict)
     measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
     calib_ids: torch.Tensor | None = None  # (C, Tc) calibration tokens, for the measured policies
-    sensitivity: dict = field(default_factory=dict)  # (scheme, widths) -> harness.sensitivity table, lazily
+    sensitivity: dict = field(default_factory=dict)  # (measurement, scheme, widths, chunk) -> table, lazily
     shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
     bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
     peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily

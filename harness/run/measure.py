@@ -16,22 +16,26 @@ from harness.config import Point
 from harness.policies import from_point
 from harness.run.context import ModelContext
 from harness.schemes import get_scheme
-from harness.sensitivity import cached_sensitivity
+from harness.sensitivity import MEASUREMENTS
 from kernels.layout import FULL_WIDTH
 
 
 def allocation(ctx: ModelContext, point: Point):
     """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks.
 
-    The measured policies' table is measured once per model, scheme (with its options) and widths.
+    A measured policy's table (its `measurement`, harness.sensitivity.MEASUREMENTS) is measured once per model,
+    scheme (with its options), widths and chunk.
     """
     policy = from_point(point.group("policy"))
-    scheme = get_scheme(point.scheme, point.group_size, point.sink_tokens, point.residual)
+    scheme = get_scheme(
+        point.scheme, point.group_size, point.sink_tokens, point.residual, point.key_group_size
+    )
     table = None
-    if policy.needs_sensitivity:
-        key = (scheme, tuple(point.widths))
+    if policy.measurement is not None:
+        key = (policy.measurement, scheme, tuple(point.widths), point.chunk)
         if key not in ctx.sensitivity:
-            ctx.sensitivity[key] = cached_sensitivity(ctx.model, ctx.name, ctx.calib_ids, *key)
+            measure_table = MEASUREMENTS[policy.measurement]
+            ctx.sensitivity[key] = measure_table(ctx.model, ctx.name, ctx.calib_ids, *key[1:])
         table = ctx.sensitivity[key]
     price = element_price(ctx.shape, scheme)
     return policy.allocate(ctx.entropy, point.budget, price=price, sensitivity=table)
@@ -40,9 +44,11 @@ def allocation(ctx: ModelContext, point: Point):
 def measurement_key(point: Point, alloc) -> tuple:
     """Everything a measurement depends on beyond the shared context: equal keys give equal metrics."""
     return (
-        alloc.bits.numpy().tobytes(),
+        alloc.key_bits.numpy().tobytes(),
+        alloc.value_bits.numpy().tobytes(),
         point.scheme,
         point.group_size,
+        point.key_group_size,  # None: group_size
         point.sink_tokens,
         point.residual,  # None: the scheme's default (grid points carry it resolved)
         point.prefill,
@@ -51,10 +57,11 @@ def measurement_key(point: Point, alloc) -> tuple:
 
 
 def cache_options(point: Point, backend: str, simulate: bool = False) -> dict:
-    """QuantizedKVCache keyword arguments (besides bits and prefill) for a point."""
+    """QuantizedKVCache keyword arguments (besides the widths and prefill) for a point."""
     return dict(
         scheme=point.scheme,
         group_size=point.group_size,
+        key_group_size=point.key_group_size,
         sink_tokens=point.sink_tokens,
         residual=point.residual,
         backend=backend,
@@ -73,11 +80,12 @@ def measure(ctx: ModelContext, point: Point, alloc) -> dict:
 def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict:
     config = ctx.model.config
     cache_kwargs = cache_options(point, ctx.backend, ctx.simulate)
+    cache_kwargs["value_bits"] = alloc.value_bits
     caches = []
 
     def from_prefilled(prefilled_cache):
         cache = QuantizedKVCache.from_prefilled(
-            prefilled_cache, config, alloc.bits, prefill="exact", **cache_kwargs
+            prefilled_cache, config, alloc.key_bits, prefill="exact", **cache_kwargs
         )
         caches.append(with_eviction(cache, spec))
         return caches[-1]
@@ -90,7 +98,7 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
     else:
 
         def factory():
-            cache = QuantizedKVCache(config, alloc.bits, prefill=point.prefill, **cache_kwargs)
+            cache = QuantizedKVCache(config, alloc.key_bits, prefill=point.prefill, **cache_kwargs)
             caches.append(with_eviction(cache, spec))
             return caches[-1]
 
@@ -107,7 +115,7 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         ctx.model,
         ctx.sequences,
         lambda: with_eviction(
-            QuantizedKVCache(config, alloc.bits, prefill="quantized", **cache_kwargs), spec
+            QuantizedKVCache(config, alloc.key_bits, prefill="quantized", **cache_kwargs), spec
         ),
         chunk=point.chunk,
         batch_size=ctx.batch_size,
@@ -140,8 +148,17 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         "metrics": result_metrics,
         "items": items,
         "tokens": tokens.tolist(),
-        "allocation": {"bits": alloc.bits.tolist(), "histogram": alloc.histogram()},
+        "allocation": allocation_record(alloc),
     }
+
+
+def allocation_record(alloc) -> dict:
+    """A row's `allocation`: the keys' and values' widths ([L, Hkv] lists), `bits` too when they are one width
+    per head (as rows before K/V-asymmetric allocations had it), and the histogram (Allocation.histogram)."""
+    record = {"key_bits": alloc.key_bits.tolist(), "value_bits": alloc.value_bits.tolist()}
+    if alloc.is_per_head:
+        record["bits"] = alloc.bits.tolist()
+    return {**record, "histogram": alloc.histogram()}
 
 
 def resolved(ctx: ModelContext) -> dict:

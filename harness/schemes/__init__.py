@@ -5,14 +5,17 @@ token_bytes, the SCHEMES registry); one file per family:
 - `sym_token` (SymToken): per token, groups of g, absmax, fp16 scale (like q4_0);
 - `kivi` (Kivi, ChannelStore): keys per channel over groups of g tokens, values as asym_token, residual 32;
 - `fp8` (Fp8, Fp8Store): e4m3 with an fp16 absmax scale per (token, head); quantized heads 8-bit;
-- `rotate+<scheme>` (Rotated, RotatedStore): a Hadamard rotation of head_dim around any of the above.
+- `rotate+<scheme>` (Rotated, RotatedStore): a Hadamard rotation of head_dim around any of the above;
+- `codebook` (Codebook, CodebookStore): a Hadamard rotation, then per (token, head) b-bit indices into the
+  Lloyd-Max codebook of N(0, 1) (lloyd_max.py) and one fp16 scale (TurboQuant-style); rotated already, so
+  registered after rotate (no rotate+codebook).
 FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
 one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
-registered before it), and one YAML file in conf/quant.
+registered before it, unless the scheme rotates itself), and one YAML file in conf/quant.
 """
 
-# The import order is the registration order (the order of the allowed names in errors); rotate comes last, as it
-# wraps every scheme registered before it.
+# The import order is the registration order (the order of the allowed names in errors); rotate wraps every scheme
+# registered before it, so only codebook, which rotates itself, comes after it.
 # isort: off
 from harness.schemes.base import (
     ROLES,
@@ -29,6 +32,7 @@ from harness.schemes.sym_token import SymToken
 from harness.schemes.kivi import ChannelStore, Kivi
 from harness.schemes.fp8 import Fp8, Fp8Store
 from harness.schemes.rotate import ROTATE, Rotated, RotatedStore
+from harness.schemes.codebook import Codebook, CodebookStore
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore
 
 # isort: on
@@ -39,6 +43,8 @@ __all__ = [
     "SCHEMES",
     "AsymToken",
     "ChannelStore",
+    "Codebook",
+    "CodebookStore",
     "Fp8",
     "Fp8Store",
     "FullStore",

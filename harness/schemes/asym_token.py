@@ -1,5 +1,6 @@
-"""`asym_token` (like llama.cpp q4_1 / q8_1): per token, groups of g along head_dim, min/max codes with an fp16
-scale and zero per group, stored in a kernels.layout.PackedStore (the format the Triton kernels read)."""
+"""`asym_token` (like llama.cpp q4_1 / q8_1): per token, groups of g along head_dim (keys: of key_group_size),
+min/max codes with an fp16 scale and zero per group, stored in a kernels.layout.PackedStore (the format the
+Triton kernels read)."""
 
 from __future__ import annotations
 
@@ -30,12 +31,11 @@ class AsymToken(Scheme):
         role: str,
         simulate: bool,
     ) -> Store:
-        return PackedStore(
-            bits, head_dim, batch, self.group_size, self.symmetric, dtype, device, simulate=simulate
-        )
+        group = self.role_group_size(role)
+        return PackedStore(bits, head_dim, batch, group, self.symmetric, dtype, device, simulate=simulate)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int) -> int:
-        groups = head_dim // self.group_size
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+        groups = head_dim // self.role_group_size(role)
         return packed_dim(head_dim, bits) + groups * FP16_BYTES * (
             1 if self.symmetric else 2
         )  # codes, scale, zero

@@ -5,13 +5,16 @@ A scheme turns the new K or V tokens of a layer (B, Hkv, Tn, D), each KV head at
 unquantized), into stored form and back. A family (one file of harness/schemes) subclasses Scheme: it says how
 one token of one head is stored (`base_store`, `quantized_token_bytes`) and declares what callers ask instead of
 testing names (`widths`, `symmetric`, `packed`, `default_residual`, ...). Options every scheme has:
-`group_size`, `sink_tokens` (the first n tokens of the sequence kept unquantized) and `residual` (the R most
-recent tokens kept unquantized; None means the scheme's `default_residual`); `new_store` wraps the family's
-base store in the wrappers of harness/schemes/wrappers.py for them.
+`group_size`, `key_group_size` (the keys' groups; None means group_size), `sink_tokens` (the first n tokens of
+the sequence kept unquantized) and `residual` (the R most recent tokens kept unquantized; None means the
+scheme's `default_residual`); `new_store` wraps the family's base store in the wrappers of
+harness/schemes/wrappers.py for them. A role's group (`role_group_size`) runs along head_dim in a per-token
+format, along the sequence where the role is quantized per channel (kivi's keys).
 
-`token_bytes(bits, head_dim)` is THE byte model: the bytes of one stored token of one head, which the cache's
-nbytes() reports (tests/harness/test_schemes_table.py checks it against every store), the capacity arithmetic
-(harness/capacity.py) sums and a bytes budget (harness.policies) prices.
+`token_bytes(bits, head_dim, role)` is THE byte model: the bytes of one stored token of one head in `role`
+(keys and values may be stored apart), which the cache's nbytes() reports (tests/harness/test_schemes_table.py
+checks it against every store), the capacity arithmetic (harness/capacity.py) sums and a bytes budget
+(harness.policies) prices.
 """
 
 from __future__ import annotations
@@ -64,6 +67,12 @@ class Store(Protocol):
         """Bytes an unquantized fp16 cache would hold for the same tokens."""
 
 
+def _positive(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{key}: {value!r} is not a positive integer")
+    return value
+
+
 def _non_negative(key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key}: {value!r} is not a non-negative integer")
@@ -82,6 +91,7 @@ class Scheme:
     group_size: int = 32
     sink_tokens: int = 0
     residual: int | None = None  # None: default_residual
+    key_group_size: int | None = None  # None: group_size
 
     widths: ClassVar[tuple[int, ...]] = (
         reference.WIDTHS
@@ -99,8 +109,10 @@ class Scheme:
 
     def __post_init__(self):
         SCHEMES.get(self.name)  # an unknown name is the registry's one-line error
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-            raise ValueError(f"quant.group_size: {self.group_size!r} is not a positive integer")
+        _positive("quant.group_size", self.group_size)
+        if self.key_group_size is None:
+            object.__setattr__(self, "key_group_size", self.group_size)
+        _positive("quant.key_group_size", self.key_group_size)
         _non_negative("quant.sink_tokens", self.sink_tokens)
         if self.residual is None:
             object.__setattr__(self, "residual", self.default_residual)
@@ -121,14 +133,25 @@ class Scheme:
         """The store of every token of one layer's keys or values in this format (no sink or residual tokens)."""
         raise NotImplementedError
 
-    def quantized_token_bytes(self, bits: int, head_dim: int) -> int:
-        """Bytes of one token of one head stored at `bits` (a width of `widths`), scales and zeros included."""
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+        """Bytes of one token of one head of `role` stored at `bits` (a width of `widths`), scales and zeros
+        included (per channel: a group's bytes spread over its tokens)."""
         raise NotImplementedError
 
     def per_channel(self, role: str) -> bool:
-        """Whether tokens of `role` are quantized per channel over groups of group_size tokens (moved to the base
-        store a whole group at a time, so up to residual + g - 1 recent tokens stay unquantized)."""
+        """Whether tokens of `role` are quantized per channel over groups of role_group_size(role) tokens (moved
+        to the base store a whole group at a time, so up to residual + g - 1 recent tokens stay unquantized)."""
         return False
+
+    def role_group_size(self, role: str) -> int:
+        """The group size of `role`: key_group_size for keys, group_size for values."""
+        return self.key_group_size if role == "key" else self.group_size
+
+    def group_key(self, role: str) -> str:
+        """The config key that sets `role`'s group size (for error messages): quant.key_group_size for keys
+        grouped apart from the values, else quant.group_size."""
+        apart = role == "key" and self.key_group_size != self.group_size
+        return "quant.key_group_size" if apart else "quant.group_size"
 
     # ------------------------------------------------------------------------------------------ what callers ask
 
@@ -138,25 +161,34 @@ class Scheme:
         return self.packed and self.sink_tokens == 0 and self.residual == 0
 
     def label(self) -> str:
-        """A short readable name, e.g. 'asym_token g32' or 'kivi g32 sink_tokens=4 residual=16'."""
-        parts = [self.name, f"g{self.group_size}"]
+        """A short readable name, e.g. 'asym_token g32', 'kivi g32 kg128', 'kivi g32 sink_tokens=4 residual=16' or
+        'codebook' (group sizes only where the scheme quantizes groups)."""
+        parts = [self.name]
+        if self.head_dim_groups:
+            parts.append(f"g{self.group_size}")
+            if self.key_group_size != self.group_size:
+                parts.append(f"kg{self.key_group_size}")
         if self.sink_tokens:
             parts.append(f"sink_tokens={self.sink_tokens}")
         if self.residual != self.default_residual:
             parts.append(f"residual={self.residual}")
         return " ".join(parts)
 
-    def token_bytes(self, bits: int, head_dim: int) -> int:
-        """Bytes of one stored token of one head at `bits` (16: unquantized, 2 bytes per element): the byte model
-        of the cache's nbytes(), harness.capacity and the bytes budget."""
+    def token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+        """Bytes of one stored token of one head of `role` at `bits` (16: unquantized, 2 bytes per element): the
+        byte model of the cache's nbytes(), harness.capacity and the bytes budget. A per-channel role's group
+        bytes are spread over its g tokens (a fraction where g does not divide them)."""
+        if role not in ROLES:
+            raise ValueError(f"role: unknown {role!r}; allowed: {', '.join(ROLES)}")
         if bits == FULL_WIDTH:
             return head_dim * FP16_BYTES
         if bits not in self.widths:
             allowed = ", ".join(map(str, [*self.widths, FULL_WIDTH]))
             raise ValueError(f"bits: {bits} with quant.scheme {self.name}; allowed: {allowed}")
-        if self.head_dim_groups and head_dim % self.group_size:
-            raise ValueError(f"quant.group_size: {self.group_size} does not divide head_dim {head_dim}")
-        return self.quantized_token_bytes(bits, head_dim)
+        group = self.role_group_size(role)
+        if self.head_dim_groups and not self.per_channel(role) and head_dim % group:
+            raise ValueError(f"{self.group_key(role)}: {group} does not divide head_dim {head_dim}")
+        return self.quantized_token_bytes(bits, head_dim, role)
 
     def check_widths(self, widths) -> None:
         """ValueError for a width this scheme does not store (fp8: 8 bits only)."""
@@ -172,9 +204,10 @@ class Scheme:
     def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
         """ValueError unless this scheme can store heads of `head_dim` at `bits` in `role`."""
         quantized = any(b != FULL_WIDTH for b in bits)
-        if quantized and self.head_dim_groups and not self.per_channel(role) and head_dim % self.group_size:
+        group = self.role_group_size(role)
+        if quantized and self.head_dim_groups and not self.per_channel(role) and head_dim % group:
             raise ValueError(
-                f"quant.group_size: {self.group_size} does not divide the model's head_dim {head_dim}"
+                f"{self.group_key(role)}: {group} does not divide the model's head_dim {head_dim}"
             )
         if self.rotated and head_dim & (head_dim - 1):
             raise ValueError(
@@ -205,14 +238,14 @@ class Scheme:
         shape = (len(bits), head_dim, batch, dtype, device)
         per_channel = self.per_channel(role)
         if self.residual or per_channel:
-            chunk = self.group_size if per_channel else 1
+            chunk = self.role_group_size(role) if per_channel else 1
             store = ResidualStore(store, self.residual, chunk, *shape, simulate=simulate)
         if self.sink_tokens:
             store = SinkStore(store, self.sink_tokens, *shape, simulate=simulate)
         return store
 
 
-# name -> the scheme's constructor (group_size, sink_tokens, residual as keywords)
+# name -> the scheme's constructor (group_size, sink_tokens, residual, key_group_size as keywords)
 SCHEMES: Registry[Callable[..., Scheme]] = Registry("quant.scheme")
 
 
@@ -221,8 +254,16 @@ def register(cls: type[Scheme]) -> type[Scheme]:
     return SCHEMES.register(cls.name)(cls)
 
 
-def get_scheme(name: str, group_size: int = 32, sink_tokens: int = 0, residual: int | None = None) -> Scheme:
-    return SCHEMES.get(name)(group_size=group_size, sink_tokens=sink_tokens, residual=residual)
+def get_scheme(
+    name: str,
+    group_size: int = 32,
+    sink_tokens: int = 0,
+    residual: int | None = None,
+    key_group_size: int | None = None,
+) -> Scheme:
+    return SCHEMES.get(name)(
+        group_size=group_size, sink_tokens=sink_tokens, residual=residual, key_group_size=key_group_size
+    )
 
 
 def default_residual(name: str) -> int:

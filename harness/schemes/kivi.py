@@ -1,6 +1,7 @@
-"""`kivi` (KIVI, Liu et al. 2024): keys quantized per channel over groups of g consecutive tokens (ChannelStore),
-values per token as asym_token. Keys move to quantized storage a whole group at a time, so up to
-residual + g - 1 recent keys stay unquantized; the default residual window is 32 tokens."""
+"""`kivi` (KIVI, Liu et al. 2024): keys quantized per channel over groups of g = key_group_size consecutive tokens
+(ChannelStore; g along the sequence, so it need not divide head_dim), values per token as asym_token (groups of
+group_size along head_dim). Keys move to quantized storage a whole group at a time, so up to residual + g - 1
+recent keys stay unquantized; the default residual window is 32 tokens."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from kernels.layout import FP16_BYTES, FULL_WIDTH
 @register
 @dataclass(frozen=True)
 class Kivi(AsymToken):
-    """Values are asym_token's; keys cost what asym_token's cost per token over a whole key group (one fp16 scale
-    and zero per channel per g tokens: 4 * head_dim / g bytes per token, as per-token groups of g)."""
+    """Values are asym_token's; a key group of g tokens stores g codes and one fp16 scale and zero per channel, so a
+    key costs head_dim * (packed g codes + 4 bytes) / g bytes per token."""
 
     name: str = "kivi"
 
@@ -30,14 +31,22 @@ class Kivi(AsymToken):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.group_size % 8:
+        if self.key_group_size % 8:
             raise ValueError(
-                f"quant.group_size: {self.group_size} with kivi, whose key codes pack g tokens per channel "
-                "into whole bytes; allowed: a multiple of 8"
+                f"{self.group_key('key')}: {self.key_group_size} with kivi, whose key codes pack g tokens per channel into whole "
+                "bytes; allowed: a multiple of 8"
             )
 
     def per_channel(self, role: str) -> bool:
         return role == "key"
+
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+        if role != "key":
+            return super().quantized_token_bytes(bits, head_dim, role)
+        g = self.key_group_size
+        return (
+            head_dim * (reference.packed_dim(g, bits) + 2 * FP16_BYTES) / g
+        )  # codes, scale, zero per channel
 
     def base_store(
         self,
@@ -50,7 +59,7 @@ class Kivi(AsymToken):
         simulate: bool,
     ) -> Store:
         if role == "key":
-            return ChannelStore(bits, head_dim, batch, self.group_size, dtype, device, simulate)
+            return ChannelStore(bits, head_dim, batch, self.key_group_size, dtype, device, simulate)
         return super().base_store(bits, head_dim, batch, dtype, device, role, simulate)
 
 
@@ -146,7 +155,7 @@ class ChannelStore(BlockStore):
 
     def select(self, index: torch.Tensor) -> None:
         raise NotImplementedError(
-            "select: kivi keys are quantized per channel over groups of quant.group_size tokens; "
+            "select: kivi keys are quantized per channel over groups of quant.key_group_size tokens; "
             "single tokens cannot be evicted from a group"
         )
 

@@ -21,13 +21,14 @@ ROTATE = "rotate+"
 
 @dataclass(frozen=True)
 class Rotated(Scheme):
-    """rotate+<base>: the base scheme on rotated heads. `inner` is that scheme, with this scheme's group size and
+    """rotate+<base>: the base scheme on rotated heads. `inner` is that scheme, with this scheme's group sizes and
     no sink or residual tokens (this scheme keeps those, unrotated)."""
 
     rotated: ClassVar[bool] = True
 
     def __post_init__(self):
-        object.__setattr__(self, "inner", get_scheme(self.name.removeprefix(ROTATE), self.group_size, 0, 0))
+        inner = get_scheme(self.name.removeprefix(ROTATE), self.group_size, 0, 0, self.key_group_size)
+        object.__setattr__(self, "inner", inner)
         super().__post_init__()
 
     @property
@@ -53,8 +54,8 @@ class Rotated(Scheme):
     def per_channel(self, role: str) -> bool:
         return self.inner.per_channel(role)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int) -> int:
-        return self.inner.quantized_token_bytes(bits, head_dim)
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+        return self.inner.quantized_token_bytes(bits, head_dim, role)
 
     def base_store(
         self,

@@ -1,7 +1,14 @@
-"""Measured sensitivity of each KV head: how much quantizing it at each width hurts, on calibration data.
+"""Measured sensitivity: how much quantizing each unit at each width hurts, on calibration data.
 
-This module owns the measurement behind the `sensitivity` and `layerwise` policies (harness/policies/measured.py
-turns its table into widths), the measurement's on-disk cache, and the check that it predicts the real loss.
+This package owns the measured tables the policies allocate from, their on-disk caches, and the checks that they
+predict the real loss. `MEASUREMENTS` maps the name a policy declares (`Policy.measurement`) to the function
+that gives its table (model, model name, calibration ids, scheme, widths, chunk):
+- `proxy` (this module): per (layer, KV head, width) attention-output error, one forward pass for all heads;
+  read by `sensitivity` and `layerwise` (harness/policies/measured.py). `proxy_check` ranks it against the KL.
+- `unit_kl` (unit_kl.py): per (layer, KV head, K|V, width) teacher-forced KL with that unit alone quantized,
+  one teacher-forced run per unit and width; read by `measured` (harness/policies/measured_kl.py).
+  `additivity_check` tests whether unit KLs add up on random joint allocations.
+common.py holds what both share (allocation shape, cached heads, a cache at chosen widths, Spearman).
 
 The proxy. In one calibration forward, each attention layer l computes its output O (B, T, Hq, D) with the
 model's own eager attention (its masks, sliding windows and softcapping), then, for every KV head h and
@@ -15,7 +22,7 @@ where attention consumes it (a key error that leaves the attention rows unchange
 relative it puts heads with outputs of different scale on one footing. It ignores the output projection's
 weight on the head and how later layers amplify or absorb the error: `proxy_check` measures whether the
 ranking survives that (Spearman correlation with the real KL); `python -m harness.sensitivity` runs it
-(harness/protocols/sensitivity_check.py).
+(harness/protocols/sensitivity_check.py; `--additivity N` runs the unit-KL additivity check instead).
 
 Each layer is measured on full-precision inputs, so errors do not compound across layers. The whole
 sequence is stored at once; every shipped scheme quantizes heads independently, so all heads are stored at w
@@ -29,17 +36,25 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Sequence
-from functools import partial
 
 import pandas as pd
 import torch
 
 from harness import evaluate
 from harness.attention import SENSITIVITY_PROBE, installed
-from harness.cache import QuantizedKVCache, kv_heads
 from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.policies import quantized_widths
 from harness.schemes import Scheme
+from harness.sensitivity.common import cache_shape, quantized_factory, spearman
+from harness.sensitivity.unit_kl import (
+    additivity_check,
+    allocation_kl,
+    cached_unit_kl,
+    predicted_kl,
+    probe_ids,
+    random_allocations,
+    unit_kl_table,
+)
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
@@ -109,13 +124,6 @@ class _Meter:
         return table
 
 
-def _cache_shape(model) -> tuple[int, int]:
-    """(num_layers, most KV heads of a layer) of the model's decoder: the shape of an allocation (layers with
-    fewer KV heads pad their rows)."""
-    heads = kv_heads(model.config)
-    return len(heads), max(heads)
-
-
 def measured_widths(widths: Sequence[int]) -> list[int]:
     quantized = quantized_widths(widths)
     if not quantized:
@@ -143,7 +151,7 @@ def head_sensitivity(
     with installed(model, SENSITIVITY_PROBE, meter):
         for start in range(0, input_ids.shape[0], batch_size):
             model(input_ids=input_ids[start : start + batch_size].to(model.device), use_cache=False)
-    return meter.table(*_cache_shape(model))
+    return meter.table(*cache_shape(model))
 
 
 def cached_sensitivity(
@@ -162,18 +170,12 @@ def cached_sensitivity(
         input_ids,
         lambda: head_sensitivity(model, input_ids, scheme, widths),
     )
-    num_layers, num_kv_heads = _cache_shape(model)
+    num_layers, num_kv_heads = cache_shape(model)
     table.attrs.update(num_layers=num_layers, num_kv_heads=num_kv_heads)
     return table
 
 
 # ------------------------------------------------------------------------------------------- proxy check
-
-
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman rank correlation (average ranks for ties); NaN when either side is constant."""
-    x, y = pd.Series(list(x), dtype="float64"), pd.Series(list(y), dtype="float64")
-    return float(x.rank().corr(y.rank()))
 
 
 def sample_heads(table: pd.DataFrame, count: int, seed: int = 0) -> list[tuple[int, int]]:
@@ -204,18 +206,11 @@ def proxy_check(
         raise ValueError(f"--width: {width} was not measured; measured widths: {sorted(set(table['bits']))}")
     base = evaluate.teacher_forced(model, sequences, evaluate.dynamic_cache_factory(model), chunk=chunk)
     shape = (table.attrs["num_layers"], table.attrs["num_kv_heads"])
-    options = dict(
-        scheme=scheme.name,
-        group_size=scheme.group_size,
-        sink_tokens=scheme.sink_tokens,
-        residual=scheme.residual,
-        simulate=True,  # a quality measurement: the model's own attention over a full-precision working copy
-    )
     rows = []
     for layer, kv_head in heads:
         bits = torch.full(shape, FULL_WIDTH, dtype=torch.long)
         bits[layer, kv_head] = width
-        factory = partial(QuantizedKVCache, model.config, bits, prefill="quantized", **options)
+        factory = quantized_factory(model, scheme, bits, bits)
         run = evaluate.teacher_forced(model, sequences, factory, chunk=chunk, baseline=base)
         kl = float(run.kl.double().mean())
         rows.append(
@@ -223,3 +218,36 @@ def proxy_check(
         )
     result = pd.DataFrame(rows, columns=["layer", "kv_head", "bits", "proxy", "kl_mean"])
     return result, spearman(result["proxy"], result["kl_mean"])
+
+
+# ------------------------------------------------------------------------------------------ measurements
+
+
+def _proxy(
+    model, model_name: str, calib_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int], chunk: int
+):
+    """cached_sensitivity under the measurements' common signature (one forward pass: no chunks)."""
+    return cached_sensitivity(model, model_name, calib_ids, scheme, widths)
+
+
+# The tables a policy may declare (Policy.measurement): name -> f(model, model name, calibration ids (C, T),
+# scheme, widths, chunk) -> the table, measured once and cached on disk.
+MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
+
+__all__ = [
+    "MEASUREMENTS",
+    "additivity_check",
+    "allocation_kl",
+    "cached_sensitivity",
+    "cached_unit_kl",
+    "head_sensitivity",
+    "measured_widths",
+    "predicted_kl",
+    "probe_ids",
+    "proxy_check",
+    "random_allocations",
+    "sample_heads",
+    "scheme_quantizer",
+    "spearman",
+    "unit_kl_table",
+]

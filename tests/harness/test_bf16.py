@@ -20,7 +20,8 @@ from harness.calibrate import head_entropies
 from harness.config import Point
 from harness.models import load_model
 from harness.protocols import claim, passkey
-from harness.schemes import SCHEMES, Fp8, Scheme, get_scheme
+from harness.schemes import SCHEMES, Codebook, Fp8, Rotated, Scheme, get_scheme
+from harness.schemes.lloyd_max import lloyd_max
 from kernels.reference import FP8_MAX, FP16_MAX, hadamard_rotate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,6 +62,15 @@ def step_bound(base: Scheme, role: str, x: torch.Tensor, bits: int, g: int) -> t
     if bits == 16:
         return torch.zeros_like(x)
     if isinstance(
+        base, Codebook
+    ):  # x rotated; a bound on each token's L2 error (what rotated schemes check):
+        # the rms times each element's distance to its nearest level (the least-squares scale does no worse than
+        # the rms on the same codes), plus the fp16 rounding of the scale, 2^-11 of it, taken at 2^-9 of the rms
+        levels = torch.tensor(lloyd_max(bits).levels, dtype=torch.float32)
+        rms = x.square().mean(-1, keepdim=True).sqrt()
+        y = torch.where(rms > 0, x / rms, 0.0)
+        return rms * ((y.unsqueeze(-1) - levels).abs().amin(-1) + levels[-1] * 2.0**-9)
+    if isinstance(
         base, Fp8
     ):  # e4m3: 3 mantissa bits (half an ulp: 2^-4 relative), subnormals below 2^-6 of the scale
         scale = x.abs().amax(-1, keepdim=True) / FP8_MAX
@@ -86,13 +96,17 @@ def check_round_trip(
     x32, got32 = x.float().clamp(-FP16_MAX, FP16_MAX), got.float()
     scheme = get_scheme(name, group_size=g, residual=0)
     rotate = scheme.rotated
-    base = scheme.inner if rotate else scheme  # the format rotate+ stores the rotated heads in
+    base = (
+        scheme.inner if isinstance(scheme, Rotated) else scheme
+    )  # the format rotate+ stores rotated heads in
     for h, b in enumerate(bits):
         xh, gh = x32[:, h : h + 1], got32[:, h : h + 1]
         if b == 16:
             assert torch.equal(gh, x[:, h : h + 1].float()), (name, h)  # unquantized heads are exact
             continue
-        domain = hadamard_rotate(xh).clamp(-FP16_MAX, FP16_MAX) if rotate else xh
+        domain = hadamard_rotate(xh) if rotate else xh
+        if base is not scheme:  # rotate+: its inner format clamps the rotated values to the fp16 range
+            domain = domain.clamp(-FP16_MAX, FP16_MAX)
         bound = step_bound(base, role, domain, b, g)
         output_rounding = (xh.abs() + bound) * 2.0**-8
         if rotate:

@@ -112,11 +112,11 @@ def test_per_layer_kv_heads_pad_the_bits_and_shared_layers_hold_nothing(packed):
         ref_layer, q_layer = ref_cache.layers[layer], cache.layers[layer]
         if isinstance(q_layer, QuantizedSlidingLayer):
             q_layer.evict()  # the tokens the forward moved out of the window (evicted at the next update)
-        assert q_layer.bits == bits[layer, :heads].tolist()
+        assert q_layer.key_bits == q_layer.value_bits == bits[layer, :heads].tolist()
         for store, ref in ((q_layer.k_store, ref_layer.keys), (q_layer.v_store, ref_layer.values)):
             got = store.dequantize()  # (B, Hkv, T, D)
             assert got.shape == ref.shape, layer
-            for h, b in enumerate(q_layer.bits):
+            for h, b in enumerate(q_layer.key_bits):
                 want = ref[:, h] if b == 16 else reference.fake_quantize(ref[:, h], b, 16)
                 assert torch.equal(got[:, h], want), (layer, h, b)
 
@@ -187,3 +187,67 @@ def test_from_prefilled_equals_an_exact_prefill_cache(tiny):
     assert torch.equal(first, first_dyn)
     got = decode(QuantizedKVCache.from_prefilled(dyn, model.config, bits, group_size=16), first_dyn)
     assert torch.equal(got, want), name
+
+
+class FakeQuantizedCache(DynamicCache):
+    """The oracle of a K/V-asymmetric cache: a DynamicCache that quantize-dequantizes every new key at its head's
+    key width and every new value at its value width (kernels.reference, asym_token groups) before storing it."""
+
+    def __init__(self, config, key_bits: torch.Tensor, value_bits: torch.Tensor, group_size: int):
+        super().__init__(config=config)
+        self.widths, self.group_size = (key_bits, value_bits), group_size
+
+    def _quantized(self, x: torch.Tensor, bits: list[int]) -> torch.Tensor:
+        heads = [
+            x[:, h] if b == 16 else reference.fake_quantize(x[:, h], b, self.group_size)
+            for h, b in enumerate(bits)
+        ]
+        return torch.stack(heads, 1)  # (B, Hkv, Tn, D)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys = self._quantized(key_states, self.widths[0][layer_idx].tolist())
+        values = self._quantized(value_states, self.widths[1][layer_idx].tolist())
+        return super().update(keys, values, layer_idx, *args, **kwargs)
+
+
+@torch.no_grad()
+def test_keys_and_values_at_different_widths_match_the_oracle_and_the_byte_model(packed):
+    model, _ = load_model("tiny-llama")
+    packed(model)  # quantized caches are attended from their packed form
+    torch.manual_seed(6)
+    layers, heads = model.config.num_hidden_layers, n_kv(model)
+    key_bits = torch.full((layers, heads), 8)
+    key_bits[0, 0], key_bits[-1, -1] = 4, 16  # K8V4 with per-head exceptions
+    value_bits = torch.full((layers, heads), 4)
+    value_bits[0, 1], value_bits[-1, 0] = 2, 16
+    ids = torch.randint(0, 256, (2, 31))
+    want = chunked_logits(model, ids, FakeQuantizedCache(model.config, key_bits, value_bits, 16), chunk=9)
+    caches = {}
+    for simulate in (True, False):
+        caches[simulate] = QuantizedKVCache(
+            model.config,
+            key_bits,
+            group_size=16,
+            prefill="quantized",
+            simulate=simulate,
+            value_bits=value_bits,
+        )
+        got = chunked_logits(model, ids, caches[simulate], chunk=9)
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-5, (simulate, err)
+    uniform = chunked_logits(
+        model, ids, QuantizedKVCache(model.config, 4, group_size=16, prefill="quantized"), 9
+    )
+    assert ((uniform - want).norm() / want.norm()).item() > 1e-4  # the oracle tells the widths apart
+    cache = caches[False]
+    layer = cache.layers[0]
+    assert (layer.key_bits, layer.value_bits) == (key_bits[0].tolist(), value_bits[0].tolist())
+    D = model.config.head_dim
+    per_token = sum(
+        cache.scheme.token_bytes(b, D) for grid in (key_bits, value_bits) for b in grid.flatten().tolist()
+    )
+    assert cache.nbytes() == 2 * 31 * per_token  # batch x tokens x (every head's key + value bytes)
+    with pytest.raises(ValueError, match=r"^value_bits: shape \(1, 1\)"):
+        QuantizedKVCache(model.config, key_bits, value_bits=torch.tensor([[4]]))
+    with pytest.raises(ValueError, match="quant.scheme: fp8 stores quantized heads at 8 bits"):
+        QuantizedKVCache(model.config, 8, scheme="fp8", value_bits=value_bits)

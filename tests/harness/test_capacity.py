@@ -58,7 +58,7 @@ CASES = [
 )
 def test_true_bytes_equal_cache_nbytes(models, name, scheme, sinks, residual, prompt, batch):
     model = models[name]
-    bits = _random_bits(model, seed=prompt)
+    bits, value_bits = _random_bits(model, seed=prompt), _random_bits(model, seed=prompt + 1)  # keys, values
     cache = QuantizedKVCache(
         model.config,
         bits,
@@ -67,6 +67,7 @@ def test_true_bytes_equal_cache_nbytes(models, name, scheme, sinks, residual, pr
         prefill="quantized",
         sink_tokens=sinks,
         residual=residual,
+        value_bits=value_bits,
     )
     shape = capacity.shape_from_config(model.config, name)
     storage = get_scheme(scheme, 16, sinks, residual)
@@ -76,7 +77,7 @@ def test_true_bytes_equal_cache_nbytes(models, name, scheme, sinks, residual, pr
         for start, end in steps:
             positions = torch.arange(start, end).expand(batch, -1)
             model(input_ids=ids[:, start:end], position_ids=positions, past_key_values=cache, use_cache=True)
-            held = capacity.cache_bytes(shape, end, bits, storage, batch)
+            held = capacity.cache_bytes(shape, end, bits, storage, batch, value_bits)
             assert held.true_bytes == cache.nbytes(), (start, end)
             assert held.fp16_bytes == cache.nbytes_fp16(), (start, end)
             assert held.linear_state_bytes == cache.linear_state_nbytes(), (start, end)

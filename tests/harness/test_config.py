@@ -61,3 +61,13 @@ def test_every_field_declares_its_config_key_and_group():
     assert config_key("group_size") == "quant.group_size" and config_key("chunk") == "eval.chunk"
     with pytest.raises(TypeError, match=r"^point field: unknown 'bits'"):
         Point.from_dict({**expand(cfg())[0].to_dict(), "bits": 4})
+
+
+def test_key_group_size_enters_the_key_only_when_set():
+    point = expand(cfg("quant=kivi"))[0]
+    assert point.key_group_size is None and point.key_offset == 0.0
+    before = {k: v for k, v in point.to_dict().items() if k not in ("key_group_size", "key_offset")}
+    assert Point.from_dict(before).key() == point.key()  # points made before the fields keep their keys
+    (apart,) = {p for p in expand(cfg("quant=kivi", "quant.key_group_size=128")) if p.policy == point.policy}
+    assert apart.key_group_size == 128 and apart.key() != point.key()
+    assert apart.replace(key_group_size=None) == point

@@ -13,30 +13,53 @@ import kernels.decode_attention as decode_attention
 from harness.cache import QuantizedKVCache, resolve_backend
 from harness.models import load_model
 
-# (model, bits [layers, KV heads], group size, scheme, prefill, batch); tiny-gemma3's window is 16 and the
-# generations below reach 30 tokens, so its sliding layers evict.
+# (model, bits [layers, KV heads], group size, scheme, prefill, batch, value bits (None: bits), key group size
+# (None: group size)); tiny-gemma3's window is 16 and the generations below reach 30 tokens, so its sliding
+# layers evict.
 CASES = [
-    ("tiny-llama", [[2, 4, 16], [16, 3, 8], [4, 2, 2]], 16, "asym_token", "exact", 2),
-    ("tiny-gemma3", [[2, 16], [4, 8], [16, 2], [3, 4]], 32, "sym_token", "quantized", 1),
+    ("tiny-llama", [[2, 4, 16], [16, 3, 8], [4, 2, 2]], 16, "asym_token", "exact", 2, None, None),
+    ("tiny-gemma3", [[2, 16], [4, 8], [16, 2], [3, 4]], 32, "sym_token", "quantized", 1, None, None),
     # KV sharing: the last two layers attend the stores of the last sliding and global layers before them
     # (the global layers have one KV head, so their second entry is padding).
-    ("tiny-gemma4-kv", [[2, 4], [8, 16], [4, 3], [3, 2], [2, 8]], 16, "asym_token", "exact", 1),
+    ("tiny-gemma4-kv", [[2, 4], [8, 16], [4, 3], [3, 2], [2, 8]], 16, "asym_token", "exact", 1, None, None),
+    # keys and values apart: their own widths and group sizes
+    (
+        "tiny-llama",
+        [[8, 8, 16], [8, 4, 8], [8, 8, 8]],
+        16,
+        "asym_token",
+        "quantized",
+        1,
+        [[4, 2, 4], [16, 4, 4], [2, 4, 3]],
+        8,
+    ),
 ]
 NEW_TOKENS = 10
 
 
-@pytest.mark.parametrize("name, bits, group_size, scheme, prefill, batch", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    "name, bits, group_size, scheme, prefill, batch, value_bits, key_group_size",
+    CASES,
+    ids=[c[0] + ("-kv-apart" if c[6] else "") for c in CASES],
+)
 @torch.no_grad()
 def test_triton_generate_matches_torch(
-    device, name, bits, group_size, scheme, prefill, batch, monkeypatch, packed
+    device, name, bits, group_size, scheme, prefill, batch, value_bits, key_group_size, monkeypatch, packed
 ):
     model, _ = load_model(name, device=device)
     bits = torch.tensor(bits)
+    value_bits = None if value_bits is None else torch.tensor(value_bits)
     torch.manual_seed(5)
     prompt = torch.randint(0, 256, (batch, 20), device=device)
     kw = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, output_logits=True)
     kw.update(return_dict_in_generate=True)
-    cache_kw = dict(group_size=group_size, scheme=scheme, prefill=prefill)
+    cache_kw = dict(
+        group_size=group_size,
+        scheme=scheme,
+        prefill=prefill,
+        value_bits=value_bits,
+        key_group_size=key_group_size,
+    )
 
     torch_cache = QuantizedKVCache(
         model.config, bits, backend="torch", simulate=True, **cache_kw
@@ -96,6 +119,10 @@ def test_backend_names_and_resolution(monkeypatch):
     assert resolve_backend("auto", cuda, [4, 16], 96, 96, 48) == "torch"  # group size the kernels lack
     with pytest.raises(NotImplementedError, match="group_size: 48"):
         resolve_backend("triton", cuda, [4, 16], 96, 96, 48)
+    assert resolve_backend("auto", cuda, [8, 16], 32, 32, 16, [2, 4], 8) == "triton"  # keys and values apart
+    assert resolve_backend("auto", cuda, [4, 16], 96, 96, 32, [4, 4], 48) == "torch"  # the keys' group
+    with pytest.raises(NotImplementedError, match="group_size: 48"):
+        resolve_backend("triton", cuda, [4, 16], 96, 96, 32, None, 48)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="triton needs CUDA tensors"):
         resolve_backend("triton", cpu, [4, 16], 32, 32, 16)

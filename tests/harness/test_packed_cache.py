@@ -17,7 +17,7 @@ from harness import evaluate, metrics
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resident_bytes
 from harness.models import load_model
-from harness.schemes import SCHEMES, get_scheme
+from harness.schemes import SCHEMES, Rotated, get_scheme
 
 PREFILL, DECODE = 1024, 100
 
@@ -30,7 +30,7 @@ CASES = [
     (scheme, width)
     for scheme in SCHEMES
     for width in widths(scheme)
-    if not (get_scheme(scheme).rotated and width == 16)  # rotated stores keep their 16-bit heads in float32
+    if not (isinstance(get_scheme(scheme), Rotated) and width == 16)  # rotate+ keeps 16-bit heads in float32
 ]
 
 
@@ -105,8 +105,8 @@ TINY = ["tiny-llama", "tiny-gemma3", "tiny-qwen3_5"]
 def test_packed_generation_and_metrics_equal_the_simulated_ones(name, packed):
     model, _ = load_model(name)
     packed(model)
-    heads = QuantizedKVCache(model.config, 4).bits.shape[1]
-    layers = QuantizedKVCache(model.config, 4).bits.shape[0]
+    heads = QuantizedKVCache(model.config, 4).key_bits.shape[1]
+    layers = QuantizedKVCache(model.config, 4).key_bits.shape[0]
     torch.manual_seed(len(name))
     bits = torch.tensor([2, 4, 8, 16, 3])[torch.randint(0, 5, (layers, heads))]  # mixed widths
     prompts = torch.randint(0, 256, (3, 23))  # past tiny-gemma3's window of 16

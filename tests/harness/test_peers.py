@@ -329,3 +329,12 @@ def test_the_peers_sweep_validates_with_every_engine_installed():
     assert {p.engine for p in peers} == set(ENGINES)
     assert len([p for p in peers if p.engine == "llamacpp"]) == 1 + 2 * 6  # f16, six types x rotation
     assert {p.model for p in points} == {"smollm2-135m"}
+
+
+def test_the_model_checks_leave_a_peers_storage_to_its_engine():
+    from harness.validate import check_model_inputs
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("config", overrides=["+sweep=peers"])
+    points = validate_config(cfg)
+    check_model_inputs(cfg, points)  # llama.cpp's f16 or q4_0 is no harness scheme: not checked as one

@@ -1,5 +1,5 @@
-"""Tests for harness.policies: hand-worked allocations, validation messages, budget properties, and the invariants
-every registered policy keeps (TABLE)."""
+"""Tests for harness.policies: hand-worked allocations, validation messages, budget properties, the invariants
+every registered policy keeps (TABLE), and the kv policy (keys and values apart)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from harness.config import Point
 from harness.policies import (
     ALLOWED_WIDTHS,
     BUDGET_MODES,
@@ -20,7 +21,9 @@ from harness.policies import (
     Allocation,
     Entropy,
     Inverted,
+    KeyValue,
     Layerwise,
+    MeasuredKL,
     Random,
     Sensitivity,
     Sinks,
@@ -31,7 +34,10 @@ from harness.policies import (
 from kernels.layout import FULL_WIDTH as UNQUANTIZED
 
 PROPERTY_SETTINGS = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-ENTROPY_POLICIES = tuple(name for name in POLICIES if not POLICIES.get(name).needs_sensitivity)
+# The per-head rules on entropy (kv, whose keys and values differ, has its own tests: test_policies_kv.py).
+ENTROPY_POLICIES = tuple(
+    name for name in POLICIES if POLICIES.get(name).measurement is None and name != KeyValue.name
+)
 
 
 def allocate(entropy, budget, policy="entropy", *, price=None, sensitivity=None, **fields):
@@ -245,7 +251,17 @@ def test_to_records_is_json_ready():
     alloc = allocate(df, budget=8, policy="entropy", sink_threshold=0.5, widths=(2, 4, 8, 16))
     records = json.loads(json.dumps(alloc.to_records()))
     assert [(r["layer"], r["kv_head"]) for r in records] == [(0, 0), (0, 1), (2, 0), (2, 1)]
-    assert records[0] == {"layer": 0, "kv_head": 0, "bits": 16, "sink": True, "continuous": None}
+    assert records[0] == {
+        "layer": 0,
+        "kv_head": 0,
+        "key_bits": 16,
+        "value_bits": 16,
+        "sink": True,
+        "key_continuous": None,
+        "value_continuous": None,
+        "bits": 16,
+        "continuous": None,
+    }
     assert sum(r["bits"] for r in records) == alloc.bits.sum().item()
 
 
@@ -284,6 +300,7 @@ GOOD = {
         ({"sink_threshold": None, "sink_fraction": 1.5}, "policy.sink_fraction", "[0, 1]"),
         ({"sink_fraction": 0.1}, "policy.sink_fraction", "at most one sink rule"),
         ({"budget_mode": "clam"}, "policy.budget_mode", "did you mean claim"),
+        ({"policy": "kv", "key_offset": "2"}, "policy.key_offset", "real number"),
     ],
 )
 def test_validate_names_the_key_in_one_line(change, key, fragment):
@@ -465,24 +482,43 @@ TABLE = [
     Inverted(alpha=0.5, widths=(2, 4, 8)),
     Sensitivity(sink_fraction=0.1),
     Layerwise(widths=(2, 3, 4, 8, 16)),
+    KeyValue(alpha=0.5, key_offset=3.0, sink_fraction=0.1),
+    MeasuredKL(sink_fraction=0.1, widths=(2, 3, 4, 16)),
 ]
 TABLE_SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
-def price(width: int) -> float:
+def price(width: int, role: str = "value") -> float:
     """Bytes per element of a per-token scheme with an fp16 scale and zero per 16 elements (2 bits)."""
     return 2.0 if width == UNQUANTIZED else (width + 2) / 8
 
 
-def sensitivity_for(df: pd.DataFrame, widths) -> pd.DataFrame:
-    """A measured table for every cached head of df at every quantized width: errors falling with the width."""
+def sensitivity_for(df: pd.DataFrame, widths, measurement: str | None) -> pd.DataFrame | None:
+    """The measured table a policy reads (its `measurement`) for every cached head of df at every quantized
+    width, errors falling with the width: per head (proxy) or per head and role (unit_kl, keys costlier)."""
     h = kv_head_entropy(df)  # [L, Hkv]
+    heads = (~torch.isnan(h)).nonzero().tolist()
+    quantized = sorted(set(widths) - {UNQUANTIZED})
+    if measurement == "unit_kl":
+        rows = [
+            {
+                "layer": layer,
+                "kv_head": kv_head,
+                "role": role,
+                "bits": w,
+                "kl": scale * (1 + h[layer, kv_head].item()) / w,
+            }
+            for layer, kv_head in heads
+            for role, scale in (("key", 2.0), ("value", 1.0))
+            for w in quantized
+        ]
+        return pd.DataFrame(rows)
     rows = [
         {"layer": layer, "kv_head": kv_head, "bits": w, "error": (1 + h[layer, kv_head].item()) / w}
-        for layer, kv_head in (~torch.isnan(h)).nonzero().tolist()
-        for w in sorted(set(widths) - {UNQUANTIZED})
+        for layer, kv_head in heads
+        for w in quantized
     ]
-    return pd.DataFrame(rows)
+    return pd.DataFrame(rows) if measurement == "proxy" else None
 
 
 def test_the_table_lists_every_registered_policy_once():
@@ -521,7 +557,7 @@ def test_every_policy_keeps_its_budget_in_its_unit_and_is_deterministic(df, unit
     policy = from_point({**TABLE[index].point_fields(), "budget_unit": unit, "budget_mode": mode})
     quantized = sorted(set(policy.widths) - {UNQUANTIZED})
     budget = quantized[0] + fraction * (max(policy.widths) - quantized[0])
-    inputs = dict(price=price, sensitivity=sensitivity_for(df, policy.widths))
+    inputs = dict(price=price, sensitivity=sensitivity_for(df, policy.widths, policy.measurement))
     try:
         alloc = policy.allocate(df, budget, **inputs)
     except ValueError as err:
@@ -558,3 +594,102 @@ def test_an_allocation_with_different_key_and_value_widths_has_no_single_width()
         _ = alloc.bits
     same = Allocation.per_head(values, alloc.sinks, alloc.continuous, "uniform")
     assert torch.equal(same.bits, values) and same.histogram() == {4: 2}
+
+
+# ------------------------------------------------------------------------------- kv: keys and values apart
+
+
+def role_price(width: int, role: str = "value") -> float:
+    """Bytes per element of a unit of `role` at `width`: a per-token scheme with an fp16 scale and zero per 8
+    elements for keys (4 bits), per 16 for values (2 bits), as key_group_size 8 beside group_size 16."""
+    overhead = 4 if role == "key" else 2
+    return 2.0 if width == UNQUANTIZED else (width + overhead) / 8
+
+
+def units(alloc) -> dict[str, torch.Tensor]:
+    """Each role's widths over the cached heads, (layer, kv_head) order."""
+    return {"key": alloc.key_bits[alloc.cached], "value": alloc.value_bits[alloc.cached]}
+
+
+@PROPERTY_SETTINGS
+@given(df=entropy_tables(), unit=st.sampled_from(["bits", "bytes"]))
+def test_budget_3_offset_2_is_k4v2_and_budget_6_offset_4_is_k8v4(df, unit):
+    for budget, offset, key, value in ((3, 2.0, 4, 2), (6, 4.0, 8, 4)):
+        alloc = KeyValue(key_offset=offset, budget_unit=unit).allocate(df, budget, price=role_price)
+        widths = units(alloc)
+        assert set(widths["key"].tolist()) == {key} and set(widths["value"].tolist()) == {value}
+        assert alloc.histogram() == {"key": {key: len(widths["key"])}, "value": {value: len(widths["value"])}}
+        assert alloc.mean_bits == budget
+
+
+def test_alpha_mixes_widths_per_head_and_sinks_keep_keys_and_values_at_16():
+    df = one_layer([0.1, 1.0, 2.0, 3.0, 4.0])
+    alloc = KeyValue(alpha=1.0, key_offset=2.0, sink_threshold=0.5, budget_unit="bits").allocate(df, 6)
+    assert alloc.sinks.tolist() == [[True, False, False, False, False]]
+    assert alloc.key_bits[0, 0] == alloc.value_bits[0, 0] == UNQUANTIZED
+    keys, values = alloc.key_bits[0, 1:].tolist(), alloc.value_bits[0, 1:].tolist()
+    assert keys == sorted(keys, reverse=True) and values == sorted(values, reverse=True)  # peaked heads more
+    assert all(k >= v for k, v in zip(keys, values)) and len(set(keys + values)) > 2
+    assert alloc.key_bits.sum() + alloc.value_bits.sum() <= 6 * 2 * 5
+    records = alloc.to_records()
+    assert "bits" not in records[1] and records[1]["key_bits"] == keys[0]
+    with pytest.raises(ValueError, match="keys and values different widths"):
+        _ = alloc.bits
+
+
+@PROPERTY_SETTINGS
+@given(
+    df=entropy_tables(),
+    fraction=st.floats(0, 1),
+    offset=st.floats(-8, 8),
+    alpha=st.floats(-4, 4),
+    sinks=SINK_RULES,
+    widths=st.sampled_from([(2, 3, 4, 8), (2, 4, 8), (2, 4, 8, 16), (4, 8)]),
+)
+def test_kv_never_exceeds_its_byte_budget(df, fraction, offset, alpha, sinks, widths):
+    policy = KeyValue(alpha=alpha, key_offset=offset, widths=widths, **sinks)
+    low = min(widths)
+    budget = low + fraction * (max(widths) - low)
+    try:
+        alloc = policy.allocate(df, budget, price=role_price)
+    except ValueError as err:
+        assert "cannot pay" in str(err)
+        return
+    held = sum(role_price(int(w), role) for role, grid in units(alloc).items() for w in grid.tolist())
+    n = int(alloc.cached.sum())
+    allowed = n * (
+        role_price(low, "key") + role_price(low, "value") + 2 * (budget - low) / 8
+    )  # uniform at budget
+    assert held <= allowed + 1e-9
+    for grid in (alloc.key_bits, alloc.value_bits):
+        assert (grid[alloc.sinks] == UNQUANTIZED).all()
+        assert set(grid[alloc.cached & ~alloc.sinks].tolist()) <= set(widths) - {UNQUANTIZED}
+    assert torch.equal(alloc.cached, ~torch.isnan(kv_head_entropy(df)))
+
+
+@pytest.mark.parametrize("offset", ["2", True, math.nan, math.inf, None])
+def test_a_bad_key_offset_is_one_line_naming_the_key(offset):
+    with pytest.raises(ValueError) as err:
+        KeyValue(key_offset=offset)
+    assert str(err.value).startswith("policy.key_offset:") and "\n" not in str(err.value)
+
+
+def test_label_grid_point_and_key():
+    assert KeyValue().label() == "kv d=2"
+    assert KeyValue(alpha=0.25, key_offset=4, sink_threshold=0.5).label() == "kv a=0.25 d=4 + sinks H2<0.5"
+    fields = KeyValue(key_offset=4.0).point_fields()
+    assert fields["key_offset"] == 4.0 and from_point(fields) == KeyValue(key_offset=4.0)
+    assert from_point({"policy": "entropy", "key_offset": 4.0}).point_fields()["key_offset"] == 0.0
+    base = dict(
+        model="tiny-llama", policy="kv", budget=3, alpha=0.0, sink_threshold=None, sink_fraction=None,
+        widths=(2, 3, 4, 8), budget_mode="exact", scheme="asym_token", group_size=32, prefill="exact",
+        num_prompts=1, prompt_tokens=8, new_tokens=2, num_sequences=1, sequence_tokens=8, chunk=8,
+        calibration_sequences=1, calibration_tokens=8, i0=1, data_path=None, seed=0,
+    )  # fmt: skip
+    keys = {Point(**base, key_offset=d).key() for d in (0.0, 2.0, 4.0)}
+    assert len(keys) == 3
+    # key_offset 0 stays out of the key: points made before the field existed keep theirs.
+    assert (
+        Point(**base, key_offset=0.0).key()
+        == Point.from_dict({k: v for k, v in Point(**base).to_dict().items() if k != "key_offset"}).key()
+    )

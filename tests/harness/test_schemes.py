@@ -8,8 +8,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
+from harness import capacity
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedSlidingLayer
 from harness.models import load_model
@@ -27,9 +28,10 @@ def oracle(scheme: Scheme, x: torch.Tensor, bits: list[int], role: str) -> torch
     rest = x[:, :, S:]
     stored = scheme.inner if scheme.rotated else scheme  # the format rotate+ stores the rotated heads in
     per_channel = stored.per_channel(role)
+    g = scheme.role_group_size(role)  # keys: key_group_size
     n_quant = max(rest.shape[2] - scheme.residual, 0)
     if per_channel:
-        n_quant = n_quant // scheme.group_size * scheme.group_size
+        n_quant = n_quant // g * g
     out = x.clone()
     for h, b in enumerate(bits):
         if b == 16:
@@ -40,10 +42,9 @@ def oracle(scheme: Scheme, x: torch.Tensor, bits: list[int], role: str) -> torch
         if isinstance(stored, Fp8):
             values = reference.fp8_quantize_dequantize(q, torch.float32)[2]
         elif per_channel:
-            values = reference.channel_quantize_dequantize(q, b, scheme.group_size)[1]
+            values = reference.channel_quantize_dequantize(q, b, g)[1]
         else:
-            sym = stored.symmetric
-            values = reference.quantize_dequantize(q, b, scheme.group_size, sym, torch.float32)[1]
+            values = reference.quantize_dequantize(q, b, g, stored.symmetric, torch.float32)[1]
         if scheme.rotated:
             values = reference.hadamard_rotate(values)
         out[:, h, S : S + n_quant] = values.to(x.dtype)
@@ -69,10 +70,10 @@ def feed(store, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", SCHEMES)
-@pytest.mark.parametrize("sinks, residual", [(0, None), (3, 5)])
+@pytest.mark.parametrize("sinks, residual, key_group_size", [(0, None, None), (3, 5, None), (3, 5, 16)])
 @pytest.mark.parametrize("role", ["key", "value"])
-def test_store_matches_oracle(name, sinks, residual, role):
-    scheme = get_scheme(name, group_size=8, sink_tokens=sinks, residual=residual)
+def test_store_matches_oracle(name, sinks, residual, key_group_size, role):
+    scheme = get_scheme(name, 8, sinks, residual, key_group_size)
     bits = widths_for(name)
     torch.manual_seed(SCHEMES.index(name) + 10 * sinks + (role == "key"))
     x = torch.randn(2, len(bits), 45, 32) * torch.logspace(-2, 1, 32)  # channels of very different ranges
@@ -415,6 +416,11 @@ def compose_cfg(*overrides):
         (["quant.scheme=rotate+int4"], r"^quant.scheme: unknown 'rotate\+int4'.*; allowed: asym_token, "),
         (["quant=kivi", "quant.group_size=12"], r"^quant.group_size: 12 with kivi.*allowed: a multiple of 8"),
         (
+            ["quant=kivi", "quant.key_group_size=12"],
+            r"^quant.key_group_size: 12 with kivi.*allowed: a multiple of 8",
+        ),
+        (["quant.key_group_size=0"], r"^quant.key_group_size: 0 is not a positive integer"),
+        (
             ["quant=kivi", "quant.backend=triton"],
             r"^quant.backend: triton supports only asym_token and sym_token",
         ),
@@ -477,3 +483,71 @@ def test_command_rejects_fp8_with_other_widths(tmp_path, cli):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: quant.scheme: fp8"), proc.stderr
     assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# key groups apart from the values' (quant.key_group_size)
+
+
+def _head_dim_64():
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return config, AutoModelForCausalLM.from_config(config).eval()
+
+
+@torch.no_grad()
+def test_kivi_key_groups_of_128_tokens_on_head_dim_64(packed):
+    """kivi g32 kg128: keys per channel over 128 tokens (g need not divide head_dim), values per token in groups
+    of 32; after 300 tokens 256 keys are quantized (the residual of 32 holds the other 44), the values 268."""
+    config, model = _head_dim_64()
+    packed(model)
+    with pytest.raises(ValueError, match=r"^quant.group_size: 128 does not divide"):  # values: along head_dim
+        get_scheme("kivi", 128).new_store([4], 64, 1, torch.float32, "cpu", "value")
+    cache = QuantizedKVCache(config, 4, scheme="kivi", group_size=32, key_group_size=128, prefill="quantized")
+    assert cache.scheme.label() == "kivi g32 kg128"
+    ids = torch.randint(0, 64, (2, 300))
+    for start in range(0, 300, 50):
+        logits = model(input_ids=ids[:, start : start + 50], past_key_values=cache, use_cache=True).logits
+        assert torch.isfinite(logits).all()
+    scheme, held = cache.scheme, {"key": 256, "value": 268}
+    want = sum(
+        2 * 2 * (held[role] * scheme.token_bytes(4, 64, role) + (300 - held[role]) * 64 * 2)
+        for role in ("key", "value")
+    )  # per layer: batch x heads x (quantized + fp16 tokens)
+    assert cache.nbytes() == 2 * want and scheme.token_bytes(4, 64, "key") == 64 * (64 + 4) / 128
+    shape = capacity.shape_from_config(config)
+    assert capacity.cache_bytes(shape, 300, 4, scheme, batch=2).true_bytes == cache.nbytes()
+    ref = DynamicCache(config=config)
+    model(input_ids=ids, past_key_values=ref, use_cache=True)
+    layer = cache.layers[0]
+    keys, values = ref.layers[0].keys, ref.layers[0].values  # (B, Hkv, 300, D)
+    want_keys = keys.clone()
+    want_keys[:, :, :256] = reference.channel_quantize_dequantize(keys[:, :, :256], 4, 128)[1]
+    want_values = values.clone()
+    want_values[:, :, :268] = reference.fake_quantize(values[:, :, :268], 4, 32)
+    torch.testing.assert_close(layer.k_store.dequantize(), want_keys, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer.v_store.dequantize(), want_values, rtol=1e-5, atol=1e-5)
+
+
+def test_per_token_keys_are_stored_in_their_own_groups():
+    """asym_token g32 kg16: the keys' stored scales and zeros are kernels.reference's at g16, the values' at g32."""
+    scheme = get_scheme("asym_token", 32, key_group_size=16)
+    torch.manual_seed(7)
+    x = torch.randn(2, 3, 11, 64) * torch.logspace(-2, 1, 64)  # (B, Hkv, T, D), channels of different ranges
+    for role, g in (("key", 16), ("value", 32)):
+        store = scheme.new_store([4, 4, 4], 64, 2, torch.float32, "cpu", role)
+        store.append(x)
+        want = reference.quantize(x, 4, g)  # scale (B, Hkv, T, 64 // g)
+        assert store.scale.shape[-1] == 64 // g, role
+        assert torch.equal(store.scale[:, :, :11], want.scale) and torch.equal(
+            store.zero[:, :, :11], want.zero
+        )
+        assert store.nbytes() == 2 * 3 * 11 * scheme.token_bytes(4, 64, role)
+    assert scheme.token_bytes(4, 64, "key") == 32 + 4 * 4 and scheme.token_bytes(4, 64, "value") == 32 + 2 * 4
+    with pytest.raises(
+        ValueError, match=r"^quant.key_group_size: 48 does not divide the model's head_dim 64"
+    ):
+        get_scheme("asym_token", 32, key_group_size=48).new_store([4], 64, 1, torch.float32, "cpu", "key")

@@ -2,8 +2,8 @@
 
 - a round trip stays within one step of the scheme's format on fresh random inputs of odd shapes, appended in
   uneven chunks, packed-only and simulated alike;
-- token_bytes (the byte model of capacity, the bytes budget and the reports) equals what the store reports,
-  with and without sink tokens and a residual window;
+- token_bytes (the byte model of capacity, the bytes budget and the reports) equals what the store of each role
+  reports, with and without sink tokens, a residual window and key groups apart from the values';
 - every store, and every store inside it, satisfies the Store protocol;
 - constant and zero groups give no NaN or inf, and zeros come back exact.
 """
@@ -44,6 +44,9 @@ CASES = [
     Case("rotate+sym_token"),
     Case("rotate+kivi"),
     Case("rotate+fp8", step=lambda bits: 2**-4),
+    # Levels of N(0, 1) scaled to each vector: past the outermost level an element is clipped to it, so the
+    # error of an element stays below the head's absmax, not within an integer step.
+    Case("codebook", step=lambda bits: 1.0),
 ]
 IDS = [case.name for case in CASES]
 G, B, D = 8, 3, 32
@@ -101,8 +104,9 @@ def test_round_trip_within_one_step(case, role):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("role", ROLES)
 @pytest.mark.parametrize("sinks, residual", [(0, 0), (2, 3)])
-def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual):
-    scheme = get_scheme(case.name, group_size=G, sink_tokens=sinks, residual=residual)
+@pytest.mark.parametrize("key_group_size", [None, 16])
+def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual, key_group_size):
+    scheme = get_scheme(case.name, G, sinks, residual, key_group_size)
     bits = widths(scheme)
     store = scheme.new_store(bits, D, B, torch.float16, "cpu", role)
     x = torch.randn(B, len(bits), 37, D, dtype=torch.float16)
@@ -112,9 +116,10 @@ def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual):
         start += n
         quantized = max(start - min(sinks, start) - residual, 0)  # sinks and the newest tokens stay 16-bit
         if scheme.per_channel(role):
-            quantized = quantized // G * G  # whole groups of g tokens only
-        per_token = sum(scheme.token_bytes(b, D) for b in bits)
-        fp16 = scheme.token_bytes(FULL_WIDTH, D) * len(bits)
+            g = scheme.role_group_size(role)
+            quantized = quantized // g * g  # whole groups of g tokens only
+        per_token = sum(scheme.token_bytes(b, D, role) for b in bits)
+        fp16 = scheme.token_bytes(FULL_WIDTH, D, role) * len(bits)
         assert store.nbytes() == B * (quantized * per_token + (start - quantized) * fp16), (case.name, start)
         assert store.nbytes_fp16() == B * start * fp16
 

@@ -318,7 +318,10 @@ def test_check_cli_writes_the_csv_and_refuses_bad_input(tmp_path, monkeypatch, c
 
 def test_sweep_runs_the_measured_policies_end_to_end(tmp_path, cli):
     run_dir = tmp_path / "run"
-    entries = "{name:sensitivity,sink_threshold:null},{name:layerwise,alpha:0.7,sink_threshold:null}"
+    entries = (
+        "{name:sensitivity,sink_threshold:null},{name:layerwise,alpha:0.7,sink_threshold:null},"
+        "{name:measured,sink_threshold:null}"
+    )
     policies = f"sweep.policies=[{entries}]"
     proc = cli(
         "harness",
@@ -332,13 +335,15 @@ def test_sweep_runs_the_measured_policies_end_to_end(tmp_path, cli):
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (run_dir / "points").glob("*.json")]
     by_policy = {r["config"]["policy"]: r for r in records}
-    assert set(by_policy) == {"sensitivity", "layerwise", "baseline"}
+    assert set(by_policy) == {"sensitivity", "layerwise", "measured", "baseline"}
     assert by_policy["layerwise"]["config"]["alpha"] == 0.0  # ignored, so normalized
-    for policy in ("sensitivity", "layerwise"):
+    for policy in ("sensitivity", "layerwise", "measured"):
         record = by_policy[policy]
-        bits = torch.tensor(record["allocation"]["bits"])
-        assert (
-            record["status"] == "ok" and record["metrics"]["mean_bits"] == bits.double().mean().item() <= 3.5
-        )
+        bits = torch.tensor([record["allocation"]["key_bits"], record["allocation"]["value_bits"]])
+        assert record["status"] == "ok"
+        assert record["metrics"]["mean_bits"] == pytest.approx(bits.double().mean().item())
+        assert record["metrics"]["mean_bits"] <= 3.5 + 1e-9
     assert all(len(set(row)) == 1 for row in by_policy["layerwise"]["allocation"]["bits"])
-    assert len(list((tmp_path / "cache" / "calibration").glob("tiny-llama-sensitivity-*.parquet"))) == 1
+    calibration = tmp_path / "cache" / "calibration"
+    assert len(list(calibration.glob("tiny-llama-sensitivity-*.parquet"))) == 1
+    assert len(list(calibration.glob("tiny-llama-unit-kl-*.parquet"))) == 1

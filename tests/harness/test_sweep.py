@@ -1,4 +1,5 @@
-"""Sweeps end to end on the smoke grid: determinism, joblib shards, resume after SIGKILL."""
+"""Sweeps end to end on the smoke grid: determinism, joblib shards, resume after SIGKILL; a kv point through the
+runner."""
 
 import json
 import os
@@ -10,8 +11,11 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from hydra import compose, initialize_config_dir
 
 from harness.config import Point
+from harness.run import runner
+from harness.validate import validate_config
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = [
@@ -135,3 +139,20 @@ def test_interleaved_models_load_once_each(tmp_path, monkeypatch):
     table = runner.run(points, tmp_path / "run", batch_size=4)
     assert loads == ["tiny-llama", "tiny-gpt2"]
     assert set(table.loc[table["policy"] != "baseline", "key"]) == {p.key() for p in points}
+
+
+def test_a_kv_point_runs_end_to_end_with_keys_and_values_apart(tmp_path):
+    overrides = ["model=tiny-llama", "eval=tiny", "policy=kv", "policy.budget=3", "policy.key_offset=2"]
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        points = validate_config(compose(config_name="config", overrides=overrides))
+    (point,) = [p for p in points if p.policy == "kv"]
+    assert point.key_offset == 2 and point.key() != point.replace(key_offset=4.0).key()
+    row = runner.run([point], tmp_path, batch_size=4).set_index("policy").loc["kv"]
+    assert row["status"] == "ok" and row["mean_bits"] == 3
+    # asym_token g32, head_dim 32: keys 4-bit (16 + 4 bytes), values 2-bit (8 + 4 bytes) against 2 x 64 bytes.
+    assert row["compression_true"] == pytest.approx(128 / 32)
+    record = json.loads((tmp_path / "points" / f"{point.key()}.json").read_text())
+    allocation = record["allocation"]
+    assert "bits" not in allocation and {w for r in allocation["key_bits"] for w in r} == {4}
+    assert {w for r in allocation["value_bits"] for w in r} == {2}
+    assert allocation["histogram"] == {"key": {"4": 9}, "value": {"2": 9}}

@@ -172,9 +172,12 @@ def _entropy_table(h: np.ndarray) -> pd.DataFrame:
     return table
 
 
-def _bytes_per_element(bits: torch.Tensor, price) -> float:
-    held = bits[bits > 0]
-    return sum(price(int(b)) for b in held.tolist()) / len(held)
+def _bytes_per_element(bits: torch.Tensor, price, value_bits: torch.Tensor | None = None) -> float:
+    """Mean bytes per stored element over every cached (head, K|V) unit, each priced by its role."""
+    value_bits = bits if value_bits is None else value_bits
+    units = [(int(b), "key") for b in bits[bits > 0].tolist()]
+    units += [(int(b), "value") for b in value_bits[value_bits > 0].tolist()]
+    return sum(price(b, role) for b, role in units) / len(units)
 
 
 def test_the_byte_model_prices_scales_and_unquantized_heads():
@@ -187,24 +190,30 @@ def test_the_byte_model_prices_scales_and_unquantized_heads():
     assert scale_bits(element_price(shape, get_scheme("sym_token", 16)), (2, 4)) == pytest.approx(1.0)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     budget=st.sampled_from([2, 2.5, 3, 4, 6]),
     group=st.sampled_from([16, 32, 64]),
-    policy=st.sampled_from(["sinks", "entropy", "uniform"]),
+    key_group=st.sampled_from([8, 16, 32, 64, 128]),
+    scheme=st.sampled_from(["asym_token", "sym_token", "kivi"]),
+    policy=st.sampled_from(["sinks", "entropy", "uniform", "kv"]),
 )
 def test_a_bytes_budget_never_exceeds_uniforms_bytes_and_pays_sinks_their_real_price(
-    seed, budget, group, policy
+    seed, budget, group, key_group, scheme, policy
 ):
+    """Keys and values priced apart (key_group_size != group_size: their scales cost differently)."""
+    if scheme != "kivi" and 64 % key_group:
+        key_group = 64  # per-token keys: groups along head_dim 64
     rng = np.random.default_rng(seed)
     h = rng.uniform(0.0, 4.0, (6, 3))
     h[0, 0] = 0.05  # one sink at threshold 0.5
-    storage = get_scheme("asym_token", group)
-    price = lambda w: storage.token_bytes(w, 64) / 64  # noqa: E731
+    storage = get_scheme(scheme, group, key_group_size=key_group)
+    price = lambda w, role="value": storage.token_bytes(w, 64, role) / 64  # noqa: E731
     table = _entropy_table(h)
     opts = dict(alpha=0.5, sink_threshold=0.5, widths=(2, 3, 4, 8))
-    uniform_bytes = price(2) + (budget - 2) / 8  # bytes per element that uniform at `budget` bits holds
+    # bytes per element that uniform at `budget` bits holds, keys and values each at their role's price
+    uniform_bytes = (price(2, "key") + price(2, "value")) / 2 + (budget - 2) / 8
     try:
         in_bytes = from_point({"policy": policy, "budget_unit": "bytes", **opts}).allocate(
             table, budget, price=price
@@ -212,7 +221,10 @@ def test_a_bytes_budget_never_exceeds_uniforms_bytes_and_pays_sinks_their_real_p
     except ValueError as err:
         assert "cannot pay" in str(err)
         return
-    assert _bytes_per_element(in_bytes.bits, price) <= uniform_bytes + 1e-9
+    held = _bytes_per_element(in_bytes.key_bits, price, in_bytes.value_bits)
+    assert held <= uniform_bytes + 1e-9
+    if policy == "kv":
+        return
     try:
         in_bits = from_point({"policy": policy, "budget_unit": "bits", **opts}).allocate(
             table, budget, price=price
@@ -228,7 +240,7 @@ def test_a_bytes_budget_never_exceeds_uniforms_bytes_and_pays_sinks_their_real_p
 def test_sinks_at_equal_bytes_hold_what_uniform_holds():
     h = np.full((10, 3), 2.0)
     h[:3, 0] = 0.1  # 3 sinks of 30 heads
-    price = lambda w: get_scheme("asym_token", 32).token_bytes(w, 64) / 64  # noqa: E731
+    price = lambda w, role="value": get_scheme("asym_token", 32).token_bytes(w, 64, role) / 64  # noqa: E731
     table = _entropy_table(h)
     uniform = Uniform(widths=(2, 3, 4, 8), budget_unit="bytes").allocate(table, 4, price=price)
     sinks = Sinks(sink_threshold=0.5, widths=(2, 3, 4, 8), budget_unit="bytes").allocate(

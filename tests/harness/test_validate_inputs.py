@@ -104,3 +104,33 @@ def test_group_size_check_refuses_exactly_what_the_stores_refuse(model, group_si
         ConfigError, match=rf"^quant.group_size: {group_size} does not divide {model}'s head_dim"
     ):
         check_model_inputs(cfg, points)
+
+
+@pytest.mark.parametrize("scheme", ["asym_token", "kivi"])
+@pytest.mark.parametrize("key_group_size", [8, 12, 24, 64, 128])
+def test_key_group_size_check_refuses_exactly_what_the_key_stores_refuse(scheme, key_group_size):
+    """Per-token keys group along head_dim (must divide it); kivi's along the sequence (a multiple of 8, any
+    head_dim): kivi g16 kg128 runs on tiny-gemma4's head_dims 32 and 64."""
+    overrides = (f"quant={scheme}", "quant.group_size=16", f"quant.key_group_size={key_group_size}")
+    cfg = compose_cfg("model=tiny-gemma4", "eval=tiny", *overrides)
+    try:
+        storage = get_scheme(scheme, 16, key_group_size=key_group_size)
+    except ValueError:  # kivi: not a multiple of 8
+        with pytest.raises(ConfigError, match=rf"^quant.key_group_size: {key_group_size} with kivi"):
+            validate_config(cfg)
+        return
+    points = validate_config(cfg)
+    assert {p.key_group_size for p in points} == {key_group_size}
+    refused = []
+    for head_dim in preload.head_dims("tiny-gemma4"):
+        try:
+            storage.new_store([4], head_dim, 1, torch.float32, "cpu", "key")
+        except ValueError:
+            refused.append(head_dim)
+    if not refused:
+        check_model_inputs(cfg, points)
+        return
+    with pytest.raises(
+        ConfigError, match=rf"^quant.key_group_size: {key_group_size} does not divide tiny-gemma4's head_dim"
+    ):
+        check_model_inputs(cfg, points)

@@ -1,0 +1,284 @@
+"""The quality frontier of a run: how few true bytes per token each quality costs, and whether an allocation beats
+the best uniform storage at equal bytes. `python -m harness.report.frontier RUN_DIR` writes RUN_DIR/frontier.md.
+
+This module owns three tables, read from a run's point records alone (every storage scheme, group size and policy
+of the run compete; peer engines are left to tables.md):
+- the frontier: for each true compression target, the ok point of lowest ppl_ratio among those compressing at
+  least that much, with its ppl_ratio and kl_mean and their 95% bootstrap intervals over sequences (n printed;
+  none below harness.metrics.MIN_PAIRED_UNITS);
+- the goals (DESIGN.md §8: ppl_ratio <= 1.01 at >= 3.5x, <= 1.05 at >= 4.5x, <= 1.20 at >= 6x): met or missed,
+  and by how much;
+- head to head: every non-uniform point against the best uniform point (any scheme, lowest kl_mean) that holds
+  no more true bytes per token than it does (within EQUAL_BYTES_TOLERANCE), paired on the same sequences:
+  the difference in ppl_ratio and kl_mean with its paired bootstrap interval and n;
+- peer engines (harness/peers, e.g. llama.cpp's KV cache types) on the same windows: each beside the harness
+  point of lowest ppl_ratio that holds no more true bytes, paired (a peer's ppl_ratio and kl_mean are against its
+  own unquantized cache, the harness's against the harness's baseline).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from harness import results
+from harness.config import HARNESS
+from harness.metrics import MIN_PAIRED_UNITS, bootstrap_ci, format_difference, paired_difference_ci
+from harness.report.labels import configuration
+from harness.report.paired import (
+    EQUAL_BYTES_TOLERANCE,
+    default_n_boot,
+    format_bytes_ratio,
+    teacher_forced_statistics,
+)
+from harness.report.sweep import provenance
+from harness.report.tables import markdown_table
+from harness.schemes import SCHEMES, get_scheme
+
+TARGETS = (2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)  # true compression (fp16 bytes / stored bytes)
+GOALS = ((3.5, 1.01), (4.5, 1.05), (6.0, 1.20))  # (at least this compression, at most this ppl_ratio)
+METRICS = ("ppl_ratio", "kl_mean")
+# What must agree for two points to be paired item by item: the same model, dtype and teacher-forced windows.
+PAIRING_FIELDS = ("model", "dtype", "num_sequences", "sequence_tokens", "chunk", "bos", "data_path", "seed")
+
+
+def storage(config: dict) -> str:
+    """A point's storage in words: the scheme with its options, e.g. 'kivi g64 residual=0'."""
+    name = config["scheme"]
+    if name not in SCHEMES:
+        return str(name)
+    return get_scheme(
+        name, config["group_size"], config.get("sink_tokens", 0), config.get("residual")
+    ).label()
+
+
+def name(config: dict) -> str:
+    """'storage: policy', e.g. 'asym_token g64: entropy a=0.25'."""
+    return f"{storage(config)}: {configuration(config)}"
+
+
+def quantized_records(records: list[dict], model: str) -> list[dict]:
+    """The model's ok harness points that quantize (no baseline, no peer engine) and report their bytes."""
+    return [
+        r
+        for r in records
+        if r["status"] == "ok"
+        and r["config"]["model"] == model
+        and r["config"]["policy"] != "baseline"
+        and r["config"].get("engine", HARNESS) == HARNESS
+        and math.isfinite(r["metrics"].get("compression_true", math.nan))
+    ]
+
+
+def interval(record: dict, metric: str, n_boot: int, seed: int) -> str:
+    """'1.024 [1.019, 1.030] n=16' for one point's metric (bootstrap over its sequences), or 'n too small'."""
+    statistic, n = teacher_forced_statistics(record)[metric]
+    value = statistic(np.arange(n))
+    if n < MIN_PAIRED_UNITS:
+        return f"{value:.4g} (n={n} too small for an interval)"
+    low, high = bootstrap_ci(statistic, n, n_boot=n_boot, seed=seed)
+    return f"{value:.4g} [{low:.4g}, {high:.4g}] n={n}"
+
+
+def best_at(records: list[dict], target: float) -> dict | None:
+    """The point of lowest ppl_ratio among those compressing at least `target` (ties: fewer bytes, then key)."""
+    candidates = [r for r in records if r["metrics"]["compression_true"] >= target * (1 - 1e-9)]
+    if not candidates:
+        return None
+    return min(
+        candidates,
+        key=lambda r: (r["metrics"]["ppl_ratio"], r["metrics"]["bytes_per_token"], r["key"]),
+    )
+
+
+def frontier_table(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd.DataFrame:
+    """One row per compression target: the best point compressing at least that much."""
+    mine = quantized_records(records, model)
+    rows = []
+    for target in TARGETS:
+        best = best_at(mine, target)
+        if best is None:
+            rows.append({"at least": f"{target:g}x", "point": "none in the run"})
+            continue
+        rows.append(
+            {
+                "at least": f"{target:g}x",
+                "point": name(best["config"]),
+                "compression_true": best["metrics"]["compression_true"],
+                "bytes_per_token": best["metrics"]["bytes_per_token"],
+                **{m: interval(best, m, n_boot, seed) for m in METRICS},
+                "key": best["key"],
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def goals_table(records: list[dict], model: str) -> pd.DataFrame:
+    """Each goal: the best ppl_ratio the run reaches at that compression, met or missed by how much."""
+    mine = quantized_records(records, model)
+    rows = []
+    for target, ceiling in GOALS:
+        best = best_at(mine, target)
+        if best is None:
+            rows.append({"goal": f"ppl_ratio <= {ceiling:g} at >= {target:g}x", "verdict": "no point"})
+            continue
+        ratio = best["metrics"]["ppl_ratio"]
+        verdict = "met" if ratio <= ceiling else f"missed by {ratio - ceiling:+.3g}"
+        rows.append(
+            {
+                "goal": f"ppl_ratio <= {ceiling:g} at >= {target:g}x",
+                "best": f"{ratio:.4g}",
+                "point": name(best["config"]),
+                "compression_true": best["metrics"]["compression_true"],
+                "verdict": verdict,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _pairable(a: dict, b: dict) -> bool:
+    return all(a["config"].get(f) == b["config"].get(f) for f in PAIRING_FIELDS)
+
+
+def best_uniform_within(records: list[dict], record: dict) -> dict | None:
+    """The uniform point of lowest kl_mean, any scheme, holding at most `record`'s true bytes per token (within
+    EQUAL_BYTES_TOLERANCE) on the same sequences; None when there is none."""
+    limit = record["metrics"]["bytes_per_token"] * (1 + EQUAL_BYTES_TOLERANCE)
+    uniform = [
+        r
+        for r in records
+        if r["config"]["policy"] == "uniform"
+        and r["metrics"]["bytes_per_token"] <= limit
+        and _pairable(r, record)
+    ]
+    return min(uniform, key=lambda r: (r["metrics"]["kl_mean"], r["key"]), default=None)
+
+
+def head_to_head(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd.DataFrame:
+    """Every non-uniform point minus the best uniform point at no more bytes, per metric, paired."""
+    mine = quantized_records(records, model)
+    rows = []
+    for record in sorted(mine, key=lambda r: (r["metrics"]["bytes_per_token"], name(r["config"]), r["key"])):
+        if record["config"]["policy"] == "uniform":
+            continue
+        reference = best_uniform_within(mine, record)
+        row = {
+            "point": name(record["config"]),
+            "compression_true": record["metrics"]["compression_true"],
+            "best uniform at no more bytes": "none" if reference is None else name(reference["config"]),
+        }
+        for metric in METRICS:
+            row[metric] = "—" if reference is None else _difference(record, reference, metric, n_boot, seed)
+        if reference is not None:
+            row["bytes"] = format_bytes_ratio(
+                record["metrics"]["bytes_per_token"] / reference["metrics"]["bytes_per_token"]
+            )
+        row["key"] = record["key"]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _difference(record: dict, reference: dict, metric: str, n_boot: int, seed: int) -> str:
+    """record's metric minus reference's, paired over their sequences, formatted with its interval and n."""
+    (stat_a, n), (stat_b, _) = (
+        teacher_forced_statistics(record)[metric],
+        teacher_forced_statistics(reference)[metric],
+    )
+    difference = stat_a(np.arange(n)) - stat_b(np.arange(n))
+    low = high = math.nan
+    if n >= MIN_PAIRED_UNITS:
+        low, high = paired_difference_ci(stat_a, stat_b, n, n_boot=n_boot, seed=seed)
+    return format_difference(difference, low, high, bool(low > 0 or high < 0), n)
+
+
+def peer_rows(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd.DataFrame:
+    """Each quantized peer point beside the harness point of lowest ppl_ratio at no more true bytes per token."""
+    mine = quantized_records(records, model)
+    peers = [
+        r
+        for r in records
+        if r["status"] == "ok"
+        and r["config"]["model"] == model
+        and r["config"].get("engine", HARNESS) != HARNESS
+        and r["metrics"].get("compression_true", 1.0) > 1.0  # not an unquantized reference
+    ]
+    rows = []
+    for peer in sorted(peers, key=lambda r: (r["metrics"]["bytes_per_token"], r["key"])):
+        limit = peer["metrics"]["bytes_per_token"] * (1 + EQUAL_BYTES_TOLERANCE)
+        fits = [r for r in mine if r["metrics"]["bytes_per_token"] <= limit and _pairable(r, peer)]
+        best = min(fits, key=lambda r: (r["metrics"]["ppl_ratio"], r["key"]), default=None)
+        row = {
+            "peer": configuration(peer["config"]),
+            "compression_true": peer["metrics"]["compression_true"],
+            "ppl_ratio": interval(peer, "ppl_ratio", n_boot, seed),
+            "best harness point at no more bytes": "none" if best is None else name(best["config"]),
+            "its compression_true": math.nan if best is None else best["metrics"]["compression_true"],
+            "its ppl_ratio": "—" if best is None else interval(best, "ppl_ratio", n_boot, seed),
+            "harness minus peer, ppl_ratio": "—"
+            if best is None
+            else _difference(best, peer, "ppl_ratio", n_boot, seed),
+            "key": peer["key"],
+        }
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def frontier_text(run_dir: Path, records: list[dict], n_boot: int | None = None, seed: int = 0) -> str:
+    """The whole frontier.md of run_dir."""
+    n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
+    frame = results.table(records)
+    parts = ["  \n".join(provenance(run_dir))]
+    if "simulate" in frame and frame["simulate"].fillna(False).astype(bool).any():
+        parts.append(
+            "\n**Simulated memory (quant.simulate=true):** these caches also kept a full-precision working copy; "
+            "metrics and true bytes are the stored format's, resident bytes are not."
+        )
+    note = (
+        f"Intervals: percentile bootstrap 95% over teacher-forced sequences, {n_boot} resamples, seed {seed}; "
+        f"none below n = {MIN_PAIRED_UNITS}. Bold: a paired interval that excludes zero (negative is better). "
+        f"bytes: the point's true bytes per token over the reference's."
+    )
+    models = sorted({r["config"]["model"] for r in records if r["config"]["policy"] != "baseline"})
+    for model in models:
+        parts += [
+            f"\n# {model}\n\n## Frontier: lowest ppl_ratio at each true compression\n\n{note}\n",
+            markdown_table(frontier_table(records, model, n_boot, seed)),
+            "\n## Goals (DESIGN.md §8)\n",
+            markdown_table(goals_table(records, model)),
+            "\n## Each allocation against the best uniform storage at no more true bytes\n",
+            markdown_table(head_to_head(records, model, n_boot, seed)),
+        ]
+        peers = peer_rows(records, model, n_boot, seed)
+        if len(peers):
+            parts += [
+                "\n## Peer engines beside the best harness point at no more true bytes\n",
+                markdown_table(peers),
+            ]
+    return "\n".join(parts) + "\n"
+
+
+def write_frontier(run_dir: str | Path, n_boot: int | None = None, seed: int = 0) -> Path:
+    run_dir = Path(run_dir)
+    path = run_dir / "frontier.md"
+    path.write_text(frontier_text(run_dir, results.load_records(run_dir), n_boot, seed))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness.report.frontier", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (default: the run's)")
+    args = parser.parse_args(argv)
+    if not (args.run_dir / "points").is_dir():
+        parser.error(f"run_dir: {args.run_dir} has no points/ folder")
+    print(write_frontier(args.run_dir, args.n_boot))
+
+
+if __name__ == "__main__":
+    main()

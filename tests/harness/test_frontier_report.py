@@ -1,0 +1,114 @@
+"""The frontier report (harness.report.frontier) on synthetic records whose answers are known."""
+
+import math
+
+import numpy as np
+
+from harness.report import frontier
+
+
+def _record(key, policy, scheme, group_size, compression, ppl_shift, kl_shift, n=16, model="m"):
+    """A point whose ppl_ratio is exp(ppl_shift) exactly and whose kl_mean is kl_shift plus noise shared by
+    every point (the same rng per n), so paired differences are known."""
+    rng = np.random.default_rng(n)
+    nll_base = rng.normal(3.0, 0.2, n)
+    kl_noise = rng.uniform(0, 0.01, n)
+    return {
+        "key": key,
+        "status": "ok",
+        "config": {"model": model, "scheme": scheme, "group_size": group_size, "sink_tokens": 0,
+                   "residual": 0, "budget": 4, "policy": policy, "alpha": 0.25, "sink_threshold": None,
+                   "sink_fraction": None, "seed": 0, "dtype": "float32", "num_sequences": n,
+                   "sequence_tokens": 1024, "chunk": 128, "bos": "auto", "data_path": None},
+        "metrics": {"compression_true": compression, "bytes_per_token": 1000.0 / compression,
+                    "ppl_ratio": math.exp(ppl_shift), "kl_mean": kl_shift + float(kl_noise.mean())},
+        "items": {
+            "bleu_stats": [[10, 10, 8, 6, 4, 2, 10, 9, 8, 7]] * n,
+            "token_match": [1.0] * n,
+            "nll": list(nll_base + ppl_shift),
+            "nll_base": list(nll_base),
+            "kl_mean": list(kl_noise + kl_shift),
+        },
+    }  # fmt: skip
+
+
+RECORDS = [
+    _record("u4", "uniform", "asym_token", 32, 3.2, 0.02, 0.05),
+    _record("u4g64", "uniform", "asym_token", 64, 3.56, 0.03, 0.06),
+    _record("u3", "uniform", "asym_token", 64, 4.57, 0.12, 0.20),
+    _record("e3", "entropy", "asym_token", 64, 4.57, 0.10, 0.15),
+    _record("big", "entropy", "asym_token", 32, 3.0, 0.001, 0.001),  # best quality, but only 3x
+]
+
+
+def test_the_frontier_takes_the_best_point_that_compresses_at_least_the_target():
+    table = frontier.frontier_table(RECORDS, "m", n_boot=100).set_index("at least")
+    assert table.loc["3x", "key"] == "big"  # 3.0x counts as at least 3x
+    assert table.loc["3.5x", "key"] == "u4g64"  # big (3.0x) and u4 (3.2x) compress too little
+    assert table.loc["4.5x", "key"] == "e3"  # lower ppl_ratio than uniform at the same bytes
+    assert table.loc["5x", "point"] == "none in the run"
+    assert table.loc["3.5x", "point"] == "asym_token g64: uniform"
+    cell = table.loc["3.5x", "ppl_ratio"]
+    assert cell.startswith(f"{math.exp(0.03):.4g} [") and cell.endswith("n=16")
+
+
+def test_the_frontier_gives_no_interval_below_16_sequences():
+    records = [_record("u", "uniform", "asym_token", 32, 3.2, 0.02, 0.05, n=8)]
+    cell = frontier.frontier_table(records, "m", n_boot=100).iloc[0]["kl_mean"]
+    assert cell.endswith("(n=8 too small for an interval)")
+
+
+def test_goals_say_met_or_by_how_much_they_are_missed():
+    table = frontier.goals_table(RECORDS, "m").set_index("goal")
+    assert table.loc["ppl_ratio <= 1.01 at >= 3.5x", "verdict"] == f"missed by {math.exp(0.03) - 1.01:+.3g}"
+    assert table.loc["ppl_ratio <= 1.05 at >= 4.5x", "verdict"] == f"missed by {math.exp(0.10) - 1.05:+.3g}"
+    met = frontier.goals_table([_record("k", "uniform", "kivi", 64, 3.6, 0.005, 0.01)], "m").set_index("goal")
+    assert met.loc["ppl_ratio <= 1.01 at >= 3.5x", "verdict"] == "met"
+    assert table.loc["ppl_ratio <= 1.2 at >= 6x", "verdict"] == "no point"
+
+
+def test_an_allocation_meets_the_best_uniform_point_at_no_more_bytes():
+    table = frontier.head_to_head(RECORDS, "m", n_boot=200).set_index("key")
+    # e3 (4.57x) may only meet uniform points holding no more bytes: u3, not the better u4 or u4g64
+    assert table.loc["e3", "best uniform at no more bytes"] == "asym_token g64: uniform"
+    assert table.loc["e3", "bytes"] == "1.0000"
+    kl = table.loc["e3", "kl_mean"]
+    assert kl.startswith("**-0.05 [") and kl.endswith("n=16**")  # a constant paired gain: excludes zero
+    # big (3.0x) holds more bytes than every uniform point: its reference is the best of them all, u4
+    assert table.loc["big", "best uniform at no more bytes"] == "asym_token g32: uniform"
+    assert table.loc["big", "bytes"] == f"{3.2 / 3.0:.4f} (unequal bytes)"  # flagged: not equal memory
+    assert "u4" not in table.index  # uniform points are the references, not compared
+
+
+def test_points_on_other_windows_are_never_paired():
+    other = _record("u3x", "uniform", "asym_token", 64, 5.0, 0.0, 0.0)
+    other["config"]["sequence_tokens"] = 512  # better and smaller, but measured on other windows
+    table = frontier.head_to_head([*RECORDS, other], "m", n_boot=100).set_index("key")
+    assert table.loc["e3", "best uniform at no more bytes"] == "asym_token g64: uniform"
+
+
+def test_frontier_md_is_written_for_each_model(tmp_path):
+    import json
+
+    (tmp_path / "points").mkdir()
+    for record in [*RECORDS, _record("x", "uniform", "asym_token", 32, 3.2, 0.0, 0.0, model="other")]:
+        (tmp_path / "points" / f"{record['key']}.json").write_text(json.dumps(record))
+    path = frontier.write_frontier(tmp_path, n_boot=50)
+    text = path.read_text()
+    assert text.count("## Frontier") == 2 and "# m\n" in text and "# other\n" in text
+
+
+def test_a_peer_meets_the_best_harness_point_at_no_more_bytes():
+    peer = _record("q4_0", "uniform", "q4_0", 32, 3.56, 0.08, 0.04)
+    peer["config"].update(engine="llamacpp", rotation=True)
+    del peer["items"]["bleu_stats"], peer["items"]["token_match"]  # peers measure teacher-forced windows only
+    f16 = _record("f16", "uniform", "f16", 32, 1.0, 0.0, 0.0)
+    f16["config"].update(engine="llamacpp", rotation=False)
+    table = frontier.peer_rows([*RECORDS, peer, f16], "m", n_boot=200)
+    assert list(table["key"]) == ["q4_0"]  # the f16 reference is no peer point of the frontier
+    row = table.iloc[0]
+    assert row["peer"] == "llama.cpp q4_0 + rotation"
+    assert (
+        row["best harness point at no more bytes"] == "asym_token g64: uniform"
+    )  # u4g64, 3.56x; u4 holds more
+    assert row["harness minus peer, ppl_ratio"].startswith(f"**{math.exp(0.03) - math.exp(0.08):+.3g} [")
