@@ -13,7 +13,9 @@ of the run compete; peer engines are left to tables.md):
   the difference in ppl_ratio and kl_mean with its paired bootstrap interval and n;
 - peer engines (harness/peers, e.g. llama.cpp's KV cache types) on the same windows: each beside the harness
   point of lowest ppl_ratio that holds no more true bytes, paired (a peer's ppl_ratio and kl_mean are against its
-  own unquantized cache, the harness's against the harness's baseline).
+  own unquantized cache, the harness's against the harness's baseline);
+- the ablation (`INGREDIENTS`): what each ingredient adds near 3.5x, as the paired difference between two named
+  configurations that differ by it (the point with it minus the point without), with their bytes ratio.
 """
 
 from __future__ import annotations
@@ -42,6 +44,40 @@ from harness.schemes import SCHEMES, get_scheme
 TARGETS = (2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)  # true compression (fp16 bytes / stored bytes)
 GOALS = ((3.5, 1.01), (4.5, 1.05), (6.0, 1.20))  # (at least this compression, at most this ppl_ratio)
 METRICS = ("ppl_ratio", "kl_mean")
+# The ablation near 3.5x: (ingredient, the configuration without it, the one with it). A configuration is the
+# config fields a point must match; where several points match, the one of fewest bytes (then key) is taken.
+INGREDIENTS = (
+    (
+        "Hadamard rotation (llama.cpp's q4_0 default)",
+        {"scheme": "sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+    ),
+    (
+        "a zero per group, at equal bytes (g64 asym against g32 sym)",
+        {"scheme": "sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {"scheme": "asym_token", "group_size": 64, "policy": "uniform", "budget": 4},
+    ),
+    (
+        "keys per channel over 64 tokens (KIVI), no fp16 window",
+        {"scheme": "asym_token", "group_size": 64, "policy": "uniform", "budget": 4},
+        {"scheme": "kivi", "group_size": 64, "key_group_size": None, "policy": "uniform", "budget": 4},
+    ),
+    (
+        "Lloyd-Max levels and one fp16 scale per vector, after rotation",
+        {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {"scheme": "codebook", "policy": "uniform", "budget": 4},
+    ),
+    (
+        "keys wider than values: K4V3 against uniform 4-bit codebook",
+        {"scheme": "codebook", "policy": "uniform", "budget": 4},
+        {"scheme": "codebook", "policy": "kv", "budget": 3.5, "key_offset": 1},
+    ),
+    (
+        "the measured knapsack against K4V3, same budget",
+        {"scheme": "codebook", "policy": "kv", "budget": 3.5, "key_offset": 1},
+        {"scheme": "codebook", "policy": "measured", "budget": 3.5},
+    ),
+)
 # What must agree for two points to be paired item by item: the same model, dtype and teacher-forced windows.
 PAIRING_FIELDS = ("model", "dtype", "num_sequences", "sequence_tokens", "chunk", "bos", "data_path", "seed")
 
@@ -52,7 +88,11 @@ def storage(config: dict) -> str:
     if name not in SCHEMES:
         return str(name)
     return get_scheme(
-        name, config["group_size"], config.get("sink_tokens", 0), config.get("residual")
+        name,
+        config["group_size"],
+        config.get("sink_tokens", 0),
+        config.get("residual"),
+        config.get("key_group_size"),
     ).label()
 
 
@@ -227,6 +267,38 @@ def peer_rows(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd
     return pd.DataFrame(rows)
 
 
+def matching(records: list[dict], fields: dict) -> dict | None:
+    """The point whose config has every field of `fields` (fewest bytes, then key), or None."""
+    found = [r for r in records if all(r["config"].get(k) == v for k, v in fields.items())]
+    return min(found, key=lambda r: (r["metrics"]["bytes_per_token"], r["key"]), default=None)
+
+
+def ablation_table(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd.DataFrame:
+    """One row per ingredient: the point with it minus the point without it, paired, with their bytes ratio."""
+    mine = quantized_records(records, model)
+    rows = []
+    for ingredient, without_fields, with_fields in INGREDIENTS:
+        without, with_ = matching(mine, without_fields), matching(mine, with_fields)
+        row = {
+            "ingredient": ingredient,
+            "without": "not in the run" if without is None else name(without["config"]),
+            "with": "not in the run" if with_ is None else name(with_["config"]),
+        }
+        if without is not None and with_ is not None and _pairable(without, with_):
+            row.update(
+                {
+                    "its compression_true": without["metrics"]["compression_true"],
+                    "compression_true": with_["metrics"]["compression_true"],
+                    **{m: _difference(with_, without, m, n_boot, seed) for m in METRICS},
+                    "bytes": format_bytes_ratio(
+                        with_["metrics"]["bytes_per_token"] / without["metrics"]["bytes_per_token"]
+                    ),
+                }
+            )
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 def frontier_text(run_dir: Path, records: list[dict], n_boot: int | None = None, seed: int = 0) -> str:
     """The whole frontier.md of run_dir."""
     n_boot = default_n_boot(run_dir) if n_boot is None else n_boot
@@ -251,6 +323,8 @@ def frontier_text(run_dir: Path, records: list[dict], n_boot: int | None = None,
             markdown_table(goals_table(records, model)),
             "\n## Each allocation against the best uniform storage at no more true bytes\n",
             markdown_table(head_to_head(records, model, n_boot, seed)),
+            "\n## Ablation near 3.5x: what each ingredient adds (with it minus without it, paired)\n",
+            markdown_table(ablation_table(records, model, n_boot, seed)),
         ]
         peers = peer_rows(records, model, n_boot, seed)
         if len(peers):

@@ -112,3 +112,23 @@ def test_a_peer_meets_the_best_harness_point_at_no_more_bytes():
         row["best harness point at no more bytes"] == "asym_token g64: uniform"
     )  # u4g64, 3.56x; u4 holds more
     assert row["harness minus peer, ppl_ratio"].startswith(f"**{math.exp(0.03) - math.exp(0.08):+.3g} [")
+
+
+def test_the_ablation_pairs_the_points_with_and_without_each_ingredient():
+    plain = _record("sym", "uniform", "sym_token", 32, 3.56, 0.10, 0.08)
+    rotated = _record("rot", "uniform", "rotate+sym_token", 32, 3.56, 0.05, 0.03)
+    wider = _record(
+        "rot64", "uniform", "rotate+sym_token", 64, 4.0, 0.07, 0.05
+    )  # other group size: not matched
+    table = frontier.ablation_table([plain, rotated, wider, *RECORDS], "m", n_boot=200).set_index(
+        "ingredient"
+    )
+    assert list(table.index) == [ingredient for ingredient, _, _ in frontier.INGREDIENTS]
+    row = table.loc[frontier.INGREDIENTS[0][0]]
+    assert (row["without"], row["with"]) == ("sym_token g32: uniform", "rotate+sym_token g32: uniform")
+    assert row["ppl_ratio"].startswith(f"**{math.exp(0.05) - math.exp(0.10):+.3g} [")  # better: excludes zero
+    assert row["kl_mean"].startswith("**-0.05 [") and row["bytes"] == "1.0000"
+    # asym_token g64 is in RECORDS (u4g64): the equal-bytes zero-point ingredient is paired with it
+    assert table.loc[frontier.INGREDIENTS[1][0], "with"] == "asym_token g64: uniform"
+    missing = table.loc[frontier.INGREDIENTS[-1][0]]
+    assert missing["without"] == "not in the run" and missing["with"] == "not in the run"
