@@ -331,6 +331,7 @@ def test_sweep_runs_the_measured_policies_end_to_end(tmp_path, cli):
         f"run_dir={run_dir}",
         "tracking.wandb.mode=disabled",
         env={**os.environ, "KVBITS_CACHE": str(tmp_path / "cache")},
+        timeout=900,  # the measured policy's unit-KL table: over 300 s on a loaded 2-core machine
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (run_dir / "points").glob("*.json")]
