@@ -119,8 +119,8 @@ def shape_from_config(config, name: str = "config", context_limit: int | None = 
 def element_price(shape: ModelShape, scheme: Scheme):
     """price(bits, role) -> bytes per stored element of `role` (keys or values) of the model's cached KV heads,
     averaged over them by their head_dim: the byte model that a bytes budget (harness.policies) charges each
-    unit (a head's keys, its values). Per token: a fitted table's bytes (Scheme.table_bytes), held once whatever
-    the context, are not priced."""
+    unit (a head's keys, its values). A fitted table (Scheme.table_bytes) is held once whatever the context, so no
+    token is charged for it."""
     cached = [layer for layer in shape.layers if layer.cached]
     elements = sum(layer.kv_heads * layer.head_dim for layer in cached)
 
@@ -312,10 +312,13 @@ def cache_bytes(
                 + quantized * scheme.token_bytes(b, layer.head_dim, role)
                 for b in widths[i]
             )  # every head of the layer in this role
-        tables = sum(scheme.table_bytes(b, layer.head_dim, role) for role, w in roles.items() for b in w[i])
-        layer_true = round(batch * held) + (
-            tables if tokens else 0
-        )  # a per-channel role's whole groups: an integer
+        # fitted tables (calkey's keys): once per layer and quantized head, whatever the tokens and batch
+        tables = (
+            sum(scheme.table_bytes(b, layer.head_dim, r) for r, w in roles.items() for b in w[i])
+            if tokens
+            else 0
+        )
+        layer_true = round(batch * held) + tables  # a per-channel role's whole groups: an integer
         true += layer_true
         by_kind[layer.kind] = by_kind.get(layer.kind, 0) + layer_true
         fp16 += 2 * batch * tokens_held * layer.kv_heads * layer.head_dim * FP16_BYTES

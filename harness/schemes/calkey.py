@@ -1,6 +1,6 @@
-"""`calkey` (KVQuant-style calibrated keys, Hooper et al. 2024, post-RoPE): keys quantized per channel with a scale
-and zero fitted offline on calibration text (harness/schemes/key_table.py: a KeyTable per layer, rotary pairs
-sharing one symmetric scale), so a stored key is its codes only, plus optional dense-and-sparse outliers
+"""`calkey` (KVQuant-style calibrated keys, Hooper et al. 2024, after RoPE): keys quantized per channel with a scale
+and zero fitted offline on calibration text (harness/schemes/key_table.py: a KeyTable per layer, each rotary pair
+fitted for every position it may take), so a stored key is its codes only, plus optional dense-and-sparse outliers
 (`quant.outliers`); values per token as asym_token (groups of group_size along head_dim, fp16 scale and zero).
 
 Format of one key token of one quantized head, x (D,) in any float dtype, with its layer's table (s, z) for the
@@ -38,6 +38,10 @@ from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
 INDEX_LIMIT = 256  # outlier channel indices are uint8
+UNBOUND = (
+    "quant.scheme: calkey stores keys against tables fitted on the calibration windows; none were given "
+    "(QuantizedKVCache key_calibration: harness.key_calibration.cached_key_calibration)"
+)
 
 
 @register
@@ -75,19 +79,14 @@ class CalKey(AsymToken):
 
     def for_layer(self, layer: int, key_calibration: KeyCalibration | None) -> CalKey:
         if key_calibration is None:
-            raise ValueError(
-                "quant.scheme: calkey stores keys against tables fitted on the calibration windows; none were "
-                "given (QuantizedKVCache key_calibration: harness.key_calibration.cached_key_calibration)"
-            )
+            raise ValueError(UNBOUND)
         return replace(self, table=key_calibration.layer(layer))
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
         if role != "key":
             return super().quantized_token_bytes(bits, head_dim, role)
-        k = self.outlier_count(head_dim)
-        return reference.packed_dim(head_dim, bits) + k * (
-            FP16_BYTES + 1
-        )  # codes, outlier values and indices
+        codes = reference.packed_dim(head_dim, bits)
+        return codes + self.outlier_count(head_dim) * (FP16_BYTES + 1)  # outlier values, uint8 indices
 
     def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
         quantized = role == "key" and bits != FULL_WIDTH
@@ -106,7 +105,7 @@ class CalKey(AsymToken):
         if role != "key":
             return super().base_store(bits, head_dim, batch, dtype, device, role, simulate)
         if self.table is None:
-            self.for_layer(0, None)  # the one-line error
+            raise ValueError(UNBOUND)
         k = self.outlier_count(head_dim)
         return CalKeyStore(bits, head_dim, batch, dtype, device, self.table, k, simulate)
 
