@@ -8,6 +8,8 @@ This module owns the arithmetic and nothing else (no weights, no tensors). Two c
   per group of g along head_dim (keys: key_group_size; kivi's keys per channel over groups of g tokens, moved
   out of the residual window a whole group at a time), 16-bit heads, sink tokens and the residual window at 2
   bytes per element; keys and values each at their own widths and their role's byte model;
+  a fitted table held once per layer and quantized KV head whatever the tokens and batch (Scheme.table_bytes:
+  calkey's key scales and zeros), once the cache holds a token;
   sliding-window layers hold window - 1 tokens after an update (as QuantizedSlidingLayer), sink tokens leave a
   sliding window like any token; linear-attention state (conv + recurrent, at 2 bytes per element, as
   QuantizedKVCache.linear_state_nbytes) is reported apart and counted only in `total_bytes`.
@@ -117,7 +119,8 @@ def shape_from_config(config, name: str = "config", context_limit: int | None = 
 def element_price(shape: ModelShape, scheme: Scheme):
     """price(bits, role) -> bytes per stored element of `role` (keys or values) of the model's cached KV heads,
     averaged over them by their head_dim: the byte model that a bytes budget (harness.policies) charges each
-    unit (a head's keys, its values)."""
+    unit (a head's keys, its values). A fitted table (Scheme.table_bytes) is held once whatever the context, so no
+    token is charged for it."""
     cached = [layer for layer in shape.layers if layer.cached]
     elements = sum(layer.kv_heads * layer.head_dim for layer in cached)
 
@@ -309,7 +312,13 @@ def cache_bytes(
                 + quantized * scheme.token_bytes(b, layer.head_dim, role)
                 for b in widths[i]
             )  # every head of the layer in this role
-        layer_true = round(batch * held)  # a per-channel role's whole groups: an integer
+        # fitted tables (calkey's keys): once per layer and quantized head, whatever the tokens and batch
+        tables = (
+            sum(scheme.table_bytes(b, layer.head_dim, r) for r, w in roles.items() for b in w[i])
+            if tokens
+            else 0
+        )
+        layer_true = round(batch * held) + tables  # a per-channel role's whole groups: an integer
         true += layer_true
         by_kind[layer.kind] = by_kind.get(layer.kind, 0) + layer_true
         fp16 += 2 * batch * tokens_held * layer.kv_heads * layer.head_dim * FP16_BYTES

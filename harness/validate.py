@@ -78,12 +78,23 @@ def _check_point(point: Point, backend: str = "auto") -> None:
             raise ValueError(
                 f"model.dtype: {point.dtype!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
             )
-        from_point(point.group("policy")).check_budget(point.budget)
+        policy = from_point(point.group("policy"))
+        policy.check_budget(point.budget)
         _check_positive_ints(point)
         scheme = get_scheme(
-            point.scheme, point.group_size, point.sink_tokens, point.residual, point.key_group_size
+            point.scheme,
+            point.group_size,
+            point.sink_tokens,
+            point.residual,
+            point.key_group_size,
+            point.outliers,
         )
         scheme.check_widths(point.widths)
+        if scheme.key_tables and policy.measurement is not None:
+            raise ValueError(
+                f"policy.name: {point.policy} measures its table through caches without fitted key tables, which "
+                f"quant.scheme {point.scheme} needs; allowed with {point.scheme}: a policy that measures nothing"
+            )
         check_backend(scheme, backend)
         if point.prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {point.prefill!r}; allowed: {', '.join(PREFILL_MODES)}")

@@ -61,7 +61,7 @@ from transformers.cache_utils import (
 from transformers.configuration_utils import get_head_shapes
 
 from harness.attention.packed import DecodeStep, PackedStep, post_step
-from harness.schemes import Scheme, SinkStore, check_backend, get_scheme
+from harness.schemes import KeyCalibration, Scheme, SinkStore, check_backend, get_scheme
 from kernels.layout import FULL_WIDTH
 
 PREFILL_MODES = ("exact", "quantized")
@@ -363,8 +363,11 @@ class QuantizedKVCache(Cache):
     `value_bits` (the same shape or one int; None: `bits`) gives theirs.
 
     `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens`,
-    `residual` (None: the scheme's default) and `key_group_size` (None: group_size) are harness.schemes.Scheme's. `simulate`: keep a full-precision
-    working copy for the model's own attention (torch backend; see the module docstring).
+    `residual` (None: the scheme's default), `key_group_size` (None: group_size) and `outliers` are
+    harness.schemes.Scheme's. `simulate`: keep a full-precision working copy for the model's own attention (torch
+    backend; see the module docstring). `key_calibration`: the model's fitted key tables
+    (harness.key_calibration), which a scheme whose keys read them (calkey) needs: each layer's scheme is bound to
+    its layer's table (Scheme.for_layer); without them such a scheme is a one-line ValueError.
     """
 
     def __init__(
@@ -380,6 +383,8 @@ class QuantizedKVCache(Cache):
         simulate: bool = False,
         value_bits: torch.Tensor | int | None = None,
         key_group_size: int | None = None,
+        outliers: float = 0.0,
+        key_calibration: KeyCalibration | None = None,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -391,7 +396,8 @@ class QuantizedKVCache(Cache):
         shape = (len(types), max(heads))  # (layers, most KV heads of a layer)
         bits = _width_grid("bits", bits, shape)
         value_bits = bits if value_bits is None else _width_grid("value_bits", value_bits, shape)
-        self.scheme = get_scheme(scheme, group_size, sink_tokens, residual, key_group_size)
+        self.scheme = get_scheme(scheme, group_size, sink_tokens, residual, key_group_size, outliers)
+        self.key_calibration = key_calibration
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         if not isinstance(simulate, bool):
             raise ValueError(f"quant.simulate: {simulate!r} is not allowed; allowed: true, false")
@@ -412,15 +418,15 @@ class QuantizedKVCache(Cache):
         super().__init__(layers=layers)
 
     def _layer(self, index: int, layer_type: str, kwargs: dict, key_bits: list[int], value_bits: list[int]):
-        widths = (key_bits, value_bits, self.scheme)
+        if layer_type in ("linear_attention", "conv", "dummy"):
+            return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
+        widths = (key_bits, value_bits, self.scheme.for_layer(index, self.key_calibration))
         if layer_type == "full_attention":
             return QuantizedLayer(*widths, self.prefill, self.backend, self.simulate, index)
         if layer_type in ("sliding_attention", "chunked_attention"):
             return QuantizedSlidingLayer(
                 *widths, kwargs["sliding_window"], self.prefill, self.backend, self.simulate, index
             )
-        if layer_type in ("linear_attention", "conv", "dummy"):
-            return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
         raise NotImplementedError(f"QuantizedKVCache: layer type {layer_type!r} is not supported yet")
 
     @classmethod

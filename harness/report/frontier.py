@@ -93,6 +93,7 @@ def storage(config: dict) -> str:
         config.get("sink_tokens", 0),
         config.get("residual"),
         config.get("key_group_size"),
+        config.get("outliers", 0.0),
     ).label()
 
 

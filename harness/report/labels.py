@@ -46,11 +46,13 @@ def _policy_label(row: Mapping) -> str:
 
 
 def storage_label(row: Mapping) -> str:
-    """Cache options beyond the scheme's defaults: key groups apart, fp16 sink tokens, residual window, token
-    eviction."""
+    """Cache options beyond the scheme's defaults: key groups apart, key outliers, fp16 sink tokens, residual
+    window, token eviction."""
     parts = []
     if _positive(row.get("key_group_size")) and row["key_group_size"] != row.get("group_size"):
         parts.append(f"kg{int(row['key_group_size'])}")
+    if _positive(row.get("outliers")):
+        parts.append(f"{row['outliers']:g} of each key in fp16")
     if _positive(row.get("sink_tokens")):
         parts.append(f"{int(row['sink_tokens'])} fp16 sink tokens")
     if _positive(row.get("residual")) and not default_residual(str(row.get("scheme"))):  # kivi's is its own

@@ -1,5 +1,6 @@
 """What every point of one model shares, built once per model and evaluation setup: the model (loaded once), its
-token windows (harness.data.point_windows), per-head attention entropies (harness.calibrate, cached on disk), the
+token windows (harness.data.point_windows), per-head attention entropies (harness.calibrate, cached on disk) and,
+lazily, the key tables of calkey (harness.key_calibration, fitted on the calibration windows, cached on disk), the
 unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache) and one full-precision
 prefill of the prompts that every point with prefill=exact starts from.
 """
@@ -44,6 +45,7 @@ class ModelContext:
     shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
     bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
     peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
+    key_calibration: dict = field(default_factory=dict)  # span -> calkey's fitted key tables, lazily
 
 
 def context_key(point: Point) -> tuple:

@@ -13,9 +13,10 @@ from harness.cache import QuantizedKVCache
 from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.capacity import element_price
 from harness.config import Point
+from harness.key_calibration import cached_key_calibration
 from harness.policies import from_point
 from harness.run.context import ModelContext
-from harness.schemes import get_scheme
+from harness.schemes import KeyCalibration, Scheme, get_scheme
 from harness.sensitivity import MEASUREMENTS
 from kernels.layout import FULL_WIDTH
 
@@ -27,9 +28,7 @@ def allocation(ctx: ModelContext, point: Point):
     scheme (with its options), widths and chunk.
     """
     policy = from_point(point.group("policy"))
-    scheme = get_scheme(
-        point.scheme, point.group_size, point.sink_tokens, point.residual, point.key_group_size
-    )
+    scheme = point_scheme(point)
     table = None
     if policy.measurement is not None:
         key = (policy.measurement, scheme, tuple(point.widths), point.chunk)
@@ -39,6 +38,33 @@ def allocation(ctx: ModelContext, point: Point):
         table = ctx.sensitivity[key]
     price = element_price(ctx.shape, scheme)
     return policy.allocate(ctx.entropy, point.budget, price=price, sensitivity=table)
+
+
+def point_scheme(point: Point) -> Scheme:
+    """The point's storage scheme with its options."""
+    return get_scheme(
+        point.scheme,
+        point.group_size,
+        point.sink_tokens,
+        point.residual,
+        point.key_group_size,
+        point.outliers,
+    )
+
+
+def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
+    """The fitted key tables of a point whose scheme reads them (calkey), for positions below the point's longest
+    window: fitted on the context's calibration windows once per span (cached on disk); None for other schemes."""
+    if not point_scheme(point).key_tables:
+        return None
+    if ctx.calib_ids is None:
+        raise ValueError(
+            f"quant.scheme: {point.scheme} fits its key tables on the calibration windows; this context has none"
+        )
+    span = max(point.sequence_tokens, point.prompt_tokens + point.new_tokens)
+    if span not in ctx.key_calibration:
+        ctx.key_calibration[span] = cached_key_calibration(ctx.model, ctx.name, ctx.calib_ids, span)
+    return ctx.key_calibration[span]
 
 
 def measurement_key(point: Point, alloc) -> tuple:
@@ -51,6 +77,7 @@ def measurement_key(point: Point, alloc) -> tuple:
         point.key_group_size,  # None: group_size
         point.sink_tokens,
         point.residual,  # None: the scheme's default (grid points carry it resolved)
+        point.outliers,
         point.prefill,
         EvictionSpec.from_point(point),
     )
@@ -64,6 +91,7 @@ def cache_options(point: Point, backend: str, simulate: bool = False) -> dict:
         key_group_size=point.key_group_size,
         sink_tokens=point.sink_tokens,
         residual=point.residual,
+        outliers=point.outliers,
         backend=backend,
         simulate=simulate,
     )
@@ -81,6 +109,7 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
     config = ctx.model.config
     cache_kwargs = cache_options(point, ctx.backend, ctx.simulate)
     cache_kwargs["value_bits"] = alloc.value_bits
+    cache_kwargs["key_calibration"] = key_calibration(ctx, point)
     caches = []
 
     def from_prefilled(prefilled_cache):

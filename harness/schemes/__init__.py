@@ -8,14 +8,18 @@ token_bytes, the SCHEMES registry); one file per family:
 - `rotate+<scheme>` (Rotated, RotatedStore): a Hadamard rotation of head_dim around any of the above;
 - `codebook` (Codebook, CodebookStore): a Hadamard rotation, then per (token, head) b-bit indices into the
   Lloyd-Max codebook of N(0, 1) (lloyd_max.py) and one fp16 scale (TurboQuant-style); rotated already, so
-  registered after rotate (no rotate+codebook).
+  registered after rotate (no rotate+codebook);
+- `calkey` (CalKey, CalKeyStore): keys per channel against a scale and zero fitted offline per layer and KV head
+  on calibration text (key_table.py; rotary pairs share a symmetric scale), optional fp16 outliers, values as
+  asym_token; registered after rotate (a rotation would mix the rotary pairs its table relies on).
 FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
 one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
 registered before it, unless the scheme rotates itself), and one YAML file in conf/quant.
 """
 
 # The import order is the registration order (the order of the allowed names in errors); rotate wraps every scheme
-# registered before it, so only codebook, which rotates itself, comes after it.
+# registered before it, so only codebook, which rotates itself, and calkey, whose key tables rely on the rotary pairs
+# a rotation would mix, come after it.
 # isort: off
 from harness.schemes.base import (
     ROLES,
@@ -33,6 +37,8 @@ from harness.schemes.kivi import ChannelStore, Kivi
 from harness.schemes.fp8 import Fp8, Fp8Store
 from harness.schemes.rotate import ROTATE, Rotated, RotatedStore
 from harness.schemes.codebook import Codebook, CodebookStore
+from harness.schemes.calkey import CalKey, CalKeyStore
+from harness.schemes.key_table import KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore
 
 # isort: on
@@ -42,12 +48,16 @@ __all__ = [
     "ROTATE",
     "SCHEMES",
     "AsymToken",
+    "CalKey",
+    "CalKeyStore",
     "ChannelStore",
     "Codebook",
     "CodebookStore",
     "Fp8",
     "Fp8Store",
     "FullStore",
+    "KeyCalibration",
+    "KeyTable",
     "Kivi",
     "ResidualStore",
     "Rotated",

@@ -14,7 +14,12 @@ format, along the sequence where the role is quantized per channel (kivi's keys)
 `token_bytes(bits, head_dim, role)` is THE byte model: the bytes of one stored token of one head in `role`
 (keys and values may be stored apart), which the cache's nbytes() reports (tests/harness/test_schemes_table.py
 checks it against every store), the capacity arithmetic (harness/capacity.py) sums and a bytes budget
-(harness.policies) prices.
+(harness.policies) prices. `table_bytes(bits, head_dim, role)` is its fixed part: bytes a store holds once per
+quantized KV head whatever its tokens and batch (calkey's fitted key tables; 0 for every other scheme), which
+nbytes() and harness.capacity count; a bytes budget prices tokens, so it leaves them out.
+
+A scheme whose keys read a table fitted offline per layer (`key_tables`: calkey) is bound to its layer's table by
+`for_layer` (QuantizedKVCache does it from its key_calibration); every other scheme ignores the calibration.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from harness.registry import Registry
+from harness.schemes.key_table import KeyCalibration
 from harness.schemes.wrappers import ResidualStore, SinkStore
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -73,6 +79,12 @@ def _positive(key: str, value) -> int:
     return value
 
 
+def _fraction(key: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"{key}: {value!r} is not allowed; allowed: a fraction in [0, 1)")
+    return value
+
+
 def _non_negative(key: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"{key}: {value!r} is not a non-negative integer")
@@ -92,6 +104,7 @@ class Scheme:
     sink_tokens: int = 0
     residual: int | None = None  # None: default_residual
     key_group_size: int | None = None  # None: group_size
+    outliers: float = 0.0  # the share of each key's channels kept in fp16 (keeps_outliers schemes only)
 
     widths: ClassVar[tuple[int, ...]] = (
         reference.WIDTHS
@@ -106,6 +119,8 @@ class Scheme:
     )
     rotated: ClassVar[bool] = False  # rotates head_dim by a Hadamard matrix (a power-of-two head_dim)
     no_eviction: ClassVar[str | None] = None  # what keeps single tokens from being evicted, if anything does
+    keeps_outliers: ClassVar[bool] = False  # stores quant.outliers of each key in fp16 (calkey)
+    key_tables: ClassVar[bool] = False  # its keys read a table fitted per layer on calibration text (calkey)
 
     def __post_init__(self):
         SCHEMES.get(self.name)  # an unknown name is the registry's one-line error
@@ -117,6 +132,13 @@ class Scheme:
         if self.residual is None:
             object.__setattr__(self, "residual", self.default_residual)
         _non_negative("quant.residual", self.residual)
+        _fraction("quant.outliers", self.outliers)
+        if self.outliers and not self.keeps_outliers:
+            keep = [name for name in SCHEMES if getattr(SCHEMES.get(name), "keeps_outliers", False)]
+            raise ValueError(
+                f"quant.outliers: {self.outliers!r} with quant.scheme {self.name}, which keeps no outliers; "
+                f"allowed: 0, or a scheme that keeps them ({', '.join(keep)})"
+            )
 
     # ---------------------------------------------------------------------------------------- a family's part
 
@@ -137,6 +159,17 @@ class Scheme:
         """Bytes of one token of one head of `role` stored at `bits` (a width of `widths`), scales and zeros
         included (per channel: a group's bytes spread over its tokens)."""
         raise NotImplementedError
+
+    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+        """Bytes a store of `role` holds once per KV head at `bits`, whatever its tokens and batch (a fitted table);
+        0 unless the family keeps one."""
+        return 0
+
+    def for_layer(self, layer: int, key_calibration: KeyCalibration | None) -> Scheme:
+        """The scheme that stores decoder layer `layer`, given the model's fitted key tables (None: none were
+        fitted): this scheme itself, unless its keys read a table (key_tables), which it binds or, without one,
+        a one-line ValueError."""
+        return self
 
     def per_channel(self, role: str) -> bool:
         """Whether tokens of `role` are quantized per channel over groups of role_group_size(role) tokens (moved
@@ -172,6 +205,8 @@ class Scheme:
             parts.append(f"sink_tokens={self.sink_tokens}")
         if self.residual != self.default_residual:
             parts.append(f"residual={self.residual}")
+        if self.outliers:
+            parts.append(f"outliers={self.outliers:g}")
         return " ".join(parts)
 
     def token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
@@ -245,7 +280,7 @@ class Scheme:
         return store
 
 
-# name -> the scheme's constructor (group_size, sink_tokens, residual, key_group_size as keywords)
+# name -> the scheme's constructor (group_size, sink_tokens, residual, key_group_size, outliers as keywords)
 SCHEMES: Registry[Callable[..., Scheme]] = Registry("quant.scheme")
 
 
@@ -260,9 +295,14 @@ def get_scheme(
     sink_tokens: int = 0,
     residual: int | None = None,
     key_group_size: int | None = None,
+    outliers: float = 0.0,
 ) -> Scheme:
     return SCHEMES.get(name)(
-        group_size=group_size, sink_tokens=sink_tokens, residual=residual, key_group_size=key_group_size
+        group_size=group_size,
+        sink_tokens=sink_tokens,
+        residual=residual,
+        key_group_size=key_group_size,
+        outliers=outliers,
     )
 
 

@@ -46,6 +46,7 @@ def quantized_factory(
         key_group_size=scheme.key_group_size,
         sink_tokens=scheme.sink_tokens,
         residual=scheme.residual,
+        outliers=scheme.outliers,
         prefill="quantized",
         simulate=True,
     )

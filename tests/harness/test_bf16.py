@@ -40,6 +40,10 @@ def models():
 # --- every scheme's store on bf16 inputs ---------------------------------------------------------------------
 
 
+# calkey's keys need a fitted table: tests/harness/test_calkey.py checks its bf16 keys against its own oracle
+TABLE_FREE = [name for name in SCHEMES.names() if not get_scheme(name).key_tables]
+
+
 def widths(name: str) -> list[int]:
     return [8, 16] if get_scheme(name).widths == (8,) else [2, 3, 16, 4, 8]
 
@@ -116,7 +120,7 @@ def check_round_trip(
             assert ((gh - xh).abs() <= bound + output_rounding).all(), (name, h, b, (gh - xh).abs().max())
 
 
-@pytest.mark.parametrize("name", SCHEMES.names())
+@pytest.mark.parametrize("name", TABLE_FREE)
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_every_scheme_round_trips_bf16_within_its_step(name, role):
     """Odd token count, channels of very different ranges, a non-zero offset; stored twice (45 tokens in one
@@ -141,7 +145,7 @@ GROUP_KINDS = ("constant", "zero", "huge", "tiny", "normal")
 
 @settings(max_examples=40, deadline=None)
 @given(
-    name=st.sampled_from(SCHEMES.names()),
+    name=st.sampled_from(TABLE_FREE),
     role=st.sampled_from(["key", "value"]),
     kinds=st.lists(st.sampled_from(GROUP_KINDS), min_size=4, max_size=4),
     magnitude=st.floats(min_value=-30, max_value=38),

@@ -17,7 +17,8 @@ from harness import evaluate, metrics
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resident_bytes
 from harness.models import load_model
-from harness.schemes import SCHEMES, Rotated, get_scheme
+from harness.schemes import SCHEMES, KeyCalibration, Rotated, get_scheme
+from harness.schemes.key_table import fit_table
 
 PREFILL, DECODE = 1024, 100
 
@@ -37,11 +38,14 @@ CASES = [
 def filled_cache(config, scheme: str, width: int, simulate: bool) -> QuantizedKVCache:
     """A cache of `config` after a PREFILL-token update and DECODE one-token updates of fp16 K/V (2 bytes per
     element, the format's convention for 16-bit parts), each update attended as a model would."""
-    cache = QuantizedKVCache(
-        config, width, scheme=scheme, group_size=16, prefill="quantized", simulate=simulate
-    )
-    torch.manual_seed(width)
     heads, dim = config.num_key_value_heads, config.head_dim
+    # calkey's keys: a table fitted on keys like the ones fed below (every rotary pair turning a full circle)
+    table = fit_table(torch.randn(64, heads, dim), torch.arange(64), torch.ones(dim // 2), span=8)
+    cache = QuantizedKVCache(
+        config, width, scheme=scheme, group_size=16, prefill="quantized", simulate=simulate,
+        key_calibration=KeyCalibration((table,) * config.num_hidden_layers),
+    )  # fmt: skip
+    torch.manual_seed(width)
     with installed(LlamaForCausalLM(config), PACKED) as steps:
         for i in range(config.num_hidden_layers):
             k, v = torch.randn(2, 2, heads, PREFILL + DECODE, dim, dtype=torch.float16)

@@ -6,11 +6,13 @@
   reports, with and without sink tokens, a residual window and key groups apart from the values';
 - every store, and every store inside it, satisfies the Store protocol;
 - constant and zero groups give no NaN or inf, and zeros come back exact.
+A scheme whose keys read a fitted table (calkey) is bound to one fitted on the test's keys (`ready`).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -18,7 +20,8 @@ import pytest
 import torch
 
 import harness.schemes
-from harness.schemes import SCHEMES, Scheme, Store, get_scheme
+from harness.schemes import SCHEMES, KeyCalibration, Scheme, Store, get_scheme
+from harness.schemes.key_table import fit_table
 from kernels.layout import FULL_WIDTH, PackedStore
 from kernels.reference import hadamard_rotate
 
@@ -47,6 +50,8 @@ CASES = [
     # Levels of N(0, 1) scaled to each vector: past the outermost level an element is clipped to it, so the
     # error of an element stays below the head's absmax, not within an integer step.
     Case("codebook", step=lambda bits: 1.0),
+    # A rotary pair's scale is the pair's largest norm: up to sqrt(2) times either channel's absmax.
+    Case("calkey", step=lambda bits: math.sqrt(2) * integer_step(bits)),
 ]
 IDS = [case.name for case in CASES]
 G, B, D = 8, 3, 32
@@ -56,6 +61,17 @@ ROLES = ("key", "value")
 def widths(scheme: Scheme) -> list[int]:
     """Every width the scheme stores, a 16-bit head among them, and an odd number of heads."""
     return [scheme.widths[0], FULL_WIDTH, *scheme.widths[1:], scheme.widths[-1], *scheme.widths[:1]][:5]
+
+
+def ready(scheme: Scheme, heads: int, x: torch.Tensor | None = None) -> Scheme:
+    """The scheme, ready to build stores of `heads` KV heads: a scheme whose keys read a fitted table (calkey)
+    bound to a table fitted on the keys x (B, heads, T, D) (random ones without x) as a model whose rotary pairs
+    all turn a full circle (zero 0, scale the pair's largest norm); any other scheme as it is."""
+    if not scheme.key_tables:
+        return scheme
+    keys = torch.randn(64, heads, D) if x is None else x.transpose(1, 2).reshape(-1, heads, D)
+    table = fit_table(keys, torch.arange(len(keys)), torch.ones(D // 2), span=8, quantile=1.0)
+    return scheme.for_layer(0, KeyCalibration((table,)))
 
 
 def feed(store, x: torch.Tensor, chunks=(1, 15, 21)):
@@ -84,6 +100,7 @@ def test_round_trip_within_one_step(case, role):
     bits = widths(scheme)
     torch.manual_seed(SCHEMES.names().index(case.name) + 10 * (role == "key"))
     x = torch.randn(B, len(bits), 37, D) * torch.logspace(-1, 1, D) + 0.3  # (B, H, T, D), odd T
+    scheme = ready(scheme, len(bits), x)
     simulated = feed(scheme.new_store(bits, D, B, torch.float32, "cpu", role, simulate=True), x)
     packed = scheme.new_store(bits, D, B, torch.float32, "cpu", role)
     assert feed(packed, x) is None  # packed-only: nothing dequantized is returned or kept
@@ -106,9 +123,12 @@ def test_round_trip_within_one_step(case, role):
 @pytest.mark.parametrize("sinks, residual", [(0, 0), (2, 3)])
 @pytest.mark.parametrize("key_group_size", [None, 16])
 def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual, key_group_size):
-    scheme = get_scheme(case.name, G, sinks, residual, key_group_size)
+    key_groups = None if case.name == "calkey" else key_group_size  # calkey's keys have no groups
+    scheme = get_scheme(case.name, G, sinks, residual, key_groups)
     bits = widths(scheme)
+    scheme = ready(scheme, len(bits))
     store = scheme.new_store(bits, D, B, torch.float16, "cpu", role)
+    table = sum(scheme.table_bytes(b, D, role) for b in bits)  # held once, whatever the tokens
     x = torch.randn(B, len(bits), 37, D, dtype=torch.float16)
     start = 0
     for n in (1, 15, 21):
@@ -120,7 +140,8 @@ def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual, key_gr
             quantized = quantized // g * g  # whole groups of g tokens only
         per_token = sum(scheme.token_bytes(b, D, role) for b in bits)
         fp16 = scheme.token_bytes(FULL_WIDTH, D, role) * len(bits)
-        assert store.nbytes() == B * (quantized * per_token + (start - quantized) * fp16), (case.name, start)
+        held = B * (quantized * per_token + (start - quantized) * fp16) + table
+        assert store.nbytes() == held, (case.name, start)
         assert store.nbytes_fp16() == B * start * fp16
 
 
@@ -129,7 +150,7 @@ def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual, key_gr
 def test_every_store_satisfies_the_store_protocol(case, role):
     for options in (dict(residual=0), dict(sink_tokens=2, residual=3)):
         scheme = get_scheme(case.name, group_size=G, **options)
-        store = scheme.new_store(widths(scheme), D, 1, torch.float32, "cpu", role)
+        store = ready(scheme, len(widths(scheme))).new_store(widths(scheme), D, 1, torch.float32, "cpu", role)
         for part in parts(store):
             assert isinstance(part, Store), (case.name, type(part).__name__)
 
@@ -140,7 +161,8 @@ def test_every_store_class_is_built_and_checked():
     for name in SCHEMES:
         for role in ROLES:
             scheme = get_scheme(name, group_size=G, sink_tokens=1, residual=1)
-            seen |= {type(p) for p in parts(scheme.new_store([8, 16], D, 1, torch.float32, "cpu", role))}
+            store = ready(scheme, 2).new_store([8, 16], D, 1, torch.float32, "cpu", role)
+            seen |= {type(p) for p in parts(store)}
     classes = {
         c for _, c in inspect.getmembers(harness.schemes, inspect.isclass) if c.__name__.endswith("Store")
     }
@@ -157,7 +179,7 @@ def test_constant_and_zero_groups_give_no_nan(case, role, dtype):
     x[:, :, G : 2 * G] = 3.0
     x[:, :, 2 * G :, : D // 2] = -1e-8
     x = x.to(dtype)
-    store = scheme.new_store(bits, D, 2, dtype, "cpu", role, simulate=True)
+    store = ready(scheme, len(bits), x).new_store(bits, D, 2, dtype, "cpu", role, simulate=True)
     got = feed(store, x, (5, 2 * G - 5, G))
     assert got.dtype == dtype and torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
     assert torch.equal(got[:, :, :G], x[:, :, :G])  # zeros stay exact
