@@ -29,6 +29,7 @@ from harness.protocols import PROTOCOLS, claim
 from harness.protocols.claim import settings
 from harness.protocols.sweep import expand
 from harness.registry import unknown_name_message
+from harness.run.measure import point_scheme
 from harness.schemes import ROLES, SCHEMES, check_backend, get_scheme
 from kernels.layout import FULL_WIDTH
 
@@ -81,14 +82,7 @@ def _check_point(point: Point, backend: str = "auto") -> None:
         policy = from_point(point.group("policy"))
         policy.check_budget(point.budget)
         _check_positive_ints(point)
-        scheme = get_scheme(
-            point.scheme,
-            point.group_size,
-            point.sink_tokens,
-            point.residual,
-            point.key_group_size,
-            point.outliers,
-        )
+        scheme = point_scheme(point)
         scheme.check_widths(point.widths)
         if scheme.key_tables and policy.measurement is not None:
             raise ValueError(
