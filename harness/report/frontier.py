@@ -63,6 +63,37 @@ INGREDIENTS = (
         {"scheme": "kivi", "group_size": 64, "key_group_size": None, "policy": "uniform", "budget": 4},
     ),
     (
+        "keys against calibrated per-channel tables, BOS in fp16 (values as before)",
+        {"scheme": "asym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {
+            "scheme": "calkey",
+            "group_size": 32,
+            "sink_tokens": 1,
+            "outliers": 0.0,
+            "policy": "uniform",
+            "budget": 4,
+        },
+    ),
+    (
+        "1% of each key kept in fp16 (dense-and-sparse outliers)",
+        {
+            "scheme": "calkey",
+            "group_size": 32,
+            "sink_tokens": 1,
+            "outliers": 0.0,
+            "policy": "uniform",
+            "budget": 4,
+        },
+        {
+            "scheme": "calkey",
+            "group_size": 32,
+            "sink_tokens": 1,
+            "outliers": 0.01,
+            "policy": "uniform",
+            "budget": 4,
+        },
+    ),
+    (
         "Lloyd-Max levels and one fp16 scale per vector, after rotation",
         {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
         {"scheme": "codebook", "policy": "uniform", "budget": 4},
