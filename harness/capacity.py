@@ -411,6 +411,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sink-tokens", type=int, default=0)
     p.add_argument("--residual", type=int, default=0)
     p.add_argument(
+        "--outliers", type=float, default=0.0, help="share of each key kept in fp16 with its index (calkey)"
+    )
+    p.add_argument(
         "--memory-gib", type=float, nargs="*", default=[], help="report the longest context that fits"
     )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of the table")
@@ -449,7 +452,9 @@ def _describe(shape: ModelShape) -> str:
 
 def rows(args) -> tuple[ModelShape, list[dict]]:
     shape = _shape(args)
-    scheme = get_scheme(args.scheme, args.group_size, args.sink_tokens, args.residual, args.key_group_size)
+    scheme = get_scheme(
+        args.scheme, args.group_size, args.sink_tokens, args.residual, args.key_group_size, args.outliers
+    )
     allocations = (
         [("allocation", *_bits_from(args.bits_from))] if args.bits_from else [(b, b, b) for b in args.bits]
     )
@@ -492,7 +497,10 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     print(_describe(shape))
-    print(f"scheme {args.scheme} g={args.group_size} sink_tokens={args.sink_tokens} residual={args.residual}")
+    outliers = f" outliers={args.outliers:g}" if args.outliers else ""
+    print(
+        f"scheme {args.scheme} g={args.group_size} sink_tokens={args.sink_tokens} residual={args.residual}{outliers}"
+    )
     print(pd.DataFrame(table).to_string(index=False, float_format=lambda x: f"{x:.4g}"))
 
 

@@ -31,6 +31,7 @@ from harness.protocols.sweep import expand
 from harness.registry import unknown_name_message
 from harness.run.measure import point_scheme
 from harness.schemes import ROLES, SCHEMES, check_backend, get_scheme
+from harness.sensitivity import READS_KEY_TABLES
 from kernels.layout import FULL_WIDTH
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
@@ -84,10 +85,10 @@ def _check_point(point: Point, backend: str = "auto") -> None:
         _check_positive_ints(point)
         scheme = point_scheme(point)
         scheme.check_widths(point.widths)
-        if scheme.key_tables and policy.measurement is not None:
+        if scheme.key_tables and policy.measurement not in (None, *READS_KEY_TABLES):
             raise ValueError(
-                f"policy.name: {point.policy} measures its table through caches without fitted key tables, which "
-                f"quant.scheme {point.scheme} needs; allowed with {point.scheme}: a policy that measures nothing"
+                f"policy.name: {point.policy} measures its table without fitted key tables, which quant.scheme "
+                f"{point.scheme} needs; allowed with {point.scheme}: measured, or a policy that measures nothing"
             )
         check_backend(scheme, backend)
         if point.prefill not in PREFILL_MODES:

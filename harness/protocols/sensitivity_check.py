@@ -23,8 +23,10 @@ from omegaconf import DictConfig
 from harness import data, io
 from harness.config import Point, base_point, compose
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
+from harness.key_calibration import cached_key_calibration
 from harness.models import ModelUnavailable, load_model
-from harness.schemes import Scheme, get_scheme
+from harness.run.measure import key_span, point_scheme
+from harness.schemes import Scheme
 from harness.sensitivity import (
     additivity_check,
     cached_sensitivity,
@@ -101,9 +103,12 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
         raise ValueError(
             f"--width: {args.width} is not a quantized width; allowed: {', '.join(map(str, PACKED_WIDTHS))}"
         )
-    scheme = get_scheme(
-        point.scheme, point.group_size, point.sink_tokens, point.residual, point.key_group_size
-    )
+    scheme = point_scheme(point)
+    if scheme.key_tables and args.additivity is None:
+        raise ValueError(
+            f"quant.scheme: {point.scheme} reads fitted key tables, which the proxy check does not use; "
+            f"allowed with {point.scheme}: --additivity N"
+        )
     scheme.check_widths([args.width])
     check_model_inputs(cfg, [point])
     return cfg, point, scheme
@@ -130,10 +135,18 @@ def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
 def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
     model, tokenizer = load_model(point.model, dtype=point.dtype)
     calibration = data.point_windows(tokenizer, point).calibration
-    table = cached_unit_kl(model, point.model, calibration, scheme, point.widths, point.chunk)
+    # a calkey point's key tables, as its sweep point fits them (the unit KLs are measured through them)
+    tables = (
+        cached_key_calibration(model, point.model, calibration, key_span(point))
+        if scheme.key_tables
+        else None
+    )
+    table = cached_unit_kl(
+        model, point.model, calibration, scheme, point.widths, point.chunk, key_calibration=tables
+    )
     ids = probe_ids(calibration)  # the sequences the table was measured on
     rows, rho, ratio = additivity_check(
-        model, ids, table, scheme, args.additivity, args.budget, point.seed, point.chunk
+        model, ids, table, scheme, args.additivity, args.budget, point.seed, point.chunk, tables
     )
     write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
     summary = dict(

@@ -31,6 +31,8 @@ from harness.peers import peer_point
 from harness.policies import from_point
 from harness.report.sweep import write_report
 from harness.run import runner
+from harness.run.context import context_key
+from harness.run.measure import table_key
 from harness.schemes import default_residual
 from harness.tracking import Tracker, sync_command
 
@@ -104,8 +106,30 @@ def _normalize_policy(point: Point) -> Point:
 
 
 def shard(points: list[Point], index: int, count: int) -> list[Point]:
-    """Points index, index + count, ... (a stable split of the grid across jobs)."""
-    return points[index::count]
+    """Job `index` of `count`'s points: a stable split of the grid in which each point goes to the job holding the
+    fewest so far (the first of them on a tie: points index, index + count, ... when no policy is measured),
+    except that the points reading one measured table (harness.run.measure.table_key, per model context) all go
+    to the job of the first of them, so that no two jobs measure the same table."""
+    loads = [0] * count
+    table_job: dict[tuple, int] = {}
+    mine = []
+    for point in points:
+        table = _table_key(point)
+        job = table_job.get(table) if table is not None else None
+        if job is None:
+            job = loads.index(min(loads))
+            if table is not None:
+                table_job[table] = job
+        loads[job] += 1
+        if job == index:
+            mine.append(point)
+    return mine
+
+
+def _table_key(point: Point) -> tuple | None:
+    """The measured table a point reads, within its model context; None if it reads none."""
+    key = table_key(point)
+    return None if key is None else (context_key(point), *key)
 
 
 # --------------------------------------------------------------------------------------------------- run

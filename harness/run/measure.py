@@ -12,7 +12,7 @@ from harness import evaluate, metrics, precision
 from harness.cache import QuantizedKVCache
 from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.capacity import element_price
-from harness.config import Point
+from harness.config import HARNESS, Point
 from harness.key_calibration import cached_key_calibration
 from harness.policies import from_point
 from harness.run.context import ModelContext
@@ -28,16 +28,28 @@ def allocation(ctx: ModelContext, point: Point):
     scheme (with its options), widths and chunk.
     """
     policy = from_point(point.group("policy"))
-    scheme = point_scheme(point)
+    key = table_key(point)
     table = None
-    if policy.measurement is not None:
-        key = (policy.measurement, scheme, tuple(point.widths), point.chunk)
+    if key is not None:
         if key not in ctx.sensitivity:
-            measure_table = MEASUREMENTS[policy.measurement]
-            ctx.sensitivity[key] = measure_table(ctx.model, ctx.name, ctx.calib_ids, *key[1:])
+            measure_table = MEASUREMENTS[key[0]]
+            tables = key_calibration(ctx, point)  # a calkey point's table measures through its key tables
+            extra = {} if tables is None else {"key_calibration": tables}
+            ctx.sensitivity[key] = measure_table(ctx.model, ctx.name, ctx.calib_ids, *key[1:], **extra)
         table = ctx.sensitivity[key]
-    price = element_price(ctx.shape, scheme)
+    price = element_price(ctx.shape, point_scheme(point))
     return policy.allocate(ctx.entropy, point.budget, price=price, sensitivity=table)
+
+
+def table_key(point: Point) -> tuple | None:
+    """What the table of the point's measured policy depends on within its model context: (measurement, scheme
+    with its options, widths, chunk); None when its policy reads no table, or when another engine measures it."""
+    if point.engine != HARNESS:
+        return None
+    measurement = from_point(point.group("policy")).measurement
+    if measurement is None:
+        return None
+    return (measurement, point_scheme(point), tuple(point.widths), point.chunk)
 
 
 def point_scheme(point: Point) -> Scheme:
@@ -61,10 +73,15 @@ def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
         raise ValueError(
             f"quant.scheme: {point.scheme} fits its key tables on the calibration windows; this context has none"
         )
-    span = max(point.sequence_tokens, point.prompt_tokens + point.new_tokens)
+    span = key_span(point)
     if span not in ctx.key_calibration:
         ctx.key_calibration[span] = cached_key_calibration(ctx.model, ctx.name, ctx.calib_ids, span)
     return ctx.key_calibration[span]
+
+
+def key_span(point: Point) -> int:
+    """The positions [0, span) a point's fitted key tables cover: its longest window."""
+    return max(point.sequence_tokens, point.prompt_tokens + point.new_tokens)
 
 
 def measurement_key(point: Point, alloc) -> tuple:

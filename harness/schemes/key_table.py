@@ -30,6 +30,7 @@ against 1.0645.)
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -91,6 +92,11 @@ class KeyCalibration:
                 )
             )
         return pd.concat(frames, ignore_index=True)[COLUMNS] if frames else pd.DataFrame(columns=COLUMNS)
+
+    def digest(self) -> str:
+        """A short hash of every fitted scale and zero with its place: equal digests, equal tables."""
+        values = self.to_frame().to_numpy(dtype="float64")  # (rows, COLUMNS)
+        return hashlib.sha256(values.tobytes()).hexdigest()[:16]
 
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, num_layers: int) -> KeyCalibration:

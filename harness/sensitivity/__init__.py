@@ -231,11 +231,15 @@ def _proxy(
 
 
 # The tables a policy may declare (Policy.measurement): name -> f(model, model name, calibration ids (C, T),
-# scheme, widths, chunk) -> the table, measured once and cached on disk.
+# scheme, widths, chunk[, key_calibration=]) -> the table, measured once and cached on disk.
 MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
+# Those that measure through caches, and so take a scheme's fitted key tables (key_calibration=, calkey); the
+# proxy stores each head through the scheme alone, without them.
+READS_KEY_TABLES = frozenset({"unit_kl"})
 
 __all__ = [
     "MEASUREMENTS",
+    "READS_KEY_TABLES",
     "additivity_check",
     "allocation_kl",
     "cached_sensitivity",

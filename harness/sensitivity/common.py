@@ -12,7 +12,7 @@ import torch
 from harness import evaluate
 from harness.cache import QuantizedKVCache, kv_heads
 from harness.calibrate import layer_types
-from harness.schemes import Scheme
+from harness.schemes import KeyCalibration, Scheme
 
 
 def cache_shape(model) -> tuple[int, int]:
@@ -30,10 +30,15 @@ def cached_heads(model) -> list[tuple[int, int]]:
 
 
 def quantized_factory(
-    model, scheme: Scheme, key_bits: torch.Tensor, value_bits: torch.Tensor
+    model,
+    scheme: Scheme,
+    key_bits: torch.Tensor,
+    value_bits: torch.Tensor,
+    key_calibration: KeyCalibration | None = None,
 ) -> evaluate.CacheFactory:
     """Fresh QuantizedKVCaches storing keys at key_bits and values at value_bits (int64 [num_layers,
-    num_kv_heads]) in `scheme` with quantize-on-write (prefill=quantized), as the teacher-forced metrics do.
+    num_kv_heads]) in `scheme` with quantize-on-write (prefill=quantized), as the teacher-forced metrics do;
+    key_calibration: the fitted key tables a scheme with key_tables (calkey) reads.
     simulate: the model's own attention reads a dequantized working copy (a quality measurement, the same
     numbers as the packed path within float summation order)."""
     return partial(
@@ -47,6 +52,7 @@ def quantized_factory(
         sink_tokens=scheme.sink_tokens,
         residual=scheme.residual,
         outliers=scheme.outliers,
+        key_calibration=key_calibration,
         prefill="quantized",
         simulate=True,
     )

@@ -35,7 +35,7 @@ import torch
 from harness import evaluate
 from harness.calibrate import disk_cached, model_identity
 from harness.policies import quantized_widths
-from harness.schemes import Scheme
+from harness.schemes import KeyCalibration, Scheme
 from harness.schemes.base import ROLES
 from harness.sensitivity.common import cache_shape, cached_heads, quantized_factory, spearman
 from kernels.layout import FULL_WIDTH
@@ -77,10 +77,12 @@ def allocation_kl(
     value_bits: torch.Tensor,
     base: evaluate.TeacherForced,
     chunk: int,
+    key_calibration: KeyCalibration | None = None,
 ) -> float:
     """Mean KL(p_base || p) per scored position (nats) of input_ids (S, T) teacher-forced through a cache storing
-    keys at key_bits and values at value_bits (int64 [num_layers, num_kv_heads]); base: the unquantized run."""
-    factory = quantized_factory(model, scheme, key_bits, value_bits)
+    keys at key_bits and values at value_bits (int64 [num_layers, num_kv_heads]); base: the unquantized run;
+    key_calibration: the fitted key tables of a scheme that reads them (calkey)."""
+    factory = quantized_factory(model, scheme, key_bits, value_bits, key_calibration)
     run = evaluate.teacher_forced(
         model, input_ids, factory, chunk=chunk, batch_size=len(input_ids), baseline=base
     )
@@ -89,9 +91,15 @@ def allocation_kl(
 
 @torch.no_grad()
 def unit_kl_table(
-    model, input_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int], chunk: int = 128
+    model,
+    input_ids: torch.Tensor,
+    scheme: Scheme,
+    widths: Sequence[int],
+    chunk: int = 128,
+    key_calibration: KeyCalibration | None = None,
 ) -> pd.DataFrame:
-    """The KL of every cached unit alone at every quantized width in `widths`, on input_ids (S, T).
+    """The KL of every cached unit alone at every quantized width in `widths`, on input_ids (S, T) (through caches
+    reading key_calibration's tables, for a scheme with key_tables).
 
     Returns columns layer, kv_head, role, bits, kl (one row per unit and width, (layer, kv_head, role, bits)
     order; 16 is never measured: its KL is 0); attrs num_layers, num_kv_heads (the most of any layer).
@@ -106,7 +114,9 @@ def unit_kl_table(
             for width in quantized:
                 bits = {r: torch.full(shape, FULL_WIDTH, dtype=torch.int64) for r in ROLES}
                 bits[role][layer, kv_head] = width
-                kl = allocation_kl(model, input_ids, scheme, bits["key"], bits["value"], base, chunk)
+                kl = allocation_kl(
+                    model, input_ids, scheme, bits["key"], bits["value"], base, chunk, key_calibration
+                )
                 rows.append(dict(layer=layer, kv_head=kv_head, role=role, bits=width, kl=kl))
     table = pd.DataFrame(rows, columns=COLUMNS)
     table.attrs.update(num_layers=shape[0], num_kv_heads=shape[1])
@@ -122,15 +132,22 @@ def cached_unit_kl(
     chunk: int = 128,
     sequences: int = PROBE_SEQUENCES,
     tokens: int = PROBE_TOKENS,
+    key_calibration: KeyCalibration | None = None,
 ) -> pd.DataFrame:
     """unit_kl on probe_ids(calib_ids, sequences, tokens), read from disk (calibration's cache dir) when measured
-    before with the same model, model config, probe tokens, scheme (name, group size, options), widths and chunk."""
+    before with the same model, model config, probe tokens, scheme (name, group size, options), widths, chunk
+    and fitted key tables (key_calibration, for a scheme that reads them)."""
     quantized = quantized_widths(widths)
     ids = probe_ids(calib_ids, sequences, tokens)
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{options}|{quantized}|{tuple(ids.shape)}|{chunk}"
+    if key_calibration is not None:  # tables without one keep their keys
+        identity += f"|{key_calibration.digest()}"
     table = disk_cached(
-        f"{model_name}-unit-kl", identity, ids, lambda: unit_kl_table(model, ids, scheme, quantized, chunk)
+        f"{model_name}-unit-kl",
+        identity,
+        ids,
+        lambda: unit_kl_table(model, ids, scheme, quantized, chunk, key_calibration),
     )
     num_layers, num_kv_heads = cache_shape(model)
     table.attrs.update(num_layers=num_layers, num_kv_heads=num_kv_heads)
@@ -202,9 +219,11 @@ def additivity_check(
     budget: float | None = None,
     seed: int = 0,
     chunk: int = 128,
+    key_calibration: KeyCalibration | None = None,
 ) -> tuple[pd.DataFrame, float, float]:
     """Predicted (summed unit KL) against measured KL of `count` random joint allocations (random_allocations),
-    on input_ids (S, T): the probe sequences the table was measured on.
+    on input_ids (S, T): the probe sequences the table was measured on (with the key tables it was measured
+    with, key_calibration, for a scheme that reads them).
 
     Returns (rows draw, mean_bits, predicted, measured; the Spearman correlation of predicted with measured; the
     ratio of summed measured to summed predicted KL).
@@ -217,7 +236,9 @@ def additivity_check(
                 draw=draw,
                 mean_bits=float(unit_widths(table, key_bits, value_bits).mean()),
                 predicted=predicted_kl(table, key_bits, value_bits),
-                measured=allocation_kl(model, input_ids, scheme, key_bits, value_bits, base, chunk),
+                measured=allocation_kl(
+                    model, input_ids, scheme, key_bits, value_bits, base, chunk, key_calibration
+                ),
             )
         )
     result = pd.DataFrame(rows, columns=["draw", "mean_bits", "predicted", "measured"])

@@ -10,21 +10,25 @@ import math
 from pathlib import Path
 from types import SimpleNamespace
 
+import pandas as pd
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from transformers import DynamicCache
 
-from harness import capacity
+from harness import capacity, data
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.config import base_point
 from harness.config import compose as compose_point
 from harness.key_calibration import calibration_keys, fit_key_calibration, rotary_frequencies
 from harness.models import load_model
-from harness.run.measure import key_calibration
+from harness.run import runner
+from harness.run.measure import key_calibration, point_scheme
 from harness.schemes import CalKey, KeyCalibration, get_scheme
 from harness.schemes.key_table import SCALE_MIN, fit_table
+from harness.sensitivity import allocation_kl, probe_ids
+from harness.sensitivity.unit_kl import baseline_run
 from harness.validate import ConfigError, validate_config
 from kernels import reference
 from kernels.layout import FULL_WIDTH
@@ -364,6 +368,18 @@ def test_capacity_counts_the_tables_as_the_cache_holds_them():
             assert capacity.cache_bytes(shape, end, bits, storage, 2, 4).true_bytes == cache.nbytes(), end
 
 
+def test_the_capacity_command_prices_the_outliers():
+    argv = ["--model", "tiny-llama", "--context", "100", "--scheme", "calkey", "--sink-tokens", "1", "--json"]
+    shape, (bare,) = capacity.rows(capacity.parser().parse_args(argv))
+    _, (kept,) = capacity.rows(capacity.parser().parse_args([*argv, "--outliers", "0.05"]))
+    storage = get_scheme("calkey", 32, 1, 0, outliers=0.05)
+    assert kept["true_bytes"] == capacity.cache_bytes(shape, 100, 4, storage).true_bytes > bare["true_bytes"]
+    with pytest.raises(
+        ValueError, match=r"^quant.outliers: 0.05 with quant.scheme asym_token, which keeps no"
+    ):
+        capacity.rows(capacity.parser().parse_args([*argv[:4], "--outliers", "0.05"]))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # calibration windows only, and configuration
 
@@ -448,8 +464,9 @@ def test_quant_calkey_validates_and_keys_outliers_only_when_set():
             r"^quant.key_group_size: 16 with calkey, whose keys have no groups",
         ),
         (
-            ["quant=calkey", "policy=measured"],
-            r"^policy.name: measured measures its table through caches without fitted key tables",
+            ["quant=calkey", "policy=sensitivity"],
+            r"^policy.name: sensitivity measures its table without fitted key tables, which quant.scheme calkey "
+            r"needs; allowed with calkey: measured, or a policy that measures nothing$",
         ),
         (
             ["quant=calkey", "quant.backend=triton"],
@@ -461,3 +478,34 @@ def test_bad_calkey_options_give_one_line_naming_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message) as err:
         validate_config(compose_cfg(*overrides))
     assert "\n" not in str(err.value)
+
+
+@torch.no_grad()
+def test_the_measured_policy_measures_calkey_units_through_the_points_key_tables(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    overrides = ["model=tiny-llama", "eval=tiny", "quant=calkey", "policy=measured", "policy.budget=3"]
+    (point,) = [p for p in validate_config(compose_cfg(*overrides)) if p.policy == "measured"]
+    row = runner.run([point], tmp_path / "run", batch_size=4).set_index("policy").loc["measured"]
+    assert row["status"] == "ok" and row["mean_bits"] <= 3 + 1e-9
+    (path,) = (tmp_path / "cache").rglob("tiny-llama-unit-kl-*.parquet")
+    table = pd.read_parquet(path).set_index(["layer", "kv_head", "role", "bits"])["kl"]
+    assert (table > 0).all()
+
+    model, tokenizer = load_model("tiny-llama")
+    calib = data.point_windows(tokenizer, point).calibration
+    ctx = SimpleNamespace(model=model, name="tiny-llama", calib_ids=calib, key_calibration={})
+    fitted = key_calibration(ctx, point)
+    other = fit_key_calibration(
+        model, torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3)), 64
+    )
+    ids = probe_ids(calib)
+    base = baseline_run(model, ids, point.chunk)
+    bits = {r: torch.full((3, 3), FULL_WIDTH) for r in ("key", "value")}
+    bits["key"][1, 2] = 2
+    kl = lambda tables: allocation_kl(
+        model, ids, point_scheme(point), bits["key"], bits["value"], base, 128, tables
+    )  # noqa: E731
+    assert kl(fitted) == pytest.approx(table[(1, 2, "key", 2)], rel=1e-6)
+    assert kl(other) != pytest.approx(table[(1, 2, "key", 2)], rel=1e-3)  # other tables: another KL
+    with pytest.raises(ValueError, match="^quant.scheme: calkey stores keys against tables fitted"):
+        kl(None)

@@ -156,3 +156,36 @@ def test_a_kv_point_runs_end_to_end_with_keys_and_values_apart(tmp_path):
     assert "bits" not in allocation and {w for r in allocation["key_bits"] for w in r} == {4}
     assert {w for r in allocation["value_bits"] for w in r} == {2}
     assert allocation["histogram"] == {"key": {"4": 9}, "value": {"2": 9}}
+
+
+def compose_points(*overrides) -> list[Point]:
+    from harness.protocols.sweep import expand
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return expand(compose("config", overrides=list(overrides)))
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_shards_split_the_grid_and_one_job_measures_each_table(count):
+    from harness.protocols.sweep import shard
+    from harness.run.context import context_key
+    from harness.run.measure import table_key
+
+    smoke = compose_points("+sweep=smoke")
+    for i in range(count):  # no measured policy: job i takes points i, i + count, ...
+        assert shard(smoke, i, count) == smoke[i::count]
+
+    grid = compose_points("+sweep=frontier")
+    tables = {p.key(): (context_key(p), table_key(p)) for p in grid if table_key(p) is not None}
+    assert len(set(tables.values())) >= 2 and len(tables) >= 4  # kivi and codebook, two budgets each
+    jobs = [shard(grid, i, count) for i in range(count)]
+    assert sorted(p.key() for job in jobs for p in job) == sorted(p.key() for p in grid)  # each point once
+    for job in jobs:
+        assert job == [p for p in grid if p in job]  # grid order kept
+    job_of = {p.key(): i for i, job in enumerate(jobs) for p in job}
+    for table in set(tables.values()):
+        assert len({job_of[k] for k, t in tables.items() if t == table}) == 1
+    sizes = [len(job) for job in jobs]
+    assert max(sizes) - min(sizes) <= max(
+        sum(t == table for t in tables.values()) for table in tables.values()
+    )

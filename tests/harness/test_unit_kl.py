@@ -285,3 +285,20 @@ def test_the_additivity_cli_writes_its_pairs(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         sensitivity_check.main(["--model", "tiny-llama", "--additivity", "1"])
     assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: --additivity: 1")
+
+
+def test_the_additivity_cli_measures_calkey_through_its_fitted_key_tables(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "additivity.csv"
+    args = ["--model", "tiny-llama", "--additivity", "3", "--budget", "4", "--out", str(out), "eval=tiny"]
+    sensitivity_check.main([*args, "quant=calkey"])
+    rows = pd.read_csv(out)
+    assert len(rows) == 3 and (rows["measured"] > 0).all() and (rows["predicted"] > 0).all()
+    assert len(list((tmp_path / "cache").rglob("tiny-llama-calkey-*.parquet"))) == 1  # fitted, then read
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        sensitivity_check.main(["--model", "tiny-llama", "eval=tiny", "quant=calkey"])  # the proxy check
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(
+        "error: quant.scheme: calkey reads fitted key tables, which"
+    )
