@@ -108,6 +108,16 @@ INGREDIENTS = (
         {"scheme": "codebook", "policy": "kv", "budget": 3.5, "key_offset": 1},
         {"scheme": "codebook", "policy": "measured", "budget": 3.5},
     ),
+    (
+        "calkey: wider keys than values (K4V3 against K3V4), same budget",
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": -1},
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": 1},
+    ),
+    (
+        "calkey: the measured knapsack against K4V3, same budget",
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": 1},
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "measured", "budget": 3.5},
+    ),
 )
 # What must agree for two points to be paired item by item: the same model, dtype and teacher-forced windows.
 PAIRING_FIELDS = ("model", "dtype", "num_sequences", "sequence_tokens", "chunk", "bos", "data_path", "seed")
