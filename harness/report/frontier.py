@@ -44,6 +44,7 @@ from harness.schemes import SCHEMES, get_scheme
 TARGETS = (2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)  # true compression (fp16 bytes / stored bytes)
 GOALS = ((3.5, 1.01), (4.5, 1.05), (6.0, 1.20))  # (at least this compression, at most this ppl_ratio)
 METRICS = ("ppl_ratio", "kl_mean")
+CALKEY_4 = {"scheme": "calkey", "group_size": 32, "sink_tokens": 1, "policy": "uniform", "budget": 4}
 # The ablation near 3.5x: (ingredient, the configuration without it, the one with it). A configuration is the
 # config fields a point must match; where several points match, the one of fewest bytes (then key) is taken.
 INGREDIENTS = (
@@ -65,33 +66,12 @@ INGREDIENTS = (
     (
         "keys against calibrated per-channel tables, BOS in fp16 (values as before)",
         {"scheme": "asym_token", "group_size": 32, "policy": "uniform", "budget": 4},
-        {
-            "scheme": "calkey",
-            "group_size": 32,
-            "sink_tokens": 1,
-            "outliers": 0.0,
-            "policy": "uniform",
-            "budget": 4,
-        },
+        {**CALKEY_4, "outliers": 0.0},
     ),
     (
         "1% of each key kept in fp16 (dense-and-sparse outliers)",
-        {
-            "scheme": "calkey",
-            "group_size": 32,
-            "sink_tokens": 1,
-            "outliers": 0.0,
-            "policy": "uniform",
-            "budget": 4,
-        },
-        {
-            "scheme": "calkey",
-            "group_size": 32,
-            "sink_tokens": 1,
-            "outliers": 0.01,
-            "policy": "uniform",
-            "budget": 4,
-        },
+        {**CALKEY_4, "outliers": 0.0},
+        {**CALKEY_4, "outliers": 0.01},
     ),
     (
         "Lloyd-Max levels and one fp16 scale per vector, after rotation",
