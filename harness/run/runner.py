@@ -1,6 +1,8 @@
 """The grid's point runner: per model one context (harness.run.context), then every pending point measured
 (harness.run.measure, or by its engine for a peer point, harness.peers) and recorded in points/ (harness.run.records:
-a point whose file exists is skipped, so a killed run resumes with no point lost or repeated). The model's
+a point whose file exists is skipped, when the run starts and again when its turn comes, so a killed run resumes
+with no point lost or repeated, and a start skips the points another start into the same run directory has
+finished by then). The model's
 baseline row is recorded beside its points. results.parquet is rebuilt from points/ (atomically,
 harness.results) after every point, so it is always readable.
 """
@@ -58,6 +60,9 @@ def run(
     )
     for point in todo:
         key = point.key()
+        if log.done(key):  # another start into this run directory finished it meanwhile
+            bar.update(1)
+            continue
         ckey = context_key(point)
         if ckey not in contexts:
             contexts.clear()  # one model in memory at a time

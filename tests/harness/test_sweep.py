@@ -189,3 +189,23 @@ def test_shards_split_the_grid_and_one_job_measures_each_table(count):
     assert max(sizes) - min(sizes) <= max(
         sum(t == table for t in tables.values()) for table in tables.values()
     )
+
+
+def test_a_point_another_start_finished_meanwhile_is_not_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    points = compose_points("+sweep=smoke", "sweep.budgets=[4]")
+    assert len(points) >= 3
+    measured = []
+    measure_point = runner.measure_point
+
+    def measure(ctx, point, key):
+        measured.append(key)
+        if len(measured) == 1:  # meanwhile, another start into the same run directory finishes the last point
+            runner.run(points[-1:], tmp_path / "run", batch_size=4)
+        return measure_point(ctx, point, key)
+
+    monkeypatch.setattr(runner, "measure_point", measure)
+    table = runner.run(points, tmp_path / "run", batch_size=4)
+    # the nested start measured the last point (second call); the first start skipped it when its turn came
+    assert measured == [points[0].key(), points[-1].key(), *(p.key() for p in points[1:-1])]
+    assert set(table.loc[table["policy"] != "baseline", "key"]) == {p.key() for p in points}
