@@ -32,9 +32,7 @@ N_BOOT = 300
 # Committed runs whose tables.md an older report wrote; each goes when its run is redone (strict: a run that
 # regenerates identically again must leave this list).
 _GRID = "full grid without the resident_bytes, resident_ratio and simulate columns"
-_DIFFS = "differences without the bytes column, the n of each interval and the n >= 16 rule"
 STALE_TABLES = {
-    "results/beyond/2026-11-21_beyond": f"older report: {_GRID}; {_DIFFS}",
     "results/perf/dtype/pareto-small-bfloat16": f"older report: {_GRID}",
     "results/perf/dtype/pareto-small-float32": f"older report: {_GRID}",
 }
