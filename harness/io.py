@@ -250,12 +250,16 @@ def start_record(
     config_yaml: str | None = None,
     name: str = "env.json",
 ) -> dict:
-    """What every protocol writes when it starts, before any model loads: run_dir, its config.yaml (when given)
-    and the environment record (write_environment); returns the record."""
+    """What every protocol writes when it starts, before any model loads: run_dir, its config.yaml (when given;
+    an earlier start's different config.yaml is kept as config.<n>.yaml) and the environment record
+    (write_environment); returns the record."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if config_yaml is not None:
-        write_text_atomic(run_dir / "config.yaml", config_yaml)
+        config = run_dir / "config.yaml"
+        if config.exists() and config.read_text() != config_yaml:
+            set_aside(config)
+        write_text_atomic(config, config_yaml)
     env = environment(command, device, allow_dirty, dtype)
     write_environment(run_dir, env, name)
     return env
@@ -273,8 +277,14 @@ def write_environment(folder: str | Path, env: dict, name: str = "env.json") -> 
             old = {}
         same = ("command", "git_commit", "threads", "device")
         if any(old.get(k) != env.get(k) for k in same):
-            n = 1
-            while (kept := path.with_name(f"{path.stem}.{n}.json")).exists():
-                n += 1
-            os.replace(path, kept)
+            set_aside(path)
     return write_json_atomic(path, env)
+
+
+def set_aside(path: Path) -> Path:
+    """Move an earlier start's record to <stem>.<n><suffix>, the first n not taken; returns where it went."""
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    os.replace(path, kept)
+    return kept

@@ -63,6 +63,17 @@ def test_environment_records_what_ran_and_resumes_keep_earlier_records(tmp_path)
     assert json.loads((tmp_path / "env.json").read_text())["threads"] == env["threads"] + 1
 
 
+def test_a_start_with_other_overrides_keeps_the_earlier_config(tmp_path):
+    io.start_record(tmp_path, "python -m harness shard=0", allow_dirty=True, config_yaml="shard: 0\n")
+    io.start_record(tmp_path, "python -m harness shard=0", allow_dirty=True, config_yaml="shard: 0\n")
+    assert not (tmp_path / "config.1.yaml").exists()  # the same start again: one record
+    io.start_record(tmp_path, "python -m harness shard=1", allow_dirty=True, config_yaml="shard: 1\n")
+    io.start_record(tmp_path, "python -m harness shard=2", allow_dirty=True, config_yaml="shard: 2\n")
+    assert (tmp_path / "config.1.yaml").read_text() == "shard: 0\n"
+    assert (tmp_path / "config.2.yaml").read_text() == "shard: 1\n"
+    assert (tmp_path / "config.yaml").read_text() == "shard: 2\n"
+
+
 def git(repo: Path, *args: str) -> None:
     subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
 
