@@ -119,8 +119,8 @@ def storage(config: dict) -> str:
 
 
 def name(config: dict) -> str:
-    """'storage: policy', e.g. 'asym_token g64: entropy a=0.25'."""
-    return f"{storage(config)}: {configuration(config)}"
+    """'storage, budget: policy', e.g. 'asym_token g64, 3 bits: entropy a=0.25'."""
+    return f"{storage(config)}, {config['budget']:g} bits: {configuration(config)}"
 
 
 def quantized_records(records: list[dict], model: str) -> list[dict]:

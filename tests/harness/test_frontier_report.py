@@ -47,7 +47,7 @@ def test_the_frontier_takes_the_best_point_that_compresses_at_least_the_target()
     assert table.loc["3.5x", "key"] == "u4g64"  # big (3.0x) and u4 (3.2x) compress too little
     assert table.loc["4.5x", "key"] == "e3"  # lower ppl_ratio than uniform at the same bytes
     assert table.loc["5x", "point"] == "none in the run"
-    assert table.loc["3.5x", "point"] == "asym_token g64: uniform"
+    assert table.loc["3.5x", "point"] == "asym_token g64, 4 bits: uniform"
     cell = table.loc["3.5x", "ppl_ratio"]
     assert cell.startswith(f"{math.exp(0.03):.4g} [") and cell.endswith("n=16")
 
@@ -70,12 +70,12 @@ def test_goals_say_met_or_by_how_much_they_are_missed():
 def test_an_allocation_meets_the_best_uniform_point_at_no_more_bytes():
     table = frontier.head_to_head(RECORDS, "m", n_boot=200).set_index("key")
     # e3 (4.57x) may only meet uniform points holding no more bytes: u3, not the better u4 or u4g64
-    assert table.loc["e3", "best uniform at no more bytes"] == "asym_token g64: uniform"
+    assert table.loc["e3", "best uniform at no more bytes"] == "asym_token g64, 4 bits: uniform"
     assert table.loc["e3", "bytes"] == "1.0000"
     kl = table.loc["e3", "kl_mean"]
     assert kl.startswith("**-0.05 [") and kl.endswith("n=16**")  # a constant paired gain: excludes zero
     # big (3.0x) holds more bytes than every uniform point: its reference is the best of them all, u4
-    assert table.loc["big", "best uniform at no more bytes"] == "asym_token g32: uniform"
+    assert table.loc["big", "best uniform at no more bytes"] == "asym_token g32, 4 bits: uniform"
     assert table.loc["big", "bytes"] == f"{3.2 / 3.0:.4f} (unequal bytes)"  # flagged: not equal memory
     assert "u4" not in table.index  # uniform points are the references, not compared
 
@@ -84,7 +84,7 @@ def test_points_on_other_windows_are_never_paired():
     other = _record("u3x", "uniform", "asym_token", 64, 5.0, 0.0, 0.0)
     other["config"]["sequence_tokens"] = 512  # better and smaller, but measured on other windows
     table = frontier.head_to_head([*RECORDS, other], "m", n_boot=100).set_index("key")
-    assert table.loc["e3", "best uniform at no more bytes"] == "asym_token g64: uniform"
+    assert table.loc["e3", "best uniform at no more bytes"] == "asym_token g64, 4 bits: uniform"
 
 
 def test_frontier_md_is_written_for_each_model(tmp_path):
@@ -109,7 +109,7 @@ def test_a_peer_meets_the_best_harness_point_at_no_more_bytes():
     row = table.iloc[0]
     assert row["peer"] == "llama.cpp q4_0 + rotation"
     assert (
-        row["best harness point at no more bytes"] == "asym_token g64: uniform"
+        row["best harness point at no more bytes"] == "asym_token g64, 4 bits: uniform"
     )  # u4g64, 3.56x; u4 holds more
     assert row["harness minus peer, ppl_ratio"].startswith(f"**{math.exp(0.03) - math.exp(0.08):+.3g} [")
 
@@ -125,10 +125,26 @@ def test_the_ablation_pairs_the_points_with_and_without_each_ingredient():
     )
     assert list(table.index) == [ingredient for ingredient, _, _ in frontier.INGREDIENTS]
     row = table.loc[frontier.INGREDIENTS[0][0]]
-    assert (row["without"], row["with"]) == ("sym_token g32: uniform", "rotate+sym_token g32: uniform")
+    assert (row["without"], row["with"]) == (
+        "sym_token g32, 4 bits: uniform",
+        "rotate+sym_token g32, 4 bits: uniform",
+    )
     assert row["ppl_ratio"].startswith(f"**{math.exp(0.05) - math.exp(0.10):+.3g} [")  # better: excludes zero
     assert row["kl_mean"].startswith("**-0.05 [") and row["bytes"] == "1.0000"
     # asym_token g64 is in RECORDS (u4g64): the equal-bytes zero-point ingredient is paired with it
-    assert table.loc[frontier.INGREDIENTS[1][0], "with"] == "asym_token g64: uniform"
+    assert table.loc[frontier.INGREDIENTS[1][0], "with"] == "asym_token g64, 4 bits: uniform"
     missing = table.loc[frontier.INGREDIENTS[-1][0]]
     assert missing["without"] == "not in the run" and missing["with"] == "not in the run"
+
+
+def test_a_point_is_named_with_its_budget():
+    config = {
+        **RECORDS[0]["config"],
+        "scheme": "codebook",
+        "policy": "kv",
+        "alpha": 0.0,
+        "key_offset": 1,
+        "budget": 3.5,
+    }
+    assert frontier.name(config) == "codebook, 3.5 bits: kv d=1"
+    assert frontier.name({**RECORDS[0]["config"], "budget": 3}) == "asym_token g32, 3 bits: uniform"
