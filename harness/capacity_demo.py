@@ -2,12 +2,15 @@
 
 `python -m harness.capacity_demo --model smollm2-135m --memory-gib 6 --batch 8 --bits 16 8 4 2` runs each
 trial in a child process whose address space is capped with resource.setrlimit(RLIMIT_AS) (the cap covers the
-whole process: Python, torch, the weights and the cache). A trial loads the model, prefills `context` random
-tokens through the cache in chunks of `--chunk` and decodes `--new-tokens` greedy tokens; it fits when the child
-exits cleanly. Per width (16: DynamicCache in the model's dtype; 8, 4, 2: QuantizedKVCache asym_token g32,
-packed-only) the context is searched in steps of `--step` tokens (doubling, then bisection). Beside each
-result: harness.capacity's prediction for the memory left once an empty-cache trial's peak is taken off the
-cap (16 bits counted at the model dtype's bytes). Writes a Markdown table with the command to `--out`.
+whole process: Python, torch, the weights and the cache). A trial loads the model in `--dtype`, prefills
+`context` random tokens through the cache in chunks of `--chunk` and decodes `--new-tokens` greedy tokens; it
+fits when the child exits cleanly. First an (almost) empty-cache trial measures what the process needs besides
+the cache; harness.capacity then predicts, per width, the longest context for the rest of the cap (16 bits:
+DynamicCache in the model's dtype; 8, 4, 2: QuantizedKVCache asym_token g32, packed-only). The search for the
+largest multiple of `--step` that fits starts at that prediction and gallops away from it (steps doubling),
+then bisects, so a close prediction costs a few trials near the answer: long prefills are what cost time.
+Writes a Markdown table with the command, the prediction and the trials to `--out`, and its environment record
+beside it (`<out>.env.json`, the git commit and thread count).
 
 This module owns the demonstration only; the arithmetic is harness.capacity's.
 """
@@ -19,16 +22,17 @@ import platform
 import resource
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
+from harness import io, precision
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.capacity import max_context, shape_from_registry
 from harness.models import load_model, model_spec
-from harness.precision import torch_dtype
 from harness.schemes import get_scheme
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
@@ -45,12 +49,14 @@ def vm_peak_bytes() -> int:
     raise RuntimeError("no VmPeak in /proc/self/status")
 
 
-def trial(model_name: str, batch: int, context: int, bits: int, new_tokens: int, chunk: int, cap: int) -> int:
+def trial(args, cap: int) -> int:
     """Run one capped trial in this process: prefill and decode; prints the peak virtual memory, returns 0."""
     resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+    io.set_threads(args.threads, key="--threads")  # the parent's count
     torch.manual_seed(0)
+    batch, context, bits, chunk = args.batch, args.context, args.bits[0], args.chunk
     with torch.no_grad():
-        model, _ = load_model(model_name)
+        model, _ = load_model(args.model, dtype=args.dtype)
         with installed(model, PACKED):
             config = model.config
             if bits == FULL_WIDTH:
@@ -67,7 +73,7 @@ def trial(model_name: str, batch: int, context: int, bits: int, new_tokens: int,
                     input_ids=piece, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1
                 ).logits
             token = logits[:, -1:].argmax(-1)  # (B, 1)
-            for step in range(new_tokens):
+            for step in range(args.new_tokens):
                 pos = torch.full_like(token, context + step)
                 token = model(
                     input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True
@@ -81,25 +87,62 @@ def fits(args, bits: int, context: int) -> tuple[bool, int | None]:
     command = [
         sys.executable, "-m", "harness.capacity_demo", "--trial", "--model", args.model, "--batch", str(args.batch),
         "--context", str(context), "--bits", str(bits), "--new-tokens", str(args.new_tokens),
-        "--chunk", str(args.chunk), "--memory-gib", str(args.memory_gib),
+        "--chunk", str(args.chunk), "--memory-gib", str(args.memory_gib), "--threads", str(torch.get_num_threads()),
+        *(["--dtype", args.dtype] if args.dtype else []),
     ]  # fmt: skip
+    started = time.perf_counter()
     proc = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
     peak = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("vm_peak ")]
     ok = proc.returncode == 0 and bool(peak)
-    print(f"  {bits:2d} bits, context {context:7d}: {'fits' if ok else 'does not fit'}", flush=True)
+    print(
+        f"  {bits:2d} bits, context {context:7d}: {'fits' if ok else 'does not fit'} ({seconds:.0f} s)",
+        flush=True,
+    )
+    if args.trials is not None:
+        args.trials.append((bits, context, ok, peak[0] if peak else None, seconds))
     return ok, peak[0] if peak else None
 
 
-def largest_context(args, bits: int) -> int:
-    """The largest multiple of --step that fits (0 if none does): doubling, then bisection."""
-    low, high = 0, args.step
-    while high <= args.max_context and fits(args, bits, high)[0]:
-        low, high = high, 2 * high
-    high = min(high, args.max_context + args.step)
-    while high - low > args.step:
-        mid = (low + high) // 2 // args.step * args.step
+def largest_context(args, bits: int, guess: int | None = None) -> int:
+    """The largest multiple of --step up to --max-context that fits (0 if none does).
+
+    The first trial is `guess` (harness.capacity's prediction) rounded down to a multiple of the step; from
+    there trials gallop up (while they fit) or down (while they do not) by 1, 2, 4, ... steps, and bisection
+    closes the bracket. Invariant: `low` fits (0 trivially), `high` does not (or lies past --max-context).
+    """
+    step = args.step
+    top = args.max_context // step * step
+    if top < step:
+        return 0
+    first = min(max(guess or step, step) // step * step, top)
+    low, high = 0, top + step
+    jump = step
+    if fits(args, bits, first)[0]:
+        low = first
+        while low + jump <= top:
+            if not fits(args, bits, low + jump)[0]:
+                high = low + jump
+                break
+            low, jump = low + jump, 2 * jump
+    else:
+        high = first
+        while high - jump > 0:
+            if fits(args, bits, high - jump)[0]:
+                low = high - jump
+                break
+            high, jump = high - jump, 2 * jump
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
         low, high = (mid, high) if fits(args, bits, mid)[0] else (low, mid)
     return low
+
+
+def dtype_name(args) -> str:
+    """--dtype resolved: auto is bfloat16 where the CPU computes it natively; none given, the registry's."""
+    return precision.resolve(
+        args.dtype or model_spec(args.model).get("dtype", "float32"), "cpu", key="--dtype"
+    )
 
 
 def predicted(args, bits: int, overhead: int) -> int | None:
@@ -109,7 +152,7 @@ def predicted(args, bits: int, overhead: int) -> int | None:
     if (
         bits == FULL_WIDTH
     ):  # harness.capacity counts 16-bit tokens at 2 bytes; a DynamicCache holds the model's dtype
-        budget = budget * 2 // torch_dtype(model_spec(args.model)["dtype"]).itemsize
+        budget = budget * 2 // precision.torch_dtype(dtype_name(args)).itemsize
     return max_context(shape, max(budget, 0), bits, get_scheme(SCHEME, GROUP_SIZE), batch=args.batch)
 
 
@@ -123,10 +166,49 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk", type=int, default=512, help="prefill chunk (tokens)")
     p.add_argument("--step", type=int, default=1024, help="context granularity of the search")
     p.add_argument("--max-context", type=int, default=131072)
+    p.add_argument(
+        "--dtype", default=None, help="the model's dtype: float32, bfloat16 or auto (default: the registry's)"
+    )
     p.add_argument("--out", default="results/capacity/demo.md")
+    io.add_run_arguments(p)
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--context", type=int, help=argparse.SUPPRESS)
+    p.set_defaults(trials=None)  # main's log of (bits, context, fits, peak bytes, seconds)
     return p
+
+
+def report(args, command: str, overhead: int, rows: list) -> str:
+    """The Markdown result: the command, the table (largest context and prediction per width), every trial."""
+    lines = [
+        f"Command: `{command}` ({platform.machine()}, Python {platform.python_version()}, torch "
+        f"{torch.__version__}, {torch.get_num_threads()} threads).",
+        "",
+        f"Largest context that prefills (chunks of {args.chunk}) and decodes {args.new_tokens} tokens at batch "
+        f"{args.batch} in {args.dtype} under a {args.memory_gib:g} GiB address-space cap (RLIMIT_AS), searched in "
+        f"steps of {args.step} from the prediction; predicted: harness.capacity for the cap less an empty-cache "
+        f"trial's peak ({overhead / GIB:.2f} GiB).",
+        "",
+        "| cache | bits | largest context | batch x context | predicted context |",
+        "|---|---|---|---|---|",
+    ]
+    for bits, context, guess in rows:
+        name = (
+            f"DynamicCache ({args.dtype})"
+            if bits == FULL_WIDTH
+            else f"QuantizedKVCache {SCHEME} g{GROUP_SIZE} (packed-only)"
+        )
+        lines.append(f"| {name} | {bits} | {context} | {args.batch * context} | {guess} |")
+    lines += [
+        "",
+        "Trials, in order:",
+        "",
+        "| bits | context | fits | peak GiB | seconds |",
+        "|---|---|---|---|---|",
+    ]
+    for bits, context, ok, peak, seconds in args.trials:
+        shown = "-" if peak is None else f"{peak / GIB:.2f}"
+        lines.append(f"| {bits} | {context} | {'yes' if ok else 'no'} | {shown} | {seconds:.0f} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -142,39 +224,32 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     cap = int(args.memory_gib * GIB)
     if args.trial:
-        bits = args.bits[0]
-        raise SystemExit(trial(args.model, args.batch, args.context, bits, args.new_tokens, args.chunk, cap))
-    ok, overhead = fits(
-        args, FULL_WIDTH, 1
-    )  # an (almost) empty cache: what the process needs besides the cache
+        raise SystemExit(trial(args, cap))
+    out = Path(args.out)
+    try:  # before any trial: dtype resolved, threads applied, a clean tree for results/
+        args.dtype = dtype_name(args)
+        io.set_threads(args.threads, key="--threads")
+        io.check_writable(out.parent, key="--out")
+        io.check_clean(out.parent, args.allow_dirty, key="--allow-dirty")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    command = io.command_line("python -m harness.capacity_demo", argv)
+    io.start_record(
+        out.parent, command, "cpu", args.allow_dirty, args.dtype, name=out.with_suffix(".env.json").name
+    )
+    args.trials = []
+    # an (almost) empty cache: what the process needs besides the cache
+    ok, overhead = fits(args, FULL_WIDTH, 1)
     if not ok:
         print(f"error: --memory-gib: {args.memory_gib} does not hold {args.model} itself", file=sys.stderr)
         raise SystemExit(2)
     rows = []
     for bits in args.bits:
-        context = largest_context(args, bits)
-        rows.append((bits, context, predicted(args, bits, overhead)))
-    command = "python -m harness.capacity_demo " + " ".join(sys.argv[1:] if argv is None else argv)
-    lines = [
-        f"Command: `{command}` ({platform.machine()}, Python {platform.python_version()}).",
-        "",
-        f"Largest context that prefills (chunks of {args.chunk}) and decodes {args.new_tokens} tokens at batch "
-        f"{args.batch} under a {args.memory_gib:g} GiB address-space cap (RLIMIT_AS), searched in steps of "
-        f"{args.step}; predicted: harness.capacity for the cap less an empty-cache trial's peak "
-        f"({overhead / GIB:.2f} GiB).",
-        "",
-        "| cache | bits | largest context | batch x context | predicted context |",
-        "|---|---|---|---|---|",
-    ]
-    for bits, context, guess in rows:
-        name = (
-            "DynamicCache" if bits == FULL_WIDTH else f"QuantizedKVCache {SCHEME} g{GROUP_SIZE} (packed-only)"
-        )
-        lines.append(f"| {name} | {bits} | {context} | {args.batch * context} | {guess} |")
-    text = "\n".join(lines) + "\n"
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
+        guess = predicted(args, bits, overhead)
+        rows.append((bits, largest_context(args, bits, guess), guess))
+    text = report(args, command, overhead, rows)
+    io.write_text_atomic(out, text)
     print(text)
 
 

@@ -13,19 +13,53 @@ def args_for(*extra: str):
     return capacity_demo.parser().parse_args(["--model", "tiny-llama", "--batch", "2", *extra])
 
 
-def test_the_search_finds_the_largest_fitting_multiple_of_the_step(monkeypatch):
+@pytest.mark.parametrize("guessing", ["none", "exact", "random"])
+def test_the_search_finds_the_largest_fitting_multiple_of_the_step(monkeypatch, guessing):
     rng = random.Random(0)
     args = args_for("--step", "256", "--max-context", "65536")
-    for _ in range(30):
+    for _ in range(40):
         limit = rng.randrange(0, 70000)
+        guess = {"none": None, "exact": limit, "random": rng.randrange(-5, 200000)}[guessing]
         tried = []
         monkeypatch.setattr(
             capacity_demo, "fits", lambda a, bits, ctx, t=tried, n=limit: t.append(ctx) or (ctx <= n, None)
         )
-        got = capacity_demo.largest_context(args, 4)
+        got = capacity_demo.largest_context(args, 4, guess)
         want = min(limit, 65536) // 256 * 256
-        assert got == want, (limit, got, tried)
-        assert len(tried) < 30  # doubling then bisection, not a scan
+        assert got == want, (limit, guess, got, tried)
+        assert all(c % 256 == 0 and 0 < c <= 65536 for c in tried), tried
+        assert len(tried) == len(set(tried)) and len(tried) < 30  # gallop then bisection, never a scan
+        if guessing == "exact" and 256 <= limit < 65536:
+            assert tried == [want, want + 256]  # a right prediction costs two trials
+
+
+def test_main_writes_the_table_the_trials_and_the_environment(monkeypatch, tmp_path):
+    """main end to end with trials faked by a limit per width: the search starts from each prediction."""
+    limits = {16: 3000, 4: 20000}
+
+    def fake_fits(args, bits, context):
+        ok = context <= limits[bits] if context > 1 else True
+        args.trials.append((bits, context, ok, 2**30 if ok else None, 0.5))
+        return ok, 2**30 if ok else None
+
+    monkeypatch.setattr(capacity_demo, "fits", fake_fits)
+    out = tmp_path / "demo.md"
+    capacity_demo.main(
+        ["--model", "tiny-llama", "--batch", "2", "--memory-gib", "2", "--bits", "16", "4", "--step", "512",
+         "--out", str(out)]
+    )  # fmt: skip
+    text = out.read_text()
+    assert "| DynamicCache (float32) | 16 | 2560 | 5120 |" in text
+    assert "| QuantizedKVCache asym_token g32 (packed-only) | 4 | 19968 | 39936 |" in text
+    args = args_for("--memory-gib", "2", "--dtype", "float32")
+    trials = [line.split("|")[1:3] for line in text.split("Trials, in order:")[1].splitlines()[4:]]
+    trials = [(int(bits), int(context)) for bits, context in trials]  # (bits, context) in order
+    assert trials[0] == (16, 1)  # the empty-cache trial
+    for bits in (16, 4):  # each width's first trial is its prediction rounded down to the step (within range)
+        first = next(context for b, context in trials[1:] if b == bits)
+        guess = capacity_demo.predicted(args, bits, 2**30)
+        assert first == min(max(guess, 512), 131072) // 512 * 512, (bits, guess)
+    assert (tmp_path / "demo.env.json").exists()
 
 
 def test_the_prediction_grows_as_the_widths_shrink():
