@@ -4,23 +4,27 @@ For each context length and cache type: one llama.cpp context (flash attention o
 rotation as asked), a prefill of `context` tokens, then `runs` timed runs of `new_tokens` single-token decodes
 from that same context (each run drops the previous run's tokens first), after `warmup` untimed runs. Prints and
 writes tokens/s per run as median and spread (min, max), and each type's median against f16's at the same
-context, to a CSV that starts with the command, the machine and the versions. Token ids are drawn at random
-(seeded): the speed of a decode step does not depend on which tokens it sees.
+context, to a CSV that starts with the command, the machine and the versions; the CSV is rewritten (atomically)
+after every measurement, so an interrupted run keeps what it measured. Its environment record (git commit and
+dirty flag, versions, threads) goes beside it as `<out>.env.json`; into the repository's results/ only from a
+clean tree unless --allow-dirty. Token ids are drawn at random (seeded): the speed of a decode step does not
+depend on which tokens it sees.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import io as textio
 import platform
 import statistics
-import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
 import torch
 
+from harness import io
 from harness.models import ModelUnavailable, gguf_path, model_names, model_spec
 from harness.peers.llamacpp import KV_TYPES, open_llama
 
@@ -58,6 +62,11 @@ def parser() -> argparse.ArgumentParser:
         "--threads", type=int, default=None, help="llama.cpp threads (default: torch's, OMP_NUM_THREADS)"
     )
     p.add_argument("--out", type=Path, default=Path("results/peers/decode_speed.csv"))
+    p.add_argument(
+        "--allow-dirty",
+        action="store_true",
+        help="write into results/ from a git tree with uncommitted changes (recorded in the env record)",
+    )
     return p
 
 
@@ -79,15 +88,40 @@ def check(args, p: argparse.ArgumentParser) -> Path:
     if args.warmup < 0:
         p.error(f"--warmup: {args.warmup} is negative")
     try:
+        io.check_writable(args.out.parent, key="--out")
+        io.check_clean(args.out.parent, args.allow_dirty, key="--allow-dirty")
+    except ValueError as err:
+        p.error(str(err))
+    try:
         return gguf_path(model_spec(args.model))
     except ModelUnavailable as err:
         p.error(str(err))
+
+
+def write_rows(out: Path, command: str, threads: int, rows: list[dict]) -> None:
+    """The CSV: the command and the machine on top, then one row per (context, type) with its ratio to f16's
+    median at the same context (nan until f16 has run there)."""
+    for row in rows:
+        f16 = [r for r in rows if r["context"] == row["context"] and r["kv_type"] == "f16"]
+        row["ratio_to_f16"] = row["tok_s_median"] / f16[0]["tok_s_median"] if f16 else float("nan")
+    text = textio.StringIO()
+    text.write(f"# command: {command}\n")
+    text.write(
+        f"# {platform.processor() or platform.machine()}, {threads} llama.cpp threads, "
+        f"llama-cpp-python {metadata.version('llama-cpp-python')}, flash attention on\n"
+    )
+    writer = csv.DictWriter(text, fieldnames=list(rows[0]), lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    io.write_text_atomic(out, text.getvalue())
 
 
 def main(argv: list[str] | None = None) -> None:
     p = parser()
     args = p.parse_args(argv)
     path = check(args, p)
+    command = io.command_line("python -m harness.peers.speed", argv)
+    io.start_record(args.out.parent, command, "cpu", args.allow_dirty, name=args.out.name + ".env.json")
     limit = model_spec(args.model).get("context_limit")
     rotation = args.rotation == "on"
     rows = []
@@ -123,23 +157,10 @@ def main(argv: list[str] | None = None) -> None:
             )
             print(
                 f"context {context:6d} {kv_type:7s} median {rows[-1]['tok_s_median']:8.2f} tok/s "
-                f"[{rows[-1]['tok_s_min']:.2f}, {rows[-1]['tok_s_max']:.2f}] over {args.runs} runs"
+                f"[{rows[-1]['tok_s_min']:.2f}, {rows[-1]['tok_s_max']:.2f}] over {args.runs} runs",
+                flush=True,
             )
-    for row in rows:
-        f16 = [r for r in rows if r["context"] == row["context"] and r["kv_type"] == "f16"]
-        row["ratio_to_f16"] = row["tok_s_median"] / f16[0]["tok_s_median"] if f16 else float("nan")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "w", newline="") as f:
-        f.write(
-            f"# command: python -m harness.peers.speed {' '.join(sys.argv[1:] if argv is None else argv)}\n"
-        )
-        f.write(
-            f"# {platform.processor() or platform.machine()}, {args.threads} llama.cpp threads, "
-            f"llama-cpp-python {metadata.version('llama-cpp-python')}, flash attention on\n"
-        )
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+            write_rows(args.out, command, args.threads, rows)
     print(f"wrote {args.out}")
 
 

@@ -3,6 +3,7 @@ cross-check with the harness, q8_0 against f16, the rotation switch and the byte
 
 import csv
 import ctypes
+import json
 import os
 
 import pytest
@@ -156,6 +157,35 @@ def test_the_speed_command_refuses_bad_arguments_before_loading(capsys, monkeypa
             speed.main(args)
         assert stop.value.code == 2
         assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_speed_command_keeps_every_measurement_of_an_interrupted_run(tmp_path, monkeypatch):
+    """The CSV is rewritten after each (context, type), with its environment record beside it from the start."""
+    from harness.peers import speed
+
+    class Closed:
+        def close(self):
+            pass
+
+    done = []
+
+    def fake_runs(llm, context, new_tokens, runs, warmup):
+        if len(done) == 3:
+            raise KeyboardInterrupt  # the fourth measurement is cut off
+        done.append(context)
+        return [10.0 * len(done), 20.0 * len(done), 15.0 * len(done)][:runs]
+
+    monkeypatch.setattr(speed, "open_llama", lambda *a, **kw: Closed())
+    monkeypatch.setattr(speed, "decode_runs", fake_runs)
+    out = tmp_path / "speed.csv"
+    with pytest.raises(KeyboardInterrupt):
+        speed.main(["--contexts", "64", "128", "--types", "f16", "q4_0", "--runs", "3", "--out", str(out)])
+    rows = list(csv.DictReader(out.read_text().splitlines()[2:]))
+    assert [(r["context"], r["kv_type"]) for r in rows] == [("64", "f16"), ("64", "q4_0"), ("128", "f16")]
+    assert [float(r["tok_s_median"]) for r in rows] == [15.0, 30.0, 45.0]
+    assert [float(r["ratio_to_f16"]) for r in rows] == [1.0, 2.0, 1.0]
+    env = json.loads((tmp_path / "speed.csv.env.json").read_text())
+    assert env["command"].startswith("python -m harness.peers.speed --contexts 64 128")
 
 
 @pytest.mark.slow
