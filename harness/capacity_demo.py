@@ -4,8 +4,9 @@
 trial in a child process whose address space is capped with resource.setrlimit(RLIMIT_AS) (the cap covers the
 whole process: Python, torch, the weights and the cache). A trial loads the model in `--dtype`, prefills
 `context` random tokens through the cache in chunks of `--chunk` and decodes `--new-tokens` greedy tokens; it
-fits when the child exits cleanly. First an (almost) empty-cache trial measures what the process needs besides
-the cache; harness.capacity then predicts, per width, the longest context for the rest of the cap (16 bits:
+fits when the child exits cleanly. First a one-chunk trial (DynamicCache, `--chunk` tokens) measures what the
+process needs besides the cache: its peak less that chunk's K/V, so the working memory of a chunk's forward
+counts as overhead; harness.capacity then predicts, per width, the longest context for the rest of the cap (16 bits:
 DynamicCache in the model's dtype; 8, 4, 2: QuantizedKVCache asym_token g32, packed-only). The search for the
 largest multiple of `--step` that fits starts at that prediction and gallops away from it (steps doubling),
 then bisects, so a close prediction costs a few trials near the answer: long prefills are what cost time.
@@ -31,7 +32,7 @@ from transformers import DynamicCache
 from harness import io, precision
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
-from harness.capacity import max_context, shape_from_registry
+from harness.capacity import cache_bytes, max_context, shape_from_registry
 from harness.models import load_model, model_spec
 from harness.schemes import get_scheme
 from kernels.layout import FULL_WIDTH
@@ -145,6 +146,12 @@ def dtype_name(args) -> str:
     )
 
 
+def overhead_bytes(args, chunk_peak: int) -> int:
+    """What a trial needs besides its cache: the peak of a one-chunk DynamicCache trial less that chunk's K/V."""
+    chunk_kv = cache_bytes(shape_from_registry(args.model), args.chunk, FULL_WIDTH, batch=args.batch)
+    return chunk_peak - chunk_kv.fp16_bytes * precision.torch_dtype(dtype_name(args)).itemsize // 2
+
+
 def predicted(args, bits: int, overhead: int) -> int | None:
     """harness.capacity's longest context for the cap less `overhead` (16 bits at the model dtype's bytes)."""
     shape = shape_from_registry(args.model)
@@ -185,8 +192,8 @@ def report(args, command: str, overhead: int, rows: list) -> str:
         "",
         f"Largest context that prefills (chunks of {args.chunk}) and decodes {args.new_tokens} tokens at batch "
         f"{args.batch} in {args.dtype} under a {args.memory_gib:g} GiB address-space cap (RLIMIT_AS), searched in "
-        f"steps of {args.step} from the prediction; predicted: harness.capacity for the cap less an empty-cache "
-        f"trial's peak ({overhead / GIB:.2f} GiB).",
+        f"steps of {args.step} from the prediction; predicted: harness.capacity for the cap less the overhead "
+        f"({overhead / GIB:.2f} GiB: a one-chunk DynamicCache trial's peak less that chunk's K/V).",
         "",
         "| cache | bits | largest context | batch x context | predicted context |",
         "|---|---|---|---|---|",
@@ -239,11 +246,12 @@ def main(argv: list[str] | None = None) -> None:
         out.parent, command, "cpu", args.allow_dirty, args.dtype, name=out.with_suffix(".env.json").name
     )
     args.trials = []
-    # an (almost) empty cache: what the process needs besides the cache
-    ok, overhead = fits(args, FULL_WIDTH, 1)
+    # what the process needs besides the cache: one chunk's trial, less that chunk's K/V in the model's dtype
+    ok, peak = fits(args, FULL_WIDTH, args.chunk)
     if not ok:
         print(f"error: --memory-gib: {args.memory_gib} does not hold {args.model} itself", file=sys.stderr)
         raise SystemExit(2)
+    overhead = overhead_bytes(args, peak)
     rows = []
     for bits in args.bits:
         guess = predicted(args, bits, overhead)

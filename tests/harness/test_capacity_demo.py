@@ -38,7 +38,7 @@ def test_main_writes_the_table_the_trials_and_the_environment(monkeypatch, tmp_p
     limits = {16: 3000, 4: 20000}
 
     def fake_fits(args, bits, context):
-        ok = context <= limits[bits] if context > 1 else True
+        ok = context <= limits[bits] if args.trials else True  # the first trial measures the overhead
         args.trials.append((bits, context, ok, 2**30 if ok else None, 0.5))
         return ok, 2**30 if ok else None
 
@@ -54,12 +54,21 @@ def test_main_writes_the_table_the_trials_and_the_environment(monkeypatch, tmp_p
     args = args_for("--memory-gib", "2", "--dtype", "float32")
     trials = [line.split("|")[1:3] for line in text.split("Trials, in order:")[1].splitlines()[4:]]
     trials = [(int(bits), int(context)) for bits, context in trials]  # (bits, context) in order
-    assert trials[0] == (16, 1)  # the empty-cache trial
+    assert trials[0] == (16, 512)  # the one-chunk trial (--chunk 512)
     for bits in (16, 4):  # each width's first trial is its prediction rounded down to the step (within range)
         first = next(context for b, context in trials[1:] if b == bits)
-        guess = capacity_demo.predicted(args, bits, 2**30)
+        guess = capacity_demo.predicted(args, bits, capacity_demo.overhead_bytes(args, 2**30))
         assert first == min(max(guess, 512), 131072) // 512 * 512, (bits, guess)
     assert (tmp_path / "demo.env.json").exists()
+
+
+def test_the_overhead_is_the_chunk_trial_less_its_own_kv():
+    """tiny-llama's K/V per token (every layer, K and V, every KV head x head_dim), by hand, in each dtype."""
+    shape = capacity_demo.shape_from_registry("tiny-llama")
+    per_token = sum(2 * layer.kv_heads * layer.head_dim for layer in shape.layers)  # elements
+    for dtype, size in (("float32", 4), ("bfloat16", 2)):
+        args = args_for("--chunk", "96", "--dtype", dtype)
+        assert capacity_demo.overhead_bytes(args, 10**9) == 10**9 - 2 * 96 * per_token * size
 
 
 def test_the_prediction_grows_as_the_widths_shrink():
