@@ -9,15 +9,24 @@ A store is read through two products over its tokens [start, end):
     scores(store, q, start, end)   q (B, Hkv, M, D) float32  -> q . k   (B, Hkv, M, end - start) float32
     weighted(store, p, start, end) p (B, Hkv, M, end - start) -> p @ v  (B, Hkv, M, D) float32
 For kernels.layout.PackedStore they are computed here, one pass per width bucket (the width-major layout puts
-the heads of one width in one byte range of a row). With per-group scale s and zero z (sym: z = -2**(b-1) s),
-a value is c s + z, so for a query row q split into groups q_n:
+the heads of one width in one byte range of a row). A block's codes are unpacked once into a float32 matrix
+C (B, Hw, Tb, D) whose columns are in the width's *code order* (`_CodeOrder`): at 2 and 4 bits the k = 8 // bits
+codes of a byte are taken apart with one shift-and-mask pass each and laid side by side (column i * D / k + j
+holds code j * k + i), so nothing is interleaved; the queries and outputs, which are small, are permuted instead.
+With per-group scale s and zero z (sym: z = -2**(b-1) s), a value is c s + z, so for a query row q split into
+groups q_n:
     q . k = sum_n s_n (q_n . c_n) + z_n sum(q_n)          p @ v [n] = (p * s_n) @ c_n + (p @ z_n)
 When a block has few query rows (decode: M = query heads per KV head) these folded products touch fewer
-elements than dequantizing the block; with many (a prefill chunk) the block is dequantized once and multiplied.
+elements than dequantizing the block: the per-group products of all groups are one matrix product with a
+block-diagonal operand (row (m, n) of the queries keeps only group n's entries; for the values, the output
+block of row (m, n) keeps only group n's columns). With many query rows (a prefill chunk) the block is
+dequantized once and multiplied.
 Any other store (harness/schemes) provides the two products as methods `qk` and `pv`.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -29,57 +38,69 @@ MAX_BLOCK = 1024  # tokens per block at most
 QUERY_BLOCK = 256  # query rows per pass of a long chunk (a causal chunk then skips the keys it cannot see)
 
 
-def _pieces(raw: torch.Tensor, bits: int, g: int) -> list[torch.Tensor]:
-    """float32 codes of packed groups raw (..., bytes of g codes) as k = 8 // bits pieces (..., g // k): piece i
-    holds codes i, i + k, i + 2k, ... (bits [i * bits, + bits) of every byte). 3 bits: one piece, all g codes.
+class _CodeOrder:
+    """Where each code of a row lands in the unpacked matrix of one width, and which group it belongs to.
 
-    Each piece is one shift-and-mask pass written contiguously; nothing is interleaved (the queries and the
-    outputs, which are small, are split and joined instead).
+    k: codes per byte taken apart (1 for 3 and 8 bits, and where a group does not fill whole bytes);
+    columns (D,) viewed as (k, ng, g / k): column (i, n, r) holds code (n * g / k + r) * k + i, of group n.
+    perm (D,): code of each column; inverse (D,): column of each code; onehot (ng, D): group n's columns.
     """
-    if bits == 3:
-        return [reference.unpack(raw, 3, g).float()]
+
+    def __init__(self, bits: int, head_dim: int, group_size: int, device: torch.device):
+        k = 8 // bits if bits in (2, 4) and group_size % (8 // bits) == 0 else 1
+        ng, per = head_dim // group_size, group_size // k
+        i, n, r = torch.meshgrid(torch.arange(k), torch.arange(ng), torch.arange(per), indexing="ij")
+        self.k, self.ng = k, ng
+        self.perm = ((n * per + r) * k + i).flatten().to(device)  # (D,)
+        self.inverse = torch.argsort(self.perm)  # (D,)
+        self.identity = k == 1
+        self.onehot = (n.flatten() == torch.arange(ng).unsqueeze(1)).float().to(device)  # (ng, D)
+
+
+@functools.lru_cache(maxsize=64)
+def _code_order(bits: int, head_dim: int, group_size: int, device: torch.device) -> _CodeOrder:
+    return _CodeOrder(bits, head_dim, group_size, device)
+
+
+def _codes(raw: torch.Tensor, bits: int, order: _CodeOrder, head_dim: int) -> torch.Tensor:
+    """uint8 packed rows raw (B, Hw, Tb, packed bytes) -> float32 codes (B, Hw, Tb, D) in code order."""
+    if order.k == 1:
+        return (raw if bits == 8 else reference.unpack(raw, bits, head_dim)).float()
     mask = (1 << bits) - 1
-    return [((raw >> (i * bits)) & mask if i else raw & mask).float() for i in range(8 // bits)]
+    last = (order.k - 1) * bits  # the top piece needs no mask
+    parts = [raw & mask, *(((raw >> (i * bits)) & mask) for i in range(1, order.k - 1)), raw >> last]
+    return torch.cat(parts, -1).float()
 
 
-def _split(x: torch.Tensor, k: int) -> list[torch.Tensor]:
-    """x (..., g) as the k pieces _pieces makes of codes: entries i, i + k, ... (views)."""
-    return [x] if k == 1 else list(x.unflatten(-1, (-1, k)).unbind(-1))
-
-
-def _token_major_bytes(raw: torch.Tensor) -> torch.Tensor:
-    """raw (B, Tb, Hw, ng, gb) uint8 -> (B, Hw, ng, Tb, gb) contiguous, moved as the widest aligned integers."""
-    gb = raw.shape[-1]
+def _head_major_bytes(raw: torch.Tensor) -> torch.Tensor:
+    """raw (B, Tb, Hw, pd) uint8 -> (B, Hw, Tb, pd) contiguous, moved as the widest aligned integers."""
+    pd = raw.shape[-1]
     for dtype in (torch.int64, torch.int32, torch.int16):
         size = dtype.itemsize
         if (
-            gb % size == 0
+            pd % size == 0
             and raw.storage_offset() % size == 0
             and all(st % size == 0 for st in raw.stride()[:-1])
         ):
-            wide = raw.view(dtype)  # (B, Tb, Hw, ng, gb // size)
-            return wide.permute(0, 2, 3, 1, 4).contiguous().view(torch.uint8)
-    return raw.permute(0, 2, 3, 1, 4).contiguous()
+            return raw.view(dtype).transpose(1, 2).contiguous().view(torch.uint8)
+    return raw.transpose(1, 2).contiguous()
 
 
 def _bucket(
     store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int
 ):
-    """One width bucket's block of tokens [start, end): code pieces (_pieces) float32 (B, Hw, ng, Tb, g / k) each,
-    scale and zero float32 (B, Hw, ng, Tb)."""
+    """One width bucket's block of tokens [start, end): codes float32 (B, Hw, Tb, D) in code order, their
+    _CodeOrder, and scale and zero float32 (B, Hw, Tb, ng)."""
     Hw = len(heads)
-    D, g = store.head_dim, store.group_size
-    ng, gb = D // g, reference.packed_dim(D, w) * g // D  # groups per row, bytes per group
-    raw = store.payload[:, start:end, first_byte : first_byte + Hw * ng * gb].unflatten(-1, (Hw, ng, gb))
-    pieces = _pieces(_token_major_bytes(raw), w, g)  # (B, Hw, ng, Tb, g / k) each: bytes moved, not floats
+    D = store.head_dim
+    pd = reference.packed_dim(D, w)
+    raw = store.payload[:, start:end, first_byte : first_byte + Hw * pd].unflatten(-1, (Hw, pd))
+    order = _code_order(w, D, store.group_size, store.payload.device)
+    codes = _codes(_head_major_bytes(raw), w, order, D)  # (B, Hw, Tb, D): bytes moved, not floats
     slots = slice(first_slot, first_slot + Hw)
-    # scales and zeros are head-major: (B, Hw, Tb, ng) -> (B, Hw, ng, Tb)
-    s = store.scale[:, slots, start:end].transpose(2, 3).float()
-    if store.symmetric:
-        z = s * -float(1 << (w - 1))
-    else:
-        z = store.zero[:, slots, start:end].transpose(2, 3).float()
-    return pieces, s, z
+    s = store.scale[:, slots, start:end].float()  # (B, Hw, Tb, ng), head-major as stored
+    z = s * -float(1 << (w - 1)) if store.symmetric else store.zero[:, slots, start:end].float()
+    return codes, order, s, z
 
 
 def _buckets(store: PackedStore):
@@ -90,11 +111,35 @@ def _buckets(store: PackedStore):
         yield w, heads, first_slot, first_byte, len(heads) == H
 
 
-def _dequantized(pieces: list[torch.Tensor], s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Values (B, Hw, Tb, D) of one bucket's block: codes * s + z, pieces interleaved back into code order."""
-    codes = torch.stack(pieces, -1).flatten(-2)  # (B, Hw, ng, Tb, g)
-    B, Hw, ng, Tb, g = codes.shape
-    return (codes * s.unsqueeze(-1) + z.unsqueeze(-1)).permute(0, 1, 3, 2, 4).reshape(B, Hw, Tb, ng * g)
+def _dequantized(codes: torch.Tensor, order: _CodeOrder, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Values (B, Hw, Tb, D) of one bucket's block in code order: codes * s + z, group by group."""
+    B, Hw, Tb, D = codes.shape
+    grouped = codes.view(B, Hw, Tb, order.k, order.ng, -1)  # (B, Hw, Tb, k, ng, g / k)
+    return (grouped * s[:, :, :, None, :, None] + z[:, :, :, None, :, None]).view(B, Hw, Tb, D)
+
+
+def _folded_scores(q: torch.Tensor, codes: torch.Tensor, order: _CodeOrder, s, z) -> torch.Tensor:
+    """q (B, Hw, M, D) -> q . k (B, Hw, M, Tb): sum_n s_n (q_n . c_n) + z_n sum(q_n), one block-diagonal product."""
+    B, Hw, M, D = q.shape
+    qc = q if order.identity else q.index_select(-1, order.perm)  # (B, Hw, M, D) in code order
+    block_diagonal = (qc.unsqueeze(3) * order.onehot).view(B, Hw, M * order.ng, D)  # row (m, n): group n only
+    per_group = (block_diagonal @ codes.transpose(-1, -2)).view(B, Hw, M, order.ng, -1)  # (B, Hw, M, ng, Tb)
+    st, zt = s.transpose(-1, -2).contiguous(), z.transpose(-1, -2)  # (B, Hw, ng, Tb)
+    q_sums = q.unflatten(-1, (order.ng, -1)).sum(-1)  # (B, Hw, M, ng)
+    return (per_group * st.unsqueeze(2)).sum(3) + q_sums @ zt
+
+
+def _folded_weighted(p: torch.Tensor, codes: torch.Tensor, order: _CodeOrder, s, z) -> torch.Tensor:
+    """p (B, Hw, M, Tb) -> p @ v (B, Hw, M, D): (p * s_n) @ c_n + p @ z_n, one block-diagonal product."""
+    B, Hw, M, Tb = p.shape
+    D = codes.shape[-1]
+    st = s.transpose(-1, -2).contiguous()  # (B, Hw, ng, Tb)
+    scaled = (p.unsqueeze(3) * st.unsqueeze(2)).view(B, Hw, M * order.ng, Tb)  # row (m, n): p * s_n
+    per_group = (scaled @ codes).view(B, Hw, M, order.ng, D)  # row (m, n) is right on group n's columns only
+    out = (per_group * order.onehot).sum(3)  # (B, Hw, M, D) in code order
+    out = out.view(B, Hw, M, order.k, order.ng, -1) + (p @ z).view(B, Hw, M, 1, order.ng, 1)
+    out = out.view(B, Hw, M, D)
+    return out if order.identity else out.index_select(-1, order.inverse)
 
 
 def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -106,14 +151,12 @@ def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) ->
             k = store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, Tb, D)
             sw = qw @ k.transpose(-1, -2)
         else:
-            pieces, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
-            ng = s.shape[2]
-            if M * ng < D:  # folded: per-group products on the codes (B, Hw, ng, M, Tb), then scaled
-                qn = qw.unflatten(-1, (ng, -1)).transpose(2, 3)  # (B, Hw, ng, M, g)
-                raw = sum(qi @ ci.transpose(-1, -2) for qi, ci in zip(_split(qn, len(pieces)), pieces))
-                sw = (raw * s.unsqueeze(3)).sum(2) + qn.sum(-1).transpose(-1, -2) @ z  # (B, Hw, M, Tb)
-            else:  # many query rows: dequantize the block once
-                sw = qw @ _dequantized(pieces, s, z).transpose(-1, -2)
+            codes, order, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
+            if M * order.ng < D:  # folded: few query rows
+                sw = _folded_scores(qw, codes, order, s, z)
+            else:  # many query rows: dequantize the block once (queries in code order)
+                qc = qw if order.identity else qw.index_select(-1, order.perm)
+                sw = qc @ _dequantized(codes, order, s, z).transpose(-1, -2)
         if whole:
             return sw
         if out is None:
@@ -131,15 +174,12 @@ def _packed_weighted(store: PackedStore, p: torch.Tensor, start: int, end: int) 
         if w == FULL_WIDTH:
             ow = pw @ store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, M, D)
         else:
-            pieces, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
-            ng = s.shape[2]
-            if M * ng < D:  # folded: (p * s_n) @ c_n + p @ z_n, per piece, joined back into code order
-                scaled = pw.unsqueeze(2) * s.unsqueeze(3)  # (B, Hw, ng, M, Tb)
-                on = torch.stack([scaled @ ci for ci in pieces], -1).flatten(-2)  # (B, Hw, ng, M, g)
-                on = on + (pw @ z.transpose(-1, -2)).transpose(-1, -2).unsqueeze(-1)
-                ow = on.transpose(2, 3).reshape(B, -1, M, D)  # (B, Hw, M, D)
-            else:
-                ow = pw @ _dequantized(pieces, s, z)
+            codes, order, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
+            if M * order.ng < D:  # folded: few query rows
+                ow = _folded_weighted(pw, codes, order, s, z)
+            else:  # many query rows: dequantize the block once, outputs back into code order
+                ow = pw @ _dequantized(codes, order, s, z)
+                ow = ow if order.identity else ow.index_select(-1, order.inverse)
         if whole:
             return ow
         if out is None:
