@@ -10,6 +10,10 @@ counts as overhead; harness.capacity then predicts, per width, the longest conte
 DynamicCache in the model's dtype; 8, 4, 2: QuantizedKVCache asym_token g32, packed-only). The search for the
 largest multiple of `--step` that fits starts at that prediction and gallops away from it (steps doubling),
 then bisects, so a close prediction costs a few trials near the answer: long prefills are what cost time.
+Every trial runs with glibc's MALLOC_MMAP_THRESHOLD_ at `--malloc-mmap-threshold` bytes (64 KiB by default), so
+that every buffer that large is mapped on its own and unmapped when freed. With glibc's default (a threshold
+that rises to 32 MiB as buffers are freed), freed buffers stay in the heap, the address space grows with how a
+cache's allocations fragment it, and the cap measures the allocator as much as the cache (0 keeps the default).
 Writes a Markdown table with the command, the prediction and the trials to `--out`, and its environment record
 beside it (`<out>.env.json`, the git commit and thread count).
 
@@ -19,6 +23,7 @@ This module owns the demonstration only; the arithmetic is harness.capacity's.
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import resource
 import subprocess
@@ -40,6 +45,9 @@ from kernels.reference import WIDTHS as PACKED_WIDTHS
 
 GIB = 2**30
 SCHEME, GROUP_SIZE = "asym_token", 32  # the quantized cache tried (harness.schemes)
+MMAP_THRESHOLD = (
+    "MALLOC_MMAP_THRESHOLD_"  # glibc's tunable: buffers at least this large are mapped on their own
+)
 
 
 def vm_peak_bytes() -> int:
@@ -83,6 +91,15 @@ def trial(args, cap: int) -> int:
     return 0
 
 
+def trial_environment(args) -> dict[str, str]:
+    """This process's environment, with glibc's mmap threshold for the trial (none set at 0)."""
+    env = dict(os.environ)
+    env.pop(MMAP_THRESHOLD, None)
+    if args.malloc_mmap_threshold:
+        env[MMAP_THRESHOLD] = str(args.malloc_mmap_threshold)
+    return env
+
+
 def fits(args, bits: int, context: int) -> tuple[bool, int | None]:
     """(whether a capped child prefilled `context` tokens and decoded, its peak virtual memory or None)."""
     command = [
@@ -92,7 +109,7 @@ def fits(args, bits: int, context: int) -> tuple[bool, int | None]:
         *(["--dtype", args.dtype] if args.dtype else []),
     ]  # fmt: skip
     started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, env=trial_environment(args))
     seconds = time.perf_counter() - started
     peak = [int(line.split()[1]) for line in proc.stdout.splitlines() if line.startswith("vm_peak ")]
     ok = proc.returncode == 0 and bool(peak)
@@ -176,6 +193,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", default=None, help="the model's dtype: float32, bfloat16 or auto (default: the registry's)"
     )
+    p.add_argument(
+        "--malloc-mmap-threshold",
+        type=int,
+        default=65536,
+        help="glibc's MALLOC_MMAP_THRESHOLD_ in every trial, bytes (default 65536; 0: glibc's default)",
+    )
     p.add_argument("--out", default="results/capacity/demo.md")
     io.add_run_arguments(p)
     p.add_argument("--trial", action="store_true", help=argparse.SUPPRESS)
@@ -193,7 +216,12 @@ def report(args, command: str, overhead: int, rows: list) -> str:
         f"Largest context that prefills (chunks of {args.chunk}) and decodes {args.new_tokens} tokens at batch "
         f"{args.batch} in {args.dtype} under a {args.memory_gib:g} GiB address-space cap (RLIMIT_AS), searched in "
         f"steps of {args.step} from the prediction; predicted: harness.capacity for the cap less the overhead "
-        f"({overhead / GIB:.2f} GiB: a one-chunk DynamicCache trial's peak less that chunk's K/V).",
+        f"({overhead / GIB:.2f} GiB: a one-chunk DynamicCache trial's peak less that chunk's K/V). "
+        + (
+            f"glibc's {MMAP_THRESHOLD}={args.malloc_mmap_threshold} in every trial."
+            if args.malloc_mmap_threshold
+            else "glibc's default malloc settings in every trial."
+        ),
         "",
         "| cache | bits | largest context | batch x context | predicted context |",
         "|---|---|---|---|---|",
@@ -221,6 +249,12 @@ def report(args, command: str, overhead: int, rows: list) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     bad = [b for b in args.bits if b not in (*PACKED_WIDTHS, FULL_WIDTH)]
+    if args.malloc_mmap_threshold < 0:
+        print(
+            f"error: --malloc-mmap-threshold: {args.malloc_mmap_threshold}; allowed: 0 or more bytes",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if bad or args.memory_gib <= 0 or min(args.batch, args.step, args.chunk, args.new_tokens) < 1:
         what = (
             f"--bits: {bad[0]}; allowed: {', '.join(map(str, (*PACKED_WIDTHS, FULL_WIDTH)))}"

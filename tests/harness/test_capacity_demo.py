@@ -51,6 +51,7 @@ def test_main_writes_the_table_the_trials_and_the_environment(monkeypatch, tmp_p
     text = out.read_text()
     assert "| DynamicCache (float32) | 16 | 2560 | 5120 |" in text
     assert "| QuantizedKVCache asym_token g32 (packed-only) | 4 | 19968 | 39936 |" in text
+    assert "glibc's MALLOC_MMAP_THRESHOLD_=65536 in every trial." in text
     args = args_for("--memory-gib", "2", "--dtype", "float32")
     trials = [line.split("|")[1:3] for line in text.split("Trials, in order:")[1].splitlines()[4:]]
     trials = [(int(bits), int(context)) for bits, context in trials]  # (bits, context) in order
@@ -91,3 +92,21 @@ def test_a_capped_trial_fits_or_fails(gib, fits):
     assert ok == fits
     if fits:
         assert 0 < peak <= gib * 2**30
+
+
+def test_every_trial_runs_with_the_mmap_threshold_asked_for(monkeypatch):
+    """The child's environment carries glibc's MALLOC_MMAP_THRESHOLD_ as given (none at 0), the rest unchanged."""
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "999")
+    monkeypatch.setenv("KVBITS_PROBE", "kept")
+    seen = []
+
+    class Done:
+        returncode, stdout = 0, "vm_peak 123\n"
+
+    monkeypatch.setattr(capacity_demo.subprocess, "run", lambda cmd, **kw: seen.append(kw["env"]) or Done())
+    for given, want in (("65536", "65536"), ("4096", "4096"), ("0", None)):
+        args = args_for("--malloc-mmap-threshold", given)
+        assert capacity_demo.fits(args, 4, 512) == (True, 123)
+        assert seen[-1].get("MALLOC_MMAP_THRESHOLD_") == want
+        assert seen[-1]["KVBITS_PROBE"] == "kept"
+    assert capacity_demo.parser().parse_args([]).malloc_mmap_threshold == 65536
