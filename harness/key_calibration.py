@@ -20,7 +20,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.schemes.key_table import QUANTILE, KeyCalibration, fit_table
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the tables carry nuqkey's levels and the rotary turns
 
 
 def rotary_frequencies(model, layer_type: str) -> torch.Tensor:

@@ -61,7 +61,7 @@ from transformers.cache_utils import (
 from transformers.configuration_utils import get_head_shapes
 
 from harness.attention.packed import DecodeStep, PackedStep, post_step
-from harness.schemes import KeyCalibration, Scheme, SinkStore, check_backend, get_scheme
+from harness.schemes import KeyCalibration, Scheme, check_backend, get_scheme, starts_at
 from kernels.layout import FULL_WIDTH
 
 PREFILL_MODES = ("exact", "quantized")
@@ -447,8 +447,7 @@ class QuantizedKVCache(Cache):
                     dst.lazy_initialization(src.keys, src.values)
                     dropped = src.cumulative_length - src.keys.shape[-2]  # tokens already out of the window
                     for store in (dst.k_store, dst.v_store):
-                        if isinstance(store, SinkStore):
-                            store.starts_at(dropped)
+                        starts_at(store, dropped)
                 dst.append(src.keys, src.values)
             elif isinstance(src, (LinearAttentionCacheLayerMixin, DummyLayer)):
                 cache.layers[i] = copy.deepcopy(src)

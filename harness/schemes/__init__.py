@@ -11,15 +11,17 @@ token_bytes, the SCHEMES registry); one file per family:
   registered after rotate (no rotate+codebook);
 - `calkey` (CalKey, CalKeyStore): keys per channel against a scale and zero fitted offline per layer and KV head
   on calibration text (key_table.py; rotary pairs share a symmetric scale), optional fp16 outliers, values as
-  asym_token; registered after rotate (a rotation would mix the rotary pairs its table relies on).
+  asym_token; registered after rotate (a rotation would mix the rotary pairs its table relies on);
+- `nuqkey` (NuqKey, NuqKeyStore): keys turned back to before RoPE, per channel the nearest of 2**b levels fitted
+  offline (k-means on calibration keys, key_table.py), optional fp16 outliers, values as asym_token; after calkey.
 FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
 one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
 registered before it, unless the scheme rotates itself), and one YAML file in conf/quant.
 """
 
 # The import order is the registration order (the order of the allowed names in errors); rotate wraps every scheme
-# registered before it, so only codebook, which rotates itself, and calkey, whose key tables rely on the rotary pairs
-# a rotation would mix, come after it.
+# registered before it, so only codebook, which rotates itself, and calkey and nuqkey, whose key tables rely on the
+# rotary pairs a rotation would mix, come after it.
 # isort: off
 from harness.schemes.base import (
     ROLES,
@@ -38,8 +40,9 @@ from harness.schemes.fp8 import Fp8, Fp8Store
 from harness.schemes.rotate import ROTATE, Rotated, RotatedStore
 from harness.schemes.codebook import Codebook, CodebookStore
 from harness.schemes.calkey import CalKey, CalKeyStore
+from harness.schemes.nuqkey import NuqKey, NuqKeyStore
 from harness.schemes.key_table import KeyCalibration, KeyTable
-from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore
+from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
 
 # isort: on
 
@@ -59,6 +62,8 @@ __all__ = [
     "KeyCalibration",
     "KeyTable",
     "Kivi",
+    "NuqKey",
+    "NuqKeyStore",
     "ResidualStore",
     "Rotated",
     "RotatedStore",
@@ -70,4 +75,5 @@ __all__ = [
     "default_residual",
     "get_scheme",
     "packed_names",
+    "starts_at",
 ]

@@ -241,9 +241,7 @@ class CalKeyStore(BlockStore):
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
         new = torch.empty_like(x, dtype=self.dtype) if self.simulate else None  # (B, H, Tn, D)
         for w in self.widths:
-            encoded, values = quantize(
-                x.index_select(1, self.heads[w]), w, self.scale[w], self.zero[w], self.k, self.dtype
-            )
+            encoded, values = self.encode(x.index_select(1, self.heads[w]), w)
             old = self.encoded[w]
             old.codes = torch.cat([old.codes, encoded.codes], 2)
             old.outlier_values = torch.cat([old.outlier_values, encoded.outlier_values], 2)
@@ -265,8 +263,20 @@ class CalKeyStore(BlockStore):
         )
         for w, e in self.encoded.items():
             part = Encoded(*(t[:, :, start:end] for t in (e.codes, e.outlier_values, e.outlier_index)))
-            out.index_copy_(1, self.heads[w], dequantize(part, w, self.scale[w], self.zero[w], self.dtype))
+            out.index_copy_(1, self.heads[w], self.decode(part, w, start, end))
         return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
+
+    def encode(self, x: torch.Tensor, w: int) -> tuple[Encoded, torch.Tensor]:
+        """New key tokens x (B, Hw, Tn, D) of the heads at width w -> (Encoded, their dequantized values)."""
+        return quantize(x, w, self.scale[w], self.zero[w], self.k, self.dtype)
+
+    def decode(self, part: Encoded, w: int, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of the heads at width w, `part` their Encoded -> (B, Hw, end - start, D)."""
+        return dequantize(part, w, self.scale[w], self.zero[w], self.dtype)
+
+    def table_nbytes(self) -> int:
+        """Bytes of the fitted table the quantized heads read (held once)."""
+        return sum(self.scale[w].numel() + self.zero[w].numel() for w in self.widths) * FP16_BYTES
 
     def keep_last(self, n: int) -> None:
         start = max(self.length - n, 0)
@@ -279,8 +289,7 @@ class CalKeyStore(BlockStore):
 
     def nbytes(self) -> int:
         tokens = sum(t.numel() * t.element_size() for e in self.encoded.values() for t in vars(e).values())
-        table = sum(self.scale[w].numel() + self.zero[w].numel() for w in self.widths) * FP16_BYTES
-        return tokens + table + self.full.numel() * FP16_BYTES
+        return tokens + self.table_nbytes() + self.full.numel() * FP16_BYTES
 
     def nbytes_fp16(self) -> int:
         return self.batch * len(self.bits) * self.length * self.head_dim * FP16_BYTES

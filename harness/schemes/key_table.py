@@ -26,6 +26,12 @@ keys, fp16 values and one fp16 sink token; mean KL to the unquantized cache (nat
     0.99, 1% outliers        0.0358  1.0341    0.1853  1.2509
 (Fitting for span 8192, smollm2's context limit, instead of 1024 costs: 4 bits at quantile 1, ppl ratio 1.1510
 against 1.0645.)
+
+The same fit gives `nuqkey` (harness/schemes/nuqkey.py) its tables: the calibration keys turned back to position 0
+(pre-RoPE, where a channel's distribution does not depend on the position), and per KV head, channel and width b
+in LEVEL_WIDTHS the 2**b levels of a 1-D k-means (Lloyd's algorithm from the quantiles, `fit_levels`) of that
+channel's pre-RoPE values (KVQuant's non-uniform datatype, fitted without sensitivity weights). `turn` records
+the radians per position of each channel's rotary pair (0 past R), which the store needs to turn keys back.
 """
 
 from __future__ import annotations
@@ -40,16 +46,22 @@ import torch
 from kernels.reference import FP16_MAX
 
 QUANTILE = 0.995  # of each channel's reach over the calibration keys (module docstring)
+LEVEL_WIDTHS = (2, 3, 4)  # the widths nuqkey's levels are fitted for
+LLOYD_ITERATIONS = 40
 SCALE_MIN = 2.0**-14  # the smallest normal fp16: a channel never seen away from 0 still has a positive scale
-COLUMNS = ["layer", "kv_head", "channel", "scale", "zero"]
+LEVEL_COLUMNS = [f"level{b}_{i}" for b in LEVEL_WIDTHS for i in range(1 << b)]
+COLUMNS = ["layer", "kv_head", "channel", "scale", "zero", "turn", *LEVEL_COLUMNS]
 
 
 @dataclass(frozen=True, eq=False)
 class KeyTable:
-    """One layer's fitted key table, per KV head and channel: fp16 scale (> 0) and zero."""
+    """One layer's fitted key table, per KV head and channel: fp16 scale (> 0) and zero (calkey); the pre-RoPE
+    levels of each width (nuqkey) and the radians per position of each channel's rotary pair."""
 
     scale: torch.Tensor  # (Hkv, D) float16
     zero: torch.Tensor  # (Hkv, D) float16
+    turn: torch.Tensor  # (D,) float32: channels i and i + R / 2 turn by p * turn[i] at position p; 0 past R
+    levels: dict[int, torch.Tensor]  # width b -> (Hkv, D, 2**b) float16, ascending along the last dim
 
     def __post_init__(self):
         assert self.scale.shape == self.zero.shape and self.scale.dim() == 2, (
@@ -57,6 +69,15 @@ class KeyTable:
             self.zero.shape,
         )
         assert self.scale.dtype == self.zero.dtype == torch.float16, (self.scale.dtype, self.zero.dtype)
+        assert self.turn.shape == self.scale.shape[1:], (self.turn.shape, self.scale.shape)
+        for b, lv in self.levels.items():
+            assert lv.shape == (*self.scale.shape, 1 << b) and lv.dtype == torch.float16, (b, lv.shape)
+
+    @property
+    def rotary_frequencies(self) -> torch.Tensor:
+        """inv_freq (R / 2,) float32 of the layer's rotary pairs (empty without RoPE)."""
+        rotary = int((self.turn > 0).sum())
+        return self.turn[: rotary // 2]
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,17 +101,18 @@ class KeyCalibration:
                 continue
             heads, dim = table.scale.shape
             head, channel = torch.meshgrid(torch.arange(heads), torch.arange(dim), indexing="ij")
-            frames.append(
-                pd.DataFrame(
-                    dict(
-                        layer=layer,
-                        kv_head=head.reshape(-1).numpy(),
-                        channel=channel.reshape(-1).numpy(),
-                        scale=table.scale.float().reshape(-1).numpy(),
-                        zero=table.zero.float().reshape(-1).numpy(),
-                    )
+            levels = torch.cat([table.levels[b].float() for b in LEVEL_WIDTHS], -1).reshape(heads * dim, -1)
+            frame = pd.DataFrame(
+                dict(
+                    layer=layer,
+                    kv_head=head.reshape(-1).numpy(),
+                    channel=channel.reshape(-1).numpy(),
+                    scale=table.scale.float().reshape(-1).numpy(),
+                    zero=table.zero.float().reshape(-1).numpy(),
+                    turn=table.turn.repeat(heads).numpy(),
                 )
             )
+            frames.append(pd.concat([frame, pd.DataFrame(levels.numpy(), columns=LEVEL_COLUMNS)], axis=1))
         return pd.concat(frames, ignore_index=True)[COLUMNS] if frames else pd.DataFrame(columns=COLUMNS)
 
     def digest(self) -> str:
@@ -106,7 +128,13 @@ class KeyCalibration:
             rows = rows.sort_values(["kv_head", "channel"])
             shape = (int(rows.kv_head.max()) + 1, int(rows.channel.max()) + 1)
             scale, zero = (torch.tensor(rows[c].to_numpy()).view(shape).half() for c in ("scale", "zero"))
-            tables[int(layer)] = KeyTable(scale, zero)
+            turn = torch.tensor(rows.turn.to_numpy(), dtype=torch.float32).view(shape)[0]
+            levels, at = {}, 0
+            for b in LEVEL_WIDTHS:
+                columns = LEVEL_COLUMNS[at : at + (1 << b)]
+                levels[b] = torch.tensor(rows[columns].to_numpy()).view(*shape, 1 << b).half()
+                at += 1 << b
+            tables[int(layer)] = KeyTable(scale, zero, turn, levels)
         return cls(tuple(tables))
 
 
@@ -122,6 +150,26 @@ def _arc_extremes(angle: torch.Tensor, sweep: torch.Tensor, at: float) -> tuple[
     ends = torch.stack([torch.cos(angle - at), torch.cos(angle + sweep - at)])
     hits = lambda c: torch.remainder(c + at - angle, 2 * math.pi) <= sweep  # noqa: E731  c + at + 2 pi k inside
     return torch.where(hits(math.pi), -1.0, ends.amin(0)), torch.where(hits(0.0), 1.0, ends.amax(0))
+
+
+def fit_levels(x: torch.Tensor, n: int, iterations: int = LLOYD_ITERATIONS) -> torch.Tensor:
+    """The n levels of a 1-D k-means of each column of x (N, C): Lloyd's algorithm from the column's quantiles at
+    (i + 1/2) / n, each step on the sorted column (boundaries halfway between levels, a level the mean of the
+    values between its boundaries; a level with none keeps its place): float32 (C, n), ascending."""
+    xs = x.double().T.sort(-1).values.contiguous()  # (C, N)
+    C, N = xs.shape
+    sums = torch.cat([xs.new_zeros(C, 1), xs.cumsum(-1)], -1)  # (C, N + 1): sums[:, j] = xs[:, :j].sum()
+    at = ((torch.arange(n, dtype=torch.float64) + 0.5) / n * N).long().clamp(max=N - 1)
+    levels = xs[:, at]  # (C, n)
+    for _ in range(iterations):
+        bounds = (levels[:, 1:] + levels[:, :-1]) / 2  # (C, n - 1)
+        edges = torch.cat(
+            [xs.new_zeros(C, 1, dtype=torch.long), torch.searchsorted(xs, bounds), torch.full((C, 1), N)], -1
+        )  # (C, n + 1): level i takes xs[:, edges[i]:edges[i + 1]]
+        count = (edges[:, 1:] - edges[:, :-1]).double()
+        total = sums.gather(1, edges[:, 1:]) - sums.gather(1, edges[:, :-1])
+        levels = torch.where(count > 0, total / count.clamp(min=1), levels).sort(-1).values
+    return levels.float()
 
 
 def fit_table(
@@ -143,12 +191,16 @@ def fit_table(
         raise ValueError(f"key calibration: {half} rotary frequencies for head_dim {D}")
     x = keys.float().clamp(-FP16_MAX, FP16_MAX)
     lo, hi = x.clone(), x.clone()  # (N, H, D): the least and most each channel reaches
+    unturned = x.clone()  # (N, H, D): the keys at position 0 (pre-RoPE)
+    turns = torch.zeros(D)  # (D,): radians per position of each channel's pair
     if half:
+        turns[:half], turns[half:R] = inv_freq.float(), inv_freq.float()
         turn = positions.double()[:, None] * inv_freq.double()  # (N, half)
         z = (
             torch.complex(x[..., :half].double(), x[..., half:R].double())
             * torch.polar(torch.ones_like(turn), -turn)[:, None]
         )  # (N, H, half): the pairs unturned to position 0
+        unturned[..., :half], unturned[..., half:R] = z.real.float(), z.imag.float()
         r, angle = z.abs().float(), z.angle().float()
         sweep = (inv_freq.double() * (span - 1)).float().expand_as(angle)
         for part, at in ((slice(0, half), 0.0), (slice(half, R), math.pi / 2)):  # cos, then sin
@@ -156,4 +208,10 @@ def fit_table(
             lo[..., part], hi[..., part] = r * low, r * high
     low, high = _quantile(-lo, quantile).neg(), _quantile(hi, quantile)  # (H, D)
     zero, scale = (high + low) / 2, (high - low) / 2
-    return KeyTable(scale.clamp(SCALE_MIN, FP16_MAX).half(), zero.clamp(-FP16_MAX, FP16_MAX).half())
+    levels = {
+        b: fit_levels(unturned.reshape(N, H * D), 1 << b).view(H, D, 1 << b).clamp(-FP16_MAX, FP16_MAX).half()
+        for b in LEVEL_WIDTHS
+    }
+    return KeyTable(
+        scale.clamp(SCALE_MIN, FP16_MAX).half(), zero.clamp(-FP16_MAX, FP16_MAX).half(), turns, levels
+    )

@@ -33,6 +33,13 @@ def _rows_split(index: torch.Tensor, boundary: int, what: str) -> int:
     return int(below[0]) if below.numel() else 0
 
 
+def starts_at(store, position: int) -> None:
+    """Tell an empty store that the next token appended sits at sequence position `position`, where the store
+    (or a store inside it) needs positions (SinkStore, nuqkey's keys); any other store needs nothing."""
+    if hasattr(store, "starts_at"):
+        store.starts_at(position)
+
+
 def head_index(bits: tuple[int, ...], quantized: bool, device) -> torch.Tensor:
     """Indices of the quantized (or the 16-bit) heads."""
     heads = [h for h, b in enumerate(bits) if (b != FULL_WIDTH) == quantized]
@@ -208,6 +215,7 @@ class SinkStore(_TwoPart):
         """The next token appended sits at sequence position `position` (a sliding window that has already
         dropped the sequence's first tokens holds no sinks)."""
         self.seen = position
+        starts_at(self.parts[1], max(position, self.n_sinks))
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         take = min(max(self.n_sinks - self.seen, 0), x.shape[2])
@@ -244,6 +252,10 @@ class ResidualStore(_TwoPart):
         super().__init__(base, recent, recent.tokens, simulate)
         self.bits = base.bits
         self.window, self.chunk = window, chunk
+
+    def starts_at(self, position: int) -> None:
+        """The next token appended sits at sequence position `position` (the base receives tokens in order)."""
+        starts_at(self.parts[0], position)
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         base, recent = self.parts

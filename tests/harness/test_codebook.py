@@ -404,7 +404,7 @@ def test_quant_codebook_validates_and_ignores_group_size():
     with pytest.raises(
         ConfigError,
         match=r"^quant.scheme: codebook needs a power-of-two head_dim; .*96; "
-        r"allowed: a scheme without rotation \(asym_token, sym_token, kivi, fp8, calkey\)$",
+        r"allowed: a scheme without rotation \(asym_token, sym_token, kivi, fp8, calkey, nuqkey\)$",
     ):
         _check_head_dims(inputs, {96})
 

@@ -1,0 +1,189 @@
+"""`nuqkey` (KVQuant's keys, Hooper et al. 2024: before RoPE, per channel, non-uniform): each key token is turned
+back to position 0 (the inverse of its rotary embedding), each channel coded as the index of the nearest of 2**b
+levels fitted offline per layer, KV head and channel on calibration text (harness/schemes/key_table.py,
+`fit_levels`), with optional dense-and-sparse outliers (`quant.outliers`); reading turns the levels forward to the
+token's position again. Values per token as asym_token. Measured on smollm2-135m's calibration and evaluation text
+(keys only quantized, 3 bits, values and the first token exact), ppl ratio: per channel after RoPE 1.248, before
+RoPE 1.132, before RoPE with these levels 1.095, and with 1% outliers 1.058.
+
+Format of one key token of one quantized head at sequence position p, x (D,) in any float dtype, with its layer's
+turns theta (R / 2,) (the model's rotary frequencies; rotate_half pairs (i, i + R / 2)) and the head's levels
+L (D, 2**b) fp16, k = ceil(outliers * D) outliers:
+    x32  = clamp(float32(x), -65504, 65504)
+    y    = x32 with each pair turned by -p * theta_i (channels past R as they are)
+    code = the index of the level of L[c] nearest y[c] (ties to the lower), packed as kernels.reference packs
+    deq  = L[c][code]; outliers: the k channels where |y - deq| is largest keep y itself (a 2-byte float: bf16 in
+           a bfloat16 model, fp16 otherwise, saturating) with their uint8 channel index
+    out  = deq with each pair turned by +p * theta_i, cast to the store's dtype saturating
+The store knows each token's position: the token after the sink tokens starts at position sink_tokens (or where
+`starts_at` says, for a sliding window that has already dropped the first tokens), held tokens are contiguous
+positions ending at the last one appended, and only after an eviction that keeps scattered tokens (`select`) does
+it keep their positions, int32 (B, T), counted in its bytes. A batch row's positions are the cache's token count,
+as every other cache here assumes (a left-padded row is quantized in a frame turned by its padding: still exact
+to turn back, a little worse for the levels).
+
+Bytes: a key token costs packed_dim(D, b) + 3 k bytes, the same as calkey's; the layer's levels, 2**b fp16 per
+channel of each quantized head at width b, are held once per store (Scheme.table_bytes) and counted in nbytes().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from harness.schemes.base import Store, register
+from harness.schemes.calkey import UNBOUND, CalKey, CalKeyStore, Encoded, outlier_dtype, saturating_cast
+from harness.schemes.key_table import LEVEL_WIDTHS, KeyTable
+from kernels import reference
+from kernels.layout import FP16_BYTES, FULL_WIDTH
+
+POSITION_BYTES = 4  # int32 positions, held only after a scattered eviction
+
+
+@register
+@dataclass(frozen=True)
+class NuqKey(CalKey):
+    """Keys before RoPE against the layer's fitted levels (NuqKeyStore), values as asym_token."""
+
+    name: str = "nuqkey"
+
+    widths: ClassVar[tuple[int, ...]] = LEVEL_WIDTHS
+
+    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+        quantized = role == "key" and bits != FULL_WIDTH
+        return head_dim * (1 << bits) * FP16_BYTES if quantized else 0  # 2**b fp16 levels per channel
+
+    def base_store(
+        self,
+        bits: list[int],
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device,
+        role: str,
+        simulate: bool,
+    ) -> Store:
+        if role != "key":
+            return super().base_store(bits, head_dim, batch, dtype, device, role, simulate)
+        if self.table is None:
+            raise ValueError(UNBOUND.replace("calkey", "nuqkey"))
+        k = self.outlier_count(head_dim)
+        return NuqKeyStore(bits, head_dim, batch, dtype, device, self.table, k, self.sink_tokens, simulate)
+
+
+def turn(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+    """x (B, H, T, D) float32 with each rotary pair (i, i + R / 2) turned by angle (B or 1, 1, T, R / 2) radians;
+    channels past R unchanged."""
+    half = angle.shape[-1]
+    if not half:
+        return x
+    a, b = x[..., :half], x[..., half : 2 * half]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., 2 * half :]], -1)
+
+
+def nearest_level(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """Codes (B, H, T, D) int64 of y (B, H, T, D) float32 against ascending levels (H, D, n) float32: the nearest
+    level's index (ties to the lower)."""
+    B, H, T, D = y.shape
+    bounds = (levels[..., 1:] + levels[..., :-1]) / 2  # (H, D, n - 1)
+    flat = y.permute(1, 3, 0, 2).reshape(H, D, B * T).contiguous()
+    code = torch.searchsorted(bounds.contiguous(), flat, side="left")  # (H, D, B * T)
+    return code.view(H, D, B, T).permute(2, 0, 3, 1)
+
+
+def level_values(code: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
+    """levels[h, c, code[b, h, t, c]]: (B, H, T, D) float32 from codes (any integer dtype) and levels (H, D, n)."""
+    H, D, n = levels.shape
+    base = (torch.arange(H, device=code.device)[:, None] * D + torch.arange(D, device=code.device)) * n
+    return levels.reshape(-1)[code.long() + base[None, :, None]]
+
+
+class NuqKeyStore(CalKeyStore):
+    """One layer's keys in the nuqkey format (module docstring); 16-bit heads exact. Attention reads blocks of
+    dequantized tokens (BlockStore), turned to their positions."""
+
+    def __init__(
+        self,
+        bits,
+        head_dim: int,
+        batch: int,
+        dtype: torch.dtype,
+        device,
+        table: KeyTable,
+        outliers: int,
+        first_position: int = 0,
+        simulate: bool = False,
+    ):
+        super().__init__(bits, head_dim, batch, dtype, device, table, outliers, simulate)
+        # per width w: the levels of its heads, fp16 (Hw, D, 2**w) (stored bytes, counted once)
+        self.levels = {w: table.levels[w].to(device).index_select(0, self.heads[w]) for w in self.widths}
+        self.theta = table.rotary_frequencies.to(device)  # (R / 2,) float32
+        self.next_position = first_position  # the sequence position of the next token appended
+        self.positions: torch.Tensor | None = None  # int32 (B, T) after a scattered eviction; else contiguous
+        self._new: torch.Tensor | None = None  # during append: the positions (1, Tn) of the tokens appended
+
+    def starts_at(self, position: int) -> None:
+        """The next token appended sits at sequence position `position`."""
+        assert self.length == 0, "starts_at: the store already holds tokens"
+        self.next_position = position
+
+    def _angle(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (B or 1, T) -> the angles (B or 1, 1, T, R / 2) each rotary pair turns by there."""
+        return (positions.double()[..., None] * self.theta.double()).float()[:, None]
+
+    def held_positions(self, start: int, end: int) -> torch.Tensor:
+        """The sequence positions of held tokens [start, end): (B or 1, end - start) int64."""
+        if self.positions is not None:
+            return self.positions[:, start:end].long()
+        first = self.next_position - self.length
+        return torch.arange(first + start, first + end, device=self.device)[None]
+
+    def append(self, x: torch.Tensor) -> torch.Tensor | None:
+        Tn = x.shape[2]
+        self._new = torch.arange(self.next_position, self.next_position + Tn, device=self.device)[None]
+        if self.positions is not None:
+            self.positions = torch.cat([self.positions, self._new.int().expand(self.batch, Tn)], 1)
+        out = super().append(x)
+        self.next_position += Tn
+        self._new = None
+        return out
+
+    def encode(self, x: torch.Tensor, w: int) -> tuple[Encoded, torch.Tensor]:
+        angle = self._angle(self._new)
+        y = turn(x.to(torch.float32).clamp(-reference.FP16_MAX, reference.FP16_MAX), -angle)  # (B, Hw, Tn, D)
+        levels = self.levels[w].float()
+        code = nearest_level(y, levels)
+        deq = level_values(code, levels)
+        index = (y - deq).abs().topk(self.k, -1).indices  # (B, Hw, Tn, k)
+        values = saturating_cast(y.gather(-1, index), outlier_dtype(self.dtype))
+        encoded = Encoded(reference.pack(code.to(torch.uint8), w), values, index.to(torch.uint8))
+        deq = deq.scatter(-1, index, values.float())
+        return encoded, saturating_cast(turn(deq, angle), self.dtype)
+
+    def decode(self, part: Encoded, w: int, start: int, end: int) -> torch.Tensor:
+        code = reference.unpack(part.codes, w, self.head_dim)
+        deq = level_values(code, self.levels[w].float())
+        deq = deq.scatter(-1, part.outlier_index.long(), part.outlier_values.float())
+        return saturating_cast(turn(deq, self._angle(self.held_positions(start, end))), self.dtype)
+
+    def table_nbytes(self) -> int:
+        return sum(lv.numel() for lv in self.levels.values()) * FP16_BYTES
+
+    def nbytes(self) -> int:
+        positions = 0 if self.positions is None else self.positions.numel() * POSITION_BYTES
+        return super().nbytes() + positions
+
+    def keep_last(self, n: int) -> None:
+        start = max(self.length - n, 0)
+        if self.positions is not None:
+            self.positions = self.positions[:, start:].clone()
+        super().keep_last(n)
+
+    def select(self, index: torch.Tensor) -> None:
+        self.positions = torch.gather(
+            self.held_positions(0, self.length).expand(self.batch, -1), 1, index
+        ).int()  # (B, n)
+        super().select(index)
