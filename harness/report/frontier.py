@@ -45,6 +45,7 @@ TARGETS = (2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)  # true compression (fp1
 GOALS = ((3.5, 1.01), (4.5, 1.05), (6.0, 1.20))  # (at least this compression, at most this ppl_ratio)
 METRICS = ("ppl_ratio", "kl_mean")
 CALKEY_4 = {"scheme": "calkey", "group_size": 32, "sink_tokens": 1, "policy": "uniform", "budget": 4}
+NUQKEY_4 = {**CALKEY_4, "scheme": "nuqkey"}
 # The ablation near 3.5x: (ingredient, the configuration without it, the one with it). A configuration is the
 # config fields a point must match; where several points match, the one of fewest bytes (then key) is taken.
 INGREDIENTS = (
@@ -72,6 +73,21 @@ INGREDIENTS = (
         "1% of each key kept in fp16 (dense-and-sparse outliers)",
         {**CALKEY_4, "outliers": 0.0},
         {**CALKEY_4, "outliers": 0.01},
+    ),
+    (
+        "keys turned back before RoPE, k-means levels per channel (nuqkey against calkey, 4 bits)",
+        {**CALKEY_4, "outliers": 0.0},
+        {**NUQKEY_4, "outliers": 0.0},
+    ),
+    (
+        "the same at 3 bits, 1% of each key in fp16 in both",
+        {**CALKEY_4, "budget": 3, "outliers": 0.01},
+        {**NUQKEY_4, "budget": 3, "outliers": 0.01},
+    ),
+    (
+        "nuqkey: 1% of each key kept in fp16",
+        {**NUQKEY_4, "outliers": 0.0},
+        {**NUQKEY_4, "outliers": 0.01},
     ),
     (
         "Lloyd-Max levels and one fp16 scale per vector, after rotation",

@@ -88,13 +88,16 @@ def oracle(
         levels = table.levels[b][h].double()  # (D, n)
         distance = (y[..., None] - levels).abs()  # (B, T, D, n)
         code = distance.argmin(-1)
-        two = distance.topk(2, -1, largest=False).values
-        tie[:, h] = ((two[..., 1] - two[..., 0]) < 1e-4).any(-1)
+        two = distance.topk(2, -1, largest=False)
+        apart = (
+            levels.expand(*y.shape, -1).gather(-1, two.indices).diff(dim=-1)[..., 0] != 0
+        )  # equal levels: no tie
+        tie[:, h] = (((two.values[..., 1] - two.values[..., 0]) < 1e-5) & apart).any(-1)
         deq = levels.expand(*y.shape, -1).gather(-1, code[..., None])[..., 0]
         err = (y - deq).abs()
         if k:
             ranked = err.topk(k + 1, -1).values
-            tie[:, h] |= (ranked[..., k - 1] - ranked[..., k]) < 1e-4
+            tie[:, h] |= (ranked[..., k - 1] - ranked[..., k]) < 1e-5
             kept = err.topk(k, -1).indices
             deq = deq.scatter(-1, kept, y.gather(-1, kept).to(two_bytes).double())
         out[:, h] = rope(deq, positions, 1.0, table.rotary_frequencies)
