@@ -207,8 +207,9 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def report(args, command: str, overhead: int, rows: list) -> str:
-    """The Markdown result: the command, the table (largest context and prediction per width), every trial."""
+def report(args, command: str, overhead: int, rows: list, pending: tuple[int, ...] = ()) -> str:
+    """The Markdown result: the command, the table (largest context and prediction per width), every trial; while
+    widths are `pending`, a line saying the search goes on (main rewrites the file after every width)."""
     lines = [
         f"Command: `{command}` ({platform.machine()}, Python {platform.python_version()}, torch "
         f"{torch.__version__}, {torch.get_num_threads()} threads).",
@@ -226,6 +227,11 @@ def report(args, command: str, overhead: int, rows: list) -> str:
         "| cache | bits | largest context | batch x context | predicted context |",
         "|---|---|---|---|---|",
     ]
+    if pending:
+        lines.insert(
+            2,
+            f"**Incomplete:** still searching {', '.join(map(str, pending))} bits; the trials so far are below.\n",
+        )
     for bits, context, guess in rows:
         name = (
             f"DynamicCache ({args.dtype})"
@@ -287,7 +293,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
     overhead = overhead_bytes(args, peak)
     rows = []
-    for bits in args.bits:
+    for i, bits in enumerate(args.bits):  # the file after every width: a stopped run keeps its trials
+        io.write_text_atomic(out, report(args, command, overhead, rows, tuple(args.bits[i:])))
         guess = predicted(args, bits, overhead)
         rows.append((bits, largest_context(args, bits, guess), guess))
     text = report(args, command, overhead, rows)

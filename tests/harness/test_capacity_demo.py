@@ -36,19 +36,27 @@ def test_the_search_finds_the_largest_fitting_multiple_of_the_step(monkeypatch, 
 def test_main_writes_the_table_the_trials_and_the_environment(monkeypatch, tmp_path):
     """main end to end with trials faked by a limit per width: the search starts from each prediction."""
     limits = {16: 3000, 4: 20000}
+    out = tmp_path / "demo.md"
+    seen = []  # the file as each 4-bit trial starts: the 16-bit row written, 4 bits still searched
 
     def fake_fits(args, bits, context):
+        if bits == 4 and not seen:
+            seen.append(out.read_text())
         ok = context <= limits[bits] if args.trials else True  # the first trial measures the overhead
         args.trials.append((bits, context, ok, 2**30 if ok else None, 0.5))
         return ok, 2**30 if ok else None
 
     monkeypatch.setattr(capacity_demo, "fits", fake_fits)
-    out = tmp_path / "demo.md"
     capacity_demo.main(
         ["--model", "tiny-llama", "--batch", "2", "--memory-gib", "2", "--bits", "16", "4", "--step", "512",
          "--out", str(out)]
     )  # fmt: skip
     text = out.read_text()
+    assert (
+        "| DynamicCache (float32) | 16 | 2560 | 5120 |" in seen[0]
+        and "| 4 |" not in seen[0].split("Trials")[0]
+    )
+    assert "**Incomplete:** still searching 4 bits" in seen[0] and "Incomplete" not in text
     assert "| DynamicCache (float32) | 16 | 2560 | 5120 |" in text
     assert "| QuantizedKVCache asym_token g32 (packed-only) | 4 | 19968 | 39936 |" in text
     assert "glibc's MALLOC_MMAP_THRESHOLD_=65536 in every trial." in text
