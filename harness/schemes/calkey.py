@@ -38,8 +38,8 @@ from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
 INDEX_LIMIT = 256  # outlier channel indices are uint8
-UNBOUND = (
-    "quant.scheme: calkey stores keys against tables fitted on the calibration windows; none were given "
+UNBOUND = (  # .format(name=the scheme's name)
+    "quant.scheme: {name} stores keys against tables fitted on the calibration windows; none were given "
     "(QuantizedKVCache key_calibration: harness.key_calibration.cached_key_calibration)"
 )
 
@@ -79,7 +79,7 @@ class CalKey(AsymToken):
 
     def for_layer(self, layer: int, key_calibration: KeyCalibration | None) -> CalKey:
         if key_calibration is None:
-            raise ValueError(UNBOUND)
+            raise ValueError(UNBOUND.format(name=self.name))
         return replace(self, table=key_calibration.layer(layer))
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
@@ -105,7 +105,13 @@ class CalKey(AsymToken):
         if role != "key":
             return super().base_store(bits, head_dim, batch, dtype, device, role, simulate)
         if self.table is None:
-            raise ValueError(UNBOUND)
+            raise ValueError(UNBOUND.format(name=self.name))
+        return self.key_store(bits, head_dim, batch, dtype, device, simulate)
+
+    def key_store(
+        self, bits: list[int], head_dim: int, batch: int, dtype: torch.dtype, device, simulate: bool
+    ):
+        """The store of one layer's keys against the bound table."""
         k = self.outlier_count(head_dim)
         return CalKeyStore(bits, head_dim, batch, dtype, device, self.table, k, simulate)
 

@@ -33,8 +33,8 @@ from typing import ClassVar
 
 import torch
 
-from harness.schemes.base import Store, register
-from harness.schemes.calkey import UNBOUND, CalKey, CalKeyStore, Encoded, outlier_dtype, saturating_cast
+from harness.schemes.base import register
+from harness.schemes.calkey import CalKey, CalKeyStore, Encoded, outlier_dtype, saturating_cast
 from harness.schemes.key_table import LEVEL_WIDTHS, KeyTable
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -55,20 +55,9 @@ class NuqKey(CalKey):
         quantized = role == "key" and bits != FULL_WIDTH
         return head_dim * (1 << bits) * FP16_BYTES if quantized else 0  # 2**b fp16 levels per channel
 
-    def base_store(
-        self,
-        bits: list[int],
-        head_dim: int,
-        batch: int,
-        dtype: torch.dtype,
-        device,
-        role: str,
-        simulate: bool,
-    ) -> Store:
-        if role != "key":
-            return super().base_store(bits, head_dim, batch, dtype, device, role, simulate)
-        if self.table is None:
-            raise ValueError(UNBOUND.replace("calkey", "nuqkey"))
+    def key_store(
+        self, bits: list[int], head_dim: int, batch: int, dtype: torch.dtype, device, simulate: bool
+    ):
         k = self.outlier_count(head_dim)
         return NuqKeyStore(bits, head_dim, batch, dtype, device, self.table, k, self.sink_tokens, simulate)
 
