@@ -42,6 +42,10 @@ PACKAGES = (
     "wandb",
     "triton",
     "numpy",
+    # the peer engines (optional): their versions stand beside any figure they made
+    "llama-cpp-python",
+    "optimum-quanto",
+    "hqq",
 )
 DIRTY_PATHS_SHOWN = 20
 

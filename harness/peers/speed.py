@@ -36,7 +36,9 @@ def decode_runs(llm, context: int, new_tokens: int, runs: int, warmup: int, seed
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, llm.n_vocab(), (context + new_tokens,), generator=g).tolist()
     llm.reset()
+    start = time.perf_counter()
     llm.eval(ids[:context])  # n_batch tokens per decode
+    print(f"  prefilled {context} tokens in {time.perf_counter() - start:.0f} s; timing decodes", flush=True)
     speeds = []
     for run in range(warmup + runs):
         llm.n_tokens = context  # the next eval removes the previous run's tokens from the cache
