@@ -90,6 +90,11 @@ INGREDIENTS = (
         {**NUQKEY_4, "outliers": 0.01},
     ),
     (
+        "nuqkey's values as codebook (b + 0.25 bits) instead of asym_token g32 (b + 1), 1% of each key in fp16",
+        {**NUQKEY_4, "outliers": 0.01},
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01},
+    ),
+    (
         "Lloyd-Max levels and one fp16 scale per vector, after rotation",
         {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
         {"scheme": "codebook", "policy": "uniform", "budget": 4},

@@ -13,15 +13,16 @@ token_bytes, the SCHEMES registry); one file per family:
   on calibration text (key_table.py; rotary pairs share a symmetric scale), optional fp16 outliers, values as
   asym_token; registered after rotate (a rotation would mix the rotary pairs its table relies on);
 - `nuqkey` (NuqKey, NuqKeyStore): keys turned back to before RoPE, per channel the nearest of 2**b levels fitted
-  offline (k-means on calibration keys, key_table.py), optional fp16 outliers, values as asym_token; after calkey.
+  offline (k-means on calibration keys, key_table.py), optional fp16 outliers, values as asym_token; after calkey;
+- `nuqkey_codebook` (NuqKeyCodebook): nuqkey's keys with codebook's values; after nuqkey.
 FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
 one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
 registered before it, unless the scheme rotates itself), and one YAML file in conf/quant.
 """
 
 # The import order is the registration order (the order of the allowed names in errors); rotate wraps every scheme
-# registered before it, so only codebook, which rotates itself, and calkey and nuqkey, whose key tables rely on the
-# rotary pairs a rotation would mix, come after it.
+# registered before it, so only codebook, which rotates itself, and calkey, nuqkey and nuqkey_codebook, whose key
+# tables rely on the rotary pairs a rotation would mix, come after it.
 # isort: off
 from harness.schemes.base import (
     ROLES,
@@ -41,6 +42,7 @@ from harness.schemes.rotate import ROTATE, Rotated, RotatedStore
 from harness.schemes.codebook import Codebook, CodebookStore
 from harness.schemes.calkey import CalKey, CalKeyStore
 from harness.schemes.nuqkey import NuqKey, NuqKeyStore
+from harness.schemes.nuqkey_codebook import NuqKeyCodebook
 from harness.schemes.key_table import KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
 
@@ -63,6 +65,7 @@ __all__ = [
     "KeyTable",
     "Kivi",
     "NuqKey",
+    "NuqKeyCodebook",
     "NuqKeyStore",
     "ResidualStore",
     "Rotated",

@@ -2,7 +2,9 @@
 keys turned back before RoPE), its key store against a float64 oracle written from the format's contract (turned
 back at each token's position, nearest level, outliers where the levels miss most, turned forward), its
 positions (sink tokens, starts_at, keep_last, select), bytes as the byte model, no NaN on nasty inputs, tiny
-models through QuantizedKVCache, and the tables read from the calibration windows only."""
+models through QuantizedKVCache, and the tables read from the calibration windows only. nuqkey_codebook: nuqkey's
+key store and codebook's value store exactly, and tiny models through the cache against the same oracle with
+codebook's values."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from harness.config import compose as compose_point
 from harness.key_calibration import calibration_keys, fit_key_calibration, rotary_frequencies
 from harness.models import load_model
 from harness.run.measure import key_calibration
-from harness.schemes import KeyCalibration, NuqKey, get_scheme
+from harness.schemes import KeyCalibration, NuqKey, codebook, get_scheme
 from harness.schemes.key_table import LEVEL_WIDTHS, fit_levels, fit_table
 from harness.schemes.nuqkey import POSITION_BYTES
 from kernels import reference
@@ -272,6 +274,48 @@ def test_widths_and_an_unbound_scheme_are_one_line_errors():
         scheme().new_store([4], D, 1, torch.float32, "cpu", "key")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("sinks, residual", [(0, 0), (1, 2)])
+def test_nuqkey_codebook_is_nuqkeys_keys_and_codebooks_values(dtype, sinks, residual):
+    """Each role in its family's format exactly: keys as nuqkey's store holds them, values as codebook's, and the
+    quantized values as codebook.quantize makes them; bytes per role as that family's byte model."""
+    z0, cal = calibration()
+    g = torch.Generator().manual_seed(21)
+    T = 23
+    x = rope(z0[:T].transpose(0, 1).double(), torch.arange(T))[None].expand(B, -1, -1, -1)  # (B, H, T, D)
+    x = (x + 0.2 * torch.randn(x.shape, generator=g, dtype=torch.float64)).to(dtype)
+    options = dict(group_size=8, outliers=0.05, sink_tokens=sinks, residual=residual)
+    paired = get_scheme("nuqkey_codebook", **options).for_layer(0, cal)
+    keys = get_scheme("nuqkey", **options).for_layer(0, cal)
+    values = get_scheme("codebook", **{**options, "outliers": 0.0})
+    for role, family in (("key", keys), ("value", values)):
+        for simulate in (False, True):
+            got = paired.new_store(BITS, D, B, dtype, "cpu", role, simulate=simulate)
+            want = family.new_store(BITS, D, B, dtype, "cpu", role, simulate=simulate)
+            feed(got, x, [2, 9, 12]), feed(want, x, [2, 9, 12])
+            assert torch.equal(got.dequantize(), want.dequantize()), (role, simulate)
+            assert got.nbytes() == want.nbytes(), (role, simulate)
+        for b in (2, 3, 4):
+            assert paired.token_bytes(b, D, role) == family.token_bytes(b, D, role)
+    store = paired.new_store(BITS, D, B, dtype, "cpu", "value")
+    feed(store, x, [T])
+    quantized = slice(sinks, T - residual)
+    for h, b in enumerate(BITS):
+        if b != FULL_WIDTH:
+            want = codebook.quantize(x[:, h, quantized], b, dtype)[2]
+            assert torch.equal(store.dequantize()[:, h, quantized], want), h
+    assert paired.token_bytes(4, D, "value") == reference.packed_dim(D, 4) + 2  # b + 0.5 bits at D = 32
+    held = (f" sink_tokens={sinks}" if sinks else "") + (f" residual={residual}" if residual else "")
+    assert paired.label() == f"nuqkey_codebook{held} outliers=0.05"  # no group size: neither role has groups
+
+
+def test_nuqkey_codebook_needs_a_power_of_two_head_dim():
+    _, cal = calibration()
+    paired = get_scheme("nuqkey_codebook").for_layer(0, cal)
+    with pytest.raises(ValueError, match=r"^quant.scheme: nuqkey_codebook needs a power-of-two head_dim; .* 48$"):
+        paired.new_store([4], 48, 1, torch.float32, "cpu", "value")
+
+
 # ---------------------------------------------------------------------------------------------------------
 # models
 
@@ -284,13 +328,24 @@ def chunked_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
     return torch.cat(out, 1).float()
 
 
+def asym_values(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """nuqkey's values: asym_token's groups along head_dim (kernels.reference's quantize-dequantize)."""
+    return reference.fake_quantize(x, bits, group_size)
+
+
+def codebook_values(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """nuqkey_codebook's values: codebook's format (harness.schemes.codebook.quantize)."""
+    return codebook.quantize(x, bits, x.dtype)[2]
+
+
 class OracleCache(DynamicCache):
     """A DynamicCache that holds the oracle's keys (the others at their positions against the layer's levels) and
-    asym_token's values, token 0 exact (one sink token)."""
+    `values(x, bits, group_size)`'s values, token 0 exact (one sink token)."""
 
-    def __init__(self, config, bits: int, cal: KeyCalibration, group_size: int):
+    def __init__(self, config, bits: int, cal: KeyCalibration, group_size: int, values=asym_values):
         super().__init__(config=config)
         self.bits, self.cal, self.group_size, self.seen = bits, cal, group_size, {}
+        self.values = values
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         start = self.seen.get(layer_idx, 0)
@@ -299,27 +354,35 @@ class OracleCache(DynamicCache):
         keys, _ = oracle(
             key_states, positions, [self.bits] * key_states.shape[1], self.cal.layer(layer_idx), 0
         )
-        values = reference.fake_quantize(value_states, self.bits, self.group_size)
+        values = self.values(value_states, self.bits, self.group_size)
         sink = positions == 0  # the sink token, keys and values exact
         keys[:, :, sink], values[:, :, sink] = key_states[:, :, sink].double(), value_states[:, :, sink]
         return super().update(keys.to(key_states.dtype), values, layer_idx, *args, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize(
+    "name, scheme_name, values",
+    [
+        ("tiny-llama", "nuqkey", asym_values),
+        ("tiny-gemma3", "nuqkey", asym_values),
+        ("tiny-llama", "nuqkey_codebook", codebook_values),
+        ("tiny-gemma3", "nuqkey_codebook", codebook_values),
+    ],
+)
 @torch.no_grad()
-def test_tiny_model_through_the_cache_is_the_oracle(name):
+def test_tiny_model_through_the_cache_is_the_oracle(name, scheme_name, values):
     model = load_model(name)[0]
     g = torch.Generator().manual_seed(12)
     cal = fit_key_calibration(model, torch.randint(0, 256, (16, 48), generator=g), span=64)
     ids = torch.randint(0, 256, (2, 29), generator=g)  # past tiny-gemma3's sliding window of 16
     chunks = [12, 9, 1, 1, 6]
     exact = chunked_logits(model, ids, DynamicCache(config=model.config), chunks)
-    options = dict(scheme="nuqkey", group_size=16, prefill="quantized", key_calibration=cal, sink_tokens=1)
+    options = dict(scheme=scheme_name, group_size=16, prefill="quantized", key_calibration=cal, sink_tokens=1)
     with installed(model, PACKED):
         packed = chunked_logits(model, ids, QuantizedKVCache(model.config, 4, **options), chunks)
         cache = QuantizedKVCache(model.config, 4, simulate=True, **options)
         simulated = chunked_logits(model, ids, cache, chunks)
-    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal, 16), chunks)
+    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal, 16, values), chunks)
     # The packed attention sums in another order than the model's: a later layer's key or value on a rounding
     # boundary can round the other way, one level apart.
     assert (packed - simulated).abs().amax() <= 0.01 * exact.abs().amax()
