@@ -36,7 +36,9 @@ class NuqKeyCodebook(NuqKey):
 
     name: str = "nuqkey_codebook"
 
-    head_dim_groups: ClassVar[bool] = False  # neither role groups head_dim: tables per channel, one scale a vector
+    head_dim_groups: ClassVar[bool] = (
+        False  # neither role groups head_dim: tables per channel, one scale a vector
+    )
     rotated: ClassVar[bool] = True  # the values' Hadamard rotation needs a power-of-two head_dim
 
     def base_store(

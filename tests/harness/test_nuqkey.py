@@ -312,7 +312,9 @@ def test_nuqkey_codebook_is_nuqkeys_keys_and_codebooks_values(dtype, sinks, resi
 def test_nuqkey_codebook_needs_a_power_of_two_head_dim():
     _, cal = calibration()
     paired = get_scheme("nuqkey_codebook").for_layer(0, cal)
-    with pytest.raises(ValueError, match=r"^quant.scheme: nuqkey_codebook needs a power-of-two head_dim; .* 48$"):
+    with pytest.raises(
+        ValueError, match=r"^quant.scheme: nuqkey_codebook needs a power-of-two head_dim; .* 48$"
+    ):
         paired.new_store([4], 48, 1, torch.float32, "cpu", "value")
 
 
