@@ -217,23 +217,26 @@ def _attend(q, k_store, v_store, scale, mask, causal_offset, softcap, length, bl
     rows = torch.arange(Tq, device=q.device).unsqueeze(-1)  # (Tq, 1)
     for start in range(0, length, block):
         end = min(start + block, length)
-        s = scores(k_store, qm, start, end).view(B, Hkv, G, Tq, end - start) * scale
+        # One score block is the largest tensor alive here (rows x block floats): every step on it is in place,
+        # so it is allocated once per block (scores are a fresh product, never a view of a store).
+        s = scores(k_store, qm, start, end).view(B, Hkv, G, Tq, end - start).mul_(scale)
         if softcap is not None:
-            s = torch.tanh(s / softcap) * softcap
+            s.div_(softcap).tanh_().mul_(softcap)
         if mask is not None:  # (B or 1, 1, Tq, Tk): bool (True = attend) or additive float
             part = mask[..., start:end].unsqueeze(1)  # (B or 1, 1, 1, Tq, Tb)
-            s = s.masked_fill(~part, float("-inf")) if part.dtype == torch.bool else s + part
+            s.masked_fill_(~part, float("-inf")) if part.dtype == torch.bool else s.add_(part)
         elif causal_offset is not None:
             cols = torch.arange(start, end, device=q.device)  # (Tb,)
-            s = s.masked_fill(cols > rows + causal_offset, float("-inf"))
+            s.masked_fill_(cols > rows + causal_offset, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
         m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that have seen no visible key yet
         alpha = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe.unsqueeze(-1))  # (B, Hkv, G, Tq, Tb)
+        p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # (B, Hkv, G, Tq, Tb), the scores' buffer
         l = l * alpha + p.sum(-1)  # noqa: E741
         pv = weighted(v_store, p.view(B, Hkv, G * Tq, end - start), start, end).view(B, Hkv, G, Tq, -1)
-        acc = pv if acc is None else acc * alpha.unsqueeze(-1) + pv
+        acc = pv if acc is None else acc.mul_(alpha.unsqueeze(-1)).add_(pv)
         m = m_new
+        del s, p  # freed before the next block's scores are allocated
     return acc / l.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
