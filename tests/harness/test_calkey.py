@@ -452,7 +452,7 @@ def test_quant_calkey_validates_and_keys_outliers_only_when_set():
     [
         (
             ["quant.outliers=0.01"],
-            r"^quant.outliers: 0.01 with quant.scheme asym_token, which keeps no outliers; allowed: 0, or a scheme that keeps them \(calkey, nuqkey\)$",
+            r"^quant.outliers: 0.01 with quant.scheme asym_token, which keeps no outliers; allowed: 0, or a scheme that keeps them \(calkey, nuqkey, nuqkey_codebook\)$",
         ),
         (
             ["quant=calkey", "quant.outliers=1.5"],
