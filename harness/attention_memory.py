@@ -3,10 +3,11 @@
 What the packed-only path needs beside its cache while it prefills (harness.capacity_demo's "fixed extra"): one
 chunk of queries attends over a context stored packed (kernels.packed_attention, blockwise from the stored form)
 or over full-precision K/V with torch's scaled_dot_product_attention (what a DynamicCache prefill runs). Each
-measurement runs in a fresh child process (glibc's MALLOC_MMAP_THRESHOLD_ as capacity_demo sets it): the K/V
-are built, the peak resident set is reset (/proc/self/clear_refs), one attention call runs, and the peak above
-the resident set before the call is reported (VmHWM - VmRSS, Linux only), after one warm-up call (a prefill's
-later chunks are its steady state); the call's output is counted, as a model holds it. Shapes are smollm2-135m's attention (9 query heads on 3 KV heads of 64) unless given.
+measurement runs in a fresh child process, with glibc's mmap threshold as capacity_demo sets it
+(harness.procmem): the K/V are built, one warm-up call runs (a prefill's later chunks are its steady state), the
+peak resident set is reset, one attention call runs, and its peak above the resident set before it is reported
+(VmHWM - VmRSS, Linux only); the call's output is counted, as a model holds it. Shapes are smollm2-135m's
+attention (9 query heads on 3 KV heads of 64) unless given.
 """
 
 from __future__ import annotations
@@ -19,18 +20,10 @@ from pathlib import Path
 
 import torch
 
-from harness import io
+from harness import io, procmem
 
 MIB = 1 << 20
 MODES = ("packed", "sdpa")
-
-
-def status_kib(key: str) -> int:
-    """A field of /proc/self/status in KiB (VmRSS, VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {key}")
 
 
 def measure(
@@ -53,22 +46,20 @@ def measure(
             return packed_attention(q, *stores, head_dim**-0.5)
     else:
         group = q_heads // kv_heads
-        k, v = (
-            k.repeat_interleave(group, 1),
-            v.repeat_interleave(group, 1),
-        )  # as transformers repeats KV heads
+        k = k.repeat_interleave(group, 1)  # (B, Hq, L, D): as transformers repeats KV heads
+        v = v.repeat_interleave(group, 1)
         mask = torch.ones(chunk, context, dtype=torch.bool).tril(context - chunk)  # (Tq, L) causal
 
         def call():
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
     call()  # a warm-up chunk: one-time tables and thread pools, as a prefill's first chunk holds them
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = status_kib("VmRSS")
+    procmem.reset_peak_resident()
+    before = procmem.status_bytes("VmRSS")
     out = call()
-    peak = status_kib("VmHWM")
+    peak = procmem.status_bytes("VmHWM")
     del out
-    return (peak - before) * 1024
+    return peak - before
 
 
 def parser() -> argparse.ArgumentParser:
@@ -102,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--bits: {args.bits}; allowed: 2, 3, 4, 8")
     if any(c < args.chunk for c in args.contexts):
         p.error(f"--contexts: each must be at least --chunk {args.chunk}")
-    if not Path("/proc/self/clear_refs").exists():
+    if not procmem.CLEAR_REFS.exists():
         p.error("this measurement needs Linux's /proc/self/clear_refs")
     shape = (args.batch, args.q_heads, args.kv_heads, args.head_dim)
     if args.child:
@@ -118,7 +109,11 @@ def main(argv: list[str] | None = None) -> None:
     command = io.command_line("python -m harness.attention_memory", argv)
     if args.out is not None:
         io.start_record(args.out.parent, command, "cpu", args.allow_dirty, name=args.out.stem + ".env.json")
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(args.threads)}
+    env = {
+        **os.environ,
+        procmem.MMAP_THRESHOLD: str(procmem.MMAP_THRESHOLD_BYTES),
+        "OMP_NUM_THREADS": str(args.threads),
+    }
     lines = [
         f"Command: `{command}` ({args.threads} thread(s), torch {torch.__version__}"
         + ("; the commit: the environment record beside this file)." if args.out is not None else ")."),
@@ -132,18 +127,20 @@ def main(argv: list[str] | None = None) -> None:
     for context in args.contexts:
         peaks = []
         for mode in MODES:
-            child = [
-                sys.executable,
-                "-m",
-                "harness.attention_memory",
-                "--child",
-                mode,
-                "--context",
-                str(context),
-            ]
-            child += [f"--{k}={getattr(args, k.replace('-', '_'))}" for k in ("batch", "q-heads", "kv-heads")]
-            child += [f"--head-dim={args.head_dim}", f"--chunk={args.chunk}", f"--bits={args.bits}"]
-            child += [f"--threads={args.threads}"]
+            options = {
+                "context": context,
+                "batch": args.batch,
+                "q-heads": args.q_heads,
+                "kv-heads": args.kv_heads,
+            }
+            options |= {
+                "head-dim": args.head_dim,
+                "chunk": args.chunk,
+                "bits": args.bits,
+                "threads": args.threads,
+            }
+            child = [sys.executable, "-m", "harness.attention_memory", "--child", mode]
+            child += [f"--{key}={value}" for key, value in options.items()]
             proc = subprocess.run(child, capture_output=True, text=True, env=env, check=True)
             peaks.append(int(proc.stdout.split()[-1]) / MIB)
         lines.append(f"| {context} | {peaks[0]:.1f} | {peaks[1]:.1f} |")

@@ -34,28 +34,18 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from harness import io, precision
+from harness import io, precision, procmem
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.capacity import cache_bytes, max_context, shape_from_registry
 from harness.models import load_model, model_spec
+from harness.procmem import MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES
 from harness.schemes import get_scheme
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
 GIB = 2**30
 SCHEME, GROUP_SIZE = "asym_token", 32  # the quantized cache tried (harness.schemes)
-MMAP_THRESHOLD = (
-    "MALLOC_MMAP_THRESHOLD_"  # glibc's tunable: buffers at least this large are mapped on their own
-)
-
-
-def vm_peak_bytes() -> int:
-    """The process's peak virtual memory (what RLIMIT_AS caps), from /proc/self/status."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmPeak:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmPeak in /proc/self/status")
 
 
 def trial(args, cap: int) -> int:
@@ -87,7 +77,7 @@ def trial(args, cap: int) -> int:
                 token = model(
                     input_ids=token, position_ids=pos, past_key_values=cache, use_cache=True
                 ).logits.argmax(-1)
-    print(f"vm_peak {vm_peak_bytes()}")
+    print(f"vm_peak {procmem.status_bytes('VmPeak')}")  # what RLIMIT_AS caps
     return 0
 
 
@@ -196,8 +186,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--malloc-mmap-threshold",
         type=int,
-        default=65536,
-        help="glibc's MALLOC_MMAP_THRESHOLD_ in every trial, bytes (default 65536; 0: glibc's default)",
+        default=MMAP_THRESHOLD_BYTES,
+        help=f"glibc's {MMAP_THRESHOLD} in every trial, bytes (default {MMAP_THRESHOLD_BYTES}; 0: glibc's default)",
     )
     p.add_argument("--out", default="results/capacity/demo.md")
     io.add_run_arguments(p)

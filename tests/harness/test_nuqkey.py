@@ -292,7 +292,8 @@ def test_nuqkey_codebook_is_nuqkeys_keys_and_codebooks_values(dtype, sinks, resi
         for simulate in (False, True):
             got = paired.new_store(BITS, D, B, dtype, "cpu", role, simulate=simulate)
             want = family.new_store(BITS, D, B, dtype, "cpu", role, simulate=simulate)
-            feed(got, x, [2, 9, 12]), feed(want, x, [2, 9, 12])
+            feed(got, x, [2, 9, 12])
+            feed(want, x, [2, 9, 12])
             assert torch.equal(got.dequantize(), want.dequantize()), (role, simulate)
             assert got.nbytes() == want.nbytes(), (role, simulate)
         for b in (2, 3, 4):
