@@ -1,8 +1,8 @@
 """The grid point: one evaluation's every setting that can change a metric, typed, frozen, and keyed.
 
-`Point` has one field per setting (model, dtype, policy, budget, alpha, key offset, sink rule, widths, budget mode and unit,
-scheme, group sizes, prefill, sink tokens, residual window, key outliers, evaluation sizes, calibration, data, seed, token
-eviction, and the peer fields engine and rotation). Field names are the result columns (harness.results), so
+`Point` has one field per setting (model, dtype, policy, budget, alpha, key offset, sink rule, widths, budget mode and
+unit, scheme, group sizes, prefill, sink tokens, residual window, key outliers, key level fit, evaluation sizes,
+calibration, data, seed, token eviction, and the peer fields engine and rotation). Field names are the result columns (harness.results), so
 stored rows, parquet columns and committed runs read back unchanged; each field declares once the config key
 that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error messages, and its group
 (policy, quant, eviction, eval, calibration, peer, context), from which the field lists below are derived.
@@ -10,8 +10,8 @@ that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to erro
 Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is a hash of `Point.to_dict()`,
 so a finished point is recognized on re-run whatever order the grid lists it in:
 - the model dtype enters the hash only when it is not float32, the kv policy's key_offset only when it is not
-  0, quant.key_group_size only when it is set and quant.outliers only when it is not 0 (KEYED_UNLESS), so points
-  made before those fields were recorded keep their keys;
+  0, quant.key_group_size only when it is set, quant.outliers only when it is not 0 and quant.key_levels only
+  when it is not kmeans (KEYED_UNLESS), so points made before those fields were recorded keep their keys;
 - the peer fields are in the dict only for a peer point (engine not HARNESS), so the harness's own points keep
   the keys they had before peers existed;
 - a point read from a record made before some field existed (`Point.from_dict`) takes today's default for it
@@ -38,7 +38,13 @@ from harness.registry import unknown_name_message
 HARNESS = "harness"  # the engine of every point without an `engine` field
 # Fields that enter a key only away from these values (fields added after points were first keyed), so the
 # points made before them keep their keys.
-KEYED_UNLESS = {"dtype": precision.DEFAULT, "key_offset": 0.0, "key_group_size": None, "outliers": 0.0}
+KEYED_UNLESS = {
+    "dtype": precision.DEFAULT,
+    "key_offset": 0.0,
+    "key_group_size": None,
+    "outliers": 0.0,
+    "key_levels": "kmeans",
+}
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
 
@@ -76,6 +82,7 @@ class Point:
         "quant.residual", "quant", None
     )  # None: the scheme's default (grid resolves)
     outliers: float = _setting("quant.outliers", "quant", 0.0)  # calkey: share of each key kept in fp16
+    key_levels: str = _setting("quant.key_levels", "quant", "kmeans")  # nuqkey: how its key levels are fitted
     eviction: str = _setting("eviction.name", "eviction", NO_EVICTION["eviction"])
     evict_keep: float = _setting("eviction.keep", "eviction", NO_EVICTION["evict_keep"])
     evict_sinks: int = _setting("eviction.sink_tokens", "eviction", NO_EVICTION["evict_sinks"])
@@ -160,7 +167,7 @@ PEER_FIELDS = GROUPS["peer"]
 def key_of(config: Mapping) -> str:
     """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, the
     fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None,
-    outliers 0; see the docstring)."""
+    outliers 0, key_levels kmeans; see the docstring)."""
     config = {k: v for k, v in config.items() if k not in KEYED_UNLESS or v != KEYED_UNLESS[k]}
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -9,6 +9,10 @@ A sliding-window layer gives the keys its window still holds. Evaluation windows
 
 The rotary frequencies are the model's own (the inv_freq buffer of its rotary embedding, per layer type where it
 has several); a model without one (gpt2) has none, and its channels are fitted alone.
+
+Fisher-weighted levels (quant.key_levels=fisher or fisher_sqrt) take one more pass per window with autograd on: the summed
+next-token NLL of the window's own text, differentiated at each layer's post-RoPE keys (the graph starts at the
+input embeddings, so no weight gradient is ever formed); the gradients line up with the keys kept above.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.calibrate import disk_cached, layer_types, model_identity
-from harness.schemes.key_table import QUANTILE, KeyCalibration, fit_table
+from harness.schemes.key_table import (
+    KEY_LEVELS,
+    KMEANS,
+    QUANTILE,
+    WEIGHT_POWER,
+    KeyCalibration,
+    fit_table,
+    unturn,
+)
 
 CACHE_VERSION = 2  # 2: the tables carry nuqkey's levels and the rotary turns
 
@@ -55,31 +67,79 @@ def calibration_keys(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor,
     return [(torch.cat(k), torch.cat(p)) if k else None for k, p in zip(keys, positions)]
 
 
+class _KeyRecorder(DynamicCache):
+    """A DynamicCache that keeps the key states each layer hands it (post-RoPE, in the autograd graph)."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.given: dict[int, torch.Tensor] = {}  # layer -> (1, Hkv, T, D)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.given[layer_idx] = key_states
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def calibration_key_gradients(model, input_ids: torch.Tensor) -> list[torch.Tensor | None]:
+    """Per decoder layer, the gradient of the windows' summed next-token NLL at each key calibration_keys gives,
+    in its order: float32 (N, Hkv, D), post-RoPE like the keys; None for a layer without a KV cache of its own.
+    Each window runs alone, the weights' own gradients are never formed (the graph starts at the embeddings)."""
+    kinds = layer_types(model.config)
+    gradients: list[list[torch.Tensor]] = [[] for _ in kinds]
+    cached = [i for i, kind in enumerate(kinds) if kind != "linear"]
+    for window in input_ids:
+        ids = window[None].to(model.device)  # (1, Tc)
+        cache = _KeyRecorder(model.config)
+        with torch.enable_grad():
+            embeds = model.get_input_embeddings()(ids).detach().requires_grad_()  # (1, Tc, hidden)
+            logits = model(inputs_embeds=embeds, past_key_values=cache, use_cache=True).logits  # (1, Tc, V)
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="sum")
+            found = torch.autograd.grad(nll, [cache.given[i] for i in cached])
+        for i, g in zip(cached, found):
+            held = cache.layers[i].keys.shape[-2]  # a sliding layer holds the window's last positions only
+            at = torch.arange(window.shape[0] - held, window.shape[0])
+            gradients[i].append(g[0, :, -held:].float().transpose(0, 1)[at > 0].cpu())  # (T, Hkv, D)
+    return [torch.cat(g) if g else None for g in gradients]
+
+
 def fit_key_calibration(
-    model, input_ids: torch.Tensor, span: int, quantile: float = QUANTILE
+    model, input_ids: torch.Tensor, span: int, quantile: float = QUANTILE, levels: str = KMEANS
 ) -> KeyCalibration:
     """Every cached layer's KeyTable fitted on the calibration windows input_ids (C, Tc), for keys at positions
-    in [0, span)."""
+    in [0, span); nuqkey's levels fitted `levels` (KEY_LEVELS: the Fisher fits weigh each pre-RoPE key element by
+    |g| ** WEIGHT_POWER[levels], g from calibration_key_gradients)."""
+    if levels not in KEY_LEVELS:
+        raise ValueError(f"quant.key_levels: {levels!r} is not allowed; allowed: {', '.join(KEY_LEVELS)}")
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    found = calibration_keys(model, input_ids)
+    gradients = calibration_key_gradients(model, input_ids) if levels != KMEANS else [None] * len(found)
     tables = []
-    for found, layer_type in zip(calibration_keys(model, input_ids), types):
-        if found is None:
+    for layer, gradient, layer_type in zip(found, gradients, types):
+        if layer is None:
             tables.append(None)
             continue
-        keys, positions = found
-        tables.append(fit_table(keys, positions, rotary_frequencies(model, layer_type), span, quantile))
-    return KeyCalibration(tuple(tables))
+        keys, positions = layer
+        inv_freq = rotary_frequencies(model, layer_type)
+        weights = None  # (N, Hkv, D): per pre-RoPE key element
+        if gradient is not None:
+            weights = unturn(gradient, positions, inv_freq).abs().pow(WEIGHT_POWER[levels])
+        tables.append(fit_table(keys, positions, inv_freq, span, quantile, level_weights=weights))
+    return KeyCalibration(tuple(tables), levels)
 
 
-def cached_key_calibration(model, model_name: str, calib_ids: torch.Tensor, span: int) -> KeyCalibration:
-    """fit_key_calibration, read from disk when the same model, calibration tokens and span were fitted before."""
+def cached_key_calibration(
+    model, model_name: str, calib_ids: torch.Tensor, span: int, levels: str = KMEANS
+) -> KeyCalibration:
+    """fit_key_calibration, read from disk when the same model, calibration tokens, span and level fit were
+    fitted before."""
     identity = (
         f"{CACHE_VERSION}|{model_identity(model, model_name)}|{QUANTILE}|{span}|{tuple(calib_ids.shape)}"
     )
+    if levels != KMEANS:  # k-means tables keep the identity they had before the level fits had names
+        identity += f"|{levels}"
     frame = disk_cached(
         f"{model_name}-calkey",
         identity,
         calib_ids,
-        lambda: fit_key_calibration(model, calib_ids, span).to_frame(),
+        lambda: fit_key_calibration(model, calib_ids, span, levels=levels).to_frame(),
     )
-    return KeyCalibration.from_frame(frame, len(layer_types(model.config)))
+    return KeyCalibration.from_frame(frame, len(layer_types(model.config)), levels)

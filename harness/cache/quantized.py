@@ -61,7 +61,7 @@ from transformers.cache_utils import (
 from transformers.configuration_utils import get_head_shapes
 
 from harness.attention.packed import DecodeStep, PackedStep, post_step
-from harness.schemes import KeyCalibration, Scheme, check_backend, get_scheme, starts_at
+from harness.schemes import KMEANS, KeyCalibration, Scheme, check_backend, get_scheme, starts_at
 from kernels.layout import FULL_WIDTH
 
 PREFILL_MODES = ("exact", "quantized")
@@ -363,7 +363,7 @@ class QuantizedKVCache(Cache):
     `value_bits` (the same shape or one int; None: `bits`) gives theirs.
 
     `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens`,
-    `residual` (None: the scheme's default), `key_group_size` (None: group_size) and `outliers` are
+    `residual` (None: the scheme's default), `key_group_size` (None: group_size), `outliers` and `key_levels` are
     harness.schemes.Scheme's. `simulate`: keep a full-precision working copy for the model's own attention (torch
     backend; see the module docstring). `key_calibration`: the model's fitted key tables
     (harness.key_calibration), which a scheme whose keys read them (calkey) needs: each layer's scheme is bound to
@@ -385,6 +385,7 @@ class QuantizedKVCache(Cache):
         key_group_size: int | None = None,
         outliers: float = 0.0,
         key_calibration: KeyCalibration | None = None,
+        key_levels: str = KMEANS,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -396,7 +397,9 @@ class QuantizedKVCache(Cache):
         shape = (len(types), max(heads))  # (layers, most KV heads of a layer)
         bits = _width_grid("bits", bits, shape)
         value_bits = bits if value_bits is None else _width_grid("value_bits", value_bits, shape)
-        self.scheme = get_scheme(scheme, group_size, sink_tokens, residual, key_group_size, outliers)
+        self.scheme = get_scheme(
+            scheme, group_size, sink_tokens, residual, key_group_size, outliers, key_levels
+        )
         self.key_calibration = key_calibration
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         if not isinstance(simulate, bool):

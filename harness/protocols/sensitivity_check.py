@@ -137,7 +137,7 @@ def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str)
     calibration = data.point_windows(tokenizer, point).calibration
     # a calkey point's key tables, as its sweep point fits them (the unit KLs are measured through them)
     tables = (
-        cached_key_calibration(model, point.model, calibration, key_span(point))
+        cached_key_calibration(model, point.model, calibration, key_span(point), point.key_levels)
         if scheme.key_tables
         else None
     )

@@ -28,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from harness import results
-from harness.config import HARNESS
+from harness.config import HARNESS, KEYED_UNLESS
 from harness.metrics import MIN_PAIRED_UNITS, bootstrap_ci, format_difference, paired_difference_ci
 from harness.report.labels import configuration
 from harness.report.paired import (
@@ -39,7 +39,7 @@ from harness.report.paired import (
 )
 from harness.report.sweep import provenance
 from harness.report.tables import markdown_table
-from harness.schemes import SCHEMES, get_scheme
+from harness.schemes import KMEANS, SCHEMES, get_scheme
 
 TARGETS = (2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)  # true compression (fp16 bytes / stored bytes)
 GOALS = ((3.5, 1.01), (4.5, 1.05), (6.0, 1.20))  # (at least this compression, at most this ppl_ratio)
@@ -95,6 +95,21 @@ INGREDIENTS = (
         {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01},
     ),
     (
+        "nuqkey_codebook's key levels weighted by |gradient| (fisher_sqrt), 4-bit, 1% of each key in fp16",
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01},
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01, "key_levels": "fisher_sqrt"},
+    ),
+    (
+        "the same weighted by gradient squared (fisher, KVQuant's Fisher information)",
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01},
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01, "key_levels": "fisher"},
+    ),
+    (
+        "fisher_sqrt key levels at 3 bits",
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01},
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+    ),
+    (
         "Lloyd-Max levels and one fp16 scale per vector, after rotation",
         {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
         {"scheme": "codebook", "policy": "uniform", "budget": 4},
@@ -136,6 +151,7 @@ def storage(config: dict) -> str:
         config.get("residual"),
         config.get("key_group_size"),
         config.get("outliers", 0.0),
+        config["key_levels"] if isinstance(config.get("key_levels"), str) else KMEANS,  # older rows: NaN
     ).label()
 
 
@@ -311,8 +327,11 @@ def peer_rows(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd
 
 
 def matching(records: list[dict], fields: dict) -> dict | None:
-    """The point whose config has every field of `fields` (fewest bytes, then key), or None."""
-    found = [r for r in records if all(r["config"].get(k) == v for k, v in fields.items())]
+    """The point whose config has every field of `fields` (fewest bytes, then key), or None. A field a config
+    lacks (made before it existed) reads as its KEYED_UNLESS value; key_levels, unless `fields` names it, must be
+    kmeans (so an ingredient about something else never picks a Fisher-weighted point)."""
+    want = {"key_levels": KMEANS, **fields}
+    found = [r for r in records if all(r["config"].get(k, KEYED_UNLESS.get(k)) == v for k, v in want.items())]
     return min(found, key=lambda r: (r["metrics"]["bytes_per_token"], r["key"]), default=None)
 
 

@@ -12,7 +12,7 @@ import pandas as pd
 from harness import peers
 from harness.config import HARNESS
 from harness.policies import from_point
-from harness.schemes import default_residual
+from harness.schemes import KMEANS, default_residual
 
 CLAIM_BUDGET = 4
 CLAIM_ALPHA = 0.25
@@ -46,13 +46,15 @@ def _policy_label(row: Mapping) -> str:
 
 
 def storage_label(row: Mapping) -> str:
-    """Cache options beyond the scheme's defaults: key groups apart, key outliers, fp16 sink tokens, residual
-    window, token eviction."""
+    """Cache options beyond the scheme's defaults: key groups apart, key outliers, Fisher-weighted key levels, fp16
+    sink tokens, residual window, token eviction."""
     parts = []
     if _positive(row.get("key_group_size")) and row["key_group_size"] != row.get("group_size"):
         parts.append(f"kg{int(row['key_group_size'])}")
     if _positive(row.get("outliers")):
         parts.append(f"{row['outliers']:g} of each key in fp16")
+    if isinstance(row.get("key_levels"), str) and row["key_levels"] != KMEANS:
+        parts.append(f"{row['key_levels']} key levels")
     if _positive(row.get("sink_tokens")):
         parts.append(f"{int(row['sink_tokens'])} fp16 sink tokens")
     if _positive(row.get("residual")) and not default_residual(str(row.get("scheme"))):  # kivi's is its own

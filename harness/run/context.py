@@ -45,7 +45,7 @@ class ModelContext:
     shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
     bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
     peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
-    key_calibration: dict = field(default_factory=dict)  # span -> calkey's fitted key tables, lazily
+    key_calibration: dict = field(default_factory=dict)  # (span, key_levels) -> the fitted key tables, lazily
 
 
 def context_key(point: Point) -> tuple:

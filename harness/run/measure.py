@@ -61,12 +61,14 @@ def point_scheme(point: Point) -> Scheme:
         point.residual,
         point.key_group_size,
         point.outliers,
+        point.key_levels,
     )
 
 
 def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
     """The fitted key tables of a point whose scheme reads them (calkey), for positions below the point's longest
-    window: fitted on the context's calibration windows once per span (cached on disk); None for other schemes."""
+    window, its levels fitted as quant.key_levels says: fitted on the context's calibration windows once per span
+    and level fit (cached on disk); None for other schemes."""
     if not point_scheme(point).key_tables:
         return None
     if ctx.calib_ids is None:
@@ -74,9 +76,12 @@ def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
             f"quant.scheme: {point.scheme} fits its key tables on the calibration windows; this context has none"
         )
     span = key_span(point)
-    if span not in ctx.key_calibration:
-        ctx.key_calibration[span] = cached_key_calibration(ctx.model, ctx.name, ctx.calib_ids, span)
-    return ctx.key_calibration[span]
+    fit = (span, point.key_levels)
+    if fit not in ctx.key_calibration:
+        ctx.key_calibration[fit] = cached_key_calibration(
+            ctx.model, ctx.name, ctx.calib_ids, span, point.key_levels
+        )
+    return ctx.key_calibration[fit]
 
 
 def key_span(point: Point) -> int:
@@ -95,6 +100,7 @@ def measurement_key(point: Point, alloc) -> tuple:
         point.sink_tokens,
         point.residual,  # None: the scheme's default (grid points carry it resolved)
         point.outliers,
+        point.key_levels,
         point.prefill,
         EvictionSpec.from_point(point),
     )
@@ -109,6 +115,7 @@ def cache_options(point: Point, backend: str, simulate: bool = False) -> dict:
         sink_tokens=point.sink_tokens,
         residual=point.residual,
         outliers=point.outliers,
+        key_levels=point.key_levels,
         backend=backend,
         simulate=simulate,
     )

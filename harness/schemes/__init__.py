@@ -43,12 +43,16 @@ from harness.schemes.codebook import Codebook, CodebookStore
 from harness.schemes.calkey import CalKey, CalKeyStore
 from harness.schemes.nuqkey import NuqKey, NuqKeyStore
 from harness.schemes.nuqkey_codebook import NuqKeyCodebook
-from harness.schemes.key_table import KeyCalibration, KeyTable
+from harness.schemes.key_table import FISHER, FISHER_SQRT, KEY_LEVELS, KMEANS, KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
 
 # isort: on
 
 __all__ = [
+    "FISHER",
+    "FISHER_SQRT",
+    "KEY_LEVELS",
+    "KMEANS",
     "ROLES",
     "ROTATE",
     "SCHEMES",

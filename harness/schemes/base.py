@@ -19,7 +19,9 @@ quantized KV head whatever its tokens and batch (calkey's fitted key tables; 0 f
 nbytes() and harness.capacity count; a bytes budget prices tokens, so it leaves them out.
 
 A scheme whose keys read a table fitted offline per layer (`key_tables`: calkey) is bound to its layer's table by
-`for_layer` (QuantizedKVCache does it from its key_calibration); every other scheme ignores the calibration.
+`for_layer` (QuantizedKVCache does it from its key_calibration); every other scheme ignores the calibration. Where
+that table holds fitted key levels (`fitted_levels`: nuqkey), `key_levels` says how they were fitted (k-means, or
+weighted by the loss's Fisher information) and for_layer refuses tables fitted the other way.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from harness.registry import Registry
-from harness.schemes.key_table import KeyCalibration
+from harness.schemes.key_table import KEY_LEVELS, KMEANS, KeyCalibration
 from harness.schemes.wrappers import ResidualStore, SinkStore
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -105,6 +107,7 @@ class Scheme:
     residual: int | None = None  # None: default_residual
     key_group_size: int | None = None  # None: group_size
     outliers: float = 0.0  # the share of each key's channels kept in fp16 (keeps_outliers schemes only)
+    key_levels: str = KMEANS  # how the fitted key levels weigh calibration keys (fitted_levels schemes only)
 
     widths: ClassVar[tuple[int, ...]] = (
         reference.WIDTHS
@@ -121,6 +124,7 @@ class Scheme:
     no_eviction: ClassVar[str | None] = None  # what keeps single tokens from being evicted, if anything does
     keeps_outliers: ClassVar[bool] = False  # stores quant.outliers of each key in fp16 (calkey)
     key_tables: ClassVar[bool] = False  # its keys read a table fitted per layer on calibration text (calkey)
+    fitted_levels: ClassVar[bool] = False  # that table holds fitted key levels (nuqkey), fitted key_levels
 
     def __post_init__(self):
         SCHEMES.get(self.name)  # an unknown name is the registry's one-line error
@@ -138,6 +142,16 @@ class Scheme:
             raise ValueError(
                 f"quant.outliers: {self.outliers!r} with quant.scheme {self.name}, which keeps no outliers; "
                 f"allowed: 0, or a scheme that keeps them ({', '.join(keep)})"
+            )
+        if self.key_levels not in KEY_LEVELS:
+            raise ValueError(
+                f"quant.key_levels: {self.key_levels!r} is not allowed; allowed: {', '.join(KEY_LEVELS)}"
+            )
+        if self.key_levels != KMEANS and not self.fitted_levels:
+            fitted = [name for name in SCHEMES if getattr(SCHEMES.get(name), "fitted_levels", False)]
+            raise ValueError(
+                f"quant.key_levels: {self.key_levels} with quant.scheme {self.name}, which fits no key levels; "
+                f"allowed: {KMEANS}, or a scheme with fitted levels ({', '.join(fitted)})"
             )
 
     # ---------------------------------------------------------------------------------------- a family's part
@@ -207,6 +221,8 @@ class Scheme:
             parts.append(f"residual={self.residual}")
         if self.outliers:
             parts.append(f"outliers={self.outliers:g}")
+        if self.key_levels != KMEANS:
+            parts.append(f"{self.key_levels} levels")
         return " ".join(parts)
 
     def token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
@@ -280,7 +296,8 @@ class Scheme:
         return store
 
 
-# name -> the scheme's constructor (group_size, sink_tokens, residual, key_group_size, outliers as keywords)
+# name -> the scheme's constructor (group_size, sink_tokens, residual, key_group_size, outliers, key_levels as
+# keywords)
 SCHEMES: Registry[Callable[..., Scheme]] = Registry("quant.scheme")
 
 
@@ -296,6 +313,7 @@ def get_scheme(
     residual: int | None = None,
     key_group_size: int | None = None,
     outliers: float = 0.0,
+    key_levels: str = KMEANS,
 ) -> Scheme:
     return SCHEMES.get(name)(
         group_size=group_size,
@@ -303,6 +321,7 @@ def get_scheme(
         residual=residual,
         key_group_size=key_group_size,
         outliers=outliers,
+        key_levels=key_levels,
     )
 
 

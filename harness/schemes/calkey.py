@@ -80,6 +80,11 @@ class CalKey(AsymToken):
     def for_layer(self, layer: int, key_calibration: KeyCalibration | None) -> CalKey:
         if key_calibration is None:
             raise ValueError(UNBOUND.format(name=self.name))
+        if self.fitted_levels and key_calibration.levels != self.key_levels:
+            raise ValueError(
+                f"quant.key_levels: {self.key_levels}, but the key tables given were fitted with "
+                f"{key_calibration.levels} levels (harness.key_calibration.cached_key_calibration levels=)"
+            )
         return replace(self, table=key_calibration.layer(layer))
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:

@@ -50,6 +50,7 @@ class NuqKey(CalKey):
     name: str = "nuqkey"
 
     widths: ClassVar[tuple[int, ...]] = LEVEL_WIDTHS
+    fitted_levels: ClassVar[bool] = True
 
     def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
         quantized = role == "key" and bits != FULL_WIDTH

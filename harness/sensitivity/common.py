@@ -52,6 +52,7 @@ def quantized_factory(
         sink_tokens=scheme.sink_tokens,
         residual=scheme.residual,
         outliers=scheme.outliers,
+        key_levels=scheme.key_levels,
         key_calibration=key_calibration,
         prefill="quantized",
         simulate=True,
