@@ -15,7 +15,9 @@ price=, sensitivity=)` returns an `Allocation`; `from_point` builds the policy a
   `layerwise` (the same greedy with one width per layer, on the layer's summed error). They take 16 as a width
   only when `widths` lists it; alpha is unused.
 - measured_kl.py `measured` (keys and values as separate units; the widths of least summed teacher-forced unit KL
-  within the budget, exactly: knapsack.py's integer program, not a greedy).
+  within the budget, exactly: knapsack.py's integer program, not a greedy), which takes 16 the same way.
+Only these three assign 16 from `widths` (`assigns_full_width`); every other policy rounds among the quantized
+widths and keeps only its sink heads at 16, so a 16 in its `widths` is refused with a one-line error.
 A policy that allocates from a measured table names it in `measurement` (harness.sensitivity.MEASUREMENTS).
 stats.py reads the entropy table (`kv_head_entropy`); budget.py holds the budget arithmetic the rules share.
 

@@ -185,6 +185,9 @@ class Policy(ABC):
     # The measured table it allocates from: a name in harness.sensitivity.MEASUREMENTS ("proxy", "unit_kl"),
     # which the runner measures once per model, scheme, widths and chunk and passes as `sensitivity`; None: none.
     measurement: ClassVar[str | None] = None
+    # Whether a 16 in `widths` is a width it may give a unit (the measured policies weigh it against the others);
+    # every other policy rounds among the quantized widths, keeping only its sink heads at 16.
+    assigns_full_width: ClassVar[bool] = False
 
     widths: tuple[int, ...] = PACKED_WIDTHS
     budget_mode: str = "exact"
@@ -193,6 +196,13 @@ class Policy(ABC):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "widths", _checked_widths(self.widths))
+        if FULL_WIDTH in self.widths and not self.assigns_full_width:
+            assigning = [name for name in POLICIES.names() if POLICIES.get(name).assigns_full_width]
+            raise ValueError(
+                f"policy.widths: {FULL_WIDTH} with policy.name {self.name}, which assigns only quantized widths "
+                f"(its sink rule keeps heads at {FULL_WIDTH}); allowed: quantized widths, or {FULL_WIDTH} with "
+                f"{', '.join(assigning)}"
+            )
         _check_name("policy.budget_mode", self.budget_mode, BUDGET_MODES)
         _check_name("policy.budget_unit", self.budget_unit, BUDGET_UNITS)
         _check_name("policy.entropy_key", self.entropy_key, ENTROPY_KEYS)

@@ -57,6 +57,7 @@ class Measured(SinkPolicy):
     """The greedy on measured errors, each head its own unit or (per_layer) one unit per layer."""
 
     measurement: ClassVar[str | None] = "proxy"
+    assigns_full_width: ClassVar[bool] = True
     per_layer: ClassVar[bool] = False
 
     def free_widths(self, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:

@@ -69,6 +69,7 @@ class MeasuredKL(UnitPolicy):
     """Per (head, K|V) unit, the widths of least summed unit KL within the budget (the exact knapsack)."""
 
     measurement: ClassVar[str | None] = "unit_kl"
+    assigns_full_width: ClassVar[bool] = True
 
     def free_widths(self, heads: Heads) -> tuple[torch.Tensor, torch.Tensor]:
         """Widths of the 2m units of the non-sink heads (int64 [2m]: their keys, then their values) and their

@@ -248,7 +248,7 @@ def test_random_is_seeded_and_keeps_the_sinks():
 
 def test_to_records_is_json_ready():
     df = table({0: [[0.1], [3.0]], 2: [[2.0], [2.0]]}, num_layers=3)
-    alloc = allocate(df, budget=8, policy="entropy", sink_threshold=0.5, widths=(2, 4, 8, 16))
+    alloc = allocate(df, budget=8, policy="entropy", sink_threshold=0.5, widths=(2, 4, 8))
     records = json.loads(json.dumps(alloc.to_records()))
     assert [(r["layer"], r["kv_head"]) for r in records] == [(0, 0), (0, 1), (2, 0), (2, 1)]
     assert records[0] == {
@@ -286,6 +286,14 @@ GOOD = {
         ({"widths": [2, 5]}, "policy.widths", "5 is not an allowed width; allowed: 2, 3, 4, 8, 16"),
         ({"widths": []}, "policy.widths", "quantized width"),
         ({"widths": [16]}, "policy.widths", "quantized width"),
+        (
+            {"widths": [2, 4, 16]},
+            "policy.widths",
+            "16 with policy.name entropy, which assigns only quantized widths (its sink rule keeps heads at 16); "
+            "allowed: quantized widths, or 16 with sensitivity, layerwise, measured",
+        ),
+        ({"policy": "kv", "widths": [4, 16]}, "policy.widths", "16 with policy.name kv"),
+        ({"policy": "uniform", "widths": [4, 16]}, "policy.widths", "16 with policy.name uniform"),
         ({"widths": "2,4"}, "policy.widths", "expected a list"),
         ({"widths": [True, 4]}, "policy.widths", "True is not an allowed width"),
         ({"budget": 1.5}, "policy.budget", "[2, 8]"),
@@ -315,7 +323,14 @@ def test_validate_names_the_key_in_one_line(change, key, fragment):
 def test_validate_accepts_good_configs_and_allocate_validates():
     validate(**GOOD)
     validate(
-        **{**GOOD, "widths": (2, 16), "budget": 16, "alpha": -1, "sink_threshold": None, "sink_fraction": 0}
+        **{
+            **GOOD,
+            "policy": "measured",
+            "widths": (2, 16),
+            "budget": 16,
+            "sink_threshold": None,
+            "sink_fraction": 0,
+        }
     )
     with pytest.raises(ValueError, match=r"^policy\.name:"):
         allocate(one_layer([1.0, 2.0]), budget=4, policy="entropie")
@@ -346,7 +361,8 @@ SINK_RULES = (
     | st.builds(lambda t: {"sink_threshold": t}, st.floats(0, 4))
     | st.builds(lambda q: {"sink_fraction": q}, st.floats(0, 1))
 )
-WIDTH_SETS = st.sets(st.sampled_from(ALLOWED_WIDTHS), min_size=1).filter(lambda w: w != {UNQUANTIZED})
+# The entropy policies round among quantized widths only (a 16 in policy.widths is refused): sink heads take 16.
+WIDTH_SETS = st.sets(st.sampled_from([w for w in ALLOWED_WIDTHS if w != UNQUANTIZED]), min_size=1)
 ALPHAS = st.floats(0, 4)
 
 
@@ -644,7 +660,7 @@ def test_alpha_mixes_widths_per_head_and_sinks_keep_keys_and_values_at_16():
     offset=st.floats(-8, 8),
     alpha=st.floats(-4, 4),
     sinks=SINK_RULES,
-    widths=st.sampled_from([(2, 3, 4, 8), (2, 4, 8), (2, 4, 8, 16), (4, 8)]),
+    widths=st.sampled_from([(2, 3, 4, 8), (2, 4, 8), (3, 8), (4, 8)]),
 )
 def test_kv_never_exceeds_its_byte_budget(df, fraction, offset, alpha, sinks, widths):
     policy = KeyValue(alpha=alpha, key_offset=offset, widths=widths, **sinks)
