@@ -5,10 +5,13 @@ key, and the one-line errors."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.config import Point, base_point
 from harness.config import compose as compose_point
@@ -55,25 +58,33 @@ def test_heavy_weight_pulls_a_level_onto_its_value():
     assert fit_levels(x, 2, weights=weights)[0, 1] > 8.9
 
 
+def pre_rope_keys(name: str, attn) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]]:
+    """The module whose output is a layer's pre-RoPE keys, and how to read them as (T, Hkv, D): tiny-llama's
+    k_proj (no key norm; (1, T, Hkv * D)), tiny-gemma3's k_norm ((1, Hkv, T, D))."""
+    if name == "tiny-llama":
+        return attn.k_proj, lambda out: out[0].view(out.shape[1], -1, attn.head_dim)
+    return attn.k_norm, lambda out: out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 @torch.no_grad()
-def test_gradients_turn_back_to_the_gradients_at_the_pre_rope_keys():
-    """tiny-llama has no key norm: its pre-RoPE keys are k_proj's output. The gradient of the summed NLL there
-    (autograd through the model's own RoPE) equals the calibration gradients turned back by unturn."""
-    model, _ = load_model("tiny-llama")
+def test_gradients_turn_back_to_the_gradients_at_the_pre_rope_keys(name):
+    """The gradient of the summed NLL at a layer's pre-RoPE keys (autograd through the model's own RoPE) equals the
+    calibration gradients turned back by unturn, at the positions calibration_keys keeps (tiny-gemma3's sliding
+    layers hold the last 15 of a window's 24)."""
+    model, _ = load_model(name)
     g = torch.Generator().manual_seed(3)
-    calib = torch.randint(0, 256, (2, 19), generator=g)
+    calib = torch.randint(0, 256, (2, 24), generator=g)
     got = calibration_key_gradients(model, calib)
     keys = calibration_keys(model, calib)
-    inv_freq = rotary_frequencies(model, "full_attention")
-    attn = [layer.self_attn for layer in model.model.layers]
-    heads, dim = model.config.num_key_value_heads, attn[0].head_dim
-    for layer in range(len(attn)):
+    types, _ = get_layer_types_and_kwargs(model.config)
+    for layer, decoder_layer in enumerate(model.model.layers):
+        module, as_tokens = pre_rope_keys(name, decoder_layer.self_attn)
+        _, positions = keys[layer]
         want = []
         for window in calib:
             seen: dict[str, torch.Tensor] = {}
-            hook = attn[layer].k_proj.register_forward_hook(
-                lambda m, i, out, seen=seen: seen.setdefault("k", out)
-            )
+            hook = module.register_forward_hook(lambda m, i, out, seen=seen: seen.setdefault("k", out))
             try:
                 with torch.enable_grad():
                     embeds = model.get_input_embeddings()(window[None]).requires_grad_()
@@ -82,11 +93,14 @@ def test_gradients_turn_back_to_the_gradients_at_the_pre_rope_keys():
                     (grad,) = torch.autograd.grad(nll, seen["k"])
             finally:
                 hook.remove()
-            want.append(grad[0].view(-1, heads, dim)[1:])  # (T - 1, Hkv, D): position 0 left out
+            held = positions[: len(positions) // len(calib)]  # the positions kept of each window
+            want.append(as_tokens(grad)[held])  # (T_held, Hkv, D)
         want = torch.cat(want)
-        _, positions = keys[layer]
         assert got[layer].shape == keys[layer][0].shape == want.shape
+        inv_freq = rotary_frequencies(model, types[layer])
         torch.testing.assert_close(unturn(got[layer], positions, inv_freq), want, rtol=1e-4, atol=1e-6)
+    if name == "tiny-gemma3":
+        assert len(keys[0][1]) == 2 * 15 and len(keys[2][1]) == 2 * 23  # a sliding layer and a full one
 
 
 @pytest.mark.parametrize("levels, power", [(FISHER, 2), (FISHER_SQRT, 1)])
