@@ -182,8 +182,10 @@ def fit_levels(
 ) -> torch.Tensor:
     """The n levels of a 1-D k-means of each column of x (N, C), each value weighted by `weights` (N, C) >= 0
     (None: all 1): Lloyd's algorithm from the column's weighted quantiles at (i + 1/2) / n, each step on the
-    sorted column (boundaries halfway between levels, a level the weighted mean of the values between its
-    boundaries; a level with no weight there keeps its place): float32 (C, n), ascending."""
+    sorted column (boundaries halfway between levels, a value on one taken by the upper level; a level the
+    weighted mean of the values between its boundaries; a level with no weight there keeps its place): float32
+    (C, n), ascending. (nuqkey's store codes a value on a boundary to the lower level: equally near, the same
+    error.)"""
     order = x.double().T.sort(-1)  # (C, N)
     xs = order.values.contiguous()
     C, N = xs.shape

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
@@ -119,6 +119,7 @@ def test_levels_are_the_values_when_a_column_has_as_many_as_levels():
 
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 10_000), st.sampled_from([2, 4, 8, 16]), st.integers(20, 300))
+@example(685, 8, 20)  # a value (2) exactly halfway between two levels (1, 3): the upper level's in the fit
 def test_levels_are_a_fixed_point_of_lloyd_and_inside_the_data(seed, n, rows):
     """Sorted, inside [min, max] of the column, and each level the mean of the values nearest to it (Lloyd's
     fixed point, checked by brute force) once iterated enough."""
@@ -131,8 +132,17 @@ def test_levels_are_a_fixed_point_of_lloyd_and_inside_the_data(seed, n, rows):
         levels <= x.max(0).values[:, None] + 1e-6
     ).all()
     for c in range(3):
-        nearest = (x[:, c, None] - levels[c]).abs().argmin(-1)  # ties to the lower level, as the fit's bounds
+        # the nearest level, ties to the upper one as the fit's bounds take them (the store codes a tie to the
+        # lower one: equally near, the same error)
+        nearest = n - 1 - (x[:, c, None] - levels[c].flip(0)).abs().argmin(-1)
+        # in the continuous columns a value within float32 rounding of a boundary may fall either side of the
+        # fit's float64 one: the two levels beside it are not checked (column 0's ties are exact in both)
+        off = (x[:, c, None] - (levels[c, 1:] + levels[c, :-1]) / 2).abs()  # (rows, n - 1)
+        unsure = ((off < 1e-5) & (c > 0)).any(0).nonzero().flatten()
+        unsure = set(unsure.tolist()) | set((unsure + 1).tolist())
         for i in nearest.unique():
+            if int(i) in unsure:
+                continue
             mean = x[nearest == i, c].double().mean()
             assert abs(levels[c, i] - mean) <= 1e-5 * (1 + abs(mean)), (c, i)
 
