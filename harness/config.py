@@ -2,10 +2,11 @@
 
 `Point` has one field per setting (model, dtype, policy, budget, alpha, key offset, sink rule, widths, budget mode and
 unit, scheme, group sizes, prefill, sink tokens, residual window, key outliers, key level fit, evaluation sizes,
-calibration, data, seed, token eviction, and the peer fields engine and rotation). Field names are the result columns (harness.results), so
-stored rows, parquet columns and committed runs read back unchanged; each field declares once the config key
-that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error messages, and its group
-(policy, quant, eviction, eval, calibration, peer, context), from which the field lists below are derived.
+calibration, data, seed, token eviction, and the peer fields engine and rotation). Field names are the result
+columns (harness.results), so stored rows, parquet columns and committed runs read back unchanged; each field
+declares once the config key that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error
+messages, and its group (policy, quant, eviction, eval, calibration, peer, context), from which the field lists
+below are derived.
 
 Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is a hash of `Point.to_dict()`,
 so a finished point is recognized on re-run whatever order the grid lists it in:
@@ -34,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import precision
 from harness.io import CONF_DIR
 from harness.registry import unknown_name_message
+from harness.schemes.key_table import KMEANS
 
 HARNESS = "harness"  # the engine of every point without an `engine` field
 # Fields that enter a key only away from these values (fields added after points were first keyed), so the
@@ -43,7 +45,7 @@ KEYED_UNLESS = {
     "key_offset": 0.0,
     "key_group_size": None,
     "outliers": 0.0,
-    "key_levels": "kmeans",
+    "key_levels": KMEANS,
 }
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
@@ -82,7 +84,7 @@ class Point:
         "quant.residual", "quant", None
     )  # None: the scheme's default (grid resolves)
     outliers: float = _setting("quant.outliers", "quant", 0.0)  # calkey: share of each key kept in fp16
-    key_levels: str = _setting("quant.key_levels", "quant", "kmeans")  # nuqkey: how its key levels are fitted
+    key_levels: str = _setting("quant.key_levels", "quant", KMEANS)  # nuqkey: how its key levels are fitted
     eviction: str = _setting("eviction.name", "eviction", NO_EVICTION["eviction"])
     evict_keep: float = _setting("eviction.keep", "eviction", NO_EVICTION["evict_keep"])
     evict_sinks: int = _setting("eviction.sink_tokens", "eviction", NO_EVICTION["evict_sinks"])

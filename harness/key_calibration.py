@@ -23,11 +23,11 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.calibrate import disk_cached, layer_types, model_identity
 from harness.schemes.key_table import (
-    KEY_LEVELS,
     KMEANS,
     QUANTILE,
     WEIGHT_POWER,
     KeyCalibration,
+    check_key_levels,
     fit_table,
     unturn,
 )
@@ -105,10 +105,9 @@ def fit_key_calibration(
     model, input_ids: torch.Tensor, span: int, quantile: float = QUANTILE, levels: str = KMEANS
 ) -> KeyCalibration:
     """Every cached layer's KeyTable fitted on the calibration windows input_ids (C, Tc), for keys at positions
-    in [0, span); nuqkey's levels fitted `levels` (KEY_LEVELS: the Fisher fits weigh each pre-RoPE key element by
+    in [0, span); nuqkey's levels fitted `levels` (key_table.KEY_LEVELS: the Fisher fits weigh each pre-RoPE key element by
     |g| ** WEIGHT_POWER[levels], g from calibration_key_gradients)."""
-    if levels not in KEY_LEVELS:
-        raise ValueError(f"quant.key_levels: {levels!r} is not allowed; allowed: {', '.join(KEY_LEVELS)}")
+    check_key_levels(levels)
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     found = calibration_keys(model, input_ids)
     gradients = calibration_key_gradients(model, input_ids) if levels != KMEANS else [None] * len(found)

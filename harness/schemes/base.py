@@ -33,7 +33,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 
 from harness.registry import Registry
-from harness.schemes.key_table import KEY_LEVELS, KMEANS, KeyCalibration
+from harness.schemes.key_table import KMEANS, KeyCalibration, check_key_levels
 from harness.schemes.wrappers import ResidualStore, SinkStore
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -143,10 +143,7 @@ class Scheme:
                 f"quant.outliers: {self.outliers!r} with quant.scheme {self.name}, which keeps no outliers; "
                 f"allowed: 0, or a scheme that keeps them ({', '.join(keep)})"
             )
-        if self.key_levels not in KEY_LEVELS:
-            raise ValueError(
-                f"quant.key_levels: {self.key_levels!r} is not allowed; allowed: {', '.join(KEY_LEVELS)}"
-            )
+        check_key_levels(self.key_levels)
         if self.key_levels != KMEANS and not self.fitted_levels:
             fitted = [name for name in SCHEMES if getattr(SCHEMES.get(name), "fitted_levels", False)]
             raise ValueError(

@@ -73,6 +73,14 @@ LEVEL_WIDTHS = (2, 3, 4)  # the widths nuqkey's levels are fitted for
 KMEANS, FISHER, FISHER_SQRT = "kmeans", "fisher", "fisher_sqrt"
 KEY_LEVELS = (KMEANS, FISHER, FISHER_SQRT)
 WEIGHT_POWER = {FISHER: 2, FISHER_SQRT: 1}
+
+
+def check_key_levels(levels: object) -> None:
+    """ValueError naming quant.key_levels unless `levels` is one of KEY_LEVELS."""
+    if levels not in KEY_LEVELS:
+        raise ValueError(f"quant.key_levels: {levels!r} is not allowed; allowed: {', '.join(KEY_LEVELS)}")
+
+
 LLOYD_ITERATIONS = 40
 SCALE_MIN = 2.0**-14  # the smallest normal fp16: a channel never seen away from 0 still has a positive scale
 LEVEL_COLUMNS = [f"level{b}_{i}" for b in LEVEL_WIDTHS for i in range(1 << b)]
