@@ -10,9 +10,9 @@ A store is read through two products over its tokens [start, end):
     weighted(store, p, start, end) p (B, Hkv, M, end - start) -> p @ v  (B, Hkv, M, D) float32
 For kernels.layout.PackedStore they are computed here, one pass per width bucket (the width-major layout puts
 the heads of one width in one byte range of a row). A block's codes are unpacked once into a float32 matrix
-C (B, Hw, Tb, D) whose columns are in the width's *code order* (`_CodeOrder`): at 2 and 4 bits the k = 8 // bits
-codes of a byte are taken apart with one shift-and-mask pass each and laid side by side (column i * D / k + j
-holds code j * k + i), so nothing is interleaved; the queries and outputs, which are small, are permuted instead.
+C (B, Hw, Tb, D) in the codes' own order: at 2 and 4 bits the k = 8 // bits codes of a byte are taken apart with
+one shift-and-mask pass each and stacked beside each other (byte j's piece i is code j * k + i), so queries and
+outputs need no permutation (`_Groups` holds the group layout).
 With per-group scale s and zero z (sym: z = -2**(b-1) s), a value is c s + z, so for a query row q split into
 groups q_n:
     q . k = sum_n s_n (q_n . c_n) + z_n sum(q_n)          p @ v [n] = (p * s_n) @ c_n + (p @ z_n)
@@ -38,38 +38,33 @@ MAX_BLOCK = 1024  # tokens per block at most
 QUERY_BLOCK = 256  # query rows per pass of a long chunk (a causal chunk then skips the keys it cannot see)
 
 
-class _CodeOrder:
-    """Where each code of a row lands in the unpacked matrix of one width, and which group it belongs to.
+class _Groups:
+    """How one width's unpacked codes split into quantization groups.
 
     k: codes per byte taken apart (1 for 3 and 8 bits, and where a group does not fill whole bytes);
-    columns (D,) viewed as (k, ng, g / k): column (i, n, r) holds code (n * g / k + r) * k + i, of group n.
-    perm (D,): code of each column; inverse (D,): column of each code; onehot (ng, D): group n's columns.
+    ng: groups per head; onehot (ng, D): group n's columns (columns n * g to (n + 1) * g).
     """
 
     def __init__(self, bits: int, head_dim: int, group_size: int, device: torch.device):
-        k = 8 // bits if bits in (2, 4) and group_size % (8 // bits) == 0 else 1
-        ng, per = head_dim // group_size, group_size // k
-        i, n, r = torch.meshgrid(torch.arange(k), torch.arange(ng), torch.arange(per), indexing="ij")
-        self.k, self.ng = k, ng
-        self.perm = ((n * per + r) * k + i).flatten().to(device)  # (D,)
-        self.inverse = torch.argsort(self.perm)  # (D,)
-        self.identity = k == 1
-        self.onehot = (n.flatten() == torch.arange(ng).unsqueeze(1)).float().to(device)  # (ng, D)
+        self.k = 8 // bits if bits in (2, 4) and group_size % (8 // bits) == 0 else 1
+        self.ng = head_dim // group_size
+        group_of_column = torch.arange(head_dim) // group_size  # (D,)
+        self.onehot = (group_of_column == torch.arange(self.ng).unsqueeze(1)).float().to(device)  # (ng, D)
 
 
 @functools.lru_cache(maxsize=64)
-def _code_order(bits: int, head_dim: int, group_size: int, device: torch.device) -> _CodeOrder:
-    return _CodeOrder(bits, head_dim, group_size, device)
+def _groups(bits: int, head_dim: int, group_size: int, device: torch.device) -> _Groups:
+    return _Groups(bits, head_dim, group_size, device)
 
 
-def _codes(raw: torch.Tensor, bits: int, order: _CodeOrder, head_dim: int) -> torch.Tensor:
+def _codes(raw: torch.Tensor, bits: int, groups: _Groups, head_dim: int) -> torch.Tensor:
     """uint8 packed rows raw (B, Hw, Tb, packed bytes) -> float32 codes (B, Hw, Tb, D) in code order."""
-    if order.k == 1:
+    if groups.k == 1:
         return (raw if bits == 8 else reference.unpack(raw, bits, head_dim)).float()
     mask = (1 << bits) - 1
-    last = (order.k - 1) * bits  # the top piece needs no mask
-    parts = [raw & mask, *(((raw >> (i * bits)) & mask) for i in range(1, order.k - 1)), raw >> last]
-    return torch.cat(parts, -1).float()
+    last = (groups.k - 1) * bits  # the top piece needs no mask
+    parts = [raw & mask, *(((raw >> (i * bits)) & mask) for i in range(1, groups.k - 1)), raw >> last]
+    return torch.stack(parts, -1).flatten(-2).float()  # (B, Hw, Tb, packed bytes, k) -> (B, Hw, Tb, D)
 
 
 def _head_major_bytes(raw: torch.Tensor) -> torch.Tensor:
@@ -89,18 +84,18 @@ def _head_major_bytes(raw: torch.Tensor) -> torch.Tensor:
 def _bucket(
     store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int
 ):
-    """One width bucket's block of tokens [start, end): codes float32 (B, Hw, Tb, D) in code order, their
-    _CodeOrder, and scale and zero float32 (B, Hw, Tb, ng)."""
+    """One width bucket's block of tokens [start, end): codes float32 (B, Hw, Tb, D), their _Groups, and scale
+    and zero float32 (B, Hw, Tb, ng)."""
     Hw = len(heads)
     D = store.head_dim
     pd = reference.packed_dim(D, w)
     raw = store.payload[:, start:end, first_byte : first_byte + Hw * pd].unflatten(-1, (Hw, pd))
-    order = _code_order(w, D, store.group_size, store.payload.device)
-    codes = _codes(_head_major_bytes(raw), w, order, D)  # (B, Hw, Tb, D): bytes moved, not floats
+    groups = _groups(w, D, store.group_size, store.payload.device)
+    codes = _codes(_head_major_bytes(raw), w, groups, D)  # (B, Hw, Tb, D): bytes moved, not floats
     slots = slice(first_slot, first_slot + Hw)
     s = store.scale[:, slots, start:end].float()  # (B, Hw, Tb, ng), head-major as stored
     z = s * -float(1 << (w - 1)) if store.symmetric else store.zero[:, slots, start:end].float()
-    return codes, order, s, z
+    return codes, groups, s, z
 
 
 def _buckets(store: PackedStore):
@@ -111,35 +106,34 @@ def _buckets(store: PackedStore):
         yield w, heads, first_slot, first_byte, len(heads) == H
 
 
-def _dequantized(codes: torch.Tensor, order: _CodeOrder, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Values (B, Hw, Tb, D) of one bucket's block in code order: codes * s + z, group by group."""
+def _dequantized(codes: torch.Tensor, groups: _Groups, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Values (B, Hw, Tb, D) of one bucket's block: codes * s + z, group by group."""
     B, Hw, Tb, D = codes.shape
-    grouped = codes.view(B, Hw, Tb, order.k, order.ng, -1)  # (B, Hw, Tb, k, ng, g / k)
-    return (grouped * s[:, :, :, None, :, None] + z[:, :, :, None, :, None]).view(B, Hw, Tb, D)
+    grouped = codes.view(B, Hw, Tb, groups.ng, -1)  # (B, Hw, Tb, ng, g)
+    return (grouped * s.unsqueeze(-1) + z.unsqueeze(-1)).view(B, Hw, Tb, D)
 
 
-def _folded_scores(q: torch.Tensor, codes: torch.Tensor, order: _CodeOrder, s, z) -> torch.Tensor:
+def _folded_scores(q: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z) -> torch.Tensor:
     """q (B, Hw, M, D) -> q . k (B, Hw, M, Tb): sum_n s_n (q_n . c_n) + z_n sum(q_n), one block-diagonal product."""
     B, Hw, M, D = q.shape
-    qc = q if order.identity else q.index_select(-1, order.perm)  # (B, Hw, M, D) in code order
-    block_diagonal = (qc.unsqueeze(3) * order.onehot).view(B, Hw, M * order.ng, D)  # row (m, n): group n only
-    per_group = (block_diagonal @ codes.transpose(-1, -2)).view(B, Hw, M, order.ng, -1)  # (B, Hw, M, ng, Tb)
+    # row (m, n) of the block-diagonal operand keeps group n's entries only
+    block_diagonal = (q.unsqueeze(3) * groups.onehot).view(B, Hw, M * groups.ng, D)
+    per_group = (block_diagonal @ codes.transpose(-1, -2)).view(B, Hw, M, groups.ng, -1)  # (B, Hw, M, ng, Tb)
     st, zt = s.transpose(-1, -2).contiguous(), z.transpose(-1, -2)  # (B, Hw, ng, Tb)
-    q_sums = q.unflatten(-1, (order.ng, -1)).sum(-1)  # (B, Hw, M, ng)
+    q_sums = q.unflatten(-1, (groups.ng, -1)).sum(-1)  # (B, Hw, M, ng)
     return (per_group * st.unsqueeze(2)).sum(3) + q_sums @ zt
 
 
-def _folded_weighted(p: torch.Tensor, codes: torch.Tensor, order: _CodeOrder, s, z) -> torch.Tensor:
+def _folded_weighted(p: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z) -> torch.Tensor:
     """p (B, Hw, M, Tb) -> p @ v (B, Hw, M, D): (p * s_n) @ c_n + p @ z_n, one block-diagonal product."""
     B, Hw, M, Tb = p.shape
     D = codes.shape[-1]
     st = s.transpose(-1, -2).contiguous()  # (B, Hw, ng, Tb)
-    scaled = (p.unsqueeze(3) * st.unsqueeze(2)).view(B, Hw, M * order.ng, Tb)  # row (m, n): p * s_n
-    per_group = (scaled @ codes).view(B, Hw, M, order.ng, D)  # row (m, n) is right on group n's columns only
-    out = (per_group * order.onehot).sum(3)  # (B, Hw, M, D) in code order
-    out = out.view(B, Hw, M, order.k, order.ng, -1) + (p @ z).view(B, Hw, M, 1, order.ng, 1)
-    out = out.view(B, Hw, M, D)
-    return out if order.identity else out.index_select(-1, order.inverse)
+    scaled = (p.unsqueeze(3) * st.unsqueeze(2)).view(B, Hw, M * groups.ng, Tb)  # row (m, n): p * s_n
+    per_group = (scaled @ codes).view(B, Hw, M, groups.ng, D)  # row (m, n) is right on group n's columns only
+    out = (per_group * groups.onehot).sum(3)  # (B, Hw, M, D)
+    out = out.view(B, Hw, M, groups.ng, -1) + (p @ z).unsqueeze(-1)  # (B, Hw, M, ng, g)
+    return out.view(B, Hw, M, D)
 
 
 def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -151,12 +145,11 @@ def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) ->
             k = store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, Tb, D)
             sw = qw @ k.transpose(-1, -2)
         else:
-            codes, order, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
-            if M * order.ng < D:  # folded: few query rows
-                sw = _folded_scores(qw, codes, order, s, z)
-            else:  # many query rows: dequantize the block once (queries in code order)
-                qc = qw if order.identity else qw.index_select(-1, order.perm)
-                sw = qc @ _dequantized(codes, order, s, z).transpose(-1, -2)
+            codes, groups, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
+            if M * groups.ng < D:  # folded: few query rows
+                sw = _folded_scores(qw, codes, groups, s, z)
+            else:  # many query rows: dequantize the block once
+                sw = qw @ _dequantized(codes, groups, s, z).transpose(-1, -2)
         if whole:
             return sw
         if out is None:
@@ -174,12 +167,11 @@ def _packed_weighted(store: PackedStore, p: torch.Tensor, start: int, end: int) 
         if w == FULL_WIDTH:
             ow = pw @ store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, M, D)
         else:
-            codes, order, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
-            if M * order.ng < D:  # folded: few query rows
-                ow = _folded_weighted(pw, codes, order, s, z)
-            else:  # many query rows: dequantize the block once, outputs back into code order
-                ow = pw @ _dequantized(codes, order, s, z)
-                ow = ow if order.identity else ow.index_select(-1, order.inverse)
+            codes, groups, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
+            if M * groups.ng < D:  # folded: few query rows
+                ow = _folded_weighted(pw, codes, groups, s, z)
+            else:  # many query rows: dequantize the block once
+                ow = pw @ _dequantized(codes, groups, s, z)
         if whole:
             return ow
         if out is None:
@@ -215,6 +207,9 @@ def _attend(q, k_store, v_store, scale, mask, causal_offset, softcap, length, bl
     l = q.new_zeros(B, Hkv, G, Tq)  # noqa: E741
     acc = None
     rows = torch.arange(Tq, device=q.device).unsqueeze(-1)  # (Tq, 1)
+    if mask is not None:  # (B or 1, 1, Tq, Tk): bool (True = attend) or additive float
+        visible = mask if mask.dtype == torch.bool else mask == 0
+        open_keys = visible.flatten(0, -2).all(0)  # (Tk,): keys no row hides or biases need no masking
     for start in range(0, length, block):
         end = min(start + block, length)
         # One score block is the largest tensor alive here (rows x block floats): every step on it is in place,
@@ -222,10 +217,10 @@ def _attend(q, k_store, v_store, scale, mask, causal_offset, softcap, length, bl
         s = scores(k_store, qm, start, end).view(B, Hkv, G, Tq, end - start).mul_(scale)
         if softcap is not None:
             s.div_(softcap).tanh_().mul_(softcap)
-        if mask is not None:  # (B or 1, 1, Tq, Tk): bool (True = attend) or additive float
+        if mask is not None and not bool(open_keys[start:end].all()):
             part = mask[..., start:end].unsqueeze(1)  # (B or 1, 1, 1, Tq, Tb)
             s.masked_fill_(~part, float("-inf")) if part.dtype == torch.bool else s.add_(part)
-        elif causal_offset is not None:
+        elif causal_offset is not None and end - 1 > causal_offset:  # row 0 cannot see the block's last key
             cols = torch.arange(start, end, device=q.device)  # (Tb,)
             s.masked_fill_(cols > rows + causal_offset, float("-inf"))
         m_new = torch.maximum(m, s.amax(-1))
