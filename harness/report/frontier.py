@@ -30,7 +30,7 @@ import pandas as pd
 from harness import results
 from harness.config import HARNESS, KEYED_UNLESS
 from harness.metrics import MIN_PAIRED_UNITS, bootstrap_ci, format_difference, paired_difference_ci
-from harness.report.labels import configuration
+from harness.report.labels import configuration, eviction_label, policy_label
 from harness.report.paired import (
     EQUAL_BYTES_TOLERANCE,
     default_n_boot,
@@ -156,8 +156,9 @@ def storage(config: dict) -> str:
 
 
 def name(config: dict) -> str:
-    """'storage, budget: policy', e.g. 'asym_token g64, 3 bits: entropy a=0.25'."""
-    return f"{storage(config)}, {config['budget']:g} bits: {configuration(config)}"
+    """'storage, budget: policy', e.g. 'asym_token g64, 3 bits: entropy a=0.25' (the scheme's options are named
+    once, by storage; token eviction after the policy)."""
+    return f"{storage(config)}, {config['budget']:g} bits: {policy_label(config)}{eviction_label(config)}"
 
 
 def quantized_records(records: list[dict], model: str) -> list[dict]:

@@ -31,7 +31,7 @@ def category(row: Mapping) -> str:
     return policy
 
 
-def _policy_label(row: Mapping) -> str:
+def policy_label(row: Mapping) -> str:
     """The row's policy as harness.policies labels it. A table's row holds widths as JSON text
     (harness.results.flatten), NaN where its records lack a value (the policy's default then), and integers as
     floats in a column that also holds NaN (policy_seed)."""
@@ -59,10 +59,15 @@ def storage_label(row: Mapping) -> str:
         parts.append(f"{int(row['sink_tokens'])} fp16 sink tokens")
     if _positive(row.get("residual")) and not default_residual(str(row.get("scheme"))):  # kivi's is its own
         parts.append(f"fp16 residual {int(row['residual'])}")
+    return "".join(f" + {p}" for p in parts) + eviction_label(row)
+
+
+def eviction_label(row: Mapping) -> str:
+    """' + h2o keep 0.33' for a point that evicts tokens, '' otherwise."""
     eviction = row.get("eviction")
     if isinstance(eviction, str) and eviction != "none":
-        parts.append(f"{eviction} keep {row['evict_keep']:g}")
-    return "".join(f" + {p}" for p in parts)
+        return f" + {eviction} keep {row['evict_keep']:g}"
+    return ""
 
 
 def _positive(value) -> bool:
@@ -74,7 +79,7 @@ def configuration(row: Mapping) -> str:
     a peer engine's point is named by harness.peers.label, e.g. 'llama.cpp q4_0 + rotation'."""
     if row.get("engine", HARNESS) != HARNESS:
         return peers.label(row)
-    return _policy_label(row) + storage_label(row)
+    return policy_label(row) + storage_label(row)
 
 
 def is_harness(frame: pd.DataFrame) -> pd.Series:

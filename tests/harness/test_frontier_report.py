@@ -148,3 +148,21 @@ def test_a_point_is_named_with_its_budget():
     }
     assert frontier.name(config) == "codebook, 3.5 bits: kv d=1"
     assert frontier.name({**RECORDS[0]["config"], "budget": 3}) == "asym_token g32, 3 bits: uniform"
+
+
+def test_a_point_names_each_cache_option_once():
+    """The scheme's label names its options (outliers, sink tokens, key levels); the policy part must not repeat
+    them, and eviction, which no scheme label holds, follows the policy."""
+    config = {
+        **RECORDS[0]["config"],
+        "scheme": "nuqkey_codebook",
+        "sink_tokens": 1,
+        "outliers": 0.02,
+        "key_levels": "fisher_sqrt",
+        "budget": 4,
+    }
+    storage = frontier.storage(config)
+    assert "0.02" in storage and "fisher_sqrt" in storage and "sink" in storage
+    assert frontier.name(config) == f"{storage}, 4 bits: uniform"
+    evicting = {**config, "eviction": "h2o", "evict_keep": 0.5}
+    assert frontier.name(evicting) == f"{storage}, 4 bits: uniform + h2o keep 0.5"
