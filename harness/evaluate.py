@@ -20,6 +20,7 @@ import torch
 import transformers
 
 CacheFactory = Callable[[], transformers.Cache]  # a fresh, empty cache per batch
+SCORE_ELEMENTS = 1 << 24  # teacher-forced metrics: float32 log-probs scored at a time (64 MiB), positions x V
 
 
 @dataclass
@@ -201,16 +202,23 @@ def teacher_forced(
         cache = cache_factory()
         inputs = sequences[rows, :-1].to(model.device)  # (B, T-1)
         for start in range(0, n_pos, chunk):
-            cols = slice(start, min(start + chunk, n_pos))
-            logits = _forward(model, inputs[:, cols], start, cache)  # (B, L, V)
-            chunk_logprobs = torch.log_softmax(logits.float(), dim=-1)  # (B, L, V)
-            chunk_targets = targets[rows, cols].to(model.device)  # (B, L)
-            nll[rows, cols] = -chunk_logprobs.gather(-1, chunk_targets[..., None]).squeeze(-1).cpu()
-            top1[rows, cols] = chunk_logprobs.argmax(dim=-1).cpu()
-            if baseline is not None:
-                kl[rows, cols] = _kl(baseline.logprobs[rows, cols].to(model.device), chunk_logprobs).cpu()
-            else:
-                if logprobs is None:
-                    logprobs = torch.empty(n_seq, n_pos, logits.shape[-1], dtype=logprobs_dtype)
-                logprobs[rows, cols] = chunk_logprobs.to(logprobs_dtype).cpu()
+            logits = _forward(model, inputs[:, start : start + chunk], start, cache)  # (B, L, V)
+            B, L, V = logits.shape
+            if baseline is None and logprobs is None:
+                logprobs = torch.empty(n_seq, n_pos, V, dtype=logprobs_dtype)
+            # The metrics go a few positions at a time, so that their float32 temporaries stay near
+            # SCORE_ELEMENTS (B x L x V each would be GBs at V = 262k); every position is scored alike.
+            step = max(1, SCORE_ELEMENTS // (B * V))
+            for first in range(0, L, step):
+                cols = slice(start + first, start + min(first + step, L))
+                part = logits[:, first : first + step]  # (B, l, V)
+                chunk_logprobs = torch.log_softmax(part.float(), dim=-1)  # (B, l, V)
+                chunk_targets = targets[rows, cols].to(model.device)  # (B, l)
+                nll[rows, cols] = -chunk_logprobs.gather(-1, chunk_targets[..., None]).squeeze(-1).cpu()
+                top1[rows, cols] = chunk_logprobs.argmax(dim=-1).cpu()
+                if baseline is not None:
+                    kl[rows, cols] = _kl(baseline.logprobs[rows, cols].to(model.device), chunk_logprobs).cpu()
+                else:
+                    logprobs[rows, cols] = chunk_logprobs.to(logprobs_dtype).cpu()
+            del logits  # freed before the next chunk's forward
     return TeacherForced(targets=targets.clone(), nll=nll, top1=top1, logprobs=logprobs, kl=kl)

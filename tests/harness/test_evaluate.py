@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
+from harness import evaluate
 from harness.evaluate import greedy_generate, teacher_forced
 from harness.metrics import teacher_forced_metrics
 
@@ -139,6 +140,29 @@ def test_teacher_forced_noisy_cache_raises_kl_monotonically(model: LlamaForCausa
     # noise; the KL is the monotone signal. The noisiest cache must still move ppl off 1 (itself: 1 +- 1e-6).
     assert abs(results[-1]["ppl_ratio"] - 1) > 1e-3
     assert results[-1]["top1_agree"] < 1.0
+
+
+@pytest.mark.parametrize("positions_at_a_time", [1, 3])
+def test_teacher_forced_scores_a_few_positions_at_a_time_exactly_as_a_whole_chunk(
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, positions_at_a_time: int
+) -> None:
+    """The metrics of a chunk are scored a few positions at a time (memory bounded at large vocabularies); every
+    figure must be bit-identical to scoring the whole chunk at once (one slice), baseline and KL run alike."""
+    sequences = random_tokens(3, 23, seed=5)  # (S, T)
+    noisy = lambda: NoisyCache(0.1)  # noqa: E731
+
+    def runs():
+        base = teacher_forced(model, sequences, DynamicCache, chunk=7, batch_size=2)
+        return base, teacher_forced(model, sequences, noisy, chunk=7, batch_size=2, baseline=base)
+
+    monkeypatch.setattr(evaluate, "SCORE_ELEMENTS", 1 << 30)  # the whole chunk in one slice
+    whole_base, whole = runs()
+    monkeypatch.setattr(evaluate, "SCORE_ELEMENTS", positions_at_a_time * 2 * VOCAB)  # batch of 2
+    sliced_base, sliced = runs()
+    for a, b in ((whole_base, sliced_base), (whole, sliced)):
+        assert torch.equal(a.nll, b.nll) and torch.equal(a.top1, b.top1)
+    assert torch.equal(whole_base.logprobs, sliced_base.logprobs)
+    assert torch.equal(whole.kl, sliced.kl) and whole.kl.abs().sum() > 0
 
 
 def test_teacher_forced_rejects_other_sequences(model: LlamaForCausalLM) -> None:
