@@ -21,6 +21,7 @@ of the run compete; peer engines are left to tables.md):
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from pathlib import Path
 
@@ -28,7 +29,7 @@ import numpy as np
 import pandas as pd
 
 from harness import results
-from harness.config import HARNESS, KEYED_UNLESS
+from harness.config import CALIBRATION_FIELDS, HARNESS, KEYED_UNLESS, base_point, compose
 from harness.metrics import MIN_PAIRED_UNITS, bootstrap_ci, format_difference, paired_difference_ci
 from harness.report.labels import configuration, eviction_label, policy_label
 from harness.report.paired import (
@@ -108,6 +109,28 @@ INGREDIENTS = (
         "fisher_sqrt key levels at 3 bits",
         {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01},
         {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+    ),
+    (
+        "nuqkey_codebook's key levels fitted on 4x the calibration text (32 x 512 tokens), 4-bit, 2% of each key in fp16",
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.02},
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.02, "calibration_sequences": 32},
+    ),
+    (
+        "the same at 3 bits, 1% of each key in fp16",
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01},
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01, "calibration_sequences": 32},
+    ),
+    (
+        "the same with fisher_sqrt key levels",
+        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+        {
+            **NUQKEY_4,
+            "scheme": "nuqkey_codebook",
+            "budget": 3,
+            "outliers": 0.01,
+            "key_levels": "fisher_sqrt",
+            "calibration_sequences": 32,
+        },
     ),
     (
         "Lloyd-Max levels and one fp16 scale per vector, after rotation",
@@ -329,11 +352,19 @@ def peer_rows(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd
 
 def matching(records: list[dict], fields: dict) -> dict | None:
     """The point whose config has every field of `fields` (fewest bytes, then key), or None. A field a config
-    lacks (made before it existed) reads as its KEYED_UNLESS value; key_levels, unless `fields` names it, must be
-    kmeans (so an ingredient about something else never picks a Fisher-weighted point)."""
-    want = {"key_levels": KMEANS, **fields}
+    lacks (made before it existed) reads as its KEYED_UNLESS value; key_levels and the calibration text, unless
+    `fields` names them, must be kmeans and the primary config's (so an ingredient about something else never
+    picks a Fisher-weighted point, or one whose levels were fitted on more text)."""
+    want = {"key_levels": KMEANS, **_default_calibration(), **fields}
     found = [r for r in records if all(r["config"].get(k, KEYED_UNLESS.get(k)) == v for k, v in want.items())]
     return min(found, key=lambda r: (r["metrics"]["bytes_per_token"], r["key"]), default=None)
+
+
+@functools.cache
+def _default_calibration() -> dict:
+    """The calibration fields (text size, first window) of the primary config (conf/eval/default.yaml)."""
+    point = base_point(compose([]))
+    return {field: getattr(point, field) for field in CALIBRATION_FIELDS}
 
 
 def ablation_table(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd.DataFrame:

@@ -19,7 +19,8 @@ def _record(key, policy, scheme, group_size, compression, ppl_shift, kl_shift, n
         "config": {"model": model, "scheme": scheme, "group_size": group_size, "sink_tokens": 0,
                    "residual": 0, "budget": 4, "policy": policy, "alpha": 0.25, "sink_threshold": None,
                    "sink_fraction": None, "seed": 0, "dtype": "float32", "num_sequences": n,
-                   "sequence_tokens": 1024, "chunk": 128, "bos": "auto", "data_path": None},
+                   "sequence_tokens": 1024, "chunk": 128, "bos": "auto", "data_path": None,
+                   "calibration_sequences": 8, "calibration_tokens": 512, "i0": 32},
         "metrics": {"compression_true": compression, "bytes_per_token": 1000.0 / compression,
                     "ppl_ratio": math.exp(ppl_shift), "kl_mean": kl_shift + float(kl_noise.mean())},
         "items": {
@@ -135,6 +136,25 @@ def test_the_ablation_pairs_the_points_with_and_without_each_ingredient():
     assert table.loc[frontier.INGREDIENTS[1][0], "with"] == "asym_token g64, 4 bits: uniform"
     missing = table.loc[frontier.INGREDIENTS[-1][0]]
     assert missing["without"] == "not in the run" and missing["with"] == "not in the run"
+
+
+def test_an_ingredient_about_something_else_ignores_points_calibrated_on_more_text():
+    """Key levels fitted on 4x the calibration text are one ingredient; every other ingredient must pair points
+    calibrated on the primary config's text, even where the other point would win the tie on bytes and key."""
+    plain = _record("sym", "uniform", "sym_token", 32, 3.56, 0.10, 0.08)
+    rotated = _record("rot", "uniform", "rotate+sym_token", 32, 3.56, 0.05, 0.03)
+    more_text = _record("a-rot", "uniform", "rotate+sym_token", 32, 3.56, 0.0, 0.0)  # sorts first by key
+    more_text["config"]["calibration_sequences"] = 32
+    table = frontier.ablation_table([plain, rotated, more_text], "m", n_boot=50).set_index("ingredient")
+    assert table.loc[frontier.INGREDIENTS[0][0], "ppl_ratio"].startswith(
+        f"**{math.exp(0.05) - math.exp(0.10):+.3g} ["
+    )
+    assert (
+        frontier.matching(
+            [plain, rotated, more_text], {"scheme": "rotate+sym_token", "calibration_sequences": 32}
+        )["key"]
+        == "a-rot"
+    )
 
 
 def test_a_point_is_named_with_its_budget():
