@@ -180,8 +180,13 @@ def storage(config: dict) -> str:
 
 def name(config: dict) -> str:
     """'storage, budget: policy', e.g. 'asym_token g64, 3 bits: entropy a=0.25' (the scheme's options are named
-    once, by storage; token eviction after the policy)."""
-    return f"{storage(config)}, {config['budget']:g} bits: {policy_label(config)}{eviction_label(config)}"
+    once, by storage; token eviction after the policy; calibration text other than the primary config's last)."""
+    calibration = ""
+    if any(config.get(k, v) != v for k, v in _default_calibration().items()):
+        calibration = (
+            f" (calibrated on {config['calibration_sequences']} x {config['calibration_tokens']} tokens)"
+        )
+    return f"{storage(config)}, {config['budget']:g} bits: {policy_label(config)}{eviction_label(config)}{calibration}"
 
 
 def quantized_records(records: list[dict], model: str) -> list[dict]:

@@ -186,3 +186,10 @@ def test_a_point_names_each_cache_option_once():
     assert frontier.name(config) == f"{storage}, 4 bits: uniform"
     evicting = {**config, "eviction": "h2o", "evict_keep": 0.5}
     assert frontier.name(evicting) == f"{storage}, 4 bits: uniform + h2o keep 0.5"
+
+
+def test_a_point_calibrated_on_other_text_says_so_in_its_name():
+    point = _record("a-rot", "uniform", "rotate+sym_token", 32, 3.56, 0.0, 0.0)["config"]
+    assert frontier.name(point) == "rotate+sym_token g32, 4 bits: uniform"
+    point["calibration_sequences"] = 32
+    assert frontier.name(point) == "rotate+sym_token g32, 4 bits: uniform (calibrated on 32 x 512 tokens)"
