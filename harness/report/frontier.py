@@ -47,6 +47,7 @@ GOALS = ((3.5, 1.01), (4.5, 1.05), (6.0, 1.20))  # (at least this compression, a
 METRICS = ("ppl_ratio", "kl_mean")
 CALKEY_4 = {"scheme": "calkey", "group_size": 32, "sink_tokens": 1, "policy": "uniform", "budget": 4}
 NUQKEY_4 = {**CALKEY_4, "scheme": "nuqkey"}
+NUQKEY_CODEBOOK_4 = {**CALKEY_4, "scheme": "nuqkey_codebook"}
 # The ablation near 3.5x: (ingredient, the configuration without it, the one with it). A configuration is the
 # config fields a point must match; where several points match, the one of fewest bytes (then key) is taken.
 INGREDIENTS = (
@@ -93,39 +94,38 @@ INGREDIENTS = (
     (
         "nuqkey's values as codebook (b + 0.25 bits) instead of asym_token g32 (b + 1), 1% of each key in fp16",
         {**NUQKEY_4, "outliers": 0.01},
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
     ),
     (
         "nuqkey_codebook's key levels weighted by |gradient| (fisher_sqrt), 4-bit, 1% of each key in fp16",
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01},
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01, "key_levels": "fisher_sqrt"},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01, "key_levels": "fisher_sqrt"},
     ),
     (
         "the same weighted by gradient squared (fisher, KVQuant's Fisher information)",
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01},
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.01, "key_levels": "fisher"},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01, "key_levels": "fisher"},
     ),
     (
         "fisher_sqrt key levels at 3 bits",
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01},
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
     ),
     (
         "nuqkey_codebook's key levels fitted on 4x the calibration text (32 x 512 tokens), 4-bit, 2% of each key in fp16",
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.02},
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "outliers": 0.02, "calibration_sequences": 32},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.02},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.02, "calibration_sequences": 32},
     ),
     (
         "the same at 3 bits, 1% of each key in fp16",
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01},
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01, "calibration_sequences": 32},
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "calibration_sequences": 32},
     ),
     (
         "the same with fisher_sqrt key levels",
-        {**NUQKEY_4, "scheme": "nuqkey_codebook", "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
         {
-            **NUQKEY_4,
-            "scheme": "nuqkey_codebook",
+            **NUQKEY_CODEBOOK_4,
             "budget": 3,
             "outliers": 0.01,
             "key_levels": "fisher_sqrt",
