@@ -54,6 +54,20 @@ def test_stage_budgets_fit_twenty_minutes():
     assert sum(gpu_check.BUDGET.values()) <= 19.5 * 60
 
 
+def test_minutes_scale_every_stage_limit():
+    short = gpu_check.scaled_budget(gpu_check.BUDGET, 8.5)
+    assert short.keys() == gpu_check.BUDGET.keys()
+    assert sum(short.values()) <= 8.5 * 60 * 19.5 / 20 + len(short)  # rounding: at most a second a stage
+    assert all(short[s] < gpu_check.BUDGET[s] for s in short)
+    assert gpu_check.scaled_budget(gpu_check.BUDGET, 20) == gpu_check.BUDGET
+
+
+def test_minutes_out_of_range_is_refused(tmp_path, cli):
+    proc = cli("kernels.gpu_check", "--out", str(tmp_path), "--minutes", "40")
+    assert proc.returncode == 2 and "--minutes: 40 is not allowed; allowed: 2 to 20" in proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
 def test_gpu_test_files_are_those_with_gpu_tests():
     """Every test file that can run on a GPU (the `device` fixture or a gpu mark) is in the GPU stage's list."""
     found = set()
