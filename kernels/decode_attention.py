@@ -34,29 +34,24 @@ CPU_SMS = 4  # what _default_splits assumes off CUDA (the interpreter)
 def _unpack(prow, mask_n, BITS: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr):
     """int32 codes (BLOCK_N, D_B) of the packed rows at `prow` (BLOCK_N, 1) (pointer to the head's byte 0).
 
-    Bytes are loaded as contiguous vectors and split in registers (one load per byte, not per code).
+    Each lane loads the byte (3 bits: the two bytes) holding its own code and shifts it out. A lane's
+    neighbours load the same bytes, which the cache serves; the tile never changes shape, so it stays in the
+    register layout it was loaded in (splitting bytes into a (.., bytes, codes) tensor and reshaping it made
+    the GPU move every tile through shared memory).
     """
-    BLOCK_N: tl.constexpr = prow.shape[0]
+    d = tl.arange(0, D_B)[None, :]
+    m = mask_n & (d < D)
     if BITS == 8:
-        d = tl.arange(0, D_B)
-        codes = tl.load(prow + d[None, :], mask=mask_n & (d[None, :] < D), other=0).to(tl.int32)
+        codes = tl.load(prow + d, mask=m, other=0).to(tl.int32)
     elif BITS == 3:
-        k = tl.arange(0, D_B // 8)  # 8 codes per 3-byte little-endian word
-        m = mask_n & (k[None, :] < D // 8)
-        p = prow + k[None, :] * 3
-        word = (
-            tl.load(p, mask=m, other=0).to(tl.int32)
-            | (tl.load(p + 1, mask=m, other=0).to(tl.int32) << 8)
-            | (tl.load(p + 2, mask=m, other=0).to(tl.int32) << 16)
-        )
-        c = (word[:, :, None] >> (tl.arange(0, 8) * 3)[None, None, :]) & 7
-        codes = tl.reshape(c, (BLOCK_N, D_B))
+        bit = d * 3  # code d sits at bits 3d.. of the row's little-endian byte stream
+        first = tl.load(prow + (bit >> 3), mask=m, other=0).to(tl.int32)
+        second = tl.load(prow + (bit >> 3) + 1, mask=m & ((bit >> 3) + 1 < D * 3 // 8), other=0).to(tl.int32)
+        codes = ((first | (second << 8)) >> (bit & 7)) & 7
     else:
         PER: tl.constexpr = 8 // BITS
-        k = tl.arange(0, D_B // PER)
-        byte = tl.load(prow + k[None, :], mask=mask_n & (k[None, :] < D // PER), other=0).to(tl.int32)
-        c = (byte[:, :, None] >> (tl.arange(0, PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
-        codes = tl.reshape(c, (BLOCK_N, D_B))
+        byte = tl.load(prow + d // PER, mask=m, other=0).to(tl.int32)
+        codes = (byte >> ((d % PER) * BITS)) & ((1 << BITS) - 1)
     return codes
 
 
@@ -81,27 +76,21 @@ def _load_tile(
 
     p_off, s_off, f_off (BLOCK_N, 1): element offsets of each token's packed row, scale row and full row.
     """
-    BLOCK_N: tl.constexpr = p_off.shape[0]
+    d = tl.arange(0, D_B)[None, :]
+    m = mask_n & (d < D)
     if W == 16:
-        d = tl.arange(0, D_B)
-        x = tl.load(full_ptr + f_off + d[None, :], mask=mask_n & (d[None, :] < D), other=0.0).to(tl.float32)
+        x = tl.load(full_ptr + f_off + d, mask=m, other=0.0).to(tl.float32)
     else:
         codes = _unpack(payload_ptr + p_off, mask_n, W, D, D_B)
-        NG_B: tl.constexpr = D_B // G
-        grp = tl.arange(0, NG_B)
-        gm = mask_n & (grp[None, :] < D // G)
-        s = tl.load(scale_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)  # (BLOCK_N, NG_B)
+        # Each lane loads its own group's scale (and zero): the G lanes of a group read one value, which the
+        # cache serves, and no per-group tile is reshaped to the elements' layout.
+        s = tl.load(scale_ptr + s_off + d // G, mask=m, other=0.0).to(tl.float32)
         if SYM:
             # (code - 2**(W-1)) * s == code * s + z with z = -2**(W-1) * s: one FMA per element either way.
             z = s * -(1 << (W - 1))
         else:
-            z = tl.load(zero_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
-        # Per-group scale/zero are broadcast in registers to their G lanes. With the scale applied per
-        # element, the zero point rides along in the same FMA; folding it into a per-group sum of q instead
-        # would add a (queries x tokens x groups) term and save nothing per element.
-        s_e = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
-        z_e = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
-        x = codes.to(tl.float32) * s_e + z_e
+            z = tl.load(zero_ptr + s_off + d // G, mask=m, other=0.0).to(tl.float32)
+        x = codes.to(tl.float32) * s + z
     return x
 
 

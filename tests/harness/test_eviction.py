@@ -39,7 +39,7 @@ def llama():
 
 def forward(model, ids, start, cache):
     """Logits (B, L, V) of ids (B, L) at positions start.., through cache."""
-    positions = torch.arange(start, start + ids.shape[1]).expand(ids.shape[0], -1)
+    positions = torch.arange(start, start + ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
     return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits
 
 

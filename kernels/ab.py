@@ -1,0 +1,109 @@
+"""`python -m kernels.ab FILE... --out CSV`: versions of kernels/decode_attention.py timed in one process.
+
+This module owns kernel A/B comparisons. Each FILE is a copy of kernels/decode_attention.py (an older
+revision, a candidate), loaded as its own module so that its Triton kernels compile from its own source. At
+each context and width map the same random bf16 K/V are packed once (kernels/layout.py, the current
+quantize kernel), and every version's `decode_attention` runs on those stores, at its default splits and at
+each `--splits`; SDPA over the 16-bit K/V is timed beside them as the baseline. Rows have kernels/bench.py's
+columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized stores, where that fits), so
+decode.csv and these tables read alike. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
+a check that the code runs, no figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from kernels.bench import (
+    DRY_SHAPES,
+    HEAD_SHAPES,
+    Bench,
+    default_backend,
+    dequant_sdpa,
+    fill,
+    partial_bytes,
+    rel_err,
+    sdpa,
+    tag,
+    width_maps,
+)
+
+
+def load_version(path: Path, index: int):
+    """The module defined by `path`, under a name of its own (its kernels are compiled from its source)."""
+    spec = importlib.util.spec_from_file_location(f"kernels._ab{index}_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: list[int], group_size: int):
+    """Every version at every width map and split count, on the same stores; SDPA first."""
+    B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
+    dev, scale = run.device, D**-0.5
+    qkv_bytes = 2 * B * hq * D * 2
+    q = torch.randn(B, hq, D, dtype=run.dtype, device=dev)
+    k = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
+    v = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
+    run.add(shape, "sdpa_default", "16", 16, run.time_ms(lambda: sdpa(q, k, v, scale)),
+            2 * k.numel() * k.element_size() + qkv_bytes, note=default_backend(q, k, scale))  # fmt: skip
+    for name, bits in width_maps(hkv, widths).items():
+        kst, vst = fill(bits, k, group_size), fill(bits, v, group_size)
+        want = dequant_sdpa(q, kst, vst, scale) if B * L <= 8 * 32768 else None
+        for stem, mod in versions.items():
+            for n in [None, *splits]:
+                used = mod.plan_splits(kst, vst, L, mod.BLOCK_N, dev, n)[2]
+                fn = partial(mod.decode_attention, q, kst, vst, scale, num_splits=n)
+                err = rel_err(fn(), want) if want is not None else ""
+                fetched = kst.nbytes() + vst.nbytes() + qkv_bytes + partial_bytes(B, hq, used, D)
+                run.add(shape, f"fused:{stem}", tag(name, bits), sum(bits) / len(bits), run.time_ms(fn),
+                        fetched, rel_err=err, note=f"splits={used}")  # fmt: skip
+        del kst, vst
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", type=Path, help="copies of kernels/decode_attention.py")
+    p.add_argument("--out", type=Path, required=True, help="the CSV to write")
+    p.add_argument("--config", default="32x8", help=f"head shape: {', '.join(HEAD_SHAPES)}")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", nargs="+", type=int, default=[32768])
+    p.add_argument("--widths", nargs="+", default=["2", "3", "4", "8", "mixed", "16"])
+    p.add_argument("--splits", nargs="*", type=int, default=[], help="split counts tried besides the default")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny shape")
+    args = p.parse_args(argv)
+    shapes = DRY_SHAPES if args.dry_run else HEAD_SHAPES
+    if args.config not in shapes:
+        p.error(f"--config: {args.config!r} is not a head shape; allowed: {', '.join(shapes)}")
+    for f in args.files:
+        if not f.is_file():
+            p.error(f"files: {str(f)!r} is not a file; allowed: copies of kernels/decode_attention.py")
+    if len({f.stem for f in args.files}) != len(args.files):
+        p.error("files: two files share a name; allowed: files with distinct names (the rows carry the name)")
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("error: kernels.ab needs a CUDA GPU (or --dry-run); nothing was run")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    run = Bench("cpu" if args.dry_run else "cuda", args.out, deadline=float("inf"))
+    versions = {f.stem: load_version(f, i) for i, f in enumerate(args.files)}
+    hq, hkv, D = shapes[args.config]
+    for context in args.context:
+        shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
+                 "context": context}  # fmt: skip
+        compare(run, versions, shape, args.widths, args.splits, args.group_size)
+    print(f"wrote {args.out} ({len(run.rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()
