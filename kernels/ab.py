@@ -61,10 +61,17 @@ def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: 
             for n in [None, *splits]:
                 used = mod.plan_splits(kst, vst, L, mod.BLOCK_N, dev, n)[2]
                 fn = partial(mod.decode_attention, q, kst, vst, scale, num_splits=n)
-                err = rel_err(fn(), want) if want is not None else ""
                 fetched = kst.nbytes() + vst.nbytes() + qkv_bytes + partial_bytes(B, hq, used, D)
-                run.add(shape, f"fused:{stem}", tag(name, bits), sum(bits) / len(bits), run.time_ms(fn),
-                        fetched, rel_err=err, note=f"splits={used}")  # fmt: skip
+                method, t, mean = f"fused:{stem}", tag(name, bits), sum(bits) / len(bits)
+                try:
+                    err = rel_err(fn(), want) if want is not None else ""
+                    ms = run.time_ms(fn)
+                except Exception as e:  # noqa: BLE001 - a version that does not compile is a row, not a crash
+                    run.add(
+                        shape, method, t, mean, None, fetched, note=f"failed: {type(e).__name__}: {e}"[:200]
+                    )
+                    continue
+                run.add(shape, method, t, mean, ms, fetched, rel_err=err, note=f"splits={used}")
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()

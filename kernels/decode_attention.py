@@ -24,39 +24,16 @@ from kernels.quantize import check_group_size, check_widths
 
 LOG2E = math.log2(math.e)
 BLOCK_N = 32  # default tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not
-PROGRAMS_PER_SM = 4  # split-KV target: enough programs in flight per SM to keep memory requests queued
+# split-KV target: enough programs in flight per SM to keep memory requests queued. On the H200 (32 query / 8
+# KV heads, batch 8, 32K and 128K tokens) 16 beat 4 at every packed width, by 15-20% (results/kernels/).
+PROGRAMS_PER_SM = 16
 MAX_SPLITS = 256
 COMBINE_BLOCK = 16  # splits merged per step of the combine kernel
 CPU_SMS = 4  # what _default_splits assumes off CUDA (the interpreter)
 
 
 @triton.jit
-def _unpack(prow, mask_n, BITS: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr):
-    """int32 codes (BLOCK_N, D_B) of the packed rows at `prow` (BLOCK_N, 1) (pointer to the head's byte 0).
-
-    Each lane loads the byte (3 bits: the two bytes) holding its own code and shifts it out. A lane's
-    neighbours load the same bytes, which the cache serves; the tile never changes shape, so it stays in the
-    register layout it was loaded in (splitting bytes into a (.., bytes, codes) tensor and reshaping it made
-    the GPU move every tile through shared memory).
-    """
-    d = tl.arange(0, D_B)[None, :]
-    m = mask_n & (d < D)
-    if BITS == 8:
-        codes = tl.load(prow + d, mask=m, other=0).to(tl.int32)
-    elif BITS == 3:
-        bit = d * 3  # code d sits at bits 3d.. of the row's little-endian byte stream
-        first = tl.load(prow + (bit >> 3), mask=m, other=0).to(tl.int32)
-        second = tl.load(prow + (bit >> 3) + 1, mask=m & ((bit >> 3) + 1 < D * 3 // 8), other=0).to(tl.int32)
-        codes = ((first | (second << 8)) >> (bit & 7)) & 7
-    else:
-        PER: tl.constexpr = 8 // BITS
-        byte = tl.load(prow + d // PER, mask=m, other=0).to(tl.int32)
-        codes = (byte >> ((d % PER) * BITS)) & ((1 << BITS) - 1)
-    return codes
-
-
-@triton.jit
-def _load_tile(
+def _fetch(
     payload_ptr,
     p_off,
     scale_ptr,
@@ -71,26 +48,71 @@ def _load_tile(
     G: tl.constexpr,
     SYM: tl.constexpr,
 ):
-    """float32 values (BLOCK_N, D_B) of one KV head's tokens at width W, dequantized in registers (0 past D /
-    masked rows).
+    """One KV head's tile as stored, loaded into registers: (raw, scales, zeros), for `_dequant`.
 
-    p_off, s_off, f_off (BLOCK_N, 1): element offsets of each token's packed row, scale row and full row.
+    raw: at W 16 the values (BLOCK_N, D_B); else the packed bytes as int32 (BLOCK_N, D_B // codes per unit),
+    a unit being a byte (2, 4, 8 bits) or a 3-byte little-endian word of 8 codes (3 bits); bytes are loaded as
+    contiguous vectors, one load per byte, not per code. scales, zeros: (BLOCK_N, D_B // G) float32 (at W 16,
+    zeros of (BLOCK_N, 1), unused). p_off, s_off, f_off (BLOCK_N, 1): element offsets of each token's packed
+    row, scale row and full row; masked rows and columns past D load 0.
     """
-    d = tl.arange(0, D_B)[None, :]
-    m = mask_n & (d < D)
+    BLOCK_N: tl.constexpr = p_off.shape[0]
     if W == 16:
-        x = tl.load(full_ptr + f_off + d, mask=m, other=0.0).to(tl.float32)
+        d = tl.arange(0, D_B)
+        raw = tl.load(full_ptr + f_off + d[None, :], mask=mask_n & (d[None, :] < D), other=0.0)
+        s = tl.zeros((BLOCK_N, 1), tl.float32)
+        z = s
     else:
-        codes = _unpack(payload_ptr + p_off, mask_n, W, D, D_B)
-        # Each lane loads its own group's scale (and zero): the G lanes of a group read one value, which the
-        # cache serves, and no per-group tile is reshaped to the elements' layout.
-        s = tl.load(scale_ptr + s_off + d // G, mask=m, other=0.0).to(tl.float32)
+        prow = payload_ptr + p_off
+        if W == 8:
+            d = tl.arange(0, D_B)
+            raw = tl.load(prow + d[None, :], mask=mask_n & (d[None, :] < D), other=0).to(tl.int32)
+        elif W == 3:
+            k = tl.arange(0, D_B // 8)
+            m = mask_n & (k[None, :] < D // 8)
+            p = prow + k[None, :] * 3
+            raw = (
+                tl.load(p, mask=m, other=0).to(tl.int32)
+                | (tl.load(p + 1, mask=m, other=0).to(tl.int32) << 8)
+                | (tl.load(p + 2, mask=m, other=0).to(tl.int32) << 16)
+            )
+        else:
+            k = tl.arange(0, D_B // (8 // W))
+            raw = tl.load(prow + k[None, :], mask=mask_n & (k[None, :] < D // (8 // W)), other=0).to(tl.int32)
+        grp = tl.arange(0, D_B // G)
+        gm = mask_n & (grp[None, :] < D // G)
+        s = tl.load(scale_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
         if SYM:
             # (code - 2**(W-1)) * s == code * s + z with z = -2**(W-1) * s: one FMA per element either way.
             z = s * -(1 << (W - 1))
         else:
-            z = tl.load(zero_ptr + s_off + d // G, mask=m, other=0.0).to(tl.float32)
-        x = codes.to(tl.float32) * s + z
+            z = tl.load(zero_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
+    return raw, s, z
+
+
+@triton.jit
+def _dequant(raw, s, z, W: tl.constexpr, D_B: tl.constexpr, G: tl.constexpr):
+    """float32 values (BLOCK_N, D_B) of a tile `_fetch` loaded: codes split out of their units (code
+    j * per + i is piece i of unit j), times the group's scale plus its zero."""
+    BLOCK_N: tl.constexpr = raw.shape[0]
+    if W == 16:
+        x = raw.to(tl.float32)
+    else:
+        if W == 8:
+            codes = raw
+        elif W == 3:
+            codes = tl.reshape((raw[:, :, None] >> (tl.arange(0, 8) * 3)[None, None, :]) & 7, (BLOCK_N, D_B))
+        else:
+            PER: tl.constexpr = 8 // W
+            c = (raw[:, :, None] >> (tl.arange(0, PER) * W)[None, None, :]) & ((1 << W) - 1)
+            codes = tl.reshape(c, (BLOCK_N, D_B))
+        NG_B: tl.constexpr = D_B // G
+        # Per-group scale/zero are broadcast in registers to their G lanes. With the scale applied per
+        # element, the zero point rides along in the same FMA; folding it into a per-group sum of q instead
+        # would add a (queries x tokens x groups) term and save nothing per element.
+        s_e = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
+        z_e = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
+        x = codes.to(tl.float32) * s_e + z_e
     return x
 
 
@@ -104,6 +126,22 @@ def _scores(q, k, mask_n, m_i, qk_scale, INPUT_PRECISION: tl.constexpr):
     s = tl.where(mask_n, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     return tl.exp2(s - m_new[:, None]), m_new, tl.exp2(m_i - m_new)
+
+
+@triton.jit
+def _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, mask_n, m_i, l_i, acc, qk_scale, KW: tl.constexpr,
+            VW: tl.constexpr, D_B: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """One tile of the online softmax from `_fetch`ed K and V: (m_i, l_i, acc) after it. mask_n (BLOCK_N, 1).
+
+    V is dequantized only after the scores, so the K and V tiles are never live together.
+    """
+    k = _dequant(k_raw, k_s, k_z, KW, D_B, KG).to(q.dtype)
+    p, m_i, alpha = _scores(q, k, tl.trans(mask_n), m_i, qk_scale, INPUT_PRECISION)
+    v = _dequant(v_raw, v_s, v_z, VW, D_B, VG).to(q.dtype)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -173,6 +211,7 @@ def _decode_split_kernel(
     L_FROM_PTR: tl.constexpr,
     BLOCK_N: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     # grid: (B * NH, num_splits + HAS_EXTRA) over the NH KV heads whose keys are stored at KW bits and values
     # at VW bits (heads_ptr lists them). A program owns one KV head and all QG query heads reading it (their
@@ -210,43 +249,35 @@ def _decode_split_kernel(
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
-    for n0 in range(start, end, BLOCK_N):
-        n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
-        mask_n = n < end
-        k = _load_tile(
-            kp_ptr,
-            kp_base + n * kp_st,
-            ks_ptr,
-            kz_ptr,
-            ks_base + n * ks_st,
-            kf_ptr,
-            kf_base + n * kf_st,
-            mask_n,
-            KW,
-            D,
-            D_B,
-            KG,
-            K_SYM,
-        ).to(q.dtype)
-        p, m_i, alpha = _scores(q, k, tl.trans(mask_n), m_i, qk_scale, INPUT_PRECISION)
-        # V is unpacked only after the scores, so the K and V tiles are never live together.
-        v = _load_tile(
-            vp_ptr,
-            vp_base + n * vp_st,
-            vs_ptr,
-            vz_ptr,
-            vs_base + n * vs_st,
-            vf_ptr,
-            vf_base + n * vf_st,
-            mask_n,
-            VW,
-            D,
-            D_B,
-            VG,
-            V_SYM,
-        ).to(q.dtype)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
+    if PREFETCH:
+        # A tile's K and V bytes are requested one iteration ahead, so they are in flight while the tile before
+        # is dequantized and attended. Loads that are dequantized before a dot are not staged by Triton's
+        # pipeliner, and without this each program waited on every tile's loads.
+        n = (start + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
+        k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kf_ptr,
+                                 kf_base + n * kf_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+        v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vf_ptr,
+                                 vf_base + n * vf_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+        for n0 in range(start, end, BLOCK_N):
+            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+            nx = n + BLOCK_N  # the next tile (masked out past the split's end)
+            k_raw_nx, k_s_nx, k_z_nx = _fetch(kp_ptr, kp_base + nx * kp_st, ks_ptr, kz_ptr, ks_base + nx * ks_st,
+                                              kf_ptr, kf_base + nx * kf_st, nx < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+            v_raw_nx, v_s_nx, v_z_nx = _fetch(vp_ptr, vp_base + nx * vp_st, vs_ptr, vz_ptr, vs_base + nx * vs_st,
+                                              vf_ptr, vf_base + nx * vf_st, nx < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+            m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
+                                    KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
+            k_raw, k_s, k_z, v_raw, v_s, v_z = k_raw_nx, k_s_nx, k_z_nx, v_raw_nx, v_s_nx, v_z_nx
+    else:
+        # 16-bit K and V go to the dots as loaded, and Triton's pipeliner stages those loads itself.
+        for n0 in range(start, end, BLOCK_N):
+            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+            k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kf_ptr,
+                                     kf_base + n * kf_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+            v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vf_ptr,
+                                     vf_base + n * vf_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+            m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
+                                    KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
 
     if HAS_EXTRA:
         x_end = tl.where(sp == num_splits, Tx, 0)
@@ -499,6 +530,7 @@ def decode_attention(
             L_FROM_PTR=length is not None,
             BLOCK_N=block_n,
             INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+            PREFETCH=(kw, vw) != (16, 16),
             **launch,
         )
     if out is None:
