@@ -31,7 +31,7 @@ DRY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
 )  # fmt: skip
-CACHES = ("dynamic", "8", "4", "2", "mixed")
+CACHES = ("dynamic", "4", "2", "mixed", "8")  # a run cut short by its time limit still has the headline ones
 COLUMNS = [
     "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "tokens_per_s",
     "peak_gib", "weights_gib", "kv_gib", "note",
