@@ -10,9 +10,11 @@ A store is read through two products over its tokens [start, end):
     weighted(store, p, start, end) p (B, Hkv, M, end - start) -> p @ v  (B, Hkv, M, D) float32
 For kernels.layout.PackedStore they are computed here, one pass per width bucket (the width-major layout puts
 the heads of one width in one byte range of a row). A block's codes are unpacked once into a float32 matrix
-C (B, Hw, Tb, D) in the codes' own order: at 2 and 4 bits the k = 8 // bits codes of a byte are taken apart with
-one shift-and-mask pass each and stacked beside each other (byte j's piece i is code j * k + i), so queries and
-outputs need no permutation (`_Groups` holds the group layout).
+C (B, Hw, Tb, D); at 2 and 4 bits the k = 8 // bits codes of a byte are taken apart with one shift-and-mask
+pass each. Where the block is dequantized (many query rows) the pieces are interleaved into the codes' own
+order (byte j's piece i is code j * k + i). The folded products (few query rows) take the pieces side by
+side instead ("piece order": all bytes' piece 0, then piece 1, ...), which saves the interleaving copy, and
+permute the few query rows and outputs instead (`_Groups` holds both layouts).
 With per-group scale s and zero z (sym: z = -2**(b-1) s), a value is c s + z, so for a query row q split into
 groups q_n:
     q . k = sum_n s_n (q_n . c_n) + z_n sum(q_n)          p @ v [n] = (p * s_n) @ c_n + (p @ z_n)
@@ -39,17 +41,26 @@ QUERY_BLOCK = 256  # query rows per pass of a long chunk (a causal chunk then sk
 
 
 class _Groups:
-    """How one width's unpacked codes split into quantization groups.
+    """How one width's unpacked codes split into quantization groups, in code order and in piece order.
 
     k: codes per byte taken apart (1 for 3 and 8 bits, and where a group does not fill whole bytes);
-    ng: groups per head; onehot (ng, D): group n's columns (columns n * g to (n + 1) * g).
+    ng: groups per head; onehot (ng, D): group n's columns in code order (columns n * g to (n + 1) * g).
+    Piece order, columns (D,) viewed as (k, ng, g / k): column (i, n, r) holds code (n * g / k + r) * k + i,
+    of group n. perm (D,): the code in each piece-order column; inverse (D,): the column of each code;
+    piece_onehot (ng, D): group n's columns in piece order.
     """
 
     def __init__(self, bits: int, head_dim: int, group_size: int, device: torch.device):
-        self.k = 8 // bits if bits in (2, 4) and group_size % (8 // bits) == 0 else 1
-        self.ng = head_dim // group_size
+        self.k = k = 8 // bits if bits in (2, 4) and group_size % (8 // bits) == 0 else 1
+        self.ng = ng = head_dim // group_size
         group_of_column = torch.arange(head_dim) // group_size  # (D,)
-        self.onehot = (group_of_column == torch.arange(self.ng).unsqueeze(1)).float().to(device)  # (ng, D)
+        self.onehot = (group_of_column == torch.arange(ng).unsqueeze(1)).float().to(device)  # (ng, D)
+        i, n, r = torch.meshgrid(
+            torch.arange(k), torch.arange(ng), torch.arange(group_size // k), indexing="ij"
+        )
+        self.perm = ((n * (group_size // k) + r) * k + i).flatten().to(device)  # (D,)
+        self.inverse = torch.argsort(self.perm)  # (D,)
+        self.piece_onehot = (n.flatten() == torch.arange(ng).unsqueeze(1)).float().to(device)  # (ng, D)
 
 
 @functools.lru_cache(maxsize=64)
@@ -57,13 +68,16 @@ def _groups(bits: int, head_dim: int, group_size: int, device: torch.device) -> 
     return _Groups(bits, head_dim, group_size, device)
 
 
-def _codes(raw: torch.Tensor, bits: int, groups: _Groups, head_dim: int) -> torch.Tensor:
-    """uint8 packed rows raw (B, Hw, Tb, packed bytes) -> float32 codes (B, Hw, Tb, D) in code order."""
+def _codes(raw: torch.Tensor, bits: int, groups: _Groups, head_dim: int, piece_order: bool) -> torch.Tensor:
+    """uint8 packed rows raw (B, Hw, Tb, packed bytes) -> float32 codes (B, Hw, Tb, D), in piece order where
+    asked and the codes take pieces of bytes apart, else in code order."""
     if groups.k == 1:
         return (raw if bits == 8 else reference.unpack(raw, bits, head_dim)).float()
     mask = (1 << bits) - 1
     last = (groups.k - 1) * bits  # the top piece needs no mask
     parts = [raw & mask, *(((raw >> (i * bits)) & mask) for i in range(1, groups.k - 1)), raw >> last]
+    if piece_order:
+        return torch.cat(parts, -1).float()
     return torch.stack(parts, -1).flatten(-2).float()  # (B, Hw, Tb, packed bytes, k) -> (B, Hw, Tb, D)
 
 
@@ -82,20 +96,23 @@ def _head_major_bytes(raw: torch.Tensor) -> torch.Tensor:
 
 
 def _bucket(
-    store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int
-):
-    """One width bucket's block of tokens [start, end): codes float32 (B, Hw, Tb, D), their _Groups, and scale
-    and zero float32 (B, Hw, Tb, ng)."""
+    store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int,
+    rows: int,
+):  # fmt: skip
+    """One width bucket's block of tokens [start, end) for `rows` query rows: codes float32 (B, Hw, Tb, D),
+    their _Groups, whether the products fold (few rows: codes in piece order), and scale and zero float32
+    (B, Hw, Tb, ng)."""
     Hw = len(heads)
     D = store.head_dim
     pd = reference.packed_dim(D, w)
     raw = store.payload[:, start:end, first_byte : first_byte + Hw * pd].unflatten(-1, (Hw, pd))
     groups = _groups(w, D, store.group_size, store.payload.device)
-    codes = _codes(_head_major_bytes(raw), w, groups, D)  # (B, Hw, Tb, D): bytes moved, not floats
+    folded = rows * groups.ng < D  # the folded products touch fewer elements than dequantizing the block
+    codes = _codes(_head_major_bytes(raw), w, groups, D, folded)  # (B, Hw, Tb, D): bytes moved, not floats
     slots = slice(first_slot, first_slot + Hw)
     s = store.scale[:, slots, start:end].float()  # (B, Hw, Tb, ng), head-major as stored
     z = s * -float(1 << (w - 1)) if store.symmetric else store.zero[:, slots, start:end].float()
-    return codes, groups, s, z
+    return codes, groups, folded, s, z
 
 
 def _buckets(store: PackedStore):
@@ -114,10 +131,12 @@ def _dequantized(codes: torch.Tensor, groups: _Groups, s: torch.Tensor, z: torch
 
 
 def _folded_scores(q: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z) -> torch.Tensor:
-    """q (B, Hw, M, D) -> q . k (B, Hw, M, Tb): sum_n s_n (q_n . c_n) + z_n sum(q_n), one block-diagonal product."""
+    """q (B, Hw, M, D) -> q . k (B, Hw, M, Tb): sum_n s_n (q_n . c_n) + z_n sum(q_n), one block-diagonal product.
+    codes in piece order."""
     B, Hw, M, D = q.shape
+    qp = q if groups.k == 1 else q.index_select(-1, groups.perm)  # (B, Hw, M, D) in piece order
     # row (m, n) of the block-diagonal operand keeps group n's entries only
-    block_diagonal = (q.unsqueeze(3) * groups.onehot).view(B, Hw, M * groups.ng, D)
+    block_diagonal = (qp.unsqueeze(3) * groups.piece_onehot).view(B, Hw, M * groups.ng, D)
     per_group = (block_diagonal @ codes.transpose(-1, -2)).view(B, Hw, M, groups.ng, -1)  # (B, Hw, M, ng, Tb)
     st, zt = s.transpose(-1, -2).contiguous(), z.transpose(-1, -2)  # (B, Hw, ng, Tb)
     q_sums = q.unflatten(-1, (groups.ng, -1)).sum(-1)  # (B, Hw, M, ng)
@@ -125,15 +144,17 @@ def _folded_scores(q: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z) 
 
 
 def _folded_weighted(p: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z) -> torch.Tensor:
-    """p (B, Hw, M, Tb) -> p @ v (B, Hw, M, D): (p * s_n) @ c_n + p @ z_n, one block-diagonal product."""
+    """p (B, Hw, M, Tb) -> p @ v (B, Hw, M, D): (p * s_n) @ c_n + p @ z_n, one block-diagonal product.
+    codes in piece order."""
     B, Hw, M, Tb = p.shape
     D = codes.shape[-1]
     st = s.transpose(-1, -2).contiguous()  # (B, Hw, ng, Tb)
     scaled = (p.unsqueeze(3) * st.unsqueeze(2)).view(B, Hw, M * groups.ng, Tb)  # row (m, n): p * s_n
     per_group = (scaled @ codes).view(B, Hw, M, groups.ng, D)  # row (m, n) is right on group n's columns only
-    out = (per_group * groups.onehot).sum(3)  # (B, Hw, M, D)
-    out = out.view(B, Hw, M, groups.ng, -1) + (p @ z).unsqueeze(-1)  # (B, Hw, M, ng, g)
-    return out.view(B, Hw, M, D)
+    out = (per_group * groups.piece_onehot).sum(3)  # (B, Hw, M, D) in piece order
+    out = out.view(B, Hw, M, groups.k, groups.ng, -1) + (p @ z).view(B, Hw, M, 1, groups.ng, 1)
+    out = out.view(B, Hw, M, D)
+    return out if groups.k == 1 else out.index_select(-1, groups.inverse)
 
 
 def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -145,8 +166,8 @@ def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) ->
             k = store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, Tb, D)
             sw = qw @ k.transpose(-1, -2)
         else:
-            codes, groups, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
-            if M * groups.ng < D:  # folded: few query rows
+            codes, groups, folded, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end, M)
+            if folded:
                 sw = _folded_scores(qw, codes, groups, s, z)
             else:  # many query rows: dequantize the block once
                 sw = qw @ _dequantized(codes, groups, s, z).transpose(-1, -2)
@@ -167,8 +188,8 @@ def _packed_weighted(store: PackedStore, p: torch.Tensor, start: int, end: int) 
         if w == FULL_WIDTH:
             ow = pw @ store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, M, D)
         else:
-            codes, groups, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end)
-            if M * groups.ng < D:  # folded: few query rows
+            codes, groups, folded, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end, M)
+            if folded:
                 ow = _folded_weighted(pw, codes, groups, s, z)
             else:  # many query rows: dequantize the block once
                 ow = pw @ _dequantized(codes, groups, s, z)
