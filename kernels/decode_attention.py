@@ -25,7 +25,8 @@ from kernels.quantize import check_group_size, check_widths
 LOG2E = math.log2(math.e)
 BLOCK_N = 32  # default tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not
 # split-KV target: enough programs in flight per SM to keep memory requests queued. On the H200 (32 query / 8
-# KV heads, batch 8, 32K and 128K tokens) 16 beat 4 at every packed width, by 15-20% (results/kernels/).
+# KV heads, batch 8, 32K and 128K tokens) 16 made the prefetching kernel 15-19% faster than 4 at 2, 4 and 8 bits
+# (results/kernels/README.md).
 PROGRAMS_PER_SM = 16
 MAX_SPLITS = 256
 COMBINE_BLOCK = 16  # splits merged per step of the combine kernel
