@@ -15,9 +15,10 @@ with its own time limit (so a stage that hangs or crashes costs only its own sha
 Everything goes to DIR/results/kernels/<gpu name>/ (logs in logs/). `--dry-run` runs every stage's code on
 CPU under TRITON_INTERPRET=1 at tiny sizes and skips the install: a check that nothing has rotted; its
 figures are no measurement.
-`--minutes M` (under 20) scales every stage's limit by M/20, for a machine lent for less time: the bench
+`--minutes M` (2 to 20) scales every stage's limit by M/20, for a machine lent for less time: the bench
 runs its headline shape first and stops starting shapes when its share is spent; a stage cut short says so in
-the README. This file imports only the standard library: the packages come with the install stage.
+the README. Where the tree is a copy, HARNESS_COMMIT=<commit> in the environment names its commit in
+metadata.json. This file imports only the standard library: the packages come with the install stage.
 """
 
 from __future__ import annotations
@@ -154,16 +155,16 @@ def metadata() -> dict:
         "gpu": "dry-run-cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "no-cuda-device",
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
     }  # fmt: skip
-    commit = _git("rev-parse", "HEAD")
-    if commit:
+    commit, named = _git("rev-parse", "HEAD"), os.environ.get("HARNESS_COMMIT")
+    if named:  # the caller names the commit a copied tree came from (a .git copied with it may be stale)
+        meta["commit"], meta["dirty"] = named, "unknown (HARNESS_COMMIT names the commit)"
+        if commit and commit != named:
+            meta["git_head"] = f"{commit} (the copied .git; not the tree's commit)"
+    elif commit:
         meta["commit"] = commit
         meta["dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
-    else:  # a copy of the tree without .git: the commit it was copied from, where the caller names it
-        named = os.environ.get("HARNESS_COMMIT")
-        meta["commit"] = (
-            f"{named} (HARNESS_COMMIT; no git checkout)" if named else "unknown (no git checkout)"
-        )
-        meta["dirty"] = "unknown (no git checkout)"
+    else:
+        meta["commit"], meta["dirty"] = "unknown (no git checkout)", "unknown (no git checkout)"
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         meta.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 from pathlib import Path
 
@@ -66,6 +67,16 @@ def test_minutes_out_of_range_is_refused(tmp_path, cli):
     proc = cli("kernels.gpu_check", "--out", str(tmp_path), "--minutes", "40")
     assert proc.returncode == 2 and "--minutes: 40 is not allowed; allowed: 2 to 20" in proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_a_named_commit_wins_over_a_copied_git_head(tmp_path, cli):
+    path = tmp_path / "metadata.json"
+    env = {**os.environ, "HARNESS_COMMIT": "0123abc", "TRITON_INTERPRET": "1"}
+    proc = cli("kernels.gpu_check", "--metadata", str(path), env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = json.loads(path.read_text())
+    assert meta["commit"] == "0123abc" and meta["dirty"].startswith("unknown")
+    assert meta.get("git_head", "none").split()[0] != "0123abc"  # a checkout's HEAD is recorded apart
 
 
 def test_gpu_test_files_are_those_with_gpu_tests():
