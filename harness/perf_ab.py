@@ -16,7 +16,6 @@ machine; this one does not.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -31,14 +30,7 @@ from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.models import load_model
 from harness.perf import SCHEME
-
-
-def load_version(path: Path, index: int):
-    """The module defined by `path`, under a name of its own."""
-    spec = importlib.util.spec_from_file_location(f"harness._perf_ab{index}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from kernels.ab import check_version_files, load_versions
 
 
 def timed(fn) -> float:
@@ -117,13 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=40, help="timed attention calls per version")
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args(argv)
-    for f in args.files:
-        if not f.is_file():
-            p.error(f"files: {str(f)!r} is not a file; allowed: copies of kernels/packed_attention.py")
-    if len({f.stem for f in args.files}) != len(args.files):
-        p.error(
-            "files: two files share a name; allowed: files with distinct names (the lines carry the name)"
-        )
+    check_version_files(p, args.files, "kernels/packed_attention.py")
     for key, value in (("--batch", args.batch), ("--steps", args.steps), ("--repeats", args.repeats)):
         if value < 1:
             p.error(f"{key}: {value} is not allowed; allowed: a positive count")
@@ -131,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
         io.set_threads(args.threads, key="--threads")
     except ValueError as err:
         p.error(str(err))
-    versions = {f.stem: load_version(f, i) for i, f in enumerate(args.files)}
+    versions = load_versions(args.files)
     model, _ = load_model(args.model, dtype=torch.float32)
     print(
         f"# {io.command_line('python -m harness.perf_ab', argv)}; batch {args.batch}, {args.threads} threads"

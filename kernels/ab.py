@@ -7,7 +7,8 @@ quantize kernel), and every version's `decode_attention` runs on those stores, a
 each `--splits`; SDPA over the 16-bit K/V is timed beside them as the baseline. Rows have kernels/bench.py's
 columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized stores, where that fits), so
 decode.csv and these tables read alike. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
-a check that the code runs, no figure.
+a check that the code runs, no figure. Its file checks and module loading also serve harness/perf_ab.py (the
+CPU read path's comparison).
 """
 
 from __future__ import annotations
@@ -36,12 +37,23 @@ from kernels.bench import (
 )
 
 
-def load_version(path: Path, index: int):
-    """The module defined by `path`, under a name of its own (its kernels are compiled from its source)."""
-    spec = importlib.util.spec_from_file_location(f"kernels._ab{index}_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def check_version_files(p: argparse.ArgumentParser, files: list[Path], original: str) -> None:
+    """Stop with one line (exit 2) unless every file exists and the names differ (rows carry the name)."""
+    for f in files:
+        if not f.is_file():
+            p.error(f"files: {str(f)!r} is not a file; allowed: copies of {original}")
+    if len({f.stem for f in files}) != len(files):
+        p.error("files: two files share a name; allowed: files with distinct names (the rows carry the name)")
+
+
+def load_versions(files: list[Path]) -> dict:
+    """name -> the module each file defines, under a name of its own (so its kernels compile from its source)."""
+    versions = {}
+    for i, path in enumerate(files):
+        spec = importlib.util.spec_from_file_location(f"kernels._ab{i}_{path.stem}", path)
+        versions[path.stem] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(versions[path.stem])
+    return versions
 
 
 def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: list[int], group_size: int):
@@ -92,18 +104,14 @@ def main(argv: list[str] | None = None) -> None:
     shapes = DRY_SHAPES if args.dry_run else HEAD_SHAPES
     if args.config not in shapes:
         p.error(f"--config: {args.config!r} is not a head shape; allowed: {', '.join(shapes)}")
-    for f in args.files:
-        if not f.is_file():
-            p.error(f"files: {str(f)!r} is not a file; allowed: copies of kernels/decode_attention.py")
-    if len({f.stem for f in args.files}) != len(args.files):
-        p.error("files: two files share a name; allowed: files with distinct names (the rows carry the name)")
+    check_version_files(p, args.files, "kernels/decode_attention.py")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: kernels.ab needs a CUDA GPU (or --dry-run); nothing was run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run = Bench("cpu" if args.dry_run else "cuda", args.out, deadline=float("inf"))
-    versions = {f.stem: load_version(f, i) for i, f in enumerate(args.files)}
+    versions = load_versions(args.files)
     hq, hkv, D = shapes[args.config]
     for context in args.context:
         shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
