@@ -99,7 +99,7 @@ def test_frontier_md_is_written_for_each_model(tmp_path):
     assert text.count("## Frontier") == 2 and "# m\n" in text and "# other\n" in text
 
 
-def test_a_peer_meets_the_best_harness_point_at_no_more_bytes():
+def test_a_peer_meets_the_best_harness_point_at_no_less_compression():
     peer = _record("q4_0", "uniform", "q4_0", 32, 3.56, 0.08, 0.04)
     peer["config"].update(engine="llamacpp", rotation=True)
     del peer["items"]["bleu_stats"], peer["items"]["token_match"]  # peers measure teacher-forced windows only
@@ -110,9 +110,24 @@ def test_a_peer_meets_the_best_harness_point_at_no_more_bytes():
     row = table.iloc[0]
     assert row["peer"] == "llama.cpp q4_0 + rotation"
     assert (
-        row["best harness point at no more bytes"] == "asym_token g64, 4 bits: uniform"
-    )  # u4g64, 3.56x; u4 holds more
+        row["best harness point at no less compression"] == "asym_token g64, 4 bits: uniform"
+    )  # u4g64, 3.56x; u4 compresses less
     assert row["harness minus peer, ppl_ratio"].startswith(f"**{math.exp(0.03) - math.exp(0.08):+.3g} [")
+
+
+def test_a_peer_counting_fewer_tokens_per_token_meets_points_by_compression():
+    """A sliding-window model: the peer's windows run past the window, so its bytes per token are a third of the
+    harness caches' at the same compression. It still meets u4g64 (3.56x), not the 2-bit point that alone holds
+    fewer bytes per token than it."""
+    peer = _record("q4_0", "uniform", "q4_0", 32, 3.56, 0.08, 0.04)
+    peer["config"].update(engine="llamacpp", rotation=True)
+    peer["metrics"]["bytes_per_token"] /= 3
+    del peer["items"]["bleu_stats"], peer["items"]["token_match"]
+    two_bit = _record(
+        "u2", "uniform", "asym_token", 32, 12.0, 2.0, 1.5
+    )  # 83 bytes per token, below the peer's 94
+    table = frontier.peer_rows([*RECORDS, two_bit, peer], "m", n_boot=200)
+    assert table.iloc[0]["best harness point at no less compression"] == "asym_token g64, 4 bits: uniform"
 
 
 def test_the_ablation_pairs_the_points_with_and_without_each_ingredient():
