@@ -85,9 +85,11 @@ def tables_markdown(
     beside = peer_table(frame)
     if len(beside):
         parts += [
-            "\n## Peer engines beside the nearest harness point in true bytes per token\n\n"
+            "\n## Peer engines beside the nearest harness point in true compression\n\n"
             "A peer's ppl_ratio, kl_mean and top1_agree are against its own unquantized cache (ppl_base; llama.cpp: "
-            "its f16 cache), the harness's against the harness's baseline, on the same token windows.\n",
+            "its f16 cache), the harness's against the harness's baseline, on the same token windows. Its bytes per "
+            "token are over those windows, the harness's over its generation caches: with sliding-window layers "
+            "they differ at the same compression.\n",
             markdown_table(beside),
         ]
     bad = infeasible_table(frame)

@@ -1,6 +1,6 @@
 """The sweep run's tables from its points (harness.results.table): the claim table (uniform, entropy, sinks and
 entropy + sinks at budget 4 beside the baseline), the full grid, peer engines beside the nearest harness point
-in true bytes, the infeasible points; and markdown_table, which writes any of them (and the paired differences,
+in true compression, the infeasible points; and markdown_table, which writes any of them (and the paired differences,
 harness.report.paired) as GitHub markdown."""
 
 from __future__ import annotations
@@ -101,17 +101,20 @@ def grid_table(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
-    """Every ok peer point beside the harness point nearest to it in true bytes per token (ratio of bytes closest
-    to 1; of equally near points the lowest ppl_ratio), same model. A peer's ppl_ratio and KL are against its own
-    unquantized cache (llama.cpp: its f16 cache), the harness's against the harness's baseline."""
-    ok = frame[(frame["status"] == "ok") & np.isfinite(frame["bytes_per_token"].astype(float))]
+    """Every ok peer point beside the harness point nearest to it in true compression (ratio closest to 1; of
+    equally near points the lowest ppl_ratio), same model. Compression, not bytes per token: each engine's is its
+    held bytes over the fp16 bytes of the same tokens, but a peer counts its teacher-forced windows and the harness
+    its generation caches, which a model with sliding-window layers holds in different shares per token. A peer's
+    ppl_ratio and KL are against its own unquantized cache (llama.cpp: its f16 cache), the harness's against the
+    harness's baseline."""
+    ok = frame[(frame["status"] == "ok") & np.isfinite(frame["compression_true"].astype(float))]
     ours = ok[is_harness(ok) & (ok["policy"] != "baseline")]
     rows = []
     for peer in ok[~is_harness(ok)].to_dict("records"):
         row = {"model": peer["model"], "peer": configuration(peer), **{c: peer[c] for c in PEER_COLUMNS}}
         mine = ours[ours["model"] == peer["model"]]
         if len(mine):
-            distance = np.abs(np.log(mine["bytes_per_token"].astype(float) / peer["bytes_per_token"]))
+            distance = np.abs(np.log(mine["compression_true"].astype(float) / peer["compression_true"]))
             near = mine[np.isclose(distance, distance.min())]
             best = (
                 near.loc[near["ppl_ratio"].astype(float).idxmin()]
@@ -123,7 +126,7 @@ def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
                     "harness": f"{best['scheme']} b{best['budget']:g} {configuration(best)}",
                     **{
                         f"harness {c}": best[c]
-                        for c in ("bytes_per_token", "ppl_ratio", "kl_mean", "top1_agree")
+                        for c in ("compression_true", "bytes_per_token", "ppl_ratio", "kl_mean", "top1_agree")
                     },
                 }
             )
@@ -133,7 +136,10 @@ def peer_table(frame: pd.DataFrame) -> pd.DataFrame:
         "peer",
         *PEER_COLUMNS,
         "harness",
-        *(f"harness {c}" for c in ("bytes_per_token", "ppl_ratio", "kl_mean", "top1_agree")),
+        *(
+            f"harness {c}"
+            for c in ("compression_true", "bytes_per_token", "ppl_ratio", "kl_mean", "top1_agree")
+        ),
         "key",
     ]
     table = pd.DataFrame(rows, columns=columns)

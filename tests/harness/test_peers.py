@@ -192,7 +192,7 @@ def test_a_hybrid_model_gets_an_infeasible_quantized_cache_row_that_says_why(pee
     assert "transformers quanto int4" in (run_dir / "tables.md").read_text().split("## Infeasible points")[1]
 
 
-def test_tables_list_each_peer_beside_the_nearest_harness_point_in_bytes(peer_run):
+def test_tables_list_each_peer_beside_the_nearest_harness_point_in_compression(peer_run):
     run_dir, _ = peer_run
     frame = results.load(run_dir)
     beside = tables.peer_table(frame)
@@ -200,9 +200,9 @@ def test_tables_list_each_peer_beside_the_nearest_harness_point_in_bytes(peer_ru
     ours = frame[(frame["engine"] == HARNESS) & (frame["policy"] != "baseline") & (frame["status"] == "ok")]
     for row in beside.to_dict("records"):
         mine = ours[ours["model"] == row["model"]]
-        distance = np.abs(np.log(mine["bytes_per_token"] / row["bytes_per_token"]))
-        assert np.log(row["harness bytes_per_token"] / row["bytes_per_token"]) == pytest.approx(
-            distance.min() * np.sign(np.log(row["harness bytes_per_token"] / row["bytes_per_token"]))
+        distance = np.abs(np.log(mine["compression_true"] / row["compression_true"]))
+        assert np.log(row["harness compression_true"] / row["compression_true"]) == pytest.approx(
+            distance.min() * np.sign(np.log(row["harness compression_true"] / row["compression_true"]))
         )
     text = (run_dir / "tables.md").read_text()
     assert "## Peer engines beside the nearest harness point" in text
