@@ -115,7 +115,7 @@ def test_a_peer_meets_the_best_harness_point_at_no_less_compression():
     assert row["harness minus peer, ppl_ratio"].startswith(f"**{math.exp(0.03) - math.exp(0.08):+.3g} [")
 
 
-def test_a_peer_counting_fewer_tokens_per_token_meets_points_by_compression():
+def test_a_peer_whose_bytes_per_token_count_other_tokens_meets_points_by_compression():
     """A sliding-window model: the peer's windows run past the window, so its bytes per token are a third of the
     harness caches' at the same compression. It still meets u4g64 (3.56x), not the 2-bit point that alone holds
     fewer bytes per token than it."""
