@@ -21,7 +21,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from harness.calibrate import disk_cached, layer_types, model_identity
+from harness.calibrate import disk_cached, layer_types, model_identity, source_identity
 from harness.schemes.key_table import (
     KMEANS,
     QUANTILE,
@@ -126,15 +126,21 @@ def fit_key_calibration(
 
 
 def cached_key_calibration(
-    model, model_name: str, calib_ids: torch.Tensor, span: int, levels: str = KMEANS
+    model,
+    model_name: str,
+    calib_ids: torch.Tensor,
+    span: int,
+    levels: str = KMEANS,
+    source: str | None = None,
 ) -> KeyCalibration:
-    """fit_key_calibration, read from disk when the same model, calibration tokens, span and level fit were
-    fitted before."""
+    """fit_key_calibration, read from disk when the same model, calibration tokens (cut from the calibration
+    `source`), span and level fit were fitted before."""
     identity = (
         f"{CACHE_VERSION}|{model_identity(model, model_name)}|{QUANTILE}|{span}|{tuple(calib_ids.shape)}"
     )
     if levels != KMEANS:  # k-means tables keep the identity they had before the level fits had names
         identity += f"|{levels}"
+    identity += source_identity(source)
     frame = disk_cached(
         f"{model_name}-calkey",
         identity,

@@ -216,13 +216,15 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 @dataclass(frozen=True)
 class Windows:
-    """`count` token windows of `length` cut from one split of the text, and the keys that set them."""
+    """`count` token windows of `length` cut from one split of a text source, and the keys that set them."""
 
     split: str  # "calibration" | "evaluation"
     count: int
     length: int
     keys: tuple[str, str]  # (count key, length key)
     what: str
+    source: str | None  # the text source (harness.data: a corpus name or a path; None: the default)
+    source_key: str = "eval.data.path"  # the config key that names the source
 
 
 @dataclass(frozen=True)
@@ -234,32 +236,31 @@ class ModelInputs:
     group_size: int
     key_group_size: int | None  # None: group_size
     widths: tuple[int, ...]
-    data_path: str | None
     windows: tuple[Windows, ...]
 
 
 def _inputs_of_point(point: Point) -> ModelInputs:
+    calibration, key = data.calibration_source(point)
     windows = (
         Windows("calibration", point.calibration_sequences, point.calibration_tokens,
-                ("eval.calibration.num_sequences", "eval.calibration.tokens"), "calibration windows"),
+                ("eval.calibration.num_sequences", "eval.calibration.tokens"), "calibration windows",
+                calibration, key),
         Windows("evaluation", point.num_prompts, point.prompt_tokens,
-                ("eval.num_prompts", "eval.prompt_tokens"), "prompts"),
+                ("eval.num_prompts", "eval.prompt_tokens"), "prompts", point.data_path),
         Windows("evaluation", point.num_sequences, point.sequence_tokens,
-                ("eval.num_sequences", "eval.sequence_tokens"), "sequences"),
+                ("eval.num_sequences", "eval.sequence_tokens"), "sequences", point.data_path),
     )  # fmt: skip
     widths = tuple(point.widths)
     scheme = point.scheme if point.engine == HARNESS else None  # a peer engine stores K/V its own way
-    return ModelInputs(
-        point.model, scheme, point.group_size, point.key_group_size, widths, point.data_path, windows
-    )
+    return ModelInputs(point.model, scheme, point.group_size, point.key_group_size, widths, windows)
 
 
 def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
 
     s = settings(cfg)
     keys = ("sweep.claim.num_sequences", "sweep.claim.sequence_tokens")
-    windows = (Windows("evaluation", s.num_sequences, s.sequence_tokens, keys, "sequences"),)
-    return ModelInputs(s.model, s.scheme, s.group_size, None, s.widths, s.data_path, windows)
+    windows = (Windows("evaluation", s.num_sequences, s.sequence_tokens, keys, "sequences", s.data_path),)
+    return ModelInputs(s.model, s.scheme, s.group_size, None, s.widths, windows)
 
 
 def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
@@ -291,9 +292,9 @@ def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
 
 
 def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> None:
-    """Every window set fits its split of the text, counted with the model's own tokenizer."""
+    """Every window set fits its split of the text source `data_path`, counted with the model's own tokenizer."""
     try:
-        text = data.split(data_path)
+        text = data.split(data_path, windows[0].source_key)
     except ValueError as err:
         raise ConfigError(str(err).splitlines()[0]) from None
     available = preload.token_counts(model, {"calibration": text.calibration, "evaluation": text.evaluation})
@@ -307,10 +308,10 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
         asked = ", ".join(f"{w.count} x {w.length} = {w.count * w.length} ({w.what})" for w in needs)
         parts.append(f"{split} split {available[split]} tokens, " + (f"needs {asked}" if needs else "unused"))
     keys = list(dict.fromkeys(k for w in short for k in w.keys))
-    source = data_path or "pydoc_data.topics"
+    source_keys = " or ".join(dict.fromkeys(w.source_key for w in short))
     raise ConfigError(
-        f"{' / '.join(keys)}: the text ({source}) is too short for {model}'s windows: {'; '.join(parts)}; "
-        f"lower {' or '.join(keys)}, or give more text with eval.data.path"
+        f"{' / '.join(keys)}: the text ({data.source_name(data_path)}) is too short for {model}'s windows: "
+        f"{'; '.join(parts)}; lower {' or '.join(keys)}, or give more text with {source_keys}"
     )
 
 
@@ -325,6 +326,7 @@ def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:
         _check_head_dims(item, dims[item.model])
     texts: dict[tuple, list[Windows]] = {}
     for item in inputs:
-        texts.setdefault((item.model, item.data_path), []).extend(item.windows)
+        for w in item.windows:
+            texts.setdefault((item.model, w.source or data.DEFAULT_CORPUS), []).append(w)
     for (model, data_path), windows in texts.items():
         _check_text(model, data_path, windows)

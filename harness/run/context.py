@@ -1,8 +1,9 @@
 """What every point of one model shares, built once per model and evaluation setup: the model (loaded once), its
-token windows (harness.data.point_windows), per-head attention entropies (harness.calibrate, cached on disk) and,
-lazily, the key tables of calkey (harness.key_calibration, fitted on the calibration windows, cached on disk), the
-unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache) and one full-precision
-prefill of the prompts that every point with prefill=exact starts from.
+token windows (harness.data.point_windows: calibration windows from the calibration source, the others from the
+evaluation's), per-head attention entropies (harness.calibrate, cached on disk) and, lazily, the parts fitted on
+the calibration windows (key tables, transforms: harness.key_calibration, cached on disk and keyed by the
+calibration source), the unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache)
+and one full-precision prefill of the prompts that every point with prefill=exact starts from.
 """
 
 from __future__ import annotations
@@ -46,11 +47,15 @@ class ModelContext:
     bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
     peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
     key_calibration: dict = field(default_factory=dict)  # (span, key_levels) -> the fitted key tables, lazily
+    data_source: str | None = (
+        None  # eval.data.path: where the prompts and sequences come from (None: default)
+    )
+    calibration_source: str | None = None  # where the calibration windows come from (harness.data)
 
 
 def context_key(point: Point) -> tuple:
     """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
-    fields = ("model", "dtype", "data_path", "seed", *EVAL_FIELDS, *CALIBRATION_FIELDS)
+    fields = ("model", "dtype", "data_path", "seed", *EVAL_FIELDS, *CALIBRATION_FIELDS)  # both text sources
     return tuple(getattr(point, f) for f in fields)
 
 
@@ -65,9 +70,10 @@ def build_context(
     # the point was checked (harness.validate): its windows fit the model
     windows = data.point_windows(tokenizer, point)
     bos, calib_ids, prompts, sequences = windows.bos, windows.calibration, windows.prompts, windows.sequences
+    calibration_source, _ = data.calibration_source(point)
 
     t = time.perf_counter()
-    entropy = cached_head_entropies(model, point.model, calib_ids, i0=point.i0)
+    entropy = cached_head_entropies(model, point.model, calib_ids, i0=point.i0, source=calibration_source)
     timings["calibrate_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -97,4 +103,6 @@ def build_context(
         calib_ids=calib_ids,
         shape=shape_from_config(model.config, point.model),
         bos=bos,
+        data_source=point.data_path,
+        calibration_source=calibration_source,
     )

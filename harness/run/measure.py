@@ -13,6 +13,7 @@ from harness.cache import QuantizedKVCache
 from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.capacity import element_price
 from harness.config import HARNESS, Point
+from harness.data import source_name
 from harness.key_calibration import cached_key_calibration
 from harness.policies import from_point
 from harness.run.context import ModelContext
@@ -34,7 +35,9 @@ def allocation(ctx: ModelContext, point: Point):
         if key not in ctx.sensitivity:
             measure_table = MEASUREMENTS[key[0]]
             tables = key_calibration(ctx, point)  # a calkey point's table measures through its key tables
-            extra = {} if tables is None else {"key_calibration": tables}
+            extra = {"source": ctx.calibration_source}
+            if tables is not None:
+                extra["key_calibration"] = tables
             ctx.sensitivity[key] = measure_table(ctx.model, ctx.name, ctx.calib_ids, *key[1:], **extra)
         table = ctx.sensitivity[key]
     price = element_price(ctx.shape, point_scheme(point))
@@ -79,7 +82,7 @@ def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
     fit = (span, point.key_levels)
     if fit not in ctx.key_calibration:
         ctx.key_calibration[fit] = cached_key_calibration(
-            ctx.model, ctx.name, ctx.calib_ids, span, point.key_levels
+            ctx.model, ctx.name, ctx.calib_ids, span, point.key_levels, ctx.calibration_source
         )
     return ctx.key_calibration[fit]
 
@@ -216,8 +219,14 @@ def allocation_record(alloc) -> dict:
 
 def resolved(ctx: ModelContext) -> dict:
     """What a point's configuration resolved to when it ran (rules that depend on the model or the machine, such
-    as whether the CPU computes bf16 natively): its row records it."""
-    return {"bos_used": ctx.bos, **precision.describe(ctx.model.device.type)}
+    as whether the CPU computes bf16 natively), and the text its windows came from (harness.data.source_name):
+    its row records it."""
+    return {
+        "bos_used": ctx.bos,
+        "data_source": source_name(ctx.data_source),
+        "calibration_source": source_name(ctx.calibration_source),
+        **precision.describe(ctx.model.device.type),
+    }
 
 
 def baseline_record(ctx: ModelContext) -> dict:

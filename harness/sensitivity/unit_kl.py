@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from harness import evaluate
-from harness.calibrate import disk_cached, model_identity
+from harness.calibrate import disk_cached, model_identity, source_identity
 from harness.policies import quantized_widths
 from harness.schemes import KeyCalibration, Scheme
 from harness.schemes.base import ROLES
@@ -133,16 +133,18 @@ def cached_unit_kl(
     sequences: int = PROBE_SEQUENCES,
     tokens: int = PROBE_TOKENS,
     key_calibration: KeyCalibration | None = None,
+    source: str | None = None,
 ) -> pd.DataFrame:
     """unit_kl on probe_ids(calib_ids, sequences, tokens), read from disk (calibration's cache dir) when measured
-    before with the same model, model config, probe tokens, scheme (name, group size, options), widths, chunk
-    and fitted key tables (key_calibration, for a scheme that reads them)."""
+    before with the same model, model config, probe tokens (cut from the calibration `source`), scheme (name,
+    group size, options), widths, chunk and fitted key tables (key_calibration, for a scheme that reads them)."""
     quantized = quantized_widths(widths)
     ids = probe_ids(calib_ids, sequences, tokens)
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{options}|{quantized}|{tuple(ids.shape)}|{chunk}"
     if key_calibration is not None:  # tables without one keep their keys
         identity += f"|{key_calibration.digest()}"
+    identity += source_identity(source)
     table = disk_cached(
         f"{model_name}-unit-kl",
         identity,

@@ -414,7 +414,12 @@ def test_the_levels_come_from_the_calibration_windows_only(tmp_path, monkeypatch
 
     def context(calib_ids, sequences):
         return SimpleNamespace(
-            model=model, name="tiny-llama", calib_ids=calib_ids, sequences=sequences, key_calibration={}
+            model=model,
+            name="tiny-llama",
+            calib_ids=calib_ids,
+            sequences=sequences,
+            key_calibration={},
+            calibration_source=None,
         )
 
     first = context(calib, torch.randint(0, 256, (2, 24), generator=g))
