@@ -191,6 +191,15 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
         raise ConfigError(f"sweep: {err}") from None
     for point in points:
         _check_point(point, cfg.quant.backend)
+        if (
+            point.engine == HARNESS
+            and point_scheme(point).reads_previous_layer
+            and not cfg.quant.get("simulate")
+        ):
+            raise ConfigError(
+                f"quant.simulate: {point.scheme} reconstructs each layer from the reconstruction of the layer "
+                "below, which only a simulated cache keeps; allowed: true"
+            )
     return points
 
 

@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 
 from harness import data, io
 from harness.config import Point, base_point, compose
+from harness.fitted import cached_fit
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
-from harness.key_calibration import cached_key_calibration
 from harness.models import ModelUnavailable, load_model
 from harness.run.measure import key_span, point_scheme
 from harness.schemes import Scheme
@@ -137,12 +137,9 @@ def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str)
     model, tokenizer = load_model(point.model, dtype=point.dtype)
     calibration = data.point_windows(tokenizer, point).calibration
     source, _ = data.calibration_source(point)
-    # a calkey point's key tables, as its sweep point fits them (the unit KLs are measured through them)
-    tables = (
-        cached_key_calibration(model, point.model, calibration, key_span(point), point.key_levels, source)
-        if scheme.key_tables
-        else None
-    )
+    # a calkey (pca) point's key tables (transforms), as its sweep point fits them (the unit KLs are measured
+    # through them)
+    tables = cached_fit(scheme, model, point.model, calibration, key_span(point), point.key_levels, source)
     table = cached_unit_kl(
         model,
         point.model,

@@ -181,7 +181,8 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
     here = frame[(frame["model"] == model) & (frame["status"] == "ok") & (frame["policy"] != "baseline")]
     here = here[np.isfinite(here[X].astype(float)) & (here[X].astype(float) > 0)]
     points, peer_points = here[is_harness(here)], here[~is_harness(here)]
-    peer_points = peer_points[peer_points[X].astype(float) > 1]  # an engine's own reference (f16) is not drawn
+    # an engine's own reference (llama.cpp's f16, compression 1) is not drawn
+    peer_points = peer_points[peer_points[X].astype(float) > 1]
     if scheme is not None:
         points = points[points["scheme"] == scheme]
     mine, theirs = ordered(points).to_dict("records"), peer_points.to_dict("records")

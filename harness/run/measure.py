@@ -14,7 +14,7 @@ from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, w
 from harness.capacity import element_price
 from harness.config import HARNESS, Point
 from harness.data import source_name
-from harness.key_calibration import cached_key_calibration
+from harness.fitted import cached_fit
 from harness.policies import from_point
 from harness.run.context import ModelContext
 from harness.schemes import KeyCalibration, Scheme, get_scheme
@@ -69,20 +69,22 @@ def point_scheme(point: Point) -> Scheme:
 
 
 def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
-    """The fitted key tables of a point whose scheme reads them (calkey), for positions below the point's longest
-    window, its levels fitted as quant.key_levels says: fitted on the context's calibration windows once per span
-    and level fit (cached on disk); None for other schemes."""
-    if not point_scheme(point).key_tables:
+    """The parts fitted on calibration text that a point's scheme reads (harness.fitted: calkey's key tables for
+    positions below the point's longest window, its levels fitted as quant.key_levels says; pca's transforms):
+    fitted on the context's calibration windows once per kind, span and level fit (cached on disk); None for
+    other schemes."""
+    scheme = point_scheme(point)
+    if not scheme.key_tables:
         return None
     if ctx.calib_ids is None:
         raise ValueError(
             f"quant.scheme: {point.scheme} fits its key tables on the calibration windows; this context has none"
         )
     span = key_span(point)
-    fit = (span, point.key_levels)
+    fit = (scheme.fit, scheme.fit_variant, span, point.key_levels)
     if fit not in ctx.key_calibration:
-        ctx.key_calibration[fit] = cached_key_calibration(
-            ctx.model, ctx.name, ctx.calib_ids, span, point.key_levels, ctx.calibration_source
+        ctx.key_calibration[fit] = cached_fit(
+            scheme, ctx.model, ctx.name, ctx.calib_ids, span, point.key_levels, ctx.calibration_source
         )
     return ctx.key_calibration[fit]
 
@@ -189,6 +191,8 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         "resident_bytes": resident,
         "resident_ratio": resident / held,
         "simulate": ctx.simulate,
+        # the measurement mode: each layer reconstructed from the layer below's reconstruction (xlayer)
+        "reads_previous_layer": point_scheme(point).reads_previous_layer,
         "n_sinks": int(alloc.sinks.sum()),
         "tokens_kept_fraction": kept_fraction(caches),
     }

@@ -14,15 +14,20 @@ token_bytes, the SCHEMES registry); one file per family:
   asym_token; registered after rotate (a rotation would mix the rotary pairs its table relies on);
 - `nuqkey` (NuqKey, NuqKeyStore): keys turned back to before RoPE, per channel the nearest of 2**b levels fitted
   offline (k-means on calibration keys, key_table.py), optional fp16 outliers, values as asym_token; after calkey;
-- `nuqkey_codebook` (NuqKeyCodebook): nuqkey's keys with codebook's values; after nuqkey.
+- `nuqkey_codebook` (NuqKeyCodebook): nuqkey's keys with codebook's values; after nuqkey;
+- `pca` (Pca, PcaStore): keys before RoPE and values on a PCA basis fitted per layer and KV head (pca_table.py),
+  bits per component by a dynamic program so that trailing components may get 0; after nuqkey_codebook;
+- `xlayer`, `xlayer_r32`, `xlayer_r8` (Xlayer, XlayerStore): AQUA-KV's cross-layer prediction (each layer's keys
+  and values predicted from the layer below's, full rank or rank 32 / 8, xlayer_table.py), the residual in
+  codebook's format; simulated caches only; after pca.
 FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
 one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
 registered before it, unless the scheme rotates itself), and one YAML file in conf/quant.
 """
 
 # The import order is the registration order (the order of the allowed names in errors); rotate wraps every scheme
-# registered before it, so only codebook, which rotates itself, and calkey, nuqkey and nuqkey_codebook, whose key
-# tables rely on the rotary pairs a rotation would mix, come after it.
+# registered before it, so only codebook, which rotates itself, and calkey, nuqkey, nuqkey_codebook and pca, whose
+# fitted tables rely on the rotary pairs a rotation would mix (and pca on its own basis), come after it.
 # isort: off
 from harness.schemes.base import (
     ROLES,
@@ -43,6 +48,8 @@ from harness.schemes.codebook import Codebook, CodebookStore
 from harness.schemes.calkey import CalKey, CalKeyStore
 from harness.schemes.nuqkey import NuqKey, NuqKeyStore
 from harness.schemes.nuqkey_codebook import NuqKeyCodebook
+from harness.schemes.pca import Pca, PcaStore
+from harness.schemes.xlayer import Xlayer, XlayerStore
 from harness.schemes.key_table import FISHER, FISHER_SQRT, KEY_LEVELS, KMEANS, KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
 
@@ -71,6 +78,10 @@ __all__ = [
     "NuqKey",
     "NuqKeyCodebook",
     "NuqKeyStore",
+    "Pca",
+    "PcaStore",
+    "Xlayer",
+    "XlayerStore",
     "ResidualStore",
     "Rotated",
     "RotatedStore",

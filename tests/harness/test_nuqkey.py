@@ -227,8 +227,8 @@ def test_positions_follow_starts_at_keep_last_and_select():
     expected = torch.stack([kept[b, :, index[b]] for b in range(B)])
     torch.testing.assert_close(store.dequantize().double(), expected.float().double(), atol=1e-4, rtol=1e-4)
     base = store.parts[1]
-    assert base.positions.dtype == torch.int32 and base.positions.shape == (B, 5)
-    assert torch.equal(base.positions[0].long(), start + 8 + index[0])
+    assert base.positions.kept.dtype == torch.int32 and base.positions.kept.shape == (B, 5)
+    assert torch.equal(base.positions.kept[0].long(), start + 8 + index[0])
     tables = sum(bound.table_bytes(b, D, "key") for b in BITS)
     assert before == pytest.approx(tables + sum(B * T * bound.token_bytes(b, D, "key") for b in BITS))
     assert store.nbytes() == pytest.approx(

@@ -531,5 +531,6 @@ def test_the_frontier_is_ringed_and_peers_are_filled_and_larger():
     peers = [c for c in ppl.collections if c.get_label().startswith("llama.cpp")]
     assert {c.get_label() for c in peers} == {"llama.cpp q4_0 + rotation", "llama.cpp q8_0"}  # not f16 (1x)
     mine = [c for c in ppl.collections if c not in peers and c is not rings]
-    assert all(c.get_facecolors()[0][3] > 0 for c in peers) and all(len(c.get_facecolors()) == 0 for c in mine)
+    assert all(c.get_facecolors()[0][3] > 0 for c in peers)  # filled
+    assert all(len(c.get_facecolors()) == 0 for c in mine)  # hollow
     assert min(c.get_sizes()[0] for c in peers) > max(c.get_sizes()[0] for c in mine)
