@@ -19,7 +19,10 @@ token_bytes, the SCHEMES registry); one file per family:
   bits per component by a dynamic program so that trailing components may get 0; after nuqkey_codebook;
 - `xlayer`, `xlayer_r32`, `xlayer_r8` (Xlayer, XlayerStore): AQUA-KV's cross-layer prediction (each layer's keys
   and values predicted from the layer below's, full rank or rank 32 / 8, xlayer_table.py), the residual in
-  codebook's format; simulated caches only; after pca.
+  codebook's format; simulated caches only; after pca;
+- `vq2`, `vq4`, `vq8` (Vq, VqStore): keys before RoPE and values less their calibration mean, rotated and coded p
+  coordinates at a time to a fixed grid (2-D and 4-D k-means grids of N(0, I), E8's Voronoi code: grids.py), one
+  fp16 scale per token and head; after xlayer.
 FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
 one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
 registered before it, unless the scheme rotates itself), and one YAML file in conf/quant.
@@ -50,6 +53,7 @@ from harness.schemes.nuqkey import NuqKey, NuqKeyStore
 from harness.schemes.nuqkey_codebook import NuqKeyCodebook
 from harness.schemes.pca import Pca, PcaStore
 from harness.schemes.xlayer import Xlayer, XlayerStore
+from harness.schemes.vq import Vq, VqStore
 from harness.schemes.key_table import FISHER, FISHER_SQRT, KEY_LEVELS, KMEANS, KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
 
@@ -80,6 +84,8 @@ __all__ = [
     "NuqKeyStore",
     "Pca",
     "PcaStore",
+    "Vq",
+    "VqStore",
     "Xlayer",
     "XlayerStore",
     "ResidualStore",
