@@ -3,13 +3,16 @@ the kind to the function that fits them on a model's calibration windows (cached
 calibration source), and `cached_fit` asks the one a scheme needs:
 - `key_tables` (calkey, nuqkey, nuqkey_codebook): harness.key_calibration's KeyCalibration;
 - `pca` (pca): harness.pca_calibration's PcaCalibration;
-- `xlayer` (xlayer, xlayer_r32, xlayer_r8): harness.xlayer_calibration's CrossLayerCalibration at the scheme's rank.
+- `xlayer` (xlayer, xlayer_r32, xlayer_r8): harness.xlayer_calibration's CrossLayerCalibration at the scheme's rank;
+- `cq` (cq2, cq4): harness.cq_calibration's CqCalibration for the scheme's channel groups.
+(vq2, vq4 and vq8 read pca's fit for its means.)
 """
 
 from __future__ import annotations
 
 import torch
 
+from harness.cq_calibration import cached_cq_calibration
 from harness.key_calibration import cached_key_calibration
 from harness.pca_calibration import cached_pca_calibration
 from harness.schemes import KMEANS, Scheme
@@ -25,6 +28,9 @@ FITS = {
     ),
     "xlayer": lambda scheme, model, name, ids, span, levels, source: cached_xlayer_calibration(
         model, name, ids, scheme.rank, source
+    ),
+    "cq": lambda scheme, model, name, ids, span, levels, source: cached_cq_calibration(
+        model, name, ids, scheme.channels, source
     ),
 }
 

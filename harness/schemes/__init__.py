@@ -22,7 +22,9 @@ token_bytes, the SCHEMES registry); one file per family:
   codebook's format; simulated caches only; after pca;
 - `vq2`, `vq4`, `vq8` (Vq, VqStore): keys before RoPE and values less their calibration mean, rotated and coded p
   coordinates at a time to a fixed grid (2-D and 4-D k-means grids of N(0, I), E8's Voronoi code: grids.py), one
-  fp16 scale per token and head; after xlayer.
+  fp16 scale per token and head; after xlayer;
+- `cq2`, `cq4` (Cq, CqStore): keys before RoPE and values, groups of 2 or 4 channels coded jointly against k-means
+  codebooks fitted per layer, KV head and group on calibration text (cq_table.py), codebooks counted; after vq.
 FullStore, SinkStore and ResidualStore (wrappers.py) keep tokens unquantized for every scheme. A new scheme is
 one file here that registers a Scheme subclass, imported below (before rotate, which wraps every scheme
 registered before it, unless the scheme rotates itself), and one YAML file in conf/quant.
@@ -54,6 +56,7 @@ from harness.schemes.nuqkey_codebook import NuqKeyCodebook
 from harness.schemes.pca import Pca, PcaStore
 from harness.schemes.xlayer import Xlayer, XlayerStore
 from harness.schemes.vq import Vq, VqStore
+from harness.schemes.cq import Cq, CqStore
 from harness.schemes.key_table import FISHER, FISHER_SQRT, KEY_LEVELS, KMEANS, KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
 
@@ -73,6 +76,8 @@ __all__ = [
     "ChannelStore",
     "Codebook",
     "CodebookStore",
+    "Cq",
+    "CqStore",
     "Fp8",
     "Fp8Store",
     "FullStore",

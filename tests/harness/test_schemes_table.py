@@ -22,6 +22,8 @@ import torch
 
 import harness.schemes
 from harness.schemes import SCHEMES, KeyCalibration, Scheme, Store, get_scheme
+from harness.schemes.cq_table import CqCalibration, CqLayer
+from harness.schemes.cq_table import fit_table as fit_codebooks_table
 from harness.schemes.key_table import fit_table
 from harness.schemes.pca_table import PcaCalibration, PcaLayer
 from harness.schemes.pca_table import fit_table as fit_transform
@@ -83,6 +85,12 @@ CASES = [
         Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False)
         for name in ("vq2", "vq4", "vq8")
     ),
+    # Codebooks fitted on the test's vectors: each group to its nearest centroid, so within the data's span (a loose
+    # bound as pca's; test_cq.py checks the format against its oracle); zeros come back as their nearest centroids.
+    *(
+        Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False)
+        for name in ("cq2", "cq4")
+    ),
 ]
 IDS = [case.name for case in CASES]
 G, B, D = 8, 3, 32
@@ -104,6 +112,9 @@ def ready(scheme: Scheme, heads: int, x: torch.Tensor | None = None) -> Scheme:
     if scheme.fit == "pca":  # keys and values alike, on the same vectors; no rotary pairs
         layer = PcaLayer(fit_transform(keys), fit_transform(keys), torch.zeros(D))
         return scheme.for_layer(0, PcaCalibration((layer,)))
+    if scheme.fit == "cq":  # keys and values alike, on the same vectors; no rotary pairs
+        table = fit_codebooks_table(keys, scheme.channels)
+        return scheme.for_layer(0, CqCalibration((CqLayer(table, table, torch.zeros(D)),), scheme.channels))
     if scheme.fit == "xlayer":  # one layer, no layer below: each head predicted by its mean (no inputs)
         bias = keys.mean(0).half()  # (H, D)
         first = Predictor(bias, weight=torch.zeros(heads, 0, D).half())
