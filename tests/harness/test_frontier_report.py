@@ -251,7 +251,8 @@ def test_points_judged_on_other_text_get_their_own_section_against_the_reference
     assert table.loc["3.5x", "key"] == "o-pca" and table.loc["3.5x", "calibrated on"] == "pydoc_topics"
     assert table.loc["3.5x", "point"] == "pca sink_tokens=1, 4 bits: uniform (calibrated on pydoc_topics)"
     cell = table.loc["3.5x", "minus uniform asym_token g32, 4 bits, ppl_ratio"]
-    assert cell.startswith(f"**{math.exp(0.01) - math.exp(0.08):+.3g} [") and cell.endswith("n=16**")  # bold: excludes 0
+    # bold: its interval excludes 0
+    assert cell.startswith(f"**{math.exp(0.01) - math.exp(0.08):+.3g} [") and cell.endswith("n=16**")
     assert (
         table.loc["3x", "minus llama.cpp's q4_0 emulated (rotate+sym_token g32, 4 bits), ppl_ratio"]
         != "not in the run"
