@@ -17,7 +17,7 @@ from harness.data import source_name
 from harness.fitted import cached_fit
 from harness.policies import from_point
 from harness.run.context import ModelContext
-from harness.schemes import KeyCalibration, Scheme, get_scheme
+from harness.schemes import FittedParts, Scheme, get_scheme
 from harness.sensitivity import MEASUREMENTS
 from kernels.layout import FULL_WIDTH
 
@@ -68,7 +68,7 @@ def point_scheme(point: Point) -> Scheme:
     )
 
 
-def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
+def key_calibration(ctx: ModelContext, point: Point) -> FittedParts | None:
     """The parts fitted on calibration text that a point's scheme reads (harness.fitted: calkey's key tables for
     positions below the point's longest window, its levels fitted as quant.key_levels says; pca's transforms):
     fitted on the context's calibration windows once per kind, span and level fit (cached on disk); None for

@@ -59,11 +59,18 @@ from harness.schemes.vq import Vq, VqStore
 from harness.schemes.cq import Cq, CqStore
 from harness.schemes.key_table import FISHER, FISHER_SQRT, KEY_LEVELS, KMEANS, KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
+from harness.schemes.pca_table import PcaCalibration
+from harness.schemes.xlayer_table import CrossLayerCalibration
+from harness.schemes.cq_table import CqCalibration
 
 # isort: on
 
+# What a scheme with key_tables reads, fitted on calibration text (harness.fitted builds them, Scheme.fit says which)
+FittedParts = KeyCalibration | PcaCalibration | CrossLayerCalibration | CqCalibration
+
 __all__ = [
     "FISHER",
+    "FittedParts",
     "FISHER_SQRT",
     "KEY_LEVELS",
     "KMEANS",

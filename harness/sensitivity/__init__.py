@@ -246,7 +246,7 @@ def _proxy(
 # scheme, widths, chunk[, key_calibration=][, source=]) -> the table, measured once and cached on disk (source:
 # the calibration source the ids were cut from, harness.calibrate.source_identity).
 MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
-# Those that measure through caches, and so take a scheme's fitted key tables (key_calibration=, calkey); the
+# Those that measure through caches, and so take a scheme's fitted parts (key_calibration=: calkey, pca, ...); the
 # proxy stores each head through the scheme alone, without them.
 READS_KEY_TABLES = frozenset({"unit_kl"})
 
