@@ -45,7 +45,7 @@ format: install
 	$(PY) -m ruff format harness kernels tests
 	$(PY) -m ruff check --fix harness kernels tests
 
-# Wheels for `python -m kernels.gpu_check` on a GPU machine with no network (Python 3.12, with torch, triton,
+# Wheels for `python -m kernels.gpu.check` on a GPU machine with no network (Python 3.12, with torch, triton,
 # pandas, pyarrow, matplotlib, pytest and hypothesis but an older transformers and no hydra): into the ignored
 # .whl/, installed there by the check itself. antlr4-python3-runtime ships only a source archive: built here.
 GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 transformers==5.23.0 regex==2026.11.15

@@ -152,31 +152,23 @@ def _decode_split_kernel(
     stride_qh,
     kp_ptr,
     kp_sb,
+    kp_sh,
     kp_st,
     ks_ptr,
     kz_ptr,
     ks_sb,
     ks_sh,
     ks_st,
-    kf_ptr,
-    kf_sb,
-    kf_sh,
-    kf_st,
-    ko_ptr,
     kslot_ptr,
     vp_ptr,
     vp_sb,
+    vp_sh,
     vp_st,
     vs_ptr,
     vz_ptr,
     vs_sb,
     vs_sh,
     vs_st,
-    vf_ptr,
-    vf_sb,
-    vf_sh,
-    vf_st,
-    vo_ptr,
     vslot_ptr,
     kx_ptr,
     kx_sb,
@@ -239,14 +231,12 @@ def _decode_split_kernel(
     l_i = tl.zeros((QG_B,), tl.float32)
     acc = tl.zeros((QG_B, D_B), tl.float32)
 
-    kp_base = b64 * kp_sb + tl.load(ko_ptr + h)
-    vp_base = b64 * vp_sb + tl.load(vo_ptr + h)
-    kslot = tl.load(kslot_ptr + h)
-    vslot = tl.load(vslot_ptr + h)
+    kslot = tl.load(kslot_ptr + h).to(tl.int64)
+    vslot = tl.load(vslot_ptr + h).to(tl.int64)
+    kp_base = b64 * kp_sb + kslot * kp_sh
+    vp_base = b64 * vp_sb + vslot * vp_sh
     ks_base = b64 * ks_sb + kslot * ks_sh
     vs_base = b64 * vs_sb + vslot * vs_sh
-    kf_base = b64 * kf_sb + kslot * kf_sh
-    vf_base = b64 * vf_sb + vslot * vf_sh
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
@@ -255,17 +245,17 @@ def _decode_split_kernel(
         # is dequantized and attended. Loads that are dequantized before a dot are not staged by Triton's
         # pipeliner, and without this each program waited on every tile's loads.
         n = (start + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
-        k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kf_ptr,
-                                 kf_base + n * kf_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
-        v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vf_ptr,
-                                 vf_base + n * vf_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+        k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kp_ptr,
+                                 kp_base + n * kp_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+        v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vp_ptr,
+                                 vp_base + n * vp_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
         for n0 in range(start, end, BLOCK_N):
             n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
             nx = n + BLOCK_N  # the next tile (masked out past the split's end)
             k_raw_nx, k_s_nx, k_z_nx = _fetch(kp_ptr, kp_base + nx * kp_st, ks_ptr, kz_ptr, ks_base + nx * ks_st,
-                                              kf_ptr, kf_base + nx * kf_st, nx < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+                                              kp_ptr, kp_base + nx * kp_st, nx < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
             v_raw_nx, v_s_nx, v_z_nx = _fetch(vp_ptr, vp_base + nx * vp_st, vs_ptr, vz_ptr, vs_base + nx * vs_st,
-                                              vf_ptr, vf_base + nx * vf_st, nx < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+                                              vp_ptr, vp_base + nx * vp_st, nx < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
             m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
                                     KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
             k_raw, k_s, k_z, v_raw, v_s, v_z = k_raw_nx, k_s_nx, k_z_nx, v_raw_nx, v_s_nx, v_z_nx
@@ -273,10 +263,10 @@ def _decode_split_kernel(
         # 16-bit K and V go to the dots as loaded, and Triton's pipeliner stages those loads itself.
         for n0 in range(start, end, BLOCK_N):
             n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
-            k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kf_ptr,
-                                     kf_base + n * kf_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
-            v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vf_ptr,
-                                     vf_base + n * vf_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+            k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kp_ptr,
+                                     kp_base + n * kp_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+            v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vp_ptr,
+                                     vp_base + n * vp_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
             m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
                                     KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
 
@@ -365,30 +355,20 @@ def plan_splits(
     return buckets, chunks, max(triton.cdiv(max(span, 1), c) for c in chunks)
 
 
-def _store_args(st) -> list:
-    assert st.payload.stride(-1) == 1 and st.scale.stride(-1) == 1 and st.full.stride(-1) == 1
-    assert st.zero is None or st.zero.stride() == st.scale.stride(), "zero must share scale's strides"
-    return [
-        st.payload,
-        st.payload.stride(0),
-        st.payload.stride(1),
-        st.scale,
-        st.scale if st.zero is None else st.zero,
-        st.scale.stride(0),
-        st.scale.stride(1),
-        st.scale.stride(2),
-        st.full,
-        st.full.stride(0),
-        st.full.stride(1),
-        st.full.stride(2),
-        st.byte_offset,
-        st.slot,
-    ]
+def _bucket_args(st, width: int) -> list:
+    """The kernel arguments of one store's bucket at `width`: its payload (or 16-bit values), scales and zeros
+    (placeholders where absent) with their strides, and the store's slot table."""
+    bk = st.bucket_of[width]
+    data = bk.values if width == 16 else bk.payload
+    scale = data if bk.scale is None else bk.scale
+    zero = scale if bk.zero is None else bk.zero
+    assert data.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride()
+    return [data, *data.stride()[:3], scale, zero, *scale.stride()[:3], st.slot]
 
 
 def _kernel_group(st, d_b: int) -> int:
     """The group size the kernel is compiled with (any power of two <= D_B when no head is quantized)."""
-    if st.n_quant == 0:
+    if all(w == 16 for w in st.bits):
         return d_b
     check_group_size(st.group_size, st.head_dim)
     return st.group_size
@@ -495,8 +475,8 @@ def decode_attention(
             q,
             q.stride(0),
             q.stride(1),
-            *_store_args(k_store),
-            *_store_args(v_store),
+            *_bucket_args(k_store, kw),
+            *_bucket_args(v_store, vw),
             kx,
             kx.stride(0),
             kx.stride(1),

@@ -11,7 +11,7 @@ has them) accumulated in float32, the softmax in float32. With logit soft-cappin
 same in plain torch products in float32. GQA: the G query heads of a KV head are G x Tq rows of one product.
 
 Reading a store: `values(store, start, end, dtype)` -> (B, Hkv, end - start, D). A kernels.layout.PackedStore is
-read here, one pass per width bucket: the block's codes are unpacked (at 2 and 4 bits one shift-and-mask per piece
+read here, one pass per width bucket (the heads of one width are one head-major tensor): the block's codes are unpacked (at 2 and 4 bits one shift-and-mask per piece
 of a byte, interleaved into code order), then c * s + z group by group in float32, the arithmetic of
 reference.dequantize, and cast to the dtype. Any other store (harness/schemes) provides `block(start, end)`; one
 whose blocks are rotated (rotate+, codebook) also `turn`, which moves the queries into its domain (keys) or the
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from kernels import reference
-from kernels.layout import FULL_WIDTH, PackedStore
+from kernels.layout import FULL_WIDTH, Bucket, PackedStore
 
 VALUE_ELEMENTS = 1 << 21  # dequantized keys (or values) of one block: 8 MiB in float32
 SCORE_ELEMENTS = 1 << 22  # float32 scores of one block where they are materialized (softcap, not CPU): 16 MiB
@@ -46,20 +46,6 @@ def _codes(raw: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
     )  # (B, Hw, Tb, packed bytes, k): byte j's piece i is code j * k + i
 
 
-def _head_major_bytes(raw: torch.Tensor) -> torch.Tensor:
-    """raw (B, Tb, Hw, pd) uint8 -> (B, Hw, Tb, pd) contiguous, moved as the widest aligned integers."""
-    pd = raw.shape[-1]
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
-        if (
-            pd % size == 0
-            and raw.storage_offset() % size == 0
-            and all(st % size == 0 for st in raw.stride()[:-1])
-        ):
-            return raw.view(dtype).transpose(1, 2).contiguous().view(torch.uint8)
-    return raw.transpose(1, 2).contiguous()
-
-
 def _cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 values -> dtype, saturating where dtype's range is narrower than a dequantized value's (float16:
     one can lie just past 65504), as reference.dequantize casts."""
@@ -68,25 +54,18 @@ def _cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return y.to(dtype)
 
 
-def _bucket_values(
-    store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int,
-    dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
+def _bucket_values(store: PackedStore, bk: Bucket, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
     """One width bucket's tokens [start, end), dequantized: (B, Hw, Tb, D) in dtype."""
-    Hw, D = len(heads), store.head_dim
-    slots = slice(first_slot, first_slot + Hw)
-    if w == FULL_WIDTH:
-        return store.full[:, slots, start:end].to(dtype)
-    pd = reference.packed_dim(D, w)
-    raw = store.payload[:, start:end, first_byte : first_byte + Hw * pd].unflatten(-1, (Hw, pd))
-    codes = _codes(_head_major_bytes(raw), w, D)  # (B, Hw, Tb, D) uint8: bytes moved, not floats
-    B, _, Tb, _ = codes.shape
+    if bk.width == FULL_WIDTH:
+        return bk.values[:, :, start:end].to(dtype)
+    codes = _codes(bk.payload[:, :, start:end], bk.width, store.head_dim)  # (B, Hw, Tb, D) uint8
+    B, Hw, Tb, D = codes.shape
     x = codes.float().view(B, Hw, Tb, D // store.group_size, -1)  # (B, Hw, Tb, ng, g)
-    s = store.scale[:, slots, start:end].float().unsqueeze(-1)  # (B, Hw, Tb, ng, 1), head-major as stored
-    if store.symmetric:
-        x.sub_(1 << (w - 1)).mul_(s)
+    s = bk.scale[:, :, start:end].float().unsqueeze(-1)  # (B, Hw, Tb, ng, 1)
+    if bk.zero is None:  # symmetric
+        x.sub_(1 << (bk.width - 1)).mul_(s)
     else:
-        x.mul_(s).add_(store.zero[:, slots, start:end].float().unsqueeze(-1))
+        x.mul_(s).add_(bk.zero[:, :, start:end].float().unsqueeze(-1))
     return _cast(x.view(B, Hw, Tb, D), dtype)
 
 
@@ -94,15 +73,13 @@ def values(store, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
     """Stored tokens [start, end) dequantized from the stored form: (B, Hkv, end - start, D) in dtype."""
     if not isinstance(store, PackedStore):
         return store.block(start, end).to(dtype)
-    H = len(store.bits)
-    out = None
-    for w, heads, first_slot, first_byte in store.buckets:
-        part = _bucket_values(store, w, heads, first_slot, first_byte, start, end, dtype)  # (B, Hw, Tb, D)
-        if len(heads) == H:  # the bucket holds every head, in KV-head order
-            return part
-        if out is None:
-            out = part.new_empty(store.batch, H, end - start, store.head_dim)
-        out.index_copy_(1, heads, part)
+    if len(store.buckets) == 1:  # one bucket holds every head, in KV-head order
+        return _bucket_values(store, store.buckets[0], start, end, dtype)
+    out = torch.empty(
+        store.batch, len(store.bits), end - start, store.head_dim, dtype=dtype, device=store.device
+    )
+    for bk in store.buckets:
+        out.index_copy_(1, bk.heads, _bucket_values(store, bk, start, end, dtype))
     return out
 
 

@@ -35,11 +35,9 @@ def _inputs(shape: tuple[int, ...], g: int, dtype: torch.dtype, device: str, see
 
 def _fill_garbage(st: PackedStore) -> None:
     """Every element a kernel must write (or must not read) starts as garbage that a check would catch."""
-    st.payload.fill_(0xA5)
-    st.scale.fill_(float("nan"))
-    if st.zero is not None:
-        st.zero.fill_(float("nan"))
-    st.full.fill_(float("nan"))
+    for bk in st.buckets:
+        for t in bk.tensors():
+            t.fill_(0xA5 if t.dtype == torch.uint8 else float("nan"))
 
 
 @pytest.mark.parametrize(
@@ -67,16 +65,16 @@ def test_quantize_bit_exact(device, bits, head_dim, group_size, symmetric, dtype
     quantize_into(st, x, pos)
 
     new = slice(pos, pos + tn)
-    assert torch.equal(st.payload[:, new], ref.payload[:, new])
-    # Compare fp16 bit patterns so that -0.0 vs 0.0 or a NaN left unwritten is caught.
-    assert torch.equal(st.scale[:, :, new].view(torch.int16), ref.scale[:, :, new].view(torch.int16))
-    if not symmetric:
-        assert torch.equal(st.zero[:, :, new].view(torch.int16), ref.zero[:, :, new].view(torch.int16))
-    assert torch.equal(st.full[:, :, new], ref.full[:, :, new])
-    # Nothing outside [pos, pos + Tn) was written.
-    assert (st.payload[:, :pos] == 0xA5).all() and (st.payload[:, pos + tn :] == 0xA5).all()
-    assert st.scale[:, :, :pos].isnan().all() and st.scale[:, :, pos + tn :].isnan().all()
-    assert st.full[:, :, :pos].isnan().all() and st.full[:, :, pos + tn :].isnan().all()
+    for bk, want in zip(st.buckets, ref.buckets):
+        for got, exp in zip(bk.tensors(), want.tensors()):
+            # Compare bit patterns so that -0.0 vs 0.0 or a NaN left unwritten is caught.
+            bits_of = lambda t: (
+                t if t.dtype == torch.uint8 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+            )  # noqa: E731
+            assert torch.equal(bits_of(got[:, :, new]), bits_of(exp[:, :, new])), bk.width
+            # Nothing outside [pos, pos + Tn) was written.
+            for outside in (got[:, :, :pos], got[:, :, pos + tn :]):
+                assert (outside == 0xA5).all() if got.dtype == torch.uint8 else outside.isnan().all()
 
 
 def test_quantize_rejects_unsupported_group_size():
@@ -245,8 +243,9 @@ def test_device_side_position_and_length_match_host_ones(device):
             st.length = 9 + T
         stores.append(pair)
     for a, b in zip(*stores):
-        assert torch.equal(a.payload[:, : 9 + T], b.payload[:, : 9 + T])
-        assert torch.equal(a.scale[:, :, : 9 + T], b.scale[:, :, : 9 + T])
+        for bk_a, bk_b in zip(a.buckets, b.buckets):
+            for ta, tb in zip(bk_a.tensors(), bk_b.tensors()):
+                assert torch.equal(ta[:, :, : 9 + T], tb[:, :, : 9 + T])
     want = decode_attention(q, *stores[0], 0.125, num_splits=1)
     length = torch.tensor([9 + T], dtype=torch.int32, device=device)
     got = decode_attention(q, *stores[1], 0.125, length=length, block_n=16)

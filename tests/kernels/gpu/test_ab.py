@@ -1,4 +1,4 @@
-"""kernels/ab.py: versions of the decode kernel timed side by side, each compiled from its own file."""
+"""kernels/gpu/ab.py: versions of the decode kernel timed side by side, each compiled from its own file."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 KERNEL = ROOT / "kernels" / "decode_attention.py"
 
 
@@ -16,7 +16,7 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
     shutil.copy(KERNEL, other)
     out = tmp_path / "ab.csv"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = cli("kernels.ab", str(KERNEL), str(other), "--dry-run", "--batch", "2", "--context", "40",
+    proc = cli("kernels.gpu.ab", str(KERNEL), str(other), "--dry-run", "--batch", "2", "--context", "40",
                "--widths", "4", "16", "--splits", "3", "--out", str(out), env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(out) as f:
@@ -35,8 +35,8 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
 def test_two_files_with_one_name_are_refused(tmp_path, cli):
     twin = tmp_path / "decode_attention.py"
     shutil.copy(KERNEL, twin)
-    proc = cli("kernels.ab", str(KERNEL), str(twin), "--out", str(tmp_path / "ab.csv"))
+    proc = cli("kernels.gpu.ab", str(KERNEL), str(twin), "--out", str(tmp_path / "ab.csv"))
     assert proc.returncode == 2 and "files: two files share a name" in proc.stderr
-    missing = cli("kernels.ab", str(tmp_path / "nope.py"), "--out", str(tmp_path / "ab.csv"))
+    missing = cli("kernels.gpu.ab", str(tmp_path / "nope.py"), "--out", str(tmp_path / "ab.csv"))
     assert missing.returncode == 2 and "is not a file" in missing.stderr
     assert not (tmp_path / "ab.csv").exists()

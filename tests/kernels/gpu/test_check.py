@@ -1,4 +1,4 @@
-"""kernels/gpu_check.py and its stages (kernels/bench.py, kernels/e2e.py, kernels/runner_check.py).
+"""kernels/gpu/check.py and its stages (kernels/gpu/bench.py, kernels/gpu/e2e.py, kernels/gpu/runner_check.py).
 
 The dry run executes every stage's code on CPU under TRITON_INTERPRET=1 at tiny sizes, so that the one GPU
 command cannot rot between the runs on a GPU machine.
@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kernels import bench, gpu_check
+from kernels.gpu import bench
+from kernels.gpu import check as gpu_check
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _rows(path: Path) -> list[dict]:
@@ -25,7 +26,7 @@ def _rows(path: Path) -> list[dict]:
 
 
 def test_dry_run_exercises_every_stage(tmp_path, cli):
-    proc = cli("kernels.gpu_check", "--dry-run", "--out", str(tmp_path), timeout=900)
+    proc = cli("kernels.gpu.check", "--dry-run", "--out", str(tmp_path), timeout=900)
     folder = tmp_path / "results" / "kernels" / "dry-run-cpu"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     meta = json.loads((folder / "metadata.json").read_text())
@@ -64,7 +65,7 @@ def test_minutes_scale_every_stage_limit():
 
 
 def test_minutes_out_of_range_is_refused(tmp_path, cli):
-    proc = cli("kernels.gpu_check", "--out", str(tmp_path), "--minutes", "40")
+    proc = cli("kernels.gpu.check", "--out", str(tmp_path), "--minutes", "40")
     assert proc.returncode == 2 and "--minutes: 40 is not allowed; allowed: 2 to 20" in proc.stderr
     assert not (tmp_path / "results").exists()
 
@@ -72,7 +73,7 @@ def test_minutes_out_of_range_is_refused(tmp_path, cli):
 def test_a_named_commit_wins_over_a_copied_git_head(tmp_path, cli):
     path = tmp_path / "metadata.json"
     env = {**os.environ, "HARNESS_COMMIT": "0123abc", "TRITON_INTERPRET": "1"}
-    proc = cli("kernels.gpu_check", "--metadata", str(path), env=env)
+    proc = cli("kernels.gpu.check", "--metadata", str(path), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     meta = json.loads(path.read_text())
     assert meta["commit"] == "0123abc" and meta["dirty"].startswith("unknown")

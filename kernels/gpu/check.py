@@ -1,4 +1,4 @@
-"""`python -m kernels.gpu_check --out DIR`: check and benchmark the whole GPU path in one run of under 20 minutes.
+"""`python -m kernels.gpu.check --out DIR`: check and benchmark the whole GPU path in one run of under 20 minutes.
 
 This module owns that run. From the repository root on a CUDA machine it runs, each stage in its own process
 with its own time limit (so a stage that hangs or crashes costs only its own share, and what it wrote stays):
@@ -8,9 +8,9 @@ with its own time limit (so a stage that hangs or crashes costs only its own sha
    (metadata.json);
 3. tests: `pytest -m gpu` (kernels against the oracle, the CUDA graph replay, generate() triton == torch on
    the tiny models, mixed widths), as tests.xml;
-4. bench: `python -m kernels.bench` (decode.csv, decode.png);
-5. e2e: `python -m kernels.e2e` (e2e.csv, e2e.png);
-6. runner: `python -m kernels.runner_check` (runner.csv: the smoke grid on CUDA/triton against CPU/torch);
+4. bench: `python -m kernels.gpu.bench` (decode.csv, decode.png);
+5. e2e: `python -m kernels.gpu.e2e` (e2e.csv, e2e.png);
+6. runner: `python -m kernels.gpu.runner_check` (runner.csv: the smoke grid on CUDA/triton against CPU/torch);
 7. a README.md with the stage outcomes and DESIGN.md section 8's targets read off decode.csv.
 Everything goes to DIR/results/kernels/<gpu name>/ (logs in logs/). `--dry-run` runs every stage's code on
 CPU under TRITON_INTERPRET=1 at tiny sizes and skips the install: a check that nothing has rotted; its
@@ -91,7 +91,7 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
             SITE,
             *map(str, sorted(WHEELS.glob("*.whl"))),
         ],  # fmt: skip
-        "metadata": [py, "-m", "kernels.gpu_check", "--metadata", str(folder / "metadata.json")],
+        "metadata": [py, "-m", "kernels.gpu.check", "--metadata", str(folder / "metadata.json")],
         "tests": [
             py,
             "-m",
@@ -108,15 +108,15 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
         "bench": [
             py,
             "-m",
-            "kernels.bench",
+            "kernels.gpu.bench",
             "--out",
             str(folder),
             "--time-budget",
             str(max(budget["bench"] - 45, budget["bench"] // 2)),  # the rest: plot, quantize bench
             *bench,
         ],
-        "e2e": [py, "-m", "kernels.e2e", "--out", str(folder), *e2e],
-        "runner": [py, "-m", "kernels.runner_check", "--out", str(folder / "runner"), *runner],
+        "e2e": [py, "-m", "kernels.gpu.e2e", "--out", str(folder), *e2e],
+        "runner": [py, "-m", "kernels.gpu.runner_check", "--out", str(folder / "runner"), *runner],
     }
 
 
@@ -290,14 +290,14 @@ def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, comm
         bad = [r for r in runner if r["ok"] == "False"]
         lines += ["", "## Runner (runner/runner.csv)", "",
                   f"{len({r['key'] for r in runner})} points compared, {len(bad)} outside tolerance "
-                  "(tolerances and their reasons: kernels/runner_check.py)."]  # fmt: skip
-    lines += ["", "Files: metadata.json, tests.xml, decode.csv / decode.png (kernels/bench.py says what each "
-              "method and column is), e2e.csv / e2e.png (kernels/e2e.py), runner/ (kernels/runner_check.py), logs/."]  # fmt: skip
+                  "(tolerances and their reasons: kernels/gpu/runner_check.py)."]  # fmt: skip
+    lines += ["", "Files: metadata.json, tests.xml, decode.csv / decode.png (kernels/gpu/bench.py says what each "
+              "method and column is), e2e.csv / e2e.png (kernels/gpu/e2e.py), runner/ (kernels/gpu/runner_check.py), logs/."]  # fmt: skip
     (folder / "README.md").write_text("\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="results go to OUT/results/kernels/<gpu name>/")
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes, no install")
     p.add_argument("--stages", nargs="+", default=list(STAGES), help=f"a subset of {', '.join(STAGES)}")
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     staging = args.out / "results" / "kernels" / ".pending"
     (staging / "logs").mkdir(parents=True, exist_ok=True)
-    command = "python -m kernels.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python -m kernels.gpu.check " + " ".join(sys.argv[1:] if argv is None else argv)
     outcomes, folder = [], staging
     for stage in [s for s in STAGES if s in args.stages]:
         if stage == "install" and (args.dry_run or not list(WHEELS.glob("*.whl"))):

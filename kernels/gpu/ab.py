@@ -1,10 +1,10 @@
-"""`python -m kernels.ab FILE... --out CSV`: versions of kernels/decode_attention.py timed in one process.
+"""`python -m kernels.gpu.ab FILE... --out CSV`: versions of kernels/decode_attention.py timed in one process.
 
 This module owns kernel A/B comparisons. Each FILE is a copy of kernels/decode_attention.py (an older
 revision, a candidate), loaded as its own module so that its Triton kernels compile from its own source. At
 each context and width map the same random bf16 K/V are packed once (kernels/layout.py, the current
 quantize kernel), and every version's `decode_attention` runs on those stores, at its default splits and at
-each `--splits`; SDPA over the 16-bit K/V is timed beside them as the baseline. Rows have kernels/bench.py's
+each `--splits`; SDPA over the 16-bit K/V is timed beside them as the baseline. Rows have kernels/gpu/bench.py's
 columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized stores, where that fits), so
 decode.csv and these tables read alike. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
 a check that the code runs, no figure. Its file checks and module loading also serve harness/perf_ab.py (the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.bench import (
+from kernels.gpu.bench import (
     DRY_SHAPES,
     HEAD_SHAPES,
     Bench,
@@ -90,7 +90,7 @@ def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.ab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path, help="copies of kernels/decode_attention.py")
     p.add_argument("--out", type=Path, required=True, help="the CSV to write")
     p.add_argument("--config", default="32x8", help=f"head shape: {', '.join(HEAD_SHAPES)}")
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("error: kernels.ab needs a CUDA GPU (or --dry-run); nothing was run")
+        sys.exit("error: kernels.gpu.ab needs a CUDA GPU (or --dry-run); nothing was run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run = Bench("cpu" if args.dry_run else "cuda", args.out, deadline=float("inf"))
     versions = load_versions(args.files)

@@ -456,7 +456,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--configs", nargs="+", default=list(HEAD_SHAPES), help=f"head shapes: {', '.join(HEAD_SHAPES)}"
     )
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("error: kernels.bench needs a CUDA GPU (or --dry-run); nothing was run")
+        sys.exit("error: kernels.gpu.bench needs a CUDA GPU (or --dry-run); nothing was run")
     args.out.mkdir(parents=True, exist_ok=True)
     run = Bench(
         "cpu" if args.dry_run else "cuda", args.out / "decode.csv", time.monotonic() + args.time_budget
