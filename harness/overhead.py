@@ -171,7 +171,10 @@ def measure(args, point: Point, points: dict[str, Point], batch: int) -> tuple[l
         for r in range(args.repeats):
             for c in contenders:
                 seconds = _run(model, c, prefilled, windows.sequences, point, base_tf, batch)
-                print(f"round {r}: {c.name:24s} " + "  ".join(f"{k} {v:7.2f} s" for k, v in seconds.items()))
+                print(
+                    f"round {r}: {c.name:24s} " + "  ".join(f"{k} {v:7.2f} s" for k, v in seconds.items()),
+                    flush=True,
+                )
                 rows += [dict(contender=c.name, round=r, part=k, seconds=v) for k, v in seconds.items()]
     sizes = {
         "prompts": tuple(windows.prompts.shape),
