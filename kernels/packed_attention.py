@@ -120,42 +120,53 @@ def _pieces(open_keys: torch.Tensor | None, length: int, block: int) -> list[tup
     ]
 
 
-def _attend(q, k_store, v_store, scale, visible, softcap, length, block):
+def _bias(part: torch.Tensor, G: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mask over one block, part (B or 1, 1, Tq, Tb) bool (True = attend) or additive float -> (the additive bias
+    (B or 1, 1, G * Tq, Tb) in dtype for the rows of every query head, which rows see some key (B or 1, 1, G * Tq))."""
+    if part.dtype == torch.bool:
+        bias = torch.zeros(part.shape, dtype=dtype, device=part.device).masked_fill_(~part, float("-inf"))
+        seen = part.any(-1)  # (B or 1, 1, Tq)
+    else:
+        bias, seen = part.to(dtype), (part > float("-inf")).any(-1)
+    return bias.repeat(1, 1, G, 1), seen.repeat(1, 1, G)
+
+
+def _attend(q, k_store, v_store, scale, mask, causal_offset, softcap, length, block):
     """Attention of q (B, Hkv, G, Tq, D) over stored tokens [0, length), merged block by block.
 
-    visible: None (every key) or (B or 1, 1, Tq, length): bool, or an additive float mask. Returns (B, Hkv, G, Tq, D)
-    in q's dtype; a row with no visible key gives zeros.
+    mask: None or the model's (B or 1, 1, Tq, length), bool or additive float; without it, causal_offset: None (every
+    key) or query row i sees keys j <= causal_offset + i. Returns (B, Hkv, G, Tq, D) in q's dtype; a row with no
+    visible key gives zeros.
     """
     B, Hkv, G, Tq, D = q.shape
     qm = turn(k_store, q.reshape(B, Hkv, G * Tq, D))  # row g * Tq + t: query head kv * G + g, query t
-    if visible is None:
-        pieces = _pieces(None, length, block)
-    else:
-        seen = visible if visible.dtype == torch.bool else visible > float("-inf")  # keys a row may attend
-        bias_free = visible if visible.dtype == torch.bool else visible == 0
+    if mask is not None:
+        bias_free = mask if mask.dtype == torch.bool else mask == 0
         open_keys = bias_free.flatten(0, -2).all(0)  # (length,): keys no row hides or biases
-        attended = seen.flatten(0, -2).any(0)  # (length,): keys some row attends
+        attended = (mask if mask.dtype == torch.bool else mask > float("-inf")).flatten(0, -2).any(0)
         pieces = [p for p in _pieces(open_keys, length, block) if bool(attended[p[0] : p[1]].any())]
+    elif (
+        causal_offset is not None and causal_offset + 1 < length
+    ):  # keys past causal_offset: some rows see them
+        pieces = _pieces(torch.arange(length) <= causal_offset, length, block)
+    else:
+        pieces = _pieces(None, length, block)
+    rows = torch.arange(Tq, device=q.device).unsqueeze(-1)  # (Tq, 1)
     out = lse = None
     hidden_rows = False  # whether some row may see no key
     for start, end, free in pieces:
         k = values(k_store, start, end, q.dtype)  # (B, Hkv, Tb, D)
         v = values(v_store, start, end, q.dtype)
-        bias = row_seen = None
+        bias = seen = None
         if not free:
-            part = visible[..., start:end]  # (B or 1, 1, Tq, Tb)
-            if part.dtype == torch.bool:
-                bias = torch.zeros(part.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                    ~part, float("-inf")
-                )
-                row_seen = part.any(-1)  # (B or 1, 1, Tq)
-            else:
-                bias = part.to(q.dtype)
-                row_seen = (part > float("-inf")).any(-1)
-            bias = bias.repeat(1, 1, G, 1)  # (B or 1, 1, G * Tq, Tb): the rows of every query head
+            part = mask[..., start:end] if mask is not None else None  # (B or 1, 1, Tq, Tb)
+            if part is None:  # causal
+                part = (torch.arange(start, end, device=q.device) <= rows + causal_offset)[None, None]
+            bias, seen = _bias(part, G, q.dtype)
         o, block_lse = _block_attention(qm, k, v, scale, bias, softcap)
-        if row_seen is not None:  # the flash kernel gives a row that sees no key here a log-sum-exp of 0
-            block_lse = block_lse.masked_fill(~row_seen.repeat(1, 1, G), float("-inf"))
+        del k, v, bias  # freed before the next block is dequantized
+        if seen is not None:  # the flash kernel gives a row that sees no key here a log-sum-exp of 0
+            block_lse = block_lse.masked_fill(~seen, float("-inf"))
             hidden_rows = True
         if out is None:
             out, lse = o, block_lse
@@ -214,17 +225,12 @@ def packed_attention(
     for qs in range(0, Tq, QUERY_BLOCK):
         qe = min(qs + QUERY_BLOCK, Tq)
         offset = L - Tq + qs  # the stored position of query row qs
-        if mask is not None:
-            visible, length = mask[..., qs:qe, :], L
-        elif Tq == 1:
-            visible, length = None, L
-        else:  # causal: query row i sees stored tokens j <= offset + i; keys past the last row's are skipped
-            length = min(L, offset + qe - qs)
-            rows = torch.arange(qe - qs, device=q.device).unsqueeze(-1)  # (nq, 1)
-            visible = (torch.arange(length, device=q.device) <= rows + offset)[
-                None, None
-            ]  # (1, 1, nq, length)
+        part_mask = None if mask is None else mask[..., qs:qe, :]
+        causal = None if mask is not None or Tq == 1 else offset
+        length = L if mask is not None else min(L, offset + qe - qs)  # a causal pass skips unreachable keys
         size = block or _block_size(B, Hkv, D, B * Hq * (qe - qs), flash)
-        outs.append(_attend(qg[:, :, :, qs:qe], k_store, v_store, scale, visible, softcap, length, size))
+        outs.append(
+            _attend(qg[:, :, :, qs:qe], k_store, v_store, scale, part_mask, causal, softcap, length, size)
+        )
     out = outs[0] if len(outs) == 1 else torch.cat(outs, 3)  # (B, Hkv, G, Tq, Dv)
     return out.reshape(B, Hq, Tq, -1)
