@@ -31,7 +31,9 @@ def test_bad_arguments_stop_before_any_child_runs(args, message, capsys, monkeyp
 
 
 def test_the_packed_peak_holds_one_dequantized_block_and_little_else(capsys):
-    attention_memory.main(["--contexts", "2048"])  # defaults: batch 8, 9 query and 3 KV heads of 64, 256 queries
+    attention_memory.main(
+        ["--contexts", "2048"]
+    )  # defaults: batch 8, 9 query and 3 KV heads of 64, 256 queries
     row = capsys.readouterr().out.strip().splitlines()[-1]  # | 2048 | packed | sdpa |
     packed, sdpa = (float(x) for x in row.strip("|").split("|")[1:])
     keys_and_values = 2 * 8 * 3 * MAX_BLOCK * 64 * 4 / attention_memory.MIB  # one block, float32
