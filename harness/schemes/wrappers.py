@@ -104,11 +104,12 @@ class FullStore:
 
 
 class _TwoPart:
-    """Tokens [0, front.length) in store `front`, the later ones in store `back`. With `simulate` each part's
-    dequantized values are kept as the part last returned them, so an append costs one concatenation."""
+    """Tokens [0, front.length) in store `front`, the later ones in store `back`, one of them the quantized `base`
+    and the other a FullStore. With `simulate` each part's dequantized values are kept as the part last returned
+    them, so an append costs one concatenation."""
 
-    def __init__(self, front, back, empty: torch.Tensor, simulate: bool = False):
-        self.parts, self.batch, self.simulate = [front, back], front.batch, simulate
+    def __init__(self, front, back, base, empty: torch.Tensor, simulate: bool = False):
+        self.parts, self.base, self.batch, self.simulate = [front, back], base, front.batch, simulate
         self.values = [empty, empty]  # simulate only: (B, Hkv, part length, D) each
 
     @property
@@ -130,12 +131,18 @@ class _TwoPart:
             yield self.parts[1], max(start, n0) - n0, end - n0, max(n0 - start, 0)
 
     def block(self, start: int, end: int) -> torch.Tensor:
-        """Tokens [start, end) of both parts, each part's as it would dequantize them (B, Hkv, end - start, D) in the
-        dtype of the unquantized part."""
+        """Tokens [start, end) of both parts (B, Hkv, end - start, D) in the dtype of the unquantized part and in the
+        domain of the base's blocks: the unquantized tokens (a few) turned into it, the base's never turned back."""
         dtype = self.values[0].dtype
-        return torch.cat(
-            [turn(part, values(part, s, e, dtype)) for part, s, e, _ in self._ranges(start, end)], 2
-        )
+        pieces = [
+            values(part, s, e, dtype) if part is self.base else turn(self.base, values(part, s, e, dtype))
+            for part, s, e, _ in self._ranges(start, end)
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2)
+
+    def turn(self, x: torch.Tensor) -> torch.Tensor:
+        """The base's turn (kernels.packed_attention.turn): x moved between the tokens' domain and the blocks'."""
+        return turn(self.base, x)
 
     def keep_last(self, n: int) -> None:
         for i in (1, 0):  # the back part holds the newest tokens
@@ -186,7 +193,7 @@ class SinkStore(_TwoPart):
         simulate=False,
     ):
         sinks = FullStore(heads, head_dim, batch, dtype, device)
-        super().__init__(sinks, base, sinks.tokens, simulate)
+        super().__init__(sinks, base, base, sinks.tokens, simulate)
         self.bits = base.bits
         self.n_sinks, self.seen = n_sinks, 0  # tokens appended so far
 
@@ -228,7 +235,7 @@ class ResidualStore(_TwoPart):
         simulate: bool = False,
     ):
         recent = FullStore(heads, head_dim, batch, dtype, device)
-        super().__init__(base, recent, recent.tokens, simulate)
+        super().__init__(base, recent, base, recent.tokens, simulate)
         self.bits = base.bits
         self.window, self.chunk = window, chunk
 

@@ -151,3 +151,31 @@ def test_every_store_is_attended_from_its_stored_form(name, sinks, residual, Tq)
     q = torch.randn(B, 6, Tq, D)
     want = reference.attention_reference(q, stores[0].dequantize(), stores[1].dequantize(), 0.3, T - Tq)
     assert rel_err(packed_attention(q, *stores, 0.3, block=16), want) < TOL
+
+
+@pytest.mark.parametrize("name", ["codebook", "rotate+asym_token"])
+def test_a_rotated_store_behind_sink_tokens_turns_queries_and_outputs_not_its_tokens(name, monkeypatch):
+    """The stored tokens stay in the rotated domain: only the queries, the outputs and the unquantized sink tokens
+    are turned, whatever the length of the blocks read."""
+    scheme = get_scheme(name, group_size=8, sink_tokens=2, residual=0)
+    B, T, D, G, Tq = 2, 70, 32, 3, 1
+    torch.manual_seed(9)
+    stores = [
+        scheme.new_store([4, 16, 4], D, B, torch.float32, "cpu", role=role) for role in ("key", "value")
+    ]
+    for store in stores:
+        store.append(torch.randn(B, 3, T, D))
+    rows_turned = []
+    rotate = reference.hadamard_rotate
+
+    def counting(x, *args, **kwargs):
+        rows_turned.append(x.shape[-2])
+        return rotate(x, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "hadamard_rotate", counting)
+    q = torch.randn(B, 3 * G, Tq, D)
+    got = packed_attention(q, *stores, 0.3, block=16)
+    assert rows_turned and max(rows_turned) <= max(G * Tq, 2), rows_turned
+    monkeypatch.setattr(reference, "hadamard_rotate", rotate)
+    want = reference.attention_reference(q, stores[0].dequantize(), stores[1].dequantize(), 0.3, T - Tq)
+    assert rel_err(got, want) < TOL
