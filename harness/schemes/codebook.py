@@ -120,7 +120,7 @@ def rotated_values(codes: torch.Tensor, scale: torch.Tensor, bits: int, dim: int
         word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
         units = torch.stack([word & ((1 << UNIT_BITS) - 1), word >> UNIT_BITS], -1)  # (..., dim // 8, 2)
     table = decoder(bits, torch.device(codes.device))
-    values = table.index_select(0, units.reshape(-1).long()).view(*lead, dim)
+    values = table.index_select(0, units.reshape(-1).int()).view(*lead, dim)
     return values * scale.float().unsqueeze(-1)
 
 
