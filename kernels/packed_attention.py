@@ -11,9 +11,9 @@ has them) accumulated in float32, the softmax in float32. With logit soft-cappin
 same in plain torch products in float32. GQA: the G query heads of a KV head are G x Tq rows of one product.
 
 Reading a store: `values(store, start, end, dtype)` -> (B, Hkv, end - start, D). A kernels.layout.PackedStore is
-read here, one pass per width bucket (the heads of one width are one head-major tensor): the block's codes are unpacked (at 2 and 4 bits one shift-and-mask per piece
-of a byte, interleaved into code order), then c * s + z group by group in float32, the arithmetic of
-reference.dequantize, and cast to the dtype. Any other store (harness/schemes) provides `block(start, end)`; one
+read here, one pass per width bucket (the heads of one width are one head-major tensor): the block's codes are
+unpacked (reference.unpack), then c * s + z group by group in float32, the arithmetic of reference.dequantize, and
+cast to the dtype. Any other store (harness/schemes) provides `block(start, end)`; one
 whose blocks are rotated (rotate+, codebook) also `turn`, which moves the queries into its domain (keys) or the
 output out of it (values), so no stored token is rotated back.
 """
@@ -32,20 +32,6 @@ QUERY_BLOCK = 256  # query rows per pass of a long chunk (a causal chunk then sk
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-def _codes(raw: torch.Tensor, bits: int, head_dim: int) -> torch.Tensor:
-    """uint8 packed rows raw (B, Hw, Tb, packed bytes) -> uint8 codes (B, Hw, Tb, D) in code order."""
-    if bits == 8:
-        return raw
-    if bits == 3:
-        return reference.unpack(raw, bits, head_dim)
-    k, mask = 8 // bits, (1 << bits) - 1
-    last = (k - 1) * bits  # the top piece needs no mask
-    parts = [raw & mask, *(((raw >> (i * bits)) & mask) for i in range(1, k - 1)), raw >> last]
-    return torch.stack(parts, -1).flatten(
-        -2
-    )  # (B, Hw, Tb, packed bytes, k): byte j's piece i is code j * k + i
-
-
 def _cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """float32 values -> dtype, saturating where dtype's range is narrower than a dequantized value's (float16:
     one can lie just past 65504), as reference.dequantize casts."""
@@ -58,7 +44,7 @@ def _bucket_values(store: PackedStore, bk: Bucket, start: int, end: int, dtype: 
     """One width bucket's tokens [start, end), dequantized: (B, Hw, Tb, D) in dtype."""
     if bk.width == FULL_WIDTH:
         return bk.values[:, :, start:end].to(dtype)
-    codes = _codes(bk.payload[:, :, start:end], bk.width, store.head_dim)  # (B, Hw, Tb, D) uint8
+    codes = reference.unpack(bk.payload[:, :, start:end], bk.width, store.head_dim)  # (B, Hw, Tb, D) uint8
     B, Hw, Tb, D = codes.shape
     x = codes.float().view(B, Hw, Tb, D // store.group_size, -1)  # (B, Hw, Tb, ng, g)
     s = bk.scale[:, :, start:end].float().unsqueeze(-1)  # (B, Hw, Tb, ng, 1)

@@ -154,16 +154,20 @@ def unpack(payload: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
             f"allowed: torch.uint8 with last dim {pd} (dim={dim}, bits={bits})"
         )
     lead = payload.shape[:-1]
-    p = payload.to(torch.int32)
     mask = (1 << bits) - 1
+    if bits == 8:
+        return payload.clone()
     if bits == 3:
-        p = p.reshape(*lead, dim // 8, 3)
+        p = payload.to(torch.int32).reshape(*lead, dim // 8, 3)
         word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # (..., D // 8) 24-bit little-endian
         codes = torch.stack([(word >> (3 * i)) & mask for i in range(8)], dim=-1)  # (..., D // 8, 8)
-    else:
-        k = 8 // bits
-        codes = torch.stack([(p >> (i * bits)) & mask for i in range(k)], dim=-1)  # (..., D // k, k)
-    return codes.to(torch.uint8).reshape(*lead, dim)
+        return codes.to(torch.uint8).reshape(*lead, dim)
+    k = 8 // bits
+    last = (k - 1) * bits  # the top piece needs no mask
+    pieces = [payload & mask, *((payload >> (i * bits)) & mask for i in range(1, k - 1)), payload >> last]
+    return torch.stack(pieces, dim=-1).reshape(
+        *lead, dim
+    )  # (..., D // k, k): byte j's piece i is code j * k + i
 
 
 # ---------------------------------------------------------------------------------------------------------
