@@ -131,9 +131,8 @@ def _attend(q, k_store, v_store, scale, mask, causal_offset, softcap, length, bl
         open_keys = bias_free.flatten(0, -2).all(0)  # (length,): keys no row hides or biases
         attended = (mask if mask.dtype == torch.bool else mask > float("-inf")).flatten(0, -2).any(0)
         pieces = [p for p in _pieces(open_keys, length, block) if bool(attended[p[0] : p[1]].any())]
-    elif (
-        causal_offset is not None and causal_offset + 1 < length
-    ):  # keys past causal_offset: some rows see them
+    elif causal_offset is not None and causal_offset + 1 < length:
+        # keys up to causal_offset: every row sees them; the later ones only some rows
         pieces = _pieces(torch.arange(length) <= causal_offset, length, block)
     else:
         pieces = _pieces(None, length, block)
