@@ -49,7 +49,7 @@ STAGES = {
     "teacher_forced": (("tf_forward", "tf_score"), ("tf_forward",)),
     "point": (("gen_cache", "gen_steps", "tf_forward", "tf_score"), ("gen_steps", "tf_forward")),
 }
-# issue targets for a packed-only 4-bit asym_token cache: stage -> {dtype: ratio at most}
+# the speed targets: a packed-only 4-bit asym_token cache's stage -> {dtype: ratio to the plain forward at most}
 TARGETS = {"tf_forward": {"bfloat16": 1.3, "float32": 1.2}, "generation": {"bfloat16": 1.5, "float32": 1.5}}
 
 
@@ -93,8 +93,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> tuple[Point, dict[str, Point], int]:
-    """The point of the overrides, its batch size (eval.batch_size) and, per scheme, the point with that scheme's config; ValueError naming the key
-    for anything not allowed (before any model loads)."""
+    """The point of the overrides, the point with each scheme's config, and the batch size (eval.batch_size);
+    ValueError naming the key for anything not allowed (before any model loads)."""
     if args.repeats < 1:
         raise ValueError(f"--repeats: {args.repeats} is not allowed; allowed: a positive count")
     allowed = group_options("quant")
@@ -152,7 +152,7 @@ def _run(model, contender: Contender, prefilled, sequences, point: Point, base_t
 
 @torch.no_grad()
 def measure(args, point: Point, points: dict[str, Point], batch: int) -> tuple[list[dict], list[str], dict]:
-    """Rows (contender, round, stage, seconds, ratio), the contenders' names in order, and what was run."""
+    """Rows (contender, round, part, seconds) of every round, the contenders' names in order, and the sizes run."""
     model, tokenizer = load_model(point.model, dtype=point.dtype)
     windows = data.point_windows(tokenizer, point)
     contenders = _contenders(args, model, point, points, windows.calibration)
