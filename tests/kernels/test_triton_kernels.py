@@ -307,3 +307,49 @@ def test_decode_step_replays_in_a_cuda_graph(dtype):
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, (i, err)
     assert int(pos) == prefix + steps
+
+
+class _LaunchSpy:
+    """Counts the launches of a Triton kernel and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(
+    "k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra",
+    [
+        ((4, 4, 4), (4, 4, 4), 64, 32, False, torch.float16, 0),
+        ((2, 4, 8), (8, 2, 4), 64, 16, True, torch.bfloat16, 5),
+        ((4, 2, 4), (2, 2, 8), 128, 32, False, torch.bfloat16, 0),
+        ((8, 8, 2), (4, 4, 4), 128, 64, True, torch.float16, 17),
+        ((4, 4, 4), (2, 4, 2), 256, 32, False, torch.bfloat16, 3),
+    ],
+)
+def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra,
+                                    monkeypatch):  # fmt: skip
+    """Buckets packed at 2, 4 and 8 bits with fp16/bf16 queries take the fast kernel (kernels/unpack.py's
+    dequantization, tokens on the mma's M): the output matches the float64 oracle over the dequantized stores
+    at any split count, with and without an extra segment."""
+    from kernels import decode_attention as da
+
+    spy = _LaunchSpy(da._decode_packed_kernel)
+    monkeypatch.setattr(da, "_decode_packed_kernel", spy)
+    ks, vs = _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed=head_dim + group_size)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, HQ, head_dim, generator=gen).to(device=device, dtype=q_dtype)
+    kx, vx = (torch.randn(B, 3, n_extra, head_dim, generator=gen).to(device, q_dtype) for _ in range(2))
+    keys = torch.cat([ks.dequantize(), kx.float()], dim=2)
+    values = torch.cat([vs.dequantize(), vx.float()], dim=2)
+    ref = reference.attention_reference(q[:, :, None], keys, values, head_dim**-0.5)[:, :, 0]
+    for num_splits, block_n in ((1, None), (3, 16)):
+        out = torch.full((B, HQ, head_dim), float("nan"), dtype=q_dtype, device=device)
+        extra = dict(k_extra=kx, v_extra=vx) if n_extra else {}
+        decode_attention(q, ks, vs, head_dim**-0.5, num_splits=num_splits, out=out, block_n=block_n, **extra)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (num_splits, err)
+    assert spy.launches == 2 * len(set(zip(k_bits, v_bits)))  # every bucket took the fast kernel
