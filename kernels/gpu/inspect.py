@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import os
 import re
 import subprocess
@@ -39,8 +40,10 @@ import triton
 
 SHAPE = {"hq": 32, "hkv": 8, "head_dim": 128, "batch": 8, "context": 32768}
 TARGET_ARCH = 90  # Hopper; compiled as sm_90a
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_SOURCES = tuple(ROOT / "kernels" / f for f in ("decode_attention.py", "unpack.py", "layout.py"))
 COLUMNS = [
-    "triton", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
+    "triton", "kernel_sha", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
     "shared_bytes", "loop_instr", "kv_bytes_per_tile", "instr_per_byte", "payload_load_bytes", "mma", "i2f",
     "f2f", "lds", "sts", "bar", "lop3", "shf", "prmt", "ffma", "ldg", "ldgsts", "note",
 ]  # fmt: skip
@@ -190,7 +193,7 @@ def inspect_variant(
     widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
     tile = block_n * (kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"]))
     row = {
-        "triton": triton.__version__, "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
+        "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
         "num_stages": meta.num_stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("LOCAL", 0),
         "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
         "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
@@ -198,6 +201,14 @@ def inspect_variant(
     }  # fmt: skip
     row.update({col: mix.get(col, 0) for col in set(MIX.values())})
     return row
+
+
+def kernel_sha() -> str:
+    """The first 12 hex digits of sha256 over the kernel sources the figures describe (KERNEL_SOURCES)."""
+    digest = hashlib.sha256()
+    for path in KERNEL_SOURCES:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
 
 
 def variants(widths: list[int], block_ns: list[int], warps: list[int]) -> list[tuple[int, int, int, int]]:
