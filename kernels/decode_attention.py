@@ -612,7 +612,7 @@ def decode_attention(
     v_extra: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     length: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -629,7 +629,8 @@ def decode_attention(
         num_splits: KV splits of the stored tokens (default: PROGRAMS_PER_SM programs per SM in each width
             bucket's launch).
         out: optional (B, Hq, D) output tensor, last dim contiguous; default a new tensor of q's dtype.
-        block_n: tokens per tile, a power of two >= 16; a split holds a whole number of tiles.
+        block_n: tokens per tile, a power of two >= 16 (default: each kernel's own, FAST_BLOCK_N or BLOCK_N); a
+            split holds a whole number of tiles.
         length: None (L = the stores' length), or an int32 tensor of one element on q's device holding L, read
             by the kernels: the splits then cover the stores' capacity, so the launches stay the same while L
             grows (CUDA graphs). The caller guarantees 0 < L <= capacity (or an extra segment).

@@ -4,7 +4,8 @@ This module owns the hardware-counter view of stage 1. It runs itself under `ncu
 32 query / 8 KV heads, head_dim 128, batch 8, 32K tokens, bf16, uniform widths; decode_attention called twice
 per width, the second stage-1 launch profiled) with the SpeedOfLight, Occupancy, WarpStateStats and
 MemoryWorkloadAnalysis sections and the clocks as found (`--clock-control none`), and reads the raw page:
-duration, DRAM bytes and share of peak DRAM throughput, achieved occupancy, registers, warp instructions
+duration, DRAM bytes and share of peak DRAM throughput, instructions issued as a share of peak, achieved
+occupancy, registers, warp instructions
 executed (so thread-instructions per DRAM byte as measured, beside the static count of kernels.gpu.inspect),
 and the three largest stall reasons per issued instruction. It writes ncu.csv (one row per width) and the
 raw output to ncu-raw.csv.
@@ -27,7 +28,7 @@ SHAPE = {"hq": 32, "hkv": 8, "head_dim": 128, "batch": 8, "context": 32768}
 KERNELS = "regex:_decode_(packed|split)_kernel"
 SECTIONS = ("SpeedOfLight", "Occupancy", "WarpStateStats", "MemoryWorkloadAnalysis")
 STALL = "smsp__average_warps_issue_stalled_"  # + reason + "_per_issue_active.ratio"
-COLUMNS = ["widths", "duration_us", "dram_bytes_read", "dram_pct_of_peak", "achieved_occupancy_pct",
+COLUMNS = ["widths", "duration_us", "dram_bytes_read", "dram_pct_of_peak", "issue_pct_of_peak", "achieved_occupancy_pct",
            "registers", "warp_instructions", "thread_instr_per_dram_byte", "top_stalls"]  # fmt: skip
 
 
@@ -91,7 +92,12 @@ def summarize(record: dict[str, str], widths: str) -> dict:
         "widths": widths,
         "duration_us": _number(record.get("gpu__time_duration.sum", "nan")) / 1e3,  # base unit: ns
         "dram_bytes_read": read,
-        "dram_pct_of_peak": _number(record.get("dram__throughput.avg.pct_of_peak_sustained_elapsed", "nan")),
+        "dram_pct_of_peak": _number(
+            record.get("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "nan")
+        ),
+        "issue_pct_of_peak": _number(
+            record.get("sm__inst_executed.sum.pct_of_peak_sustained_elapsed", "nan")
+        ),
         "achieved_occupancy_pct": _number(
             record.get("sm__warps_active.avg.pct_of_peak_sustained_active", "nan")
         ),

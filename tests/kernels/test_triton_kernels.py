@@ -353,3 +353,29 @@ def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (num_splits, err)
     assert spy.launches == 2 * len(set(zip(k_bits, v_bits)))  # every bucket took the fast kernel
+
+
+def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
+    """Without block_n the fast kernel runs FAST_BLOCK_N-token tiles and the generic one BLOCK_N (a 4-bit
+    bucket and a 16-bit one in the same call)."""
+    from kernels import decode_attention as da
+
+    tiles = {}
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tiles[self.name] = kwargs["BLOCK_N"]
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(da, "_decode_packed_kernel", Recorder("fast", da._decode_packed_kernel))
+    monkeypatch.setattr(da, "_decode_split_kernel", Recorder("generic", da._decode_split_kernel))
+    ks, vs = _stores((4, 16, 4), (4, 16, 4), 64, 32, False, device, seed=5)
+    q = torch.randn(B, HQ, 64).to(device=device, dtype=torch.float16)
+    decode_attention(q, ks, vs, 0.125)
+    assert tiles == {"fast": da.FAST_BLOCK_N, "generic": da.BLOCK_N}
