@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from kernels.quantize import check_group_size, check_widths
-from kernels.unpack import code_of_column_jit, dequant_tile, fast_path_fits, splat2
+from kernels.unpack import code_of_column_jit, dequant_tile, fast_path_fits, group_constants
 
 LOG2E = math.log2(math.e)
 BLOCK_N = (
@@ -318,13 +318,14 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
     words = tl.load(p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :], mask=mask_n[:, None], other=0)
     g = tl.arange(0, NG)
     s = tl.load(s_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)  # (BLOCK_N, NG)
-    # each word's group scale and zero in both fp16 lanes, broadcast over the G * W / 32 words of a group
-    s2 = tl.reshape(tl.broadcast_to(splat2(s)[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     if SYM:
-        z2 = s2
+        z = s  # unused
     else:
         z = tl.load(z_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)
-        z2 = tl.reshape(tl.broadcast_to(splat2(z)[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
+    s2, z2 = group_constants(s, z, W, SYM)  # (BLOCK_N, NG) int32 each
+    # each word's group constants, broadcast over the G * W / 32 words of a group
+    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
+    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     return dequant_tile(words, s2, z2, W, SYM, ASM)
 
 

@@ -2,13 +2,16 @@
 
 This module owns the fast path's dequantization (kernels/decode_attention.py's packed stage 1): a row of
 kernels/reference.py's format, read as 32-bit words, becomes fp16 values with no int-to-float conversion.
-A word holds CPW = 32 / W codes at W in {2, 4, 8} bits. Its P = 16 / W "pairs" are
-    pair i = ((word >> W * i) & (2**W - 1) * 0x00010001) | 0x64006400,
-two fp16 lanes holding exactly 1024 + code: the low lane code CPW * word + i, the high lane code
-CPW * word + i + P (fp16 0x6400 is 1024, whose last mantissa bit weighs 1). The affine step subtracts 1024
-exactly (sub.f16x2) and applies the group's fp16 scale and zero in one rounding (fma.rn.f16x2): the value is
-fp16(code * scale + zero), where the reference computes it in float32 and rounds to the model's dtype (fp16
-keeps 11 bits of it, bf16 8).
+A word holds CPW = 32 / W codes at W in {2, 4, 8} bits. Its P = 16 / W "pairs" are two fp16 lanes, the low one
+code CPW * word + i, the high one code CPW * word + i + P, each made exactly by shifting the code into place and
+OR-ing an exponent (one lop3 for mask and OR):
+- 2 and 4 bits: the code lands on the top W mantissa bits under exponent 2**W, so a lane is exactly 2**W + code,
+  and one fma.rn.f16x2 gives the value: lane * scale + (zero - 2**W * scale), where the per-group constant is
+  rounded to fp16 once per token and group (its rounding error, at most 2**-11 (|zero| + 2**W scale), is at most
+  about 1% of a quantization step: below bf16's resolution of the value);
+- 8 bits: the code lands on the low mantissa bits under exponent 1024 (lane 1024 + code), sub.f16x2 takes the
+  1024 off exactly and fma.rn.f16x2 applies scale and zero: the value fp16(code * scale + zero) in one rounding.
+The reference computes a value in float32 and rounds it to the model's dtype (fp16 keeps 11 bits of it, bf16 8).
 
 Logical order. A tile of R tokens x NW words becomes (R, D) fp16 in a permuted channel order that makes every
 pair a register of the mma operand without moving it: with WL = NW / 4 words per lane, logical column
@@ -27,7 +30,6 @@ import triton
 import triton.language as tl
 
 FAST_WIDTHS = (2, 4, 8)  # packed widths the fast path reads; 3 bits and 16 take the generic path
-FP16_BIAS = 0x6400  # fp16 1024.0: OR-ed onto a code below 1024 it gives 1024 + code exactly
 
 
 def fast_path_fits(width: int, head_dim: int, group_size: int) -> bool:
@@ -66,26 +68,54 @@ def code_of_column_jit(W: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _lop3(x, MASK: tl.constexpr, OR: tl.constexpr):
+    """(x & MASK) | OR in one lop3 (immLut 0xEA = (a & b) | c); MASK and OR as decimal strings."""
+    return tl.inline_asm_elementwise(
+        "lop3.b32 $0, $1, " + MASK + ", " + OR + ", 234;", "=r,r", [x], tl.int32, True, 1
+    )
+
+
+@triton.jit
 def _pair(words, PAIR: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
-    """Pair PAIR of every word: int32 holding two fp16 lanes 1024 + code."""
-    MASK: tl.constexpr = ((1 << W) - 1) * 0x00010001
-    shifted = words >> (W * PAIR) if PAIR > 0 else words
-    if ASM:
-        # (x & MASK) | 0x64006400 in one lop3 (immLut 0xEA = (a & b) | c)
-        if W == 2:
-            return tl.inline_asm_elementwise(
-                "lop3.b32 $0, $1, 196611, 1677747200, 234;", "=r,r", [shifted], tl.int32, True, 1
-            )
-        elif W == 4:
-            return tl.inline_asm_elementwise(
-                "lop3.b32 $0, $1, 983055, 1677747200, 234;", "=r,r", [shifted], tl.int32, True, 1
-            )
+    """Pair PAIR of every word: int32 of two fp16 lanes, 2**W + code at 2 and 4 bits, 1024 + code at 8."""
+    if W == 8:
+        shifted = words >> (W * PAIR) if PAIR > 0 else words
+    else:  # the field at bit W * PAIR moves to the top W mantissa bits, [10 - W, 10)
+        SHIFT: tl.constexpr = 10 - W - W * PAIR
+        if SHIFT > 0:
+            shifted = words << SHIFT
+        elif SHIFT < 0:
+            shifted = words >> (-SHIFT)
         else:
-            return tl.inline_asm_elementwise(
-                "lop3.b32 $0, $1, 16711935, 1677747200, 234;", "=r,r", [shifted], tl.int32, True, 1
-            )
+            shifted = words
+    if ASM:
+        if W == 2:
+            return _lop3(shifted, "50332416", "1140868096")  # 0x03000300, 0x44004400 (4.0)
+        elif W == 4:
+            return _lop3(shifted, "62915520", "1275087872")  # 0x03C003C0, 0x4C004C00 (16.0)
+        else:
+            return _lop3(shifted, "16711935", "1677747200")  # 0x00FF00FF, 0x64006400 (1024.0)
     else:
-        return (shifted & MASK) | 0x64006400
+        if W == 2:
+            return (shifted & 0x03000300) | 0x44004400
+        elif W == 4:
+            return (shifted & 0x03C003C0) | 0x4C004C00
+        else:
+            return (shifted & 0x00FF00FF) | 0x64006400
+
+
+@triton.jit
+def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr):
+    """Per token and group, fp16 scale s and zero z (R, NG) -> the `dequant_tile` operands s2, z2 (R, NG) int32:
+    s in both lanes, and in both lanes the constant the fma adds: at 2 and 4 bits zero - 2**W * s (symmetric:
+    -(2**W + 2**(W-1)) * s), rounded to fp16 once; at 8 bits the zero itself (symmetric: unused)."""
+    if W == 8:
+        z2 = splat2(z)
+    else:
+        offset = (1 << W) + ((1 << (W - 1)) if SYM else 0)
+        base = 0.0 if SYM else z.to(tl.float32)
+        z2 = splat2((base - offset * s.to(tl.float32)).to(tl.float16))
+    return splat2(s), z2
 
 
 @triton.jit
@@ -111,6 +141,13 @@ def splat2(x):
 
 
 @triton.jit
+def _fma(t, s2, z2):
+    return tl.inline_asm_elementwise(
+        "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [t, s2, z2], tl.int32, True, 1
+    )
+
+
+@triton.jit
 def _sub_fma(t, s2, z2, BIAS: tl.constexpr):
     """PTX for (t - BIAS) * s + z on f16x2 lanes; BIAS names the fp16x2 bits subtracted."""
     return tl.inline_asm_elementwise(
@@ -125,23 +162,21 @@ def _sub_fma(t, s2, z2, BIAS: tl.constexpr):
 
 @triton.jit
 def _affine(t, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
-    """Both fp16 lanes of a pair t to their values, one rounding each: asymmetric (t - 1024) * s + z,
-    symmetric (t - 1024 - 2**(W-1)) * s (z2 unused); s2, z2 are `splat2` of the group's scale and zero."""
+    """Both fp16 lanes of a pair t to their values, one rounding each (s2, z2 from `group_constants`): at 2 and 4
+    bits t * s + z2; at 8 bits (t - 1024) * s + z (symmetric: (t - 1024 - 128) * s)."""
     if ASM:
-        if not SYM:
-            return _sub_fma(t, s2, z2, "1677747200")  # 0x64006400
-        elif W == 2:
-            return _sub_fma(t, s2, tl.zeros_like(t), "1677878274")  # 0x64026402: 1026
-        elif W == 4:
-            return _sub_fma(t, s2, tl.zeros_like(t), "1678271496")  # 0x64086408: 1032
+        if W != 8:
+            return _fma(t, s2, z2)
+        elif not SYM:
+            return _sub_fma(t, s2, z2, "1677747200")  # 0x64006400: 1024
         else:
             return _sub_fma(t, s2, tl.zeros_like(t), "1686135936")  # 0x64806480: 1152
     else:
-        bias = 1024.0 + (1 << (W - 1)) if SYM else 1024.0
+        bias = 0.0 if W != 8 else (1152.0 if SYM else 1024.0)
         t_lo, t_hi = _halves(t)
         s, _ = _halves(s2)
         s = s.to(tl.float32)
-        if SYM:
+        if W == 8 and SYM:
             z = 0.0
         else:
             z, _ = _halves(z2)
