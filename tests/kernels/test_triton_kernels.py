@@ -379,3 +379,18 @@ def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
     q = torch.randn(B, HQ, 64).to(device=device, dtype=torch.float16)
     decode_attention(q, ks, vs, 0.125)
     assert tiles == {"fast": da.FAST_BLOCK_N, "generic": da.BLOCK_N}
+
+
+def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():
+    """A fast bucket of few heads is split as if it held every head (the generic ones for their own count)."""
+    from kernels.decode_attention import FAST_BLOCK_N, plan_splits
+
+    uniform = [PackedStore([4] * 8, 64, 2) for _ in range(2)]
+    mixed = [PackedStore([2, 2, 2, 2, 4, 4, 8, 3], 64, 2) for _ in range(2)]
+    _, (plan,), _ = plan_splits(*uniform, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
+    _, plans, _ = plan_splits(*mixed, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
+    assert plan[0] == FAST_BLOCK_N
+    fast = [plans[0], plans[2], plans[3]]  # buckets in width order: (2, 2), (3, 3), (4, 4), (8, 8)
+    assert fast == [plan] * 3  # fast buckets: splits as long as the uniform map's
+    tile, chunk = plans[1]  # (3, 3): the generic kernel, one head: more, shorter splits
+    assert tile == 32 and chunk < plan[1]
