@@ -306,8 +306,8 @@ def _load_fp16(ptr, offsets, mask):
 
 @triton.jit
 def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                 SYM: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
-    """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's logical column order.
+                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
 
     p_ptr: the head's payload as int32 words, rows of NW = D * W / 32 words; s_ptr, z_ptr: its fp16 scales
     and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored.
@@ -327,7 +327,7 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
     # each word's group constants, broadcast over the G * W / 32 words of a group
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
-    return dequant_tile(words, s2, z2, W, SYM, ASM)
+    return dequant_tile(words, s2, z2, W, SYM, ASM, LANES)
 
 
 @triton.jit
@@ -402,8 +402,11 @@ def _decode_packed_kernel(
         L = L_arg
 
     i = tl.arange(0, QG_B)
-    kcol = code_of_column_jit(KW, D)  # (D,): the code each logical column of a K tile holds
-    vcol = code_of_column_jit(VW, D)
+    # (D,): the code each logical column holds. K tiles are mma operands straight from registers (lane order);
+    # V tiles are transposed through shared memory for the second mma, so they keep each word's values together
+    # (word order: 16-byte stores).
+    kcol = code_of_column_jit(KW, D, True)
+    vcol = code_of_column_jit(VW, D, False)
     qT = _load_fp16(
         q_ptr + b64 * stride_qb, (h * QG + i)[None, :] * stride_qh + kcol[:, None], (i < QG)[None, :]
     )  # (D, QG_B) fmt: skip
@@ -426,7 +429,7 @@ def _decode_packed_kernel(
     for n0 in range(start, end, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         mask_n = rows < end
-        k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM)  # (BLOCK_N, D) fp16
+        k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM, True)  # (BLOCK_N, D) fp16
         s = tl.dot(k, qT) * qk_scale  # (BLOCK_N, QG_B), log2 units
         s = tl.where(mask_n[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
@@ -434,7 +437,7 @@ def _decode_packed_kernel(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
-        v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM)
+        v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
 
     if HAS_EXTRA:

@@ -41,12 +41,17 @@ def fast_path_fits(width: int, head_dim: int, group_size: int) -> bool:
     return head_dim * width % 32 == 0 and words % 4 == 0 and group_size % codes_per_word == 0
 
 
-def code_of_column(width: int, head_dim: int) -> list[int]:
-    """The code (channel) index each logical column holds: the permutation of the module docstring."""
+def code_of_column(width: int, head_dim: int, lanes: bool = True) -> list[int]:
+    """The code (channel) index each logical column holds: the lane order of the module docstring, or with
+    lanes=False the word order (column CPW * word + 2 * i + h holds code CPW * word + i + P * h)."""
     pairs, words = 16 // width, head_dim * width // 32
     wl, cpw = words // 4, 32 // width
     out = []
     for k in range(head_dim):
+        if not lanes:
+            word, i, h = k // cpw, (k % cpw) // 2, k % 2
+            out.append(cpw * word + i + pairs * h)
+            continue
         h, i_lo, c = k % 2, (k // 2) % 2, (k // 4) % 4
         i_hi, wt = (k // 16) % (pairs // 2), k // (16 * (pairs // 2))
         out.append(cpw * (c * wl + wt) + 2 * i_hi + i_lo + pairs * h)
@@ -54,17 +59,20 @@ def code_of_column(width: int, head_dim: int) -> list[int]:
 
 
 @triton.jit
-def code_of_column_jit(W: tl.constexpr, D: tl.constexpr):
+def code_of_column_jit(W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
     """`code_of_column` as a (D,) int32 tensor, in the kernel."""
     P: tl.constexpr = 16 // W
     WL: tl.constexpr = D * W // 128
     k = tl.arange(0, D)
     h = k % 2
-    i_lo = (k // 2) % 2
-    c = (k // 4) % 4
-    i_hi = (k // 16) % (P // 2)
-    wt = k // (16 * (P // 2))
-    return (32 // W) * (c * WL + wt) + 2 * i_hi + i_lo + P * h
+    if LANES:
+        i_lo = (k // 2) % 2
+        c = (k // 4) % 4
+        i_hi = (k // 16) % (P // 2)
+        wt = k // (16 * (P // 2))
+        return (32 // W) * (c * WL + wt) + 2 * i_hi + i_lo + P * h
+    else:
+        return (32 // W) * (k // (32 // W)) + (k % (32 // W)) // 2 + P * h
 
 
 @triton.jit
@@ -208,10 +216,11 @@ def _stack8(a, b, c, d, e, f, g, h):
 
 
 @triton.jit
-def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):
     """words int32 (R, NW) of W-bit codes; s2, z2 int32 (R, NW): `splat2` of each word's group scale and zero.
 
-    Returns fp16 (R, NW * 32 / W) in the logical column order of the module docstring.
+    Returns fp16 (R, NW * 32 / W) in the lane order of the module docstring (LANES: an mma operand read from
+    registers), or in word order (a tile that goes through shared memory: each word's values contiguous).
     """
     R: tl.constexpr = words.shape[0]
     NW: tl.constexpr = words.shape[1]
@@ -238,6 +247,8 @@ def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.cons
             _values(words, 7, s2, z2, W, SYM, ASM),
         )
     lo, hi = _halves(x)  # (R, NW, pair dims...): pair i in row-major order
+    if not LANES:
+        return tl.reshape(tl.join(lo, hi), (R, NW * 2 * P))  # (R, word, i, h)
     # (R, c, wt, i_hi, i_lo, h): word = c * WL + wt, pair i = 2 * i_hi + i_lo, lane h
     y = tl.reshape(tl.join(lo, hi), (R, 4, WL, P // 2, 2, 2))
     y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)

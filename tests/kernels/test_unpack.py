@@ -24,7 +24,7 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
-                 G: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+                 G: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     # One (R, D) tile: words (R, NW) int32, scales/zeros (R, NG) fp16 -> out (R, D) fp16 in code order.
     NW: tl.constexpr = D * W // 32
     NG: tl.constexpr = D // G
@@ -36,8 +36,8 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
     )
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, NG, NW // NG)), (R, NW))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (R, NG, NW // NG)), (R, NW))
-    tile = dequant_tile(words, s2, z2, W, SYM, ASM)  # (R, D) in logical column order
-    tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D)[None, :], tile)
+    tile = dequant_tile(words, s2, z2, W, SYM, ASM, LANES)  # (R, D) in lane or word order
+    tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D, LANES)[None, :], tile)
 
 
 @pytest.mark.parametrize("width", [2, 4, 8])
@@ -45,6 +45,10 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
 def test_code_of_column_is_a_permutation_that_lanes_read_from_their_own_words(width, head_dim):
     cols = code_of_column(width, head_dim)
     assert sorted(cols) == list(range(head_dim))
+    by_word = code_of_column(width, head_dim, lanes=False)
+    cpw = 32 // width
+    assert sorted(by_word) == list(range(head_dim))
+    assert all(code // cpw == k // cpw for k, code in enumerate(by_word))  # a word's values stay together
     words, cpw = head_dim * width // 32, 32 // width
     for k, code in enumerate(cols):
         lane = (k // 4) % 4  # lane c of the mma operand owns columns 16 kb + 4 c .. + 3
@@ -59,7 +63,8 @@ def test_code_of_column_is_a_permutation_that_lanes_read_from_their_own_words(wi
 @pytest.mark.skipif(
     not INTERPRET, reason="the fallback is bit-exact; the compiled path is checked by the decode tests"
 )
-def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetric):
+@pytest.mark.parametrize("lanes", [True, False])
+def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetric, lanes):
     assert fast_path_fits(width, head_dim, group_size)
     gen = torch.Generator().manual_seed(width * head_dim + group_size)
     R = 16
@@ -69,7 +74,7 @@ def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetri
     zero = p.scale if symmetric else p.zero  # unused when symmetric
     out = torch.full((R, head_dim), float("nan"), dtype=torch.float16)
     _tile_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, W=width, G=group_size,
-                       SYM=symmetric, ASM=False)  # fmt: skip
+                       SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
     want = reference.dequantize(p, dtype=torch.float16)
     if width == 8:
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
