@@ -32,9 +32,16 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
 schemes auto is torch and an explicit triton is a ValueError (harness.schemes.check_backend).
-The model must run inside `harness.attention.installed(model, PACKED)` for the placeholders of both backends:
-steps are posted, by layer index, on the state installed there; a step left unattended makes the layer's next
-update raise.
+The placeholders of both backends need the packed attention: the model runs inside
+`harness.attention.installed(model, PACKED)`, where steps are posted, by layer index, on the state installed there
+(a step left unattended makes the layer's next update raise). Outside every such block no attention would read
+the stores, and `outside_packed` says what an update does instead (never hand the model unquantized K/V):
+- `dequantize` (default): return every stored token dequantized (B, Hkv, length, D), for the model's own
+  attention, the same values the packed attention reads; one warning per cache says that memory is then not
+  saved (a full-precision copy of the context exists during each forward);
+- `raise`: a one-line RuntimeError at the first update, before anything is stored, naming the remedy.
+quant.simulate's working copy is returned wherever the model runs, without a warning (it already holds the
+memory of an unquantized cache).
 Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads, sink and residual tokens at
 2 bytes per element);
 `nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens;
@@ -48,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 
 import torch
 from transformers.cache_utils import (
@@ -60,12 +68,45 @@ from transformers.cache_utils import (
 )
 from transformers.configuration_utils import get_head_shapes
 
-from harness.attention.packed import DecodeStep, PackedStep, post_step
+from harness.attention.base import active
+from harness.attention.packed import DecodeStep, PackedStep, Steps, post_step
 from harness.schemes import KMEANS, KeyCalibration, Scheme, check_backend, get_scheme, starts_at
 from kernels.layout import FULL_WIDTH
 
 PREFILL_MODES = ("exact", "quantized")
 BACKENDS = ("auto", "torch", "triton")
+OUTSIDE_PACKED = ("dequantize", "raise")
+REMEDY = "run the model inside harness.attention.installed(model, PACKED)"
+
+
+class UnpackedReadWarning(UserWarning):
+    """A quantized cache was read outside the packed attention: the model got dequantized K/V, memory not saved."""
+
+
+class OutsidePacked:
+    """What the layers of one cache do when they are updated with no packed attention installed (`mode`, one of
+    OUTSIDE_PACKED; the module docstring): warn once for the whole cache, or raise."""
+
+    def __init__(self, mode: str = "dequantize"):
+        if mode not in OUTSIDE_PACKED:
+            raise ValueError(f"outside_packed: unknown {mode!r}; allowed: {', '.join(OUTSIDE_PACKED)}")
+        self.mode, self.warned = mode, False
+
+    def update(self) -> None:
+        """Called by a layer's update outside the packed attention, before it stores anything."""
+        if self.mode == "raise":
+            raise RuntimeError(
+                f"QuantizedKVCache: no packed attention is installed, so the model would attend unquantized K/V; "
+                f"{REMEDY} (or build the cache with outside_packed='dequantize')"
+            )
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"QuantizedKVCache: no packed attention is installed; the model attends the cache's dequantized "
+                f"K/V, so memory is not saved; {REMEDY}",
+                UnpackedReadWarning,
+                stacklevel=4,
+            )
 
 
 def resolve_backend(
@@ -188,6 +229,7 @@ class QuantizedLayer(CacheLayerMixin):
         backend: str = "torch",
         simulate: bool = False,
         layer_idx: int = 0,
+        outside: OutsidePacked | None = None,
     ):
         super().__init__()
         self.key_bits, self.value_bits = [int(b) for b in key_bits], [int(b) for b in value_bits]
@@ -195,6 +237,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.scheme, self.prefill, self.backend = scheme, prefill, backend
         self.simulate = simulate
         self.layer_idx = layer_idx  # the decoder layer: where its steps are posted for its attention
+        self.outside = OutsidePacked() if outside is None else outside  # shared by the cache's layers
         self.k_store = self.v_store = None
         self.fused = False  # resolved at lazy initialization: the Triton kernels write and attend this layer
         self._step: DecodeStep | PackedStep | None = (
@@ -253,20 +296,23 @@ class QuantizedLayer(CacheLayerMixin):
         Placeholders are the new tokens themselves (B, Hkv, Tn, D), posted for the attention with a step
         (harness.attention.packed.post_step): a DecodeStep on a fused decode step (triton backend, one new token),
         a PackedStep on the packed torch path (any Tn); not on an exact prefill's first call, which attends its
-        own full-precision K/V.
+        own full-precision K/V. Outside the packed attention there are no placeholders: `self.outside` raises, or
+        the stored tokens come back dequantized.
         """
         if self._step is not None and not self._step.attended:
-            raise RuntimeError(
-                "the last update's attention did not read the packed cache; run the model inside "
-                "harness.attention.installed(model, PACKED)"
-            )
+            raise RuntimeError(f"the last update's attention did not read the packed cache; {REMEDY}")
         self._step = None
+        packed = active(Steps) is not None
+        if not packed and not self.simulate:
+            self.outside.update()
         first = not self.is_initialized or self.k_store.length == 0
         stored = self.append(key_states, value_states)
         if first and self.prefill == "exact":
             keys, values = key_states, value_states
         elif stored is not None:
             keys, values = stored
+        elif not packed:
+            keys, values = self.k_store.dequantize(), self.v_store.dequantize()
         elif not self.fused:
             self._step = PackedStep(self.k_store, self.v_store)
             keys, values = key_states, value_states
@@ -317,8 +363,9 @@ class QuantizedSlidingLayer(QuantizedLayer):
         backend: str = "torch",
         simulate: bool = False,
         layer_idx: int = 0,
+        outside: OutsidePacked | None = None,
     ):
-        super().__init__(key_bits, value_bits, scheme, prefill, backend, simulate, layer_idx)
+        super().__init__(key_bits, value_bits, scheme, prefill, backend, simulate, layer_idx, outside)
         self.sliding_window = sliding_window
         self.cumulative_length = 0
 
@@ -365,7 +412,8 @@ class QuantizedKVCache(Cache):
     `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens`,
     `residual` (None: the scheme's default), `key_group_size` (None: group_size), `outliers` and `key_levels` are
     harness.schemes.Scheme's. `simulate`: keep a full-precision working copy for the model's own attention (torch
-    backend; see the module docstring). `key_calibration`: the model's fitted key tables
+    backend; see the module docstring). `outside_packed`: "dequantize" or "raise", what an update does outside the
+    packed attention (see the module docstring). `key_calibration`: the model's fitted key tables
     (harness.key_calibration), which a scheme whose keys read them (calkey) needs: each layer's scheme is bound to
     its layer's table (Scheme.for_layer); without them such a scheme is a one-line ValueError.
     """
@@ -386,6 +434,7 @@ class QuantizedKVCache(Cache):
         outliers: float = 0.0,
         key_calibration: KeyCalibration | None = None,
         key_levels: str = KMEANS,
+        outside_packed: str = "dequantize",
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -405,6 +454,7 @@ class QuantizedKVCache(Cache):
         if not isinstance(simulate, bool):
             raise ValueError(f"quant.simulate: {simulate!r} is not allowed; allowed: true, false")
         self.simulate = simulate
+        self.outside = OutsidePacked(outside_packed)
         self.key_bits, self.value_bits = bits.clone(), value_bits.clone()
         layers = [
             self._layer(i, t, kw, bits[i, : heads[i]].tolist(), value_bits[i, : heads[i]].tolist())
@@ -424,12 +474,11 @@ class QuantizedKVCache(Cache):
         if layer_type in ("linear_attention", "conv", "dummy"):
             return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
         widths = (key_bits, value_bits, self.scheme.for_layer(index, self.key_calibration))
+        options = (self.prefill, self.backend, self.simulate, index, self.outside)
         if layer_type == "full_attention":
-            return QuantizedLayer(*widths, self.prefill, self.backend, self.simulate, index)
+            return QuantizedLayer(*widths, *options)
         if layer_type in ("sliding_attention", "chunked_attention"):
-            return QuantizedSlidingLayer(
-                *widths, kwargs["sliding_window"], self.prefill, self.backend, self.simulate, index
-            )
+            return QuantizedSlidingLayer(*widths, kwargs["sliding_window"], *options)
         raise NotImplementedError(f"QuantizedKVCache: layer type {layer_type!r} is not supported yet")
 
     @classmethod
