@@ -107,3 +107,26 @@ def test_a_step_posted_but_not_attended_makes_the_next_update_raise():
         model(input_ids=ids, past_key_values=cache, use_cache=True)
         with pytest.raises(RuntimeError, match="did not read the packed cache"):
             model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("name", TINY)
+@torch.no_grad()
+def test_generate_through_the_packed_attention_equals_the_dequantized_reference(name):
+    """model.generate(..., past_key_values=cache) as a user writes it: inside the block the packed attention reads
+    the stores; outside it the model's own attention reads them dequantized. Same greedy tokens, mixed widths."""
+    model, _ = load_model(name)
+    torch.manual_seed(3 * len(name))
+    grid = QuantizedKVCache(model.config, 4).key_bits.shape  # (layers, most KV heads of a layer)
+    bits = torch.tensor([2, 3, 4, 8, 16])[torch.randint(0, 5, grid)]
+    prompt = torch.randint(1, 256, (2, 19))  # no token 0 (eos); past tiny-gemma3's window with the new tokens
+    kw = dict(max_new_tokens=9, do_sample=False, pad_token_id=0)
+
+    def cache():
+        return QuantizedKVCache(model.config, bits, group_size=16)
+
+    with installed(model, PACKED):
+        packed = model.generate(prompt, past_key_values=cache(), **kw)
+    with pytest.warns(UnpackedReadWarning):
+        reference = model.generate(prompt, past_key_values=cache(), **kw)
+    assert packed.shape == (2, 19 + 9)
+    assert torch.equal(packed, reference), name
