@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import warnings
 
 import torch
@@ -67,9 +68,11 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 from transformers.configuration_utils import get_head_shapes
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from harness.attention.base import active
 from harness.attention.packed import DecodeStep, PackedStep, Steps, post_step
+from harness.policies.base import Allocation
 from harness.schemes import KMEANS, KeyCalibration, Scheme, check_backend, get_scheme, starts_at
 from kernels.layout import FULL_WIDTH
 
@@ -107,6 +110,55 @@ class OutsidePacked:
                 UnpackedReadWarning,
                 stacklevel=4,
             )
+
+
+def check_backend_device(backend: str, device: str | torch.device, key: str = "quant.backend") -> None:
+    """ValueError naming `key` for a backend name not in BACKENDS, or triton where its tensors would not be on
+    CUDA (a CPU device runs Triton only in its interpreter, TRITON_INTERPRET=1): before any model loads."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{key}: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
+    on_cuda = torch.device(device).type == "cuda"
+    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{key}: triton needs CUDA tensors (device=cuda) or Triton's CPU interpreter (TRITON_INTERPRET=1); "
+            f"the device is {torch.device(device).type}; allowed here: auto, torch"
+        )
+
+
+# The cache layer types QuantizedKVCache holds (transformers' names, get_layer_types_and_kwargs): the attention
+# ones quantized, the others kept as the model's own layers.
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+SERVED_LAYERS = (*ATTENTION_LAYERS, "linear_attention", "conv", "dummy")
+
+
+def unserved_reason(config, model_class: type | None = None) -> str | None:
+    """Why QuantizedKVCache cannot serve a causal LM of `config` (None: it can), from the config and the model's
+    class alone (no weights): `model_class` or, when None, transformers' causal LM class for the config."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model keeps a cross-attention cache, which this cache does not hold"
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    other = [t for t in types if t not in SERVED_LAYERS]
+    if other:
+        return f"its layer type {other[0]!r} is none this cache holds ({', '.join(SERVED_LAYERS)})"
+    if not any(t in ATTENTION_LAYERS for t in types):
+        return "no layer keeps attention keys and values (only recurrent state): nothing to quantize"
+    if model_class is None and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    modeling = sys.modules.get(getattr(model_class, "__module__", ""))
+    if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+        return (
+            f"{model_class.__name__} computes attention in its own code, not through transformers' attention "
+            "interface, where the packed attention plugs in"
+        )
+    return None
+
+
+def check_served(config, model_class: type | None = None, key: str = "model") -> None:
+    """ValueError naming `key`, one line saying why, for a model QuantizedKVCache cannot serve (unserved_reason)."""
+    reason = unserved_reason(config, model_class)
+    if reason is not None:
+        kind = getattr(config, "model_type", type(config).__name__)
+        raise ValueError(f"{key}: QuantizedKVCache cannot serve {kind}: {reason}")
 
 
 def resolve_backend(
@@ -405,13 +457,14 @@ class QuantizedSlidingLayer(QuantizedLayer):
 
 
 class QuantizedKVCache(Cache):
-    """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, max(kv_heads(config))], rows of
-    layers with fewer KV heads padded; or one int for all): the keys' widths, and the values' too unless
-    `value_bits` (the same shape or one int; None: `bits`) gives theirs.
+    """A KV cache with per-(layer, KV head) widths from `bits`: an Allocation (harness.policies: its key_bits and
+    value_bits), or int64 [num_layers, max(kv_heads(config))] (rows of layers with fewer KV heads padded) or one int
+    for all: the keys' widths, and the values' too unless `value_bits` (the same shape or one int; None: `bits`)
+    gives theirs.
 
-    `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens`,
-    `residual` (None: the scheme's default), `key_group_size` (None: group_size), `outliers` and `key_levels` are
-    harness.schemes.Scheme's. `simulate`: keep a full-precision working copy for the model's own attention (torch
+    `scheme`: a harness.schemes.Scheme, or its name with the options `group_size`, `sink_tokens`, `residual`
+    (None: the scheme's default), `key_group_size` (None: group_size), `outliers` and `key_levels`.
+    `backend`: "torch", "triton" or "auto" (see the module docstring). `simulate`: keep a full-precision working copy for the model's own attention (torch
     backend; see the module docstring). `outside_packed`: "dequantize" or "raise", what an update does outside the
     packed attention (see the module docstring). `key_calibration`: the model's fitted key tables
     (harness.key_calibration), which a scheme whose keys read them (calkey) needs: each layer's scheme is bound to
@@ -421,8 +474,8 @@ class QuantizedKVCache(Cache):
     def __init__(
         self,
         config,
-        bits: torch.Tensor | int,
-        scheme: str = "asym_token",
+        bits: torch.Tensor | int | Allocation,
+        scheme: str | Scheme = "asym_token",
         group_size: int = 32,
         prefill: str = "exact",
         backend: str = "torch",
@@ -440,15 +493,24 @@ class QuantizedKVCache(Cache):
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
         if backend not in BACKENDS:
             raise ValueError(f"quant.backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
+        check_served(config)
         text_config = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text_config)
         heads = kv_heads(config)
         shape = (len(types), max(heads))  # (layers, most KV heads of a layer)
+        if isinstance(bits, Allocation):
+            if value_bits is not None:
+                raise ValueError("value_bits: the allocation gives the values' widths; leave value_bits out")
+            bits, value_bits = bits.key_bits, bits.value_bits
         bits = _width_grid("bits", bits, shape)
         value_bits = bits if value_bits is None else _width_grid("value_bits", value_bits, shape)
-        self.scheme = get_scheme(
-            scheme, group_size, sink_tokens, residual, key_group_size, outliers, key_levels
-        )
+        options = (group_size, sink_tokens, residual, key_group_size, outliers, key_levels)
+        if isinstance(scheme, Scheme):
+            if options != (32, 0, None, None, 0.0, KMEANS):
+                raise ValueError("scheme: a Scheme object carries its options; leave group_size etc. out")
+            self.scheme = scheme
+        else:
+            self.scheme = get_scheme(scheme, *options)
         self.key_calibration = key_calibration
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         if not isinstance(simulate, bool):
@@ -471,15 +533,13 @@ class QuantizedKVCache(Cache):
         super().__init__(layers=layers)
 
     def _layer(self, index: int, layer_type: str, kwargs: dict, key_bits: list[int], value_bits: list[int]):
-        if layer_type in ("linear_attention", "conv", "dummy"):
+        if layer_type not in ATTENTION_LAYERS:  # recurrent state or a shared layer: the model's own layer
             return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
         widths = (key_bits, value_bits, self.scheme.for_layer(index, self.key_calibration))
         options = (self.prefill, self.backend, self.simulate, index, self.outside)
         if layer_type == "full_attention":
             return QuantizedLayer(*widths, *options)
-        if layer_type in ("sliding_attention", "chunked_attention"):
-            return QuantizedSlidingLayer(*widths, kwargs["sliding_window"], *options)
-        raise NotImplementedError(f"QuantizedKVCache: layer type {layer_type!r} is not supported yet")
+        return QuantizedSlidingLayer(*widths, kwargs["sliding_window"], *options)
 
     @classmethod
     def from_prefilled(cls, prefilled: Cache, config, bits, **kwargs) -> QuantizedKVCache:

@@ -108,6 +108,54 @@ class Allocation:
             return _counts(self.bits[self.cached])
         return {"key": _counts(self.key_bits[self.cached]), "value": _counts(self.value_bits[self.cached])}
 
+    def to_dict(self) -> dict:
+        """JSON-ready: `policy` and the [num_layers, num_kv_heads] grids as nested lists (levels NaN -> null)."""
+        return {
+            "policy": self.policy,
+            "key_bits": self.key_bits.tolist(),
+            "value_bits": self.value_bits.tolist(),
+            "sinks": self.sinks.tolist(),
+            "continuous": _levels(self.continuous),
+            "value_continuous": _levels(self.value_continuous),
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> Allocation:
+        """The allocation of `to_dict()`'s output; `sinks` and the levels may be null (not recorded: no sinks,
+        NaN levels). ValueError naming the key for a missing or malformed entry."""
+        missing = [k for k in ("policy", "key_bits", "value_bits") if k not in values]
+        if missing:
+            raise ValueError(
+                f"allocation.{missing[0]}: missing; an allocation needs policy, key_bits, value_bits"
+            )
+        key_bits = _grid("allocation.key_bits", values["key_bits"], torch.long)
+        shape = tuple(key_bits.shape)
+        value_bits = _grid("allocation.value_bits", values["value_bits"], torch.long, shape)
+        for name, grid in (("key_bits", key_bits), ("value_bits", value_bits)):
+            bad = sorted(set(grid.unique().tolist()) - {0, *ALLOWED_WIDTHS})
+            if bad:
+                allowed = ", ".join(map(str, ALLOWED_WIDTHS))
+                raise ValueError(
+                    f"allocation.{name}: {bad[0]} is not a width; allowed: {allowed} (0: uncached)"
+                )
+        if not torch.equal(key_bits > 0, value_bits > 0):
+            raise ValueError(
+                "allocation.value_bits: caches other heads than allocation.key_bits (0: uncached)"
+            )
+        sinks = values.get("sinks")
+        sinks = (
+            torch.zeros(shape, dtype=torch.bool)
+            if sinks is None
+            else _grid("allocation.sinks", sinks, torch.bool, shape)
+        )
+        levels = [
+            torch.full(shape, math.nan, dtype=torch.float64)
+            if values.get(k) is None
+            else _grid(f"allocation.{k}", values[k], torch.float64, shape)
+            for k in ("continuous", "value_continuous")
+        ]
+        return cls(key_bits, value_bits, sinks, levels[0], str(values["policy"]), levels[1])
+
     def to_records(self) -> list[dict]:
         """One JSON-ready dict per cached head, in (layer, kv_head) order: its key and value widths and levels
         (and `bits`, `continuous` when the allocation gives keys and values one width per head)."""
@@ -128,6 +176,30 @@ class Allocation:
                 record.update(bits=record["key_bits"], continuous=key_level)
             records.append(record)
         return records
+
+
+def _levels(levels: torch.Tensor) -> list[list[float | None]]:
+    return [[None if math.isnan(v) else v for v in row] for row in levels.tolist()]
+
+
+def _grid(key: str, values: object, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """values as a 2-D tensor of dtype ([num_layers, num_kv_heads], `shape` when given); ValueError naming key."""
+    try:
+        if dtype == torch.float64:  # levels: null where there is none
+            values = [[math.nan if v is None else v for v in row] for row in values]
+        grid = torch.tensor(values, dtype=torch.float64 if dtype == torch.long else dtype)
+        if dtype == torch.long:
+            if not torch.equal(grid, grid.round()):
+                raise ValueError
+            grid = grid.long()
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"{key}: expected a [num_layers, num_kv_heads] grid of numbers; got {values!r:.60}"
+        ) from None
+    if grid.dim() != 2 or (shape is not None and tuple(grid.shape) != shape):
+        want = "2-D" if shape is None else f"shape {shape} (as allocation.key_bits)"
+        raise ValueError(f"{key}: shape {tuple(grid.shape)}; expected {want}")
+    return grid
 
 
 def _counts(widths: torch.Tensor) -> dict[int, int]:

@@ -31,8 +31,10 @@ from harness.schemes.base import (
     Store,
     check_backend,
     default_residual,
+    from_point,
     get_scheme,
     packed_names,
+    point_fields,
 )
 from harness.schemes.asym_token import AsymToken
 from harness.schemes.sym_token import SymToken
@@ -80,7 +82,9 @@ __all__ = [
     "SymToken",
     "check_backend",
     "default_residual",
+    "from_point",
     "get_scheme",
     "packed_names",
+    "point_fields",
     "starts_at",
 ]

@@ -26,13 +26,13 @@ weighted by the loss's Fisher information) and for_layer refuses tables fitted t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from harness.registry import Registry
+from harness.registry import Registry, unknown_name_message
 from harness.schemes.key_table import KMEANS, KeyCalibration, check_key_levels
 from harness.schemes.wrappers import ResidualStore, SinkStore
 from kernels import reference
@@ -320,6 +320,25 @@ def get_scheme(
         outliers=outliers,
         key_levels=key_levels,
     )
+
+
+POINT_KEYS = {"name": "scheme"}  # field -> grid point key, where they differ
+
+
+def from_point(point: Mapping) -> Scheme:
+    """The scheme of a grid point, a result row or a saved allocation (`point_fields`): `scheme` names it, its
+    options come from their point keys (a missing key takes the option's default, a key it has no option for is
+    ignored); ValueError naming the key."""
+    name = point.get("scheme")
+    if not isinstance(name, str):
+        raise ValueError(unknown_name_message(SCHEMES.key, name, SCHEMES.names()))
+    options = {f.name: point[f.name] for f in fields(Scheme) if f.name != "name" and f.name in point}
+    return SCHEMES.get(name)(**options)
+
+
+def point_fields(scheme: Scheme) -> dict:
+    """A scheme as a grid point's quant fields (the inverse of from_point): `scheme` and every option."""
+    return {POINT_KEYS.get(f.name, f.name): getattr(scheme, f.name) for f in fields(Scheme)}
 
 
 def default_residual(name: str) -> int:
