@@ -54,6 +54,7 @@ current step still reads them); the byte counts apply that pending eviction firs
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import sys
 import warnings
@@ -145,11 +146,15 @@ def unserved_reason(config, model_class: type | None = None) -> str | None:
     if model_class is None and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     modeling = sys.modules.get(getattr(model_class, "__module__", ""))
-    if modeling is not None and not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+    if modeling is None:
+        return None
+    if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
         return (
             f"{model_class.__name__} computes attention in its own code, not through transformers' attention "
             "interface, where the packed attention plugs in"
         )
+    if "s_aux=" in inspect.getsource(modeling):
+        return f"{model_class.__name__}'s attention adds learned sink logits (s_aux), which the packed attention lacks"
     return None
 
 
