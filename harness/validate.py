@@ -18,11 +18,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import data, io, precision, preload
-from harness.cache import BACKENDS, PREFILL_MODES
+from harness.cache import PREFILL_MODES, check_backend_device
 from harness.cache.eviction import EvictionSpec
 from harness.config import HARNESS, Point, config_key
 from harness.data import BOS_RULES
-from harness.models import model_spec
+from harness.models import check_device, model_spec
 from harness.peers import check_point
 from harness.policies import from_point
 from harness.protocols import PROTOCOLS, claim
@@ -81,10 +81,10 @@ def _check_point(point: Point, backend: str = "auto") -> None:
                 f"model.dtype: {point.dtype!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
             )
         policy = from_point(point.group("policy"))
-        policy.check_budget(point.budget)
         _check_positive_ints(point)
         scheme = point_scheme(point)
-        scheme.check_widths(point.widths)
+        scheme.check_widths(point.widths)  # before the budget, which lies between the widths
+        policy.check_budget(point.budget)
         if scheme.key_tables and policy.measurement not in (None, *READS_KEY_TABLES):
             raise ValueError(
                 f"policy.name: {point.policy} measures its table without fitted key tables, which quant.scheme "
@@ -170,8 +170,11 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
     if not isinstance(cfg.get("allow_dirty", False), bool):
         raise ConfigError(f"allow_dirty: {cfg.allow_dirty!r} is not allowed; allowed: true, false")
 
-    if cfg.quant.backend not in BACKENDS:
-        raise ConfigError(f"quant.backend: unknown {cfg.quant.backend!r}; allowed: {', '.join(BACKENDS)}")
+    try:  # the machine: a device it has, a backend that runs there
+        check_device(cfg.device)
+        check_backend_device(cfg.quant.backend, cfg.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(cfg.quant.get("simulate", False), bool):
         raise ConfigError(f"quant.simulate: {cfg.quant.simulate!r} is not allowed; allowed: true, false")
     if not isinstance(cfg.eval.batch_size, int) or cfg.eval.batch_size < 1:

@@ -533,7 +533,8 @@ class QuantizedKVCache(Cache):
                 for layer in layers
                 if isinstance(layer, QuantizedLayer)
                 for b in (*layer.key_bits, *layer.value_bits)
-            ]
+            ],
+            "bits",
         )
         super().__init__(layers=layers)
 

@@ -228,6 +228,9 @@ def _checked_widths(widths: object) -> tuple[int, ...]:
     for width in widths:
         if not isinstance(width, numbers.Integral) or isinstance(width, bool) or width not in ALLOWED_WIDTHS:
             raise ValueError(f"policy.widths: {width!r} is not an allowed width; allowed: {allowed}")
+    repeated = [w for i, w in enumerate(widths) if w in widths[:i]]
+    if repeated:
+        raise ValueError(f"policy.widths: {repeated[0]} appears twice in {widths}; allowed: each width once")
     if not any(width != FULL_WIDTH for width in widths):
         raise ValueError(
             f"policy.widths: needs at least one quantized width ({', '.join(map(str, PACKED_WIDTHS))}); got {widths}"

@@ -238,15 +238,16 @@ class Scheme:
             raise ValueError(f"{self.group_key(role)}: {group} does not divide head_dim {head_dim}")
         return self.quantized_token_bytes(bits, head_dim, role)
 
-    def check_widths(self, widths) -> None:
-        """ValueError for a width this scheme does not store (fp8: 8 bits only)."""
+    def check_widths(self, widths, key: str = "policy.widths") -> None:
+        """ValueError naming `key` (where the widths came from) for a width this scheme does not store (fp8: 8
+        bits only)."""
         bad = sorted({int(w) for w in widths} - {*self.widths, FULL_WIDTH})
         if bad:
             stored = ", ".join(map(str, self.widths))
             allowed = ", ".join(map(str, [*self.widths, FULL_WIDTH]))
             raise ValueError(
-                f"quant.scheme: {self.name} stores quantized heads at {stored} bits; got widths {bad} "
-                f"(policy.widths or bits); allowed: {allowed}"
+                f"{key}: {bad} with quant.scheme {self.name}, which stores quantized heads at {stored} bits; "
+                f"allowed: {allowed}"
             )
 
     def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
@@ -281,7 +282,7 @@ class Scheme:
         if role not in ROLES:
             raise ValueError(f"role: unknown {role!r}; allowed: {', '.join(ROLES)}")
         self.check_head_dim(bits, head_dim, role)
-        self.check_widths(bits)
+        self.check_widths(bits, "bits")
         store = self.base_store(bits, head_dim, batch, dtype, device, role, simulate)
         shape = (len(bits), head_dim, batch, dtype, device)
         per_channel = self.per_channel(role)

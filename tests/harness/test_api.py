@@ -251,12 +251,21 @@ BAD_ARGUMENTS = [
     (lambda m, c: harness.calibration(m, ids=torch.zeros(2, 8, dtype=torch.long), i0=8), "i0: 8 must be"),
     (lambda m, c: harness.load("nope"), "source: 'nope' is neither a registered model"),
     (lambda m, c: harness.load(torch.nn.Linear(2, 2)), "source: a Linear is not a transformers model"),
+    # the command line's bad inputs, as arguments
+    (lambda m, c: harness.allocate(m, c, 4, widths=[4, 4]), "widths: 4 appears twice in [4, 4]; allowed: each width once"),
+    (lambda m, c: harness.allocate(m, c, 4, scheme="nuqkey", widths=[8]), "widths: [8] with quant.scheme nuqkey, which stores quantized heads at 2, 3, 4 bits; allowed: 2, 3, 4, 16"),
+    (lambda m, c: harness.load("tiny-llama", device="tpu"), "device: 'tpu' is not allowed; allowed here: cpu"),
+    *([] if torch.cuda.is_available() else [
+        (lambda m, c: harness.load("tiny-llama", device="cuda"), "device: cuda but this machine has no CUDA device"),
+        (lambda m, c: harness.quantized_cache(m, harness.allocate(m, c, 4), backend="triton"), "backend: triton needs CUDA tensors"),
+    ]),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("call, message", BAD_ARGUMENTS)
 def test_bad_arguments_are_one_line_errors_naming_the_argument(tiny, tmp_path, monkeypatch, call, message):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # as a user's shell has it
     model, _ = tiny
     calibration = harness.calibration(model, ids=torch.randint(0, 256, (2, 40)), i0=4)
     with pytest.raises(ValueError) as err, warnings.catch_warnings():

@@ -249,5 +249,7 @@ def test_keys_and_values_at_different_widths_match_the_oracle_and_the_byte_model
     assert cache.nbytes() == 2 * 31 * per_token  # batch x tokens x (every head's key + value bytes)
     with pytest.raises(ValueError, match=r"^value_bits: shape \(1, 1\)"):
         QuantizedKVCache(model.config, key_bits, value_bits=torch.tensor([[4]]))
-    with pytest.raises(ValueError, match="quant.scheme: fp8 stores quantized heads at 8 bits"):
+    with pytest.raises(
+        ValueError, match=r"^bits: \[[\d, ]+\] with quant.scheme fp8, which stores quantized heads at 8"
+    ):
         QuantizedKVCache(model.config, 8, scheme="fp8", value_bits=value_bits)

@@ -143,7 +143,7 @@ def test_fp8_matches_torch_e4m3_cast():
     assert torch.equal(got[:, 0], want) and torch.equal(got[:, 1], x[:, 1])
     assert store.nbytes() == 2 * 9 * (16 + 2) + 2 * 9 * 16 * 2  # e4m3 payload + fp16 scale; 16-bit head
     with pytest.raises(
-        ValueError, match=r"^quant.scheme: fp8 stores quantized heads at 8 bits; got widths \[4\]"
+        ValueError, match=r"^bits: \[4\] with quant.scheme fp8, which stores quantized heads at 8 bits"
     ):
         get_scheme("fp8").new_store([8, 4], 16, 1, torch.float32, "cpu")
 
@@ -409,7 +409,7 @@ def compose_cfg(*overrides):
     [
         (
             ["quant=fp8", "policy.widths=[2,4]"],
-            r"^quant.scheme: fp8 stores quantized heads at 8 bits; got widths \[2, 4\]",
+            r"^policy.widths: \[2, 4\] with quant.scheme fp8, which stores quantized heads at 8 bits",
         ),
         (["quant.sink_tokens=-1"], r"^quant.sink_tokens: -1 is not a non-negative integer"),
         (["quant.residual=1.5"], r"^quant.residual: 1.5 is not a non-negative integer"),
@@ -481,7 +481,9 @@ def test_command_rejects_fp8_with_other_widths(tmp_path, cli):
     proc = harness(cli, "quant=fp8", "policy.widths=[2,4]", run_dir=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: quant.scheme: fp8"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: policy.widths: [2, 4] with quant.scheme fp8"), (
+        proc.stderr
+    )
     assert not any(tmp_path.iterdir())
 
 
