@@ -74,7 +74,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from harness.attention.base import active
 from harness.attention.packed import DecodeStep, PackedStep, Steps, post_step
 from harness.policies.base import Allocation
-from harness.schemes import KMEANS, KeyCalibration, Scheme, check_backend, get_scheme, starts_at
+from harness.schemes import KeyCalibration, Scheme, check_backend, get_scheme, starts_at
 from kernels.layout import FULL_WIDTH
 
 PREFILL_MODES = ("exact", "quantized")
@@ -467,8 +467,8 @@ class QuantizedKVCache(Cache):
     for all: the keys' widths, and the values' too unless `value_bits` (the same shape or one int; None: `bits`)
     gives theirs.
 
-    `scheme`: a harness.schemes.Scheme, or its name with the options `group_size`, `sink_tokens`, `residual`
-    (None: the scheme's default), `key_group_size` (None: group_size), `outliers` and `key_levels`.
+    `scheme`: a harness.schemes.Scheme, or its name with its `options` (harness.schemes.SCHEME_OPTIONS:
+    group_size, sink_tokens, residual, ... as keywords).
     `backend`: "torch", "triton" or "auto" (see the module docstring). `simulate`: keep a full-precision working copy for the model's own attention (torch
     backend; see the module docstring). `outside_packed`: "dequantize" or "raise", what an update does outside the
     packed attention (see the module docstring). `key_calibration`: the model's fitted key tables
@@ -480,19 +480,15 @@ class QuantizedKVCache(Cache):
         self,
         config,
         bits: torch.Tensor | int | Allocation,
-        scheme: str | Scheme = "asym_token",
-        group_size: int = 32,
+        scheme: Scheme | str = "asym_token",
+        *,
+        value_bits: torch.Tensor | int | None = None,
         prefill: str = "exact",
         backend: str = "torch",
-        sink_tokens: int = 0,
-        residual: int | None = None,
         simulate: bool = False,
-        value_bits: torch.Tensor | int | None = None,
-        key_group_size: int | None = None,
-        outliers: float = 0.0,
         key_calibration: KeyCalibration | None = None,
-        key_levels: str = KMEANS,
         outside_packed: str = "dequantize",
+        **options,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -509,13 +505,12 @@ class QuantizedKVCache(Cache):
             bits, value_bits = bits.key_bits, bits.value_bits
         bits = _width_grid("bits", bits, shape)
         value_bits = bits if value_bits is None else _width_grid("value_bits", value_bits, shape)
-        options = (group_size, sink_tokens, residual, key_group_size, outliers, key_levels)
         if isinstance(scheme, Scheme):
-            if options != (32, 0, None, None, 0.0, KMEANS):
-                raise ValueError("scheme: a Scheme object carries its options; leave group_size etc. out")
+            if options:
+                raise ValueError(f"{sorted(options)[0]}: the Scheme object carries its options; leave it out")
             self.scheme = scheme
         else:
-            self.scheme = get_scheme(scheme, *options)
+            self.scheme = get_scheme(scheme, **options)
         self.key_calibration = key_calibration
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         if not isinstance(simulate, bool):
@@ -548,14 +543,14 @@ class QuantizedKVCache(Cache):
         return QuantizedSlidingLayer(*widths, kwargs["sliding_window"], *options)
 
     @classmethod
-    def from_prefilled(cls, prefilled: Cache, config, bits, **kwargs) -> QuantizedKVCache:
+    def from_prefilled(cls, prefilled: Cache, config, bits, *args, **kwargs) -> QuantizedKVCache:
         """A cache holding, quantized, what a full-precision DynamicCache `prefilled` holds (prefill=exact);
-        `bits` and `kwargs` (value_bits among them) as the constructor's.
+        `bits`, `args` (the scheme) and `kwargs` as the constructor's.
 
         The prompt's logits and attention came from the full-precision pass; from here on every read goes
         through the quantized form. Linear-attention state is copied unchanged.
         """
-        cache = cls(config, bits, **kwargs)
+        cache = cls(config, bits, *args, **kwargs)
         for i, (src, dst) in enumerate(zip(prefilled.layers, cache.layers)):
             if isinstance(dst, QuantizedLayer):
                 if src.keys is None or src.keys.numel() == 0:

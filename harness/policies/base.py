@@ -14,7 +14,7 @@ This module owns:
 
 A grid point is flat (harness.config.Point): `policy` names the class, `policy_seed` is the field `seed`, every
 other field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
-key's neutral value (alpha 0, key_offset 0, no sink rule, seed 0), as grid points always did.
+key's neutral value (alpha 0, key_offset 0, no sink rule, seed 0).
 """
 
 from __future__ import annotations
@@ -355,21 +355,29 @@ def from_point(point: Mapping) -> Policy:
 # ---------------------------------------------------------------------------------------- the common case
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heads:
-    """What a `HeadPolicy` shares out: the cached heads of the entropy table, (layer, kv_head) order."""
+    """What a `HeadPolicy` shares out: the n cached heads of the entropy table, in (layer, kv_head) order, and
+    the bits the m of them that are not sinks may hold."""
 
-    cached: torch.Tensor  # bool [num_layers, num_kv_heads]
-    entropy: torch.Tensor  # float64 [n]: each cached head's entropy
-    sinks: torch.Tensor  # bool [n]: heads kept at 16
-    budget: float  # bits per element per cached head
-    target: float  # bits the non-sink heads may hold in total
-    credit: float  # bits per element of scales that a 16-bit head does not store (a bytes budget; else 0)
-    quantized: list[int]  # the policy's quantized widths, ascending
-    sensitivity: pd.DataFrame | None  # the measured table, for a policy with a `measurement`
-    role_credit: tuple[
-        float, ...
-    ]  # credit per role (ROLES: keys, values), for units of one role; credit: mean
+    # bool [num_layers, num_kv_heads]: the heads that have a KV cache
+    cached: torch.Tensor
+    # float64 [n]: each cached head's entropy
+    entropy: torch.Tensor
+    # bool [n]: the heads kept at 16
+    sinks: torch.Tensor
+    # bits per element per cached head
+    budget: float
+    # bits the non-sink heads may hold in total, in one role (a head's keys and values together: twice that)
+    target: float
+    # bits per element of scales a 16-bit head does not store, given to the others (a bytes budget; else 0)
+    credit: float
+    # that credit per role (ROLES: keys, values), for policies whose units are a head's keys and its values
+    role_credit: tuple[float, ...]
+    # the policy's quantized widths, ascending
+    quantized: list[int]
+    # the measured table of a policy with a `measurement`; else None
+    sensitivity: pd.DataFrame | None
 
     def grid(self, free: torch.Tensor, sink=math.nan, uncached=math.nan) -> torch.Tensor:
         """[num_layers, num_kv_heads] of free's dtype: `free` ([m] or [n]) at the non-sink (or all) cached
@@ -404,34 +412,53 @@ class HeadPolicy(Policy):
         price: Callable[[int, str], float] | None,
         sensitivity: pd.DataFrame | None,
     ) -> Heads:
-        """The cached heads of the entropy table, their sinks and what the non-sink heads may hold in total
-        (one role's bits per element, keys and values each: a head's keys and values together may hold twice
-        that); ValueError for a bytes budget without a price, a measured policy without its table, or a
-        budget that cannot pay for the sinks."""
+        """The cached heads of the entropy table, their sinks and what the others may hold (Heads); ValueError
+        for a bytes budget without a price, a measured policy without its table, or a budget that cannot pay for
+        the sinks."""
+        self._check_inputs(budget, price, sensitivity)
+        head_entropy = kv_head_entropy(entropy, self.entropy_key)  # [L, Hkv], NaN where no cache
+        cached = ~torch.isnan(head_entropy)
+        h = head_entropy[cached]  # [n]
+        if len(h) == 0:
+            raise ValueError("entropy table: no cached heads to allocate")
+        sinks = self.sinks(h)  # [n]
+        quantized = quantized_widths(self.widths)
+        credit, role_credit = self._scale_credit(price)
+        target = free_target(budget, len(h), int(sinks.sum()), self.budget_mode, quantized[0], credit)
+        return Heads(
+            cached=cached,
+            entropy=h,
+            sinks=sinks,
+            budget=budget,
+            target=target,
+            credit=credit,
+            role_credit=role_credit,
+            quantized=quantized,
+            sensitivity=sensitivity,
+        )
+
+    @property
+    def bytes_budget(self) -> bool:
+        """Whether the budget holds in true bytes (priced by the scheme's byte model), not in mean bits."""
+        return self.budget_unit == "bytes" and self.budget_mode == "exact"
+
+    def _check_inputs(self, budget: float, price, sensitivity) -> None:
         self.check_budget(budget)
-        bytes_budget = self.budget_unit == "bytes" and self.budget_mode == "exact"
-        if bytes_budget and price is None:
+        if self.bytes_budget and price is None:
             raise ValueError("policy.budget_unit: bytes needs the scheme's byte model (price=); or use bits")
         if self.measurement is not None and sensitivity is None:
             raise ValueError(
                 f"policy.name: {self.name} allocates from measured errors; pass sensitivity= "
                 f"(harness.sensitivity.MEASUREMENTS[{self.measurement!r}])"
             )
-        head_entropy = kv_head_entropy(entropy, self.entropy_key)  # [L, Hkv]
-        cached = ~torch.isnan(head_entropy)  # [L, Hkv]
-        h = head_entropy[cached]  # [n], (layer, kv_head) order
-        n = len(h)
-        if n == 0:
-            raise ValueError("entropy table: no cached heads to allocate")
-        quantized = quantized_widths(self.widths)
-        sinks = self.sinks(h)  # [n]
-        # bytes: every head's scales cost the same bits per element (its keys' and values' mean: roles may be
-        # priced apart), except a sink's, which stores none; the scales the sinks do not store go to the others.
-        credit = head_scale_bits(price, self.widths) if bytes_budget else 0.0
-        target = free_target(budget, n, int(sinks.sum()), self.budget_mode, quantized[0], credit)
-        # per role too, for a policy whose units are a head's keys and its values (UnitPolicy)
-        role_credit = tuple(scale_bits(price, self.widths, role) if bytes_budget else 0.0 for role in ROLES)
-        return Heads(cached, h, sinks, budget, target, credit, quantized, sensitivity, role_credit)
+
+    def _scale_credit(self, price) -> tuple[float, tuple[float, ...]]:
+        """Bits per element of scales a sink (16 bits) does not store, which the other heads get: for a head
+        (its keys' and values' mean: the roles may be priced apart) and per role; 0 unless the budget is in
+        bytes."""
+        if not self.bytes_budget:
+            return 0.0, (0.0,) * len(ROLES)
+        return head_scale_bits(price, self.widths), tuple(scale_bits(price, self.widths, r) for r in ROLES)
 
     def allocate(
         self,

@@ -181,7 +181,7 @@ def test_export_writes_a_committed_points_allocation_and_scheme(tmp_path, key):
     options = dict(
         group_size=32, sink_tokens=0, residual=None, key_group_size=None, outliers=0.0, key_levels="kmeans"
     )
-    assert scheme == get_scheme(config["scheme"], *(config.get(k, v) for k, v in options.items()))
+    assert scheme == get_scheme(config["scheme"], **{k: config.get(k, v) for k, v in options.items()})
     assert allocation.sinks.sum() == 0  # no sink rule: the 16-bit units (if any) are the knapsack's choice
     source = json.loads(out.read_text())["source"]
     assert source["key"] == key and source["metrics"]["ppl_ratio"] == record["metrics"]["ppl_ratio"]

@@ -244,7 +244,9 @@ def test_keys_and_values_at_different_widths_match_the_oracle_and_the_byte_model
     assert (layer.key_bits, layer.value_bits) == (key_bits[0].tolist(), value_bits[0].tolist())
     D = model.config.head_dim
     per_token = sum(
-        cache.scheme.token_bytes(b, D) for grid in (key_bits, value_bits) for b in grid.flatten().tolist()
+        cache.scheme.token_bytes(b, D, role="value")
+        for grid in (key_bits, value_bits)
+        for b in grid.flatten().tolist()
     )
     assert cache.nbytes() == 2 * 31 * per_token  # batch x tokens x (every head's key + value bytes)
     with pytest.raises(ValueError, match=r"^value_bits: shape \(1, 1\)"):
