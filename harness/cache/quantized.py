@@ -80,7 +80,7 @@ from kernels.layout import FULL_WIDTH
 PREFILL_MODES = ("exact", "quantized")
 BACKENDS = ("auto", "torch", "triton")
 OUTSIDE_PACKED = ("dequantize", "raise")
-REMEDY = "run the model inside harness.attention.installed(model, PACKED)"
+REMEDY = "run the model inside `with harness.packed_attention(model):` (harness.attention.installed(model, PACKED))"
 
 
 class UnpackedReadWarning(UserWarning):
