@@ -8,8 +8,8 @@ full-precision data alive at a time is one block. kernels/reference.py's attenti
 A store is read through two products over its tokens [start, end):
     scores(store, q, start, end)   q (B, Hkv, M, D) float32  -> q . k   (B, Hkv, M, end - start) float32
     weighted(store, p, start, end) p (B, Hkv, M, end - start) -> p @ v  (B, Hkv, M, D) float32
-For kernels.layout.PackedStore they are computed here, one pass per width bucket (the width-major layout puts
-the heads of one width in one byte range of a row). A block's codes are unpacked once into a float32 matrix
+For kernels.layout.PackedStore they are computed here, one pass per width bucket (the heads of one width are one
+head-major tensor). A block's codes are unpacked once into a float32 matrix
 C (B, Hw, Tb, D); at 2 and 4 bits the k = 8 // bits codes of a byte are taken apart with one shift-and-mask
 pass each. Where the block is dequantized (many query rows) the pieces are interleaved into the codes' own
 order (byte j's piece i is code j * k + i). The folded products (few query rows) take the pieces side by
@@ -33,7 +33,7 @@ import functools
 import torch
 
 from kernels import reference
-from kernels.layout import FULL_WIDTH, PackedStore
+from kernels.layout import FULL_WIDTH, Bucket, PackedStore
 
 SCORE_ELEMENTS = 1 << 22  # float32 scores of one block: 16 MiB
 MAX_BLOCK = 1024  # tokens per block at most
@@ -81,46 +81,18 @@ def _codes(raw: torch.Tensor, bits: int, groups: _Groups, head_dim: int, piece_o
     return torch.stack(parts, -1).flatten(-2).float()  # (B, Hw, Tb, packed bytes, k) -> (B, Hw, Tb, D)
 
 
-def _head_major_bytes(raw: torch.Tensor) -> torch.Tensor:
-    """raw (B, Tb, Hw, pd) uint8 -> (B, Hw, Tb, pd) contiguous, moved as the widest aligned integers."""
-    pd = raw.shape[-1]
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
-        if (
-            pd % size == 0
-            and raw.storage_offset() % size == 0
-            and all(st % size == 0 for st in raw.stride()[:-1])
-        ):
-            return raw.view(dtype).transpose(1, 2).contiguous().view(torch.uint8)
-    return raw.transpose(1, 2).contiguous()
-
-
-def _bucket(
-    store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int,
-    rows: int,
-):  # fmt: skip
+def _bucket(store: PackedStore, bk: Bucket, start: int, end: int, rows: int):
     """One width bucket's block of tokens [start, end) for `rows` query rows: codes float32 (B, Hw, Tb, D),
     their _Groups, whether the products fold (few rows: codes in piece order), and scale and zero float32
     (B, Hw, Tb, ng)."""
-    Hw = len(heads)
-    D = store.head_dim
-    pd = reference.packed_dim(D, w)
-    raw = store.payload[:, start:end, first_byte : first_byte + Hw * pd].unflatten(-1, (Hw, pd))
-    groups = _groups(w, D, store.group_size, store.payload.device)
+    D, w = store.head_dim, bk.width
+    raw = bk.payload[:, :, start:end]  # (B, Hw, Tb, packed bytes), head-major as stored
+    groups = _groups(w, D, store.group_size, raw.device)
     folded = rows * groups.ng < D  # the folded products touch fewer elements than dequantizing the block
-    codes = _codes(_head_major_bytes(raw), w, groups, D, folded)  # (B, Hw, Tb, D): bytes moved, not floats
-    slots = slice(first_slot, first_slot + Hw)
-    s = store.scale[:, slots, start:end].float()  # (B, Hw, Tb, ng), head-major as stored
-    z = s * -float(1 << (w - 1)) if store.symmetric else store.zero[:, slots, start:end].float()
+    codes = _codes(raw, w, groups, D, folded)  # (B, Hw, Tb, D)
+    s = bk.scale[:, :, start:end].float()  # (B, Hw, Tb, ng)
+    z = s * -float(1 << (w - 1)) if bk.zero is None else bk.zero[:, :, start:end].float()
     return codes, groups, folded, s, z
-
-
-def _buckets(store: PackedStore):
-    """(width, heads, first slot, first byte, whole) per width bucket; whole: the bucket holds every head (then
-    its slots are in KV-head order and no head needs gathering)."""
-    H = len(store.bits)
-    for w, heads, first_slot, first_byte in store.buckets:
-        yield w, heads, first_slot, first_byte, len(heads) == H
 
 
 def _dequantized(codes: torch.Tensor, groups: _Groups, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -160,13 +132,14 @@ def _folded_weighted(p: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z
 def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
     B, H, M, D = q.shape
     out = None
-    for w, heads, first_slot, first_byte, whole in _buckets(store):
+    whole = len(store.buckets) == 1  # one bucket holds every head, in KV-head order: nothing to gather
+    for bk in store.buckets:
+        heads = bk.heads
         qw = q if whole else q.index_select(1, heads)  # (B, Hw, M, D)
-        if w == FULL_WIDTH:
-            k = store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, Tb, D)
-            sw = qw @ k.transpose(-1, -2)
+        if bk.width == FULL_WIDTH:
+            sw = qw @ bk.values[:, :, start:end].float().transpose(-1, -2)  # (B, Hw, M, Tb)
         else:
-            codes, groups, folded, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end, M)
+            codes, groups, folded, s, z = _bucket(store, bk, start, end, M)
             if folded:
                 sw = _folded_scores(qw, codes, groups, s, z)
             else:  # many query rows: dequantize the block once
@@ -183,12 +156,14 @@ def _packed_weighted(store: PackedStore, p: torch.Tensor, start: int, end: int) 
     B, H, M, Tb = p.shape
     D = store.head_dim
     out = None
-    for w, heads, first_slot, first_byte, whole in _buckets(store):
+    whole = len(store.buckets) == 1
+    for bk in store.buckets:
+        heads = bk.heads
         pw = p if whole else p.index_select(1, heads)  # (B, Hw, M, Tb)
-        if w == FULL_WIDTH:
-            ow = pw @ store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, M, D)
+        if bk.width == FULL_WIDTH:
+            ow = pw @ bk.values[:, :, start:end].float()  # (B, Hw, M, D)
         else:
-            codes, groups, folded, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end, M)
+            codes, groups, folded, s, z = _bucket(store, bk, start, end, M)
             if folded:
                 ow = _folded_weighted(pw, codes, groups, s, z)
             else:  # many query rows: dequantize the block once

@@ -547,9 +547,10 @@ def test_per_token_keys_are_stored_in_their_own_groups():
         store = scheme.new_store([4, 4, 4], 64, 2, torch.float32, "cpu", role)
         store.append(x)
         want = reference.quantize(x, 4, g)  # scale (B, Hkv, T, 64 // g)
-        assert store.scale.shape[-1] == 64 // g, role
-        assert torch.equal(store.scale[:, :, :11], want.scale) and torch.equal(
-            store.zero[:, :, :11], want.zero
+        bucket = store.bucket_of[4]  # every head at 4 bits: one bucket, KV heads in order
+        assert bucket.scale.shape[-1] == 64 // g, role
+        assert torch.equal(bucket.scale[:, :, :11], want.scale) and torch.equal(
+            bucket.zero[:, :, :11], want.zero
         )
         assert store.nbytes() == 2 * 3 * 11 * scheme.token_bytes(4, 64, role)
     assert scheme.token_bytes(4, 64, "key") == 32 + 4 * 4 and scheme.token_bytes(4, 64, "value") == 32 + 2 * 4

@@ -358,7 +358,7 @@ def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bo
     B, hq, D, L = q.shape[0], q.shape[1], q.shape[2], kst.length
     base = _default_splits(L, B * len(kst.bits), 32, q.device)
     grid = [(32, 4, 2, 1)] if dry_run else [
-        (bn, w, s, m) for bn in (32, 64) for w in (4, 8) for s in (2, 3) for m in (1, 2, 4)
+        (bn, w, s, m) for bn in (64, 128, 32) for w in (4, 8) for s in (3, 2) for m in (1, 2, 4)
     ]  # fmt: skip
     best = None
     for bn, w, stages, mult in grid:
@@ -456,7 +456,7 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m kernels.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.bench", description=__doc__.split("\n\n")[0])
     p.add_argument(
         "--configs", nargs="+", default=list(HEAD_SHAPES), help=f"head shapes: {', '.join(HEAD_SHAPES)}"
     )
@@ -490,7 +490,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("error: kernels.bench needs a CUDA GPU (or --dry-run); nothing was run")
+        sys.exit("error: kernels.gpu.bench needs a CUDA GPU (or --dry-run); nothing was run")
     args.out.mkdir(parents=True, exist_ok=True)
     run = Bench(
         "cpu" if args.dry_run else "cuda", args.out / "decode.csv", time.monotonic() + args.time_budget

@@ -114,7 +114,9 @@ def _same(a, b) -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.runner_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m kernels.gpu.runner_check", description=__doc__.split("\n\n")[0]
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for runner.csv and the two run folders")
     p.add_argument("--timeout", type=float, default=300, help="seconds for the two runs (side by side)")
     p.add_argument(

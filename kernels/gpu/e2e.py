@@ -109,7 +109,7 @@ def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int,
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kernels.e2e", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.e2e", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for e2e.csv and e2e.png")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--batch", type=int, default=8)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if not args.dry_run and not torch.cuda.is_available():
-        sys.exit("error: kernels.e2e needs a CUDA GPU (or --dry-run); nothing was run")
+        sys.exit("error: kernels.gpu.e2e needs a CUDA GPU (or --dry-run); nothing was run")
     from harness.attention import PACKED, installed
 
     device = "cpu" if args.dry_run else "cuda"
