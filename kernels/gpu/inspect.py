@@ -45,8 +45,11 @@ KERNEL_SOURCES = tuple(ROOT / "kernels" / f for f in ("decode_attention.py", "un
 COLUMNS = [
     "triton", "kernel_sha", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
     "shared_bytes", "loop_instr", "kv_bytes_per_tile", "instr_per_byte", "payload_load_bytes", "mma", "i2f",
-    "f2f", "lds", "sts", "bar", "lop3", "shf", "prmt", "ffma", "ldg", "ldgsts", "note",
+    "f2f", "lds", "sts", "bar", "lop3", "shf", "prmt", "ffma", "ldg", "ldgsts", "static_targets", "note",
 ]  # fmt: skip
+# DESIGN.md section 8's static targets: main-loop thread-instructions per KV byte by width (uniform K and V)
+INSTR_PER_BYTE_TARGET = {4: 4.0, 2: 5.0, 8: 3.0}
+MAX_REGISTERS = 128
 # SASS opcode (before the first dot) -> the mix column that counts it
 MIX = {
     "HMMA": "mma", "HGMMA": "mma", "I2F": "i2f", "I2FP": "i2f", "F2F": "f2f", "F2FP": "f2f", "LDS": "lds",
@@ -200,6 +203,7 @@ def inspect_variant(
         "payload_load_bytes": " ".join(map(str, widths)), "note": "" if loop else "no loop with an mma found",
     }  # fmt: skip
     row.update({col: mix.get(col, 0) for col in set(MIX.values())})
+    row["static_targets"] = static_targets(row)
     return row
 
 
@@ -216,9 +220,30 @@ def variants(widths: list[int], block_ns: list[int], warps: list[int]) -> list[t
     return [(w, w, n, nw) for w in widths for n in block_ns for nw in warps]
 
 
+def static_targets(row: dict) -> str:
+    """ "met", or the static targets a packed variant misses (instructions per byte for its width, registers,
+    spills, byte-wide payload loads, I2F in the loop); "" for widths without a target (3, 16)."""
+    width = int(row["key_bits"])
+    if width not in INSTR_PER_BYTE_TARGET or row["key_bits"] != row["value_bits"]:
+        return ""
+    missed = []
+    if not float(row["instr_per_byte"]) <= INSTR_PER_BYTE_TARGET[width]:
+        missed.append(f"instr/byte {row['instr_per_byte']} > {INSTR_PER_BYTE_TARGET[width]:g}")
+    if int(row["registers"]) > MAX_REGISTERS:
+        missed.append(f"registers {row['registers']} > {MAX_REGISTERS}")
+    if int(row["spill_bytes"]):
+        missed.append(f"spills {row['spill_bytes']} B")
+    if "1" in str(row["payload_load_bytes"]).split():
+        missed.append("byte-wide loads")
+    if int(row["i2f"]):
+        missed.append(f"{row['i2f']} I2F")
+    return "missed: " + "; ".join(missed) if missed else "met"
+
+
 def format_table(rows: list[dict]) -> str:
     cols = ["key_bits", "value_bits", "block_n", "num_warps", "registers", "spill_bytes", "shared_bytes",
-            "loop_instr", "instr_per_byte", "payload_load_bytes", "mma", "i2f", "lds", "sts", "bar"]  # fmt: skip
+            "loop_instr", "instr_per_byte", "payload_load_bytes", "mma", "i2f", "lds", "sts", "bar",
+            "static_targets"]  # fmt: skip
     lines = [" ".join(f"{c:>10}" for c in cols)]
     lines += [" ".join(f"{str(r[c]):>10}" for c in cols) for r in rows]
     return "\n".join(lines)

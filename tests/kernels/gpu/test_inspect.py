@@ -68,3 +68,16 @@ def test_inspector_compiles_one_variant_for_hopper(cli, tmp_path):
 def test_inspector_refuses_interpreter_mode(cli):
     proc = cli("kernels.gpu.inspect", "--widths", "4", env={**os.environ, "TRITON_INTERPRET": "1"})
     assert proc.returncode != 0 and "TRITON_INTERPRET" in proc.stderr
+
+
+def test_static_targets_name_what_a_variant_misses():
+    row = {"key_bits": "4", "value_bits": "4", "instr_per_byte": "5.41", "registers": "168", "spill_bytes": "0",
+           "payload_load_bytes": "8 16", "i2f": "0"}  # fmt: skip
+    assert insp.static_targets(row) == "missed: instr/byte 5.41 > 4; registers 168 > 128"
+    ok = {**row, "instr_per_byte": "3.9", "registers": "128"}
+    assert insp.static_targets(ok) == "met"
+    assert (
+        insp.static_targets({**ok, "payload_load_bytes": "1 16", "i2f": "64"})
+        == "missed: byte-wide loads; 64 I2F"
+    )
+    assert insp.static_targets({**ok, "key_bits": "3", "value_bits": "3"}) == ""  # no target at 3 bits
