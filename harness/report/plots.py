@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -104,69 +105,104 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
     points, peer_points = here[is_harness(here)], here[~is_harness(here)]
     if scheme is not None:
         points = points[points["scheme"] == scheme]
-    mine, theirs = points.to_dict("records"), peer_points.to_dict("records")
-    caches = sorted({cache_label(r) for r in mine}) + sorted(
-        {cache_label(r) for r in theirs} - {*map(cache_label, mine)}
-    )
-    palette = matplotlib.colormaps["tab10" if len(caches) <= 10 else "tab20"]
-    colour = {c: palette(i % palette.N) for i, c in enumerate(caches)}
-    kinds = {family(r) for r in mine}
-    families = [f for f in FAMILY_MARKERS if f in kinds] + sorted(kinds - FAMILY_MARKERS.keys())
-    marker = _markers(families, FAMILY_MARKERS, EXTRA_MARKERS)
-    engines = sorted({family(r) for r in theirs})
-    marker.update(_markers(engines, {}, PEER_MARKERS))
+    style = _Style.of(points.to_dict("records"), peer_points.to_dict("records"))
     # one collection per configuration, named after it (scheme-prefixed on the all-schemes plot)
     name_of = configuration if scheme is not None else (lambda r: f"{r['scheme']}: {configuration(r)}")
     drawn = {}
     for row in ordered(points).to_dict("records"):
         drawn.setdefault((name_of(row), False), []).append(row)
-    for row in theirs:
+    for row in peer_points.to_dict("records"):
         drawn.setdefault((configuration(row), True), []).append(row)
     base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
     fig = _figure(10, 7.8)
     axes = fig.subplots(2, 2).ravel()
     for ax, metric in zip(axes, HIGHER_IS_BETTER):
-        log_y = metric == "kl_mean"  # KL spans decades between 2 and 8 bits
-        if log_y:
-            ax.set_yscale("log", nonpositive="mask")
-        for (name, is_peer), rows in drawn.items():
-            first = rows[0]
-            ax.scatter(
-                [r["bytes_per_token"] for r in rows],
-                [r[metric] for r in rows],
-                marker=marker[family(first)],
-                facecolors=colour[cache_label(first)] if is_peer else "none",
-                edgecolors="black" if is_peer else colour[cache_label(first)],
-                linewidths=0.5 if is_peer else 1.0,
-                label=name,
-                zorder=4 if is_peer else 3,
-            )
-        edge = frontier(points, metric)
-        if len(edge):
-            # extend the last step to the largest x so the frontier spans every point
-            xs = [*edge["bytes_per_token"], points["bytes_per_token"].max()]
-            ys = [*edge[metric], edge[metric].iloc[-1]]
-            ax.step(xs, ys, where="post", color="black", linewidth=1, label="Pareto frontier", zorder=2)
         unquantized = base.iloc[0][metric] if len(base) else math.nan
-        if pd.notna(unquantized) and not (log_y and unquantized <= 0):  # KL 0 has no place on a log axis
-            ax.axhline(unquantized, color="grey", linestyle=":", linewidth=1, label="unquantized")
-        ax.set_xscale("log")
-        # budgets span about a decade at most: linear-spaced ticks in plain numbers read better than powers
-        ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("bytes per token (true, KV cache)")
-        ax.set_ylabel(f"{metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
-        ax.grid(True, which="both", alpha=0.3)
-    # two legends side by side: the colours, then the markers and lines
-    swatches = [Patch(facecolor=colour[c], label=c) for c in caches]
+        _pareto_panel(ax, metric, drawn, points, unquantized, style)
+    _pareto_legends(fig, axes, style)
+    fig.suptitle(f"{model} / {scheme or 'all schemes'}: quality against KV-cache bytes")
+    return fig
+
+
+@dataclass(frozen=True)
+class _Style:
+    """The Pareto plot's colours (one per cache, harness caches first) and markers (one per policy family, then
+    per peer engine)."""
+
+    caches: list[str]
+    colour: dict
+    families: list[str]
+    engines: list[str]
+    marker: dict
+
+    @classmethod
+    def of(cls, mine: list[dict], theirs: list[dict]) -> _Style:
+        """The style of the harness's points `mine` and the peer engines' points `theirs`."""
+        caches = sorted({cache_label(r) for r in mine}) + sorted(
+            {cache_label(r) for r in theirs} - {*map(cache_label, mine)}
+        )
+        palette = matplotlib.colormaps["tab10" if len(caches) <= 10 else "tab20"]
+        colour = {c: palette(i % palette.N) for i, c in enumerate(caches)}
+        kinds = {family(r) for r in mine}
+        families = [f for f in FAMILY_MARKERS if f in kinds] + sorted(kinds - FAMILY_MARKERS.keys())
+        marker = _markers(families, FAMILY_MARKERS, EXTRA_MARKERS)
+        engines = sorted({family(r) for r in theirs})
+        marker.update(_markers(engines, {}, PEER_MARKERS))
+        return cls(caches, colour, families, engines, marker)
+
+
+def _pareto_panel(
+    ax, metric: str, drawn: dict, points: pd.DataFrame, unquantized: float, style: _Style
+) -> None:
+    """One panel: every collection of `drawn` ((name, is_peer) -> rows) at its bytes per token, the harness's
+    frontier as steps and the unquantized value as a dotted line."""
+    log_y = metric == "kl_mean"  # KL spans decades between 2 and 8 bits
+    if log_y:
+        ax.set_yscale("log", nonpositive="mask")
+    for (name, is_peer), rows in drawn.items():
+        first = rows[0]
+        ax.scatter(
+            [r["bytes_per_token"] for r in rows],
+            [r[metric] for r in rows],
+            marker=style.marker[family(first)],
+            facecolors=style.colour[cache_label(first)] if is_peer else "none",
+            edgecolors="black" if is_peer else style.colour[cache_label(first)],
+            linewidths=0.5 if is_peer else 1.0,
+            label=name,
+            zorder=4 if is_peer else 3,
+        )
+    edge = frontier(points, metric)
+    if len(edge):
+        # extend the last step to the largest x so the frontier spans every point
+        xs = [*edge["bytes_per_token"], points["bytes_per_token"].max()]
+        ys = [*edge[metric], edge[metric].iloc[-1]]
+        ax.step(xs, ys, where="post", color="black", linewidth=1, label="Pareto frontier", zorder=2)
+    if pd.notna(unquantized) and not (log_y and unquantized <= 0):  # KL 0 has no place on a log axis
+        ax.axhline(unquantized, color="grey", linestyle=":", linewidth=1, label="unquantized")
+    ax.set_xscale("log")
+    # budgets span about a decade at most: linear-spaced ticks in plain numbers read better than powers
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=6))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("bytes per token (true, KV cache)")
+    ax.set_ylabel(f"{metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _pareto_legends(fig: Figure, axes, style: _Style) -> None:
+    """Two legends side by side: the colours, then the markers and the frontier and unquantized lines."""
+    swatches = [Patch(facecolor=style.colour[c], label=c) for c in style.caches]
     shapes = [
-        Line2D([], [], linestyle="none", marker=marker[f], markerfacecolor="none", color="black", label=f)
-        for f in families
+        Line2D(
+            [], [], linestyle="none", marker=style.marker[f], markerfacecolor="none", color="black", label=f
+        )
+        for f in style.families
     ]
     shapes += [
-        Line2D([], [], linestyle="none", marker=marker[e], markerfacecolor="grey", color="black", label=e)
-        for e in engines
+        Line2D(
+            [], [], linestyle="none", marker=style.marker[e], markerfacecolor="grey", color="black", label=e
+        )
+        for e in style.engines
     ]
     lines = {}
     for ax in axes:  # the frontier and the unquantized line, once each
@@ -186,8 +222,6 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
             title=title,
             title_fontsize="small",
         )
-    fig.suptitle(f"{model} / {scheme or 'all schemes'}: quality against KV-cache bytes")
-    return fig
 
 
 def _integer_axes(ax, xlabel: str, ylabel: str) -> None:

@@ -64,7 +64,7 @@ class Codebook(Scheme):
     ) -> Store:
         return CodebookStore(bits, head_dim, batch, dtype, device, simulate)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> int:
         return reference.packed_dim(head_dim, bits) + FP16_BYTES  # codes, one fp16 scale per (token, head)
 
 

@@ -52,7 +52,7 @@ class NuqKey(CalKey):
     widths: ClassVar[tuple[int, ...]] = LEVEL_WIDTHS
     fitted_levels: ClassVar[bool] = True
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         quantized = role == "key" and bits != FULL_WIDTH
         return head_dim * (1 << bits) * FP16_BYTES if quantized else 0  # 2**b fp16 levels per channel
 

@@ -27,7 +27,13 @@ class Rotated(Scheme):
     rotated: ClassVar[bool] = True
 
     def __post_init__(self):
-        inner = get_scheme(self.name.removeprefix(ROTATE), self.group_size, 0, 0, self.key_group_size)
+        inner = get_scheme(
+            self.name.removeprefix(ROTATE),
+            self.group_size,
+            sink_tokens=0,
+            residual=0,
+            key_group_size=self.key_group_size,
+        )
         object.__setattr__(self, "inner", inner)
         super().__post_init__()
 
@@ -54,7 +60,7 @@ class Rotated(Scheme):
     def per_channel(self, role: str) -> bool:
         return self.inner.per_channel(role)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         return self.inner.quantized_token_bytes(bits, head_dim, role)
 
     def base_store(

@@ -358,7 +358,7 @@ def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bo
     B, hq, D, L = q.shape[0], q.shape[1], q.shape[2], kst.length
     base = _default_splits(L, B * len(kst.bits), 32, q.device)
     grid = [(32, 4, 2, 1)] if dry_run else [
-        (bn, w, s, m) for bn in (32, 64) for w in (4, 8) for s in (2, 3) for m in (1, 2, 4)
+        (bn, w, s, m) for bn in (64, 128, 32) for w in (4, 8) for s in (3, 2) for m in (1, 2, 4)
     ]  # fmt: skip
     best = None
     for bn, w, stages, mult in grid:

@@ -8,10 +8,15 @@ with its own time limit (so a stage that hangs or crashes costs only its own sha
    (metadata.json);
 3. tests: `pytest -m gpu` (kernels against the oracle, the CUDA graph replay, generate() triton == torch on
    the tiny models, mixed widths), as tests.xml;
-4. bench: `python -m kernels.gpu.bench` (decode.csv, decode.png);
-5. e2e: `python -m kernels.gpu.e2e` (e2e.csv, e2e.png);
-6. runner: `python -m kernels.gpu.runner_check` (runner.csv: the smoke grid on CUDA/triton against CPU/torch);
-7. a README.md with the stage outcomes and DESIGN.md section 8's targets read off decode.csv.
+4. ab: `python -m kernels.gpu.ab` of the kernel versions in `.ab/` (`make gpu-ab-baseline` puts the kernel of
+   baf9cf7 there) against kernels/decode_attention.py, in one process at the headline shape (ab.csv);
+5. ncu: `python -m kernels.gpu.ncu` (Nsight Compute on stage 1 at 4, 2 and 8 bits: ncu.csv);
+6. bench: `python -m kernels.gpu.bench` (decode.csv, decode.png);
+7. e2e: `python -m kernels.gpu.e2e` (e2e.csv, e2e.png);
+8. runner: `python -m kernels.gpu.runner_check` (runner.csv: the smoke grid on CUDA/triton against CPU/torch);
+9. a README.md with the stage outcomes, DESIGN.md section 8's targets read off decode.csv (or ab.csv), and per
+   width the measured time and share of copy bandwidth beside the static figures of results/kernels/inspect.csv
+   (kernels.gpu.inspect, made with `make inspect`) and ncu's counters.
 Everything goes to DIR/results/kernels/<gpu name>/ (logs in logs/). `--dry-run` runs every stage's code on
 CPU under TRITON_INTERPRET=1 at tiny sizes and skips the install: a check that nothing has rotted; its
 figures are no measurement.
@@ -36,9 +41,14 @@ from pathlib import Path
 
 SITE = "/tmp/site"
 WHEELS = Path(".whl")
-# stage -> seconds: 19 1/4 minutes in all, the rest of the 20 for starting up and the README
-BUDGET = {"install": 60, "metadata": 45, "tests": 240, "bench": 360, "e2e": 240, "runner": 210}
-DRY_BUDGET = {"install": 0, "metadata": 60, "tests": 120, "bench": 120, "e2e": 180, "runner": 300}
+# stage -> seconds: 18 1/2 minutes in all, the rest of the 20 for starting up and the README
+BUDGET = {"install": 45, "metadata": 45, "tests": 240, "ab": 210, "ncu": 120, "bench": 150, "e2e": 180,
+          "runner": 120}  # fmt: skip
+DRY_BUDGET = {"install": 0, "metadata": 60, "tests": 120, "ab": 180, "ncu": 0, "bench": 120, "e2e": 180,
+              "runner": 300}  # fmt: skip
+AB_DIR = Path(".ab")  # older kernel versions to time against the current one (make gpu-ab-baseline)
+KERNEL = Path("kernels/decode_attention.py")
+INSPECT_CSV = Path("results/kernels/inspect.csv")
 STAGES = tuple(BUDGET)
 # The test files with GPU-marked tests (the others import packages a GPU machine may lack, e.g. nbclient).
 GPU_TEST_FILES = (
@@ -71,10 +81,12 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
         ]
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
         tests = ["tests/kernels/test_triton_kernels.py"]
+        ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16"]
     else:
         runner = ["--timeout", str(budget["runner"] - 10)]
         # four test processes: most of the stage is Triton compiling kernels, on the CPU
         bench, e2e, tests = [], [], ["-n", "4", *GPU_TEST_FILES]
+        ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3"]
     return {
         "install": [
             py,
@@ -115,14 +127,46 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
             str(max(budget["bench"] - 45, budget["bench"] // 2)),  # the rest: plot, quantize bench
             *bench,
         ],
+        "ab": [
+            py,
+            "-m",
+            "kernels.gpu.ab",
+            *map(str, ab_versions(folder, dry)),
+            "--out",
+            str(folder / "ab.csv"),
+            *ab,
+        ],
+        "ncu": [py, "-m", "kernels.gpu.ncu", "--widths", "4", "2", "8", "--out", str(folder)],
         "e2e": [py, "-m", "kernels.gpu.e2e", "--out", str(folder), *e2e],
         "runner": [py, "-m", "kernels.gpu.runner_check", "--out", str(folder / "runner"), *runner],
     }
 
 
+def ab_versions(folder: Path, dry: bool) -> list[Path]:
+    """The files the ab stage times: the versions in AB_DIR, then the current kernel. A dry run with no older
+    version times a copy of the current one beside it, so that the code runs."""
+    older = sorted(AB_DIR.glob("*.py"))
+    if dry and not older:
+        older = [folder / "copy_of_current.py"]
+        if KERNEL.exists():
+            older[0].write_text(KERNEL.read_text())
+    return [*older, KERNEL]
+
+
 def scaled_budget(budget: dict, minutes: float) -> dict:
     """Each stage's limit times minutes/20 (whole seconds, at least 10): the same shares in a shorter run."""
     return {stage: max(10, round(seconds * minutes / 20)) for stage, seconds in budget.items()}
+
+
+def skip_reason(stage: str, dry: bool) -> str:
+    """Why a stage does not run here ("" when it does)."""
+    if stage == "install" and (dry or not list(WHEELS.glob("*.whl"))):
+        return "dry run" if dry else "no wheels in .whl/"
+    if stage == "ab" and not dry and not list(AB_DIR.glob("*.py")):
+        return f"no older kernel in {AB_DIR}/ (make gpu-ab-baseline)"
+    if stage == "ncu" and dry:
+        return "dry run (no GPU counters)"
+    return ""
 
 
 def run_stage(cmd: list[str], timeout: float, log: Path, env: dict) -> tuple[int, float]:
@@ -254,6 +298,61 @@ def targets(rows: list[dict]) -> list[tuple[str, float, str, str]]:
     return [(n, v, t, "yes" if met(v, t) else "no") for n, v, t in out]
 
 
+def ab_as_decode(rows: list[dict]) -> list[dict]:
+    """ab.csv's rows of the current kernel (method fused:<KERNEL stem>, default splits) as decode.csv's fused
+    rows, beside its SDPA rows, so that `targets` reads either file."""
+    current, out = f"fused:{KERNEL.stem}", []
+    by_widths: dict[str, dict] = {}
+    for r in rows:
+        if r["method"].startswith("sdpa_"):
+            out.append(r)
+        elif r["method"] == current and r["widths"] not in by_widths:
+            by_widths[r["widths"]] = {**r, "method": "fused"}  # the first row of a width map: default splits
+    return out + list(by_widths.values())
+
+
+def current_kernel_sha() -> str:
+    """kernels.gpu.inspect's kernel_sha of the files here (standard library only, as this module)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("decode_attention.py", "unpack.py", "layout.py"):
+        path = KERNEL.parent / name
+        digest.update(path.read_bytes() if path.exists() else b"")
+    return digest.hexdigest()[:12]
+
+
+def kernel_table(ab: list[dict], static: list[dict], counters: list[dict]) -> list[str]:
+    """Per kernel version and width: measured time, x SDPA, share of copy bandwidth; for the current kernel the
+    static instructions per KV byte (inspect.csv rows made from these kernel files), their product with the
+    share, and ncu's counters."""
+    if not ab:
+        return []
+    sdpa = [_num(r["time_us"]) for r in ab if r["method"].startswith("sdpa_")]
+    base = min(sdpa) if sdpa else float("nan")
+    fresh = [r for r in static if r.get("kernel_sha") == current_kernel_sha()]  # figures of this kernel only
+    per_byte = {r["key_bits"]: _num(r["instr_per_byte"]) for r in fresh if r["key_bits"] == r["value_bits"]}
+    ncu = {r["widths"]: r for r in counters}
+    lines = ["", "## Kernel versions (ab.csv, default splits) beside static and counter figures", "",
+             "| version | widths | us | x SDPA | share of copy bw | static instr/byte | share x instr/byte | "
+             "ncu: DRAM % of peak | ncu: thread-instr per DRAM byte | ncu: top stalls |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    seen = set()
+    for r in ab:
+        key = (r["method"], r["widths"])
+        if not r["method"].startswith("fused:") or key in seen:
+            continue
+        seen.add(key)
+        t, share = _num(r["time_us"]), _num(r["frac_copy_bw"])
+        current = r["method"] == f"fused:{KERNEL.stem}"
+        ipb = per_byte.get(r["widths"], float("nan")) if current else float("nan")
+        c = ncu.get(r["widths"], {}) if current else {}
+        lines.append(f"| {r['method'][6:]} | {r['widths']} | {t:.0f} | {base / t:.2f} | {share:.3f} | {ipb:.2f} | "
+                     f"{share * ipb:.2f} | {c.get('dram_pct_of_peak', '')} | {c.get('thread_instr_per_dram_byte', '')} "
+                     f"| {c.get('top_stalls', '')} |")  # fmt: skip
+    return lines
+
+
 def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, command: str) -> None:
     lines = [f"# GPU check on {meta.get('gpu', 'unknown')}", ""]
     if dry:
@@ -262,16 +361,19 @@ def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, comm
     lines += [f"Command: `{command}`", "", "| | |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in meta.items()]
     lines += ["", "## Stages", "", "| stage | exit code | seconds | limit | log |", "|---|---|---|---|---|"]
-    lines += [f"| {o['stage']} | {o['rc']}{' (time limit)' if o['rc'] == 124 else ''} | {o['seconds']:.0f} | "
+    lines += [f"| {o['stage']} | {o['rc']}{' (time limit)' if o['rc'] == 124 else ''}"
+              f"{' (' + o['why'] + ')' if o.get('why') else ''} | {o['seconds']:.0f} | "
               f"{o['limit']:.0f} | logs/{o['stage']}.log |" for o in outcomes]  # fmt: skip
     decode = read_csv(folder / "decode.csv")
-    found = targets(decode)
+    ab = read_csv(folder / "ab.csv")
+    found = targets(decode) or targets(ab_as_decode(ab))
     lines += ["", "## Targets (32 query / 8 KV heads, head_dim 128, batch 8, context 32K)", ""]
     if found:
         lines += ["| target | measured | wanted | met |", "|---|---|---|---|"]
         lines += [f"| {n} | {v:.3g} | {t} | {m} |" for n, v, t, m in found]
     else:
         lines += ["Not measured in this run (decode.csv has no fused and 16-bit rows at that shape)."]
+    lines += kernel_table(ab, read_csv(INSPECT_CSV), read_csv(folder / "ncu.csv"))
     e2e = read_csv(folder / "e2e.csv")
     if e2e:
         lines += [
@@ -329,8 +431,12 @@ def main(argv: list[str] | None = None) -> None:
     command = "python -m kernels.gpu.check " + " ".join(sys.argv[1:] if argv is None else argv)
     outcomes, folder = [], staging
     for stage in [s for s in STAGES if s in args.stages]:
-        if stage == "install" and (args.dry_run or not list(WHEELS.glob("*.whl"))):
-            print(f"[install] skipped: {'dry run' if args.dry_run else 'no wheels in .whl/'}", flush=True)
+        skip = skip_reason(stage, args.dry_run)
+        if skip:
+            print(f"[{stage}] skipped: {skip}", flush=True)
+            outcomes.append(
+                {"stage": stage, "rc": "skipped", "seconds": 0.0, "limit": budget[stage], "why": skip}
+            )
             continue
         cmd = stage_commands(folder, args.dry_run, budget)[stage]
         print(f"[{stage}] up to {budget[stage]} s: {' '.join(cmd)}", flush=True)
@@ -353,7 +459,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     write_readme(folder, meta, outcomes, args.dry_run, command)
     print(f"wrote {folder}/README.md")
-    sys.exit(0 if all(o["rc"] == 0 for o in outcomes) else 1)
+    sys.exit(0 if all(o["rc"] in (0, "skipped") for o in outcomes) else 1)
 
 
 if __name__ == "__main__":

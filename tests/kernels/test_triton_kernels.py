@@ -307,3 +307,90 @@ def test_decode_step_replays_in_a_cuda_graph(dtype):
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, (i, err)
     assert int(pos) == prefix + steps
+
+
+class _LaunchSpy:
+    """Counts the launches of a Triton kernel and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(
+    "k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra",
+    [
+        ((4, 4, 4), (4, 4, 4), 64, 32, False, torch.float16, 0),
+        ((2, 4, 8), (8, 2, 4), 64, 16, True, torch.bfloat16, 5),
+        ((4, 2, 4), (2, 2, 8), 128, 32, False, torch.bfloat16, 0),
+        ((8, 8, 2), (4, 4, 4), 128, 64, True, torch.float16, 17),
+        ((4, 4, 4), (2, 4, 2), 256, 32, False, torch.bfloat16, 3),
+    ],
+)
+def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra,
+                                    monkeypatch):  # fmt: skip
+    """Buckets packed at 2, 4 and 8 bits with fp16/bf16 queries take the fast kernel (kernels/unpack.py's
+    dequantization, tokens on the mma's M): the output matches the float64 oracle over the dequantized stores
+    at any split count, with and without an extra segment."""
+    from kernels import decode_attention as da
+
+    spy = _LaunchSpy(da._decode_packed_kernel)
+    monkeypatch.setattr(da, "_decode_packed_kernel", spy)
+    ks, vs = _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed=head_dim + group_size)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, HQ, head_dim, generator=gen).to(device=device, dtype=q_dtype)
+    kx, vx = (torch.randn(B, 3, n_extra, head_dim, generator=gen).to(device, q_dtype) for _ in range(2))
+    keys = torch.cat([ks.dequantize(), kx.float()], dim=2)
+    values = torch.cat([vs.dequantize(), vx.float()], dim=2)
+    ref = reference.attention_reference(q[:, :, None], keys, values, head_dim**-0.5)[:, :, 0]
+    for num_splits, block_n in ((1, None), (3, 16)):
+        out = torch.full((B, HQ, head_dim), float("nan"), dtype=q_dtype, device=device)
+        extra = dict(k_extra=kx, v_extra=vx) if n_extra else {}
+        decode_attention(q, ks, vs, head_dim**-0.5, num_splits=num_splits, out=out, block_n=block_n, **extra)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (num_splits, err)
+    assert spy.launches == 2 * len(set(zip(k_bits, v_bits)))  # every bucket took the fast kernel
+
+
+def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
+    """Without block_n the fast kernel runs FAST_BLOCK_N-token tiles and the generic one BLOCK_N (a 4-bit
+    bucket and a 16-bit one in the same call)."""
+    from kernels import decode_attention as da
+
+    tiles = {}
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tiles[self.name] = kwargs["BLOCK_N"]
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(da, "_decode_packed_kernel", Recorder("fast", da._decode_packed_kernel))
+    monkeypatch.setattr(da, "_decode_split_kernel", Recorder("generic", da._decode_split_kernel))
+    ks, vs = _stores((4, 16, 4), (4, 16, 4), 64, 32, False, device, seed=5)
+    q = torch.randn(B, HQ, 64).to(device=device, dtype=torch.float16)
+    decode_attention(q, ks, vs, 0.125)
+    assert tiles == {"fast": da.FAST_BLOCK_N, "generic": da.BLOCK_N}
+
+
+def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():
+    """A fast bucket of few heads is split as if it held every head (the generic ones for their own count)."""
+    from kernels.decode_attention import FAST_BLOCK_N, plan_splits
+
+    uniform = [PackedStore([4] * 8, 64, 2) for _ in range(2)]
+    mixed = [PackedStore([2, 2, 2, 2, 4, 4, 8, 3], 64, 2) for _ in range(2)]
+    _, (plan,), _ = plan_splits(*uniform, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
+    _, plans, _ = plan_splits(*mixed, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
+    assert plan[0] == FAST_BLOCK_N
+    fast = [plans[0], plans[2], plans[3]]  # buckets in width order: (2, 2), (3, 3), (4, 4), (8, 8)
+    assert fast == [plan] * 3  # fast buckets: splits as long as the uniform map's
+    tile, chunk = plans[1]  # (3, 3): the generic kernel, one head: more, shorter splits
+    assert tile == 32 and chunk < plan[1]

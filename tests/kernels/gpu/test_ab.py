@@ -40,3 +40,30 @@ def test_two_files_with_one_name_are_refused(tmp_path, cli):
     missing = cli("kernels.gpu.ab", str(tmp_path / "nope.py"), "--out", str(tmp_path / "ab.csv"))
     assert missing.returncode == 2 and "is not a file" in missing.stderr
     assert not (tmp_path / "ab.csv").exists()
+
+
+def test_token_major_store_holds_the_same_bytes_as_the_head_major_one():
+    """The older layout's view of a store: each head's packed row at its byte offset, scales at its slot."""
+    import torch
+
+    from kernels.gpu.ab import TokenMajorStore
+    from kernels.layout import PackedStore
+
+    torch.manual_seed(0)
+    bits = (8, 2, 16, 4, 2)
+    st = PackedStore(bits, 64, 2, group_size=32, simulate=False)
+    st.append(torch.randn(2, len(bits), 21, 64))
+    old = TokenMajorStore.of(st)
+    assert old.n_quant == 4 and old.payload.shape == (2, st.capacity, 16 + 16 + 32 + 64)
+    assert old.byte_offset.tolist() == [64, 0, 0, 32, 16] and old.slot.tolist() == [3, 0, 0, 2, 1]
+    for h, b in enumerate(bits):
+        if b == 16:
+            assert torch.equal(old.full[:, old.slot[h], :21], st.bucket_of[16].values[:, 0, :21])
+            continue
+        p = st.head_packed(h)
+        off = int(old.byte_offset[h])
+        assert torch.equal(old.payload[:, :21, off : off + p.payload.shape[-1]], p.payload)
+        assert torch.equal(old.scale[:, old.slot[h], :21], p.scale) and torch.equal(
+            old.zero[:, old.slot[h], :21], p.zero
+        )
+    assert old.nbytes() == st.nbytes()

@@ -34,8 +34,14 @@ def test_dry_run_exercises_every_stage(tmp_path, cli):
     assert {"torch", "triton", "transformers", "python", "commit", "dirty"} <= set(meta)
     readme = (folder / "README.md").read_text()
     assert "DRY RUN" in readme
-    for stage in ("metadata", "tests", "bench", "e2e", "runner"):
+    for stage in ("metadata", "tests", "ab", "bench", "e2e", "runner"):
         assert re.search(rf"\| {stage} \| 0 \|", readme), stage
+    assert re.search(r"\| ncu \| skipped \(dry run", readme)
+    ab = _rows(folder / "ab.csv")
+    versions = {r["method"] for r in ab if r["method"].startswith("fused:")}
+    assert "fused:decode_attention" in versions and len(versions) >= 2
+    assert all(float(r["rel_err"]) < 2e-2 for r in ab if r["method"].startswith("fused:"))
+    assert "## Kernel versions" in readme
     methods = {r["method"] for r in _rows(folder / "decode.csv")}
     assert {"sdpa_default", "flex_decode", "fp8_dequant_sdpa", "fused", "dequant_sdpa", "step_fused", "step_bf16",
             "fused_tuned", "quantize"} <= methods  # fmt: skip
@@ -133,3 +139,36 @@ def test_bad_arguments_exit_2_with_the_key(capsys):
     with pytest.raises(SystemExit) as err:
         bench.parse_args(["--out", "x", "--widths", "5"])
     assert err.value.code == 2 and "--widths: '5' is not allowed" in capsys.readouterr().err
+
+
+def test_ab_rows_stand_in_for_the_bench_in_the_targets():
+    """Without the bench's rows at the headline shape the targets come from the A/B's current-kernel rows."""
+    rows = [
+        {**_decode_row("sdpa_default", "16", 300.0), "method": "sdpa_default"},
+        _decode_row("fused:baf9cf7", "4", 600.0),
+        _decode_row("fused:decode_attention", "4", 120.0, frac=0.7),
+        _decode_row("fused:decode_attention", "4", 90.0, frac=0.9),  # another split count: not the default
+        _decode_row("fused:decode_attention", "2", 75.0),
+    ]
+    got = {name: value for name, value, _, _ in gpu_check.targets(gpu_check.ab_as_decode(rows))}
+    assert got["4-bit fused vs fastest 16-bit"] == pytest.approx(2.5)
+    assert got["4-bit fused: fraction of copy bandwidth"] == pytest.approx(0.7)
+    assert got["2-bit fused vs fastest 16-bit"] == pytest.approx(4.0)
+    static = [
+        {
+            "key_bits": "4",
+            "value_bits": "4",
+            "instr_per_byte": "4.0",
+            "kernel_sha": gpu_check.current_kernel_sha(),
+        },
+        {"key_bits": "2", "value_bits": "2", "instr_per_byte": "9.0", "kernel_sha": "stale0000000"},
+    ]
+    counters = [
+        {"widths": "4", "dram_pct_of_peak": "71", "thread_instr_per_dram_byte": "4.2", "top_stalls": "wait=1"}
+    ]
+    table = "\n".join(gpu_check.kernel_table(rows, static, counters))
+    assert "| decode_attention | 4 | 120 | 2.50 | 0.700 | 4.00 | 2.80 | 71 | 4.2 | wait=1 |" in table
+    assert "| baf9cf7 | 4 | 600 | 0.50 |" in table
+    assert (
+        "| decode_attention | 2 | 75 | 4.00 | 0.500 | nan |" in table
+    )  # static figures of another kernel: left out
