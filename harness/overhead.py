@@ -34,7 +34,7 @@ from harness.config import Point, base_point, compose, group_options
 from harness.io import CONF_DIR, git_state
 from harness.key_calibration import cached_key_calibration
 from harness.models import ModelUnavailable, load_model
-from harness.run.measure import cache_options, key_span, point_scheme
+from harness.run.measure import key_span, point_scheme
 from harness.validate import check_model_inputs, preflight_overrides, validate_config
 
 PLAIN = "plain"
@@ -59,24 +59,22 @@ class Contender:
 
     def __init__(self, name: str, point: Point | None = None, bits: int = 0, key_calibration=None):
         self.name, self.point, self.bits = name, point, bits
-        self.options = None
-        if point is not None:
-            self.options = cache_options(point, backend="torch", simulate=False)
-            self.options["key_calibration"] = key_calibration
+        self.scheme = None if point is None else point_scheme(point)
+        self.options = dict(backend="torch", simulate=False, key_calibration=key_calibration)
 
     def from_prefilled(self, model):
         """evaluate.decode's cache_from_prefilled: None (a copy of the DynamicCache) or a quantized copy."""
         if self.point is None:
             return None
         return lambda prefilled: QuantizedKVCache.from_prefilled(
-            prefilled, model.config, self.bits, prefill="exact", **self.options
+            prefilled, model.config, self.bits, self.scheme, prefill="exact", **self.options
         )
 
     def factory(self, model):
         """Fresh empty caches for the teacher-forced pass (quantize-on-write, as a grid point's)."""
         if self.point is None:
             return evaluate.dynamic_cache_factory(model)
-        return lambda: QuantizedKVCache(model.config, self.bits, prefill="quantized", **self.options)
+        return lambda: QuantizedKVCache(model.config, self.bits, self.scheme, prefill="quantized", **self.options)
 
 
 def parser() -> argparse.ArgumentParser:
