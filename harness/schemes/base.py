@@ -45,10 +45,11 @@ ROLES = ("key", "value")
 class Store(Protocol):
     """One layer's keys or values for a batch, each KV head at its own width (16 = unquantized).
 
-    The torch path of harness/cache/quantized.py uses nothing else. Attention reads a store through
-    kernels.packed_attention's `scores` and `weighted`: a kernels.layout.PackedStore directly, any other store
-    through its methods qk(q, start, end) and pv(p, start, end), computed from the stored form one block at a
-    time.
+    The torch path of harness/cache/quantized.py uses nothing else. Attention reads a store one block of tokens at
+    a time through kernels.packed_attention's `values`: a kernels.layout.PackedStore directly, any other store
+    through its method block(start, end) -> (B, Hkv, end - start, D), dequantized from the stored form. A store
+    whose blocks are rotated (rotate+, codebook) also has turn(x): x (B, Hkv, R, D) with its quantized heads
+    rotated, which attention applies to the queries of the keys and to the output of the values instead.
     """
 
     length: int  # tokens held

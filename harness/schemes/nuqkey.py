@@ -71,7 +71,11 @@ def turn(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
         return x
     a, b = x[..., :half], x[..., half : 2 * half]
     cos, sin = torch.cos(angle), torch.sin(angle)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., 2 * half :]], -1)
+    out = torch.empty_like(x)
+    torch.mul(a, cos, out=out[..., :half]).sub_(b * sin)
+    torch.mul(b, cos, out=out[..., half : 2 * half]).add_(a * sin)
+    out[..., 2 * half :] = x[..., 2 * half :]
+    return out
 
 
 def nearest_level(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -87,8 +91,12 @@ def nearest_level(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
 def level_values(code: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """levels[h, c, code[b, h, t, c]]: (B, H, T, D) float32 from codes (any integer dtype) and levels (H, D, n)."""
     H, D, n = levels.shape
-    base = (torch.arange(H, device=code.device)[:, None] * D + torch.arange(D, device=code.device)) * n
-    return levels.reshape(-1)[code.long() + base[None, :, None]]
+    base = (
+        torch.arange(H, device=code.device)[:, None] * D + torch.arange(D, device=code.device)
+    ) * n  # (H, D)
+    index = code.to(torch.int32, memory_format=torch.contiguous_format, copy=True)  # index_select takes int32
+    index.add_(base.int()[None, :, None])
+    return levels.reshape(-1).index_select(0, index.view(-1)).view(code.shape)
 
 
 class NuqKeyStore(CalKeyStore):

@@ -14,7 +14,7 @@ import torch
 from harness.schemes.base import SCHEMES, Scheme, Store, get_scheme
 from harness.schemes.wrappers import head_index, take_tokens
 from kernels import reference
-from kernels.packed_attention import scores, weighted
+from kernels.packed_attention import values
 
 ROTATE = "rotate+"
 
@@ -85,8 +85,8 @@ class RotatedStore:
     """Rotates head_dim of the quantized heads by an orthonormal Hadamard matrix before `base` (built in float32)
     quantizes them, and back after dequantization; 16-bit heads pass unrotated, so they stay exact.
 
-    Attention never rotates the stored keys and values back: the rotation moves to the small side of each
-    product, q . (k' H) = (q H) . k' and p @ (v' H) = (p @ v') H.
+    Attention never rotates the stored keys and values back: it reads them rotated (`block`) and the rotation moves
+    to the small side of each product (`turn`), q . (k' H) = (q H) . k' and p @ (v' H) = (p @ v') H.
     """
 
     def __init__(
@@ -121,11 +121,13 @@ class RotatedStore:
     def dequantize(self) -> torch.Tensor:
         return self._turn(self.base.dequantize(), self.dtype)
 
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return scores(self.base, self._turn(q, torch.float32), start, end)
+    def block(self, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) as stored, quantized heads rotated: (B, Hkv, end - start, D) float32."""
+        return values(self.base, start, end, torch.float32)
 
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return self._turn(weighted(self.base, p, start, end), torch.float32)
+    def turn(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, Hkv, R, D) with its quantized heads rotated: between the stored (rotated) form and the tokens' own."""
+        return self._turn(x, x.dtype)
 
     def keep_last(self, n: int) -> None:
         self.base.keep_last(n)

@@ -321,11 +321,12 @@ def test_attention_in_the_rotated_domain_equals_attention_over_dequantized_token
     v_store.append(torch.randn(B, H, T, D) * 3)
     keys, values = k_store.dequantize(), v_store.dequantize()
     q = torch.randn(B, H, 5, D)
-    torch.testing.assert_close(
-        k_store.qk(q, 11, 40), q @ keys[:, :, 11:40].transpose(-1, -2), rtol=1e-5, atol=1e-5
-    )
+    # tokens [11, 40) read rotated: the queries turned for the keys, the output turned for the values
+    scores = k_store.turn(q) @ k_store.block(11, 40).transpose(-1, -2)
+    torch.testing.assert_close(scores, q @ keys[:, :, 11:40].transpose(-1, -2), rtol=1e-5, atol=1e-5)
     p = torch.rand(B, H, 5, 29)
-    torch.testing.assert_close(v_store.pv(p, 11, 40), p @ values[:, :, 11:40], rtol=1e-5, atol=1e-5)
+    out = v_store.turn(p @ v_store.block(11, 40))
+    torch.testing.assert_close(out, p @ values[:, :, 11:40], rtol=1e-5, atol=1e-5)
     for Tq in (1, 6):  # a decode step and a causal chunk, read in blocks of 16 tokens
         q = torch.randn(B, H * G, Tq, D)
         got = packed_attention(q, k_store, v_store, D**-0.5, block=16)
