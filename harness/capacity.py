@@ -37,7 +37,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.models import ModelUnavailable, gguf_path, model_spec
 from harness.registry import unknown_name_message
-from harness.schemes import ROLES, SCHEMES, AsymToken, Scheme, get_scheme
+from harness.schemes import KMEANS, ROLES, SCHEME_OPTIONS, SCHEMES, AsymToken, Scheme, from_point
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
 GIB = 2**30
@@ -124,7 +124,7 @@ def element_price(shape: ModelShape, scheme: Scheme):
     cached = [layer for layer in shape.layers if layer.cached]
     elements = sum(layer.kv_heads * layer.head_dim for layer in cached)
 
-    def price(bits: int, role: str = "value") -> float:
+    def price(bits: int, role: str) -> float:
         held = sum(layer.kv_heads * scheme.token_bytes(bits, layer.head_dim, role) for layer in cached)
         return held / elements
 
@@ -413,6 +413,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--outliers", type=float, default=0.0, help="share of each key kept in fp16 with its index (calkey)"
     )
+    p.add_argument("--key-levels", default=KMEANS, help="how nuqkey's key levels are fitted (bytes alike)")
     p.add_argument(
         "--memory-gib", type=float, nargs="*", default=[], help="report the longest context that fits"
     )
@@ -450,11 +451,14 @@ def _describe(shape: ModelShape) -> str:
     return f"{shape.name}: " + ", ".join(parts)
 
 
+def cli_scheme(args) -> Scheme:
+    """The scheme the command's --scheme and option flags (one per Scheme option) describe."""
+    return from_point({"scheme": args.scheme, **{key: getattr(args, key) for key in SCHEME_OPTIONS}})
+
+
 def rows(args) -> tuple[ModelShape, list[dict]]:
     shape = _shape(args)
-    scheme = get_scheme(
-        args.scheme, args.group_size, args.sink_tokens, args.residual, args.key_group_size, args.outliers
-    )
+    scheme = cli_scheme(args)
     allocations = (
         [("allocation", *_bits_from(args.bits_from))] if args.bits_from else [(b, b, b) for b in args.bits]
     )

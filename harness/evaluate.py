@@ -13,6 +13,7 @@ runs differ for reasons other than the cache.
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -20,7 +21,10 @@ import torch
 import transformers
 
 CacheFactory = Callable[[], transformers.Cache]  # a fresh, empty cache per batch
-SCORE_ELEMENTS = 1 << 24  # teacher-forced metrics: float32 log-probs scored at a time (64 MiB), positions x V
+# teacher-forced metrics: float32 log-probs scored at a time, positions x V. 16 MiB temporaries stay under glibc's
+# largest mmap threshold (32 MiB), so they are reused from the heap; at 64 MiB each was fresh memory, page-faulted
+# in every step, and scoring took 3.7x as long (4 x 128 positions of a 49152-token vocabulary, 1 thread).
+SCORE_ELEMENTS = 1 << 22
 
 
 @dataclass
@@ -95,6 +99,14 @@ def _prefill(model, prompts: torch.Tensor, cache: transformers.Cache) -> torch.T
     return logits[:, -1].argmax(dim=-1)
 
 
+def _add_time(clock: dict | None, stage: str, since: float) -> float:
+    """Add the seconds since `since` to clock[stage] (when a clock is kept); return the time now."""
+    now = time.perf_counter()
+    if clock is not None:
+        clock[stage] = clock.get(stage, 0.0) + now - since
+    return now
+
+
 def _decode(model, cache: transformers.Cache, first: torch.Tensor, prompt_tokens: int, new_tokens: int):
     """Greedy tokens (B, M) on CPU: `first`, then M - 1 single-token forwards through cache (the last is never fed)."""
     generated = [first]  # M x (B,)
@@ -143,14 +155,21 @@ def decode(
     prefilled: list[Prefilled],
     new_tokens: int,
     cache_from_prefilled: Callable[[transformers.Cache], transformers.Cache] | None = None,
+    clock: dict | None = None,
 ) -> torch.Tensor:
     """Greedy continuations (N, M) from shared prefills: each batch decodes through
     `cache_from_prefilled(prefill cache)` (e.g. a quantized copy), or through a copy of the prefill cache itself
-    when None (the unquantized baseline). Equals greedy_generate with prefill=exact caches."""
+    when None (the unquantized baseline). Equals greedy_generate with prefill=exact caches.
+
+    clock: where given, seconds are added to its `cache_s` (making each batch's cache from its prefill) and
+    `steps_s` (the decode steps)."""
     outputs = []
     for p in prefilled:
+        t = time.perf_counter()
         cache = copy.deepcopy(p.cache) if cache_from_prefilled is None else cache_from_prefilled(p.cache)
+        t = _add_time(clock, "cache_s", t)
         outputs.append(_decode(model, cache, p.first, p.prompt_tokens, new_tokens))
+        _add_time(clock, "steps_s", t)
     return torch.cat(outputs)
 
 
@@ -177,6 +196,7 @@ def teacher_forced(
     batch_size: int = 1,
     baseline: TeacherForced | None = None,
     logprobs_dtype: torch.dtype = torch.float16,
+    clock: dict | None = None,
 ) -> TeacherForced:
     """Score sequences (S, T) int64 teacher-forced, fed in chunks of `chunk` tokens through a fresh cache per batch.
 
@@ -199,10 +219,12 @@ def teacher_forced(
     logprobs = None  # (S, T-1, V), allocated once V is known from the logits
 
     for rows in _batches(n_seq, batch_size):
+        t = time.perf_counter()
         cache = cache_factory()
         inputs = sequences[rows, :-1].to(model.device)  # (B, T-1)
         for start in range(0, n_pos, chunk):
             logits = _forward(model, inputs[:, start : start + chunk], start, cache)  # (B, L, V)
+            t = _add_time(clock, "forward_s", t)
             B, L, V = logits.shape
             if baseline is None and logprobs is None:
                 logprobs = torch.empty(n_seq, n_pos, V, dtype=logprobs_dtype)
@@ -221,4 +243,5 @@ def teacher_forced(
                 else:
                     logprobs[rows, cols] = chunk_logprobs.to(logprobs_dtype).cpu()
             del logits  # freed before the next chunk's forward
+            t = _add_time(clock, "score_s", t)
     return TeacherForced(targets=targets.clone(), nll=nll, top1=top1, logprobs=logprobs, kl=kl)

@@ -41,6 +41,25 @@ class ModelUnavailable(RuntimeError):
     """A model's package or weights are missing or unreadable; the message says what to install."""
 
 
+def check_device(device: object, key: str = "device") -> str:
+    """The device name if this machine has it: cpu, or cuda / cuda:N where CUDA is available; else ValueError naming
+    `key` and what is allowed here (before any model loads)."""
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    allowed = ", ".join(["cpu", *(["cuda", *(f"cuda:{i}" for i in range(cuda))] if cuda else [])])
+    try:
+        kind = torch.device(device).type if isinstance(device, (str, torch.device)) else None
+    except RuntimeError:
+        kind = None
+    if kind == "cuda" and not cuda:
+        raise ValueError(
+            f"{key}: {device} but this machine has no CUDA device (torch.cuda.is_available() is False); allowed here: {allowed}"
+        )
+    index = torch.device(device).index if kind == "cuda" else None
+    if kind not in ("cpu", "cuda") or (index is not None and index >= cuda):
+        raise ValueError(f"{key}: {device!r} is not allowed; allowed here: {allowed}")
+    return str(device)
+
+
 def model_names() -> list[str]:
     return sorted(p.stem for p in CONF_MODEL_DIR.glob("*.yaml"))
 

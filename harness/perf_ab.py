@@ -30,7 +30,7 @@ from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.models import load_model
 from harness.perf import SCHEME
-from kernels.ab import check_version_files, load_versions
+from kernels.gpu.ab import check_version_files, load_versions
 
 
 def timed(fn) -> float:

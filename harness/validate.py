@@ -18,11 +18,11 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import data, io, precision, preload
-from harness.cache import BACKENDS, PREFILL_MODES
+from harness.cache import PREFILL_MODES, check_backend_device
 from harness.cache.eviction import EvictionSpec
 from harness.config import HARNESS, Point, config_key
 from harness.data import BOS_RULES
-from harness.models import model_spec
+from harness.models import check_device, model_spec
 from harness.peers import check_point
 from harness.policies import from_point
 from harness.protocols import PROTOCOLS, claim
@@ -30,7 +30,7 @@ from harness.protocols.claim import settings
 from harness.protocols.sweep import expand
 from harness.registry import unknown_name_message
 from harness.run.measure import point_scheme
-from harness.schemes import ROLES, SCHEMES, check_backend, get_scheme
+from harness.schemes import ROLES, SCHEMES, Scheme, check_backend, get_scheme
 from harness.sensitivity import READS_KEY_TABLES
 from kernels.layout import FULL_WIDTH
 
@@ -81,10 +81,10 @@ def _check_point(point: Point, backend: str = "auto") -> None:
                 f"model.dtype: {point.dtype!r} in a grid point; allowed: {', '.join(precision.DTYPES)}"
             )
         policy = from_point(point.group("policy"))
-        policy.check_budget(point.budget)
         _check_positive_ints(point)
         scheme = point_scheme(point)
-        scheme.check_widths(point.widths)
+        scheme.check_widths(point.widths)  # before the budget, which lies between the widths
+        policy.check_budget(point.budget)
         if scheme.key_tables and policy.measurement not in (None, *READS_KEY_TABLES):
             raise ValueError(
                 f"policy.name: {point.policy} measures its table without fitted key tables, which quant.scheme "
@@ -170,8 +170,11 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
     if not isinstance(cfg.get("allow_dirty", False), bool):
         raise ConfigError(f"allow_dirty: {cfg.allow_dirty!r} is not allowed; allowed: true, false")
 
-    if cfg.quant.backend not in BACKENDS:
-        raise ConfigError(f"quant.backend: unknown {cfg.quant.backend!r}; allowed: {', '.join(BACKENDS)}")
+    try:  # the machine: a device it has, a backend that runs there
+        check_device(cfg.device)
+        check_backend_device(cfg.quant.backend, cfg.device)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
     if not isinstance(cfg.quant.get("simulate", False), bool):
         raise ConfigError(f"quant.simulate: {cfg.quant.simulate!r} is not allowed; allowed: true, false")
     if not isinstance(cfg.eval.batch_size, int) or cfg.eval.batch_size < 1:
@@ -241,9 +244,7 @@ class ModelInputs:
     """What one point asks of its model: a storage scheme at some widths, and windows of its text."""
 
     model: str
-    scheme: str | None  # None: a peer engine's point, stored by that engine
-    group_size: int
-    key_group_size: int | None  # None: group_size
+    scheme: Scheme | None  # None: a peer engine's point, stored by that engine
     widths: tuple[int, ...]
     windows: tuple[Windows, ...]
 
@@ -260,8 +261,8 @@ def _inputs_of_point(point: Point) -> ModelInputs:
                 ("eval.num_sequences", "eval.sequence_tokens"), "sequences", point.data_path),
     )  # fmt: skip
     widths = tuple(point.widths)
-    scheme = point.scheme if point.engine == HARNESS else None  # a peer engine stores K/V its own way
-    return ModelInputs(point.model, scheme, point.group_size, point.key_group_size, widths, windows)
+    scheme = point_scheme(point) if point.engine == HARNESS else None  # a peer engine stores K/V its own way
+    return ModelInputs(point.model, scheme, widths, windows)
 
 
 def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
@@ -269,16 +270,16 @@ def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
     s = settings(cfg)
     keys = ("sweep.claim.num_sequences", "sweep.claim.sequence_tokens")
     windows = (Windows("evaluation", s.num_sequences, s.sequence_tokens, keys, "sequences", s.data_path),)
-    return ModelInputs(s.model, s.scheme, s.group_size, None, s.widths, windows)
+    return ModelInputs(s.model, get_scheme(s.scheme, s.group_size), s.widths, windows)
 
 
 def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
     """A scheme that quantizes a role in groups along head_dim needs that role's group size dividing every
     head_dim (values: quant.group_size; keys: quant.key_group_size, unless quantized per channel as kivi's). A peer
     engine's point (scheme None) has no harness storage to check."""
-    if inputs.scheme is None:
+    scheme = inputs.scheme
+    if scheme is None:
         return
-    scheme = get_scheme(inputs.scheme, inputs.group_size, key_group_size=inputs.key_group_size)
     if all(w == FULL_WIDTH for w in inputs.widths):
         return
     if scheme.rotated and any(d & (d - 1) for d in dims):

@@ -15,15 +15,21 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.quantize import check_group_size, check_widths
+from kernels.unpack import code_of_column_jit, dequant_tile, fast_path_fits, group_constants
 
 LOG2E = math.log2(math.e)
-BLOCK_N = 32  # default tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not
+# The generic kernel's tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not.
+BLOCK_N = 32
+# The fast packed kernel's tokens per tile (the M of its score mma). On the H100 (32 query / 8 KV heads, batch 8,
+# 32K, 4 warps, 3 stages) 128 beat 64 by 7% at 4 bits and 8% at 2, and 64 beat 32 by 1.8x (results/kernels).
+FAST_BLOCK_N = 128
 # split-KV target: enough programs in flight per SM to keep memory requests queued. On the H200 (32 query / 8
 # KV heads, batch 8, 32K and 128K tokens) 16 made the prefetching kernel 15-19% faster than 4 at 2, 4 and 8 bits
 # (results/kernels/README.md).
@@ -152,31 +158,23 @@ def _decode_split_kernel(
     stride_qh,
     kp_ptr,
     kp_sb,
+    kp_sh,
     kp_st,
     ks_ptr,
     kz_ptr,
     ks_sb,
     ks_sh,
     ks_st,
-    kf_ptr,
-    kf_sb,
-    kf_sh,
-    kf_st,
-    ko_ptr,
     kslot_ptr,
     vp_ptr,
     vp_sb,
+    vp_sh,
     vp_st,
     vs_ptr,
     vz_ptr,
     vs_sb,
     vs_sh,
     vs_st,
-    vf_ptr,
-    vf_sb,
-    vf_sh,
-    vf_st,
-    vo_ptr,
     vslot_ptr,
     kx_ptr,
     kx_sb,
@@ -239,14 +237,12 @@ def _decode_split_kernel(
     l_i = tl.zeros((QG_B,), tl.float32)
     acc = tl.zeros((QG_B, D_B), tl.float32)
 
-    kp_base = b64 * kp_sb + tl.load(ko_ptr + h)
-    vp_base = b64 * vp_sb + tl.load(vo_ptr + h)
-    kslot = tl.load(kslot_ptr + h)
-    vslot = tl.load(vslot_ptr + h)
+    kslot = tl.load(kslot_ptr + h).to(tl.int64)
+    vslot = tl.load(vslot_ptr + h).to(tl.int64)
+    kp_base = b64 * kp_sb + kslot * kp_sh
+    vp_base = b64 * vp_sb + vslot * vp_sh
     ks_base = b64 * ks_sb + kslot * ks_sh
     vs_base = b64 * vs_sb + vslot * vs_sh
-    kf_base = b64 * kf_sb + kslot * kf_sh
-    vf_base = b64 * vf_sb + vslot * vf_sh
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
@@ -255,17 +251,17 @@ def _decode_split_kernel(
         # is dequantized and attended. Loads that are dequantized before a dot are not staged by Triton's
         # pipeliner, and without this each program waited on every tile's loads.
         n = (start + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
-        k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kf_ptr,
-                                 kf_base + n * kf_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
-        v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vf_ptr,
-                                 vf_base + n * vf_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+        k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kp_ptr,
+                                 kp_base + n * kp_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+        v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vp_ptr,
+                                 vp_base + n * vp_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
         for n0 in range(start, end, BLOCK_N):
             n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
             nx = n + BLOCK_N  # the next tile (masked out past the split's end)
             k_raw_nx, k_s_nx, k_z_nx = _fetch(kp_ptr, kp_base + nx * kp_st, ks_ptr, kz_ptr, ks_base + nx * ks_st,
-                                              kf_ptr, kf_base + nx * kf_st, nx < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+                                              kp_ptr, kp_base + nx * kp_st, nx < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
             v_raw_nx, v_s_nx, v_z_nx = _fetch(vp_ptr, vp_base + nx * vp_st, vs_ptr, vz_ptr, vs_base + nx * vs_st,
-                                              vf_ptr, vf_base + nx * vf_st, nx < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+                                              vp_ptr, vp_base + nx * vp_st, nx < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
             m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
                                     KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
             k_raw, k_s, k_z, v_raw, v_s, v_z = k_raw_nx, k_s_nx, k_z_nx, v_raw_nx, v_s_nx, v_z_nx
@@ -273,10 +269,10 @@ def _decode_split_kernel(
         # 16-bit K and V go to the dots as loaded, and Triton's pipeliner stages those loads itself.
         for n0 in range(start, end, BLOCK_N):
             n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
-            k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kf_ptr,
-                                     kf_base + n * kf_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
-            v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vf_ptr,
-                                     vf_base + n * vf_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+            k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kp_ptr,
+                                     kp_base + n * kp_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+            v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vp_ptr,
+                                     vp_base + n * vp_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
             m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
                                     KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
 
@@ -299,6 +295,173 @@ def _decode_split_kernel(
     tl.store(m_ptr + row, m_i, mask=i < QG)
     tl.store(l_ptr + row, l_i, mask=i < QG)
     tl.store(o_ptr + row[:, None] * D_B + d[None, :], acc, mask=i[:, None] < QG)
+
+
+@triton.jit
+def _load_fp16(ptr, offsets, mask):
+    """A load of q, K or V in full precision as fp16 operands, clamped to fp16's finite range."""
+    x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
+def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
+
+    p_ptr: the head's payload as int32 words, rows of NW = D * W / 32 words; s_ptr, z_ptr: its fp16 scales
+    and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored.
+    """
+    NW: tl.constexpr = D * W // 32
+    NG: tl.constexpr = D // G
+    BLOCK_N: tl.constexpr = rows.shape[0]
+    r64 = rows.to(tl.int64)
+    words = tl.load(p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :], mask=mask_n[:, None], other=0)
+    g = tl.arange(0, NG)
+    s = tl.load(s_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)  # (BLOCK_N, NG)
+    if SYM:
+        z = s  # unused
+    else:
+        z = tl.load(z_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)
+    s2, z2 = group_constants(s, z, W, SYM)  # (BLOCK_N, NG) int32 each
+    # each word's group constants, broadcast over the G * W / 32 words of a group
+    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
+    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
+    return dequant_tile(words, s2, z2, W, SYM, ASM, LANES)
+
+
+@triton.jit
+def _decode_packed_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    kp_ptr,
+    kp_sb,
+    kp_sh,
+    ks_ptr,
+    kz_ptr,
+    ks_sb,
+    ks_sh,
+    kslot_ptr,
+    vp_ptr,
+    vp_sb,
+    vp_sh,
+    vs_ptr,
+    vz_ptr,
+    vs_sb,
+    vs_sh,
+    vslot_ptr,
+    kx_ptr,
+    kx_sb,
+    kx_sh,
+    kx_st,
+    vx_ptr,
+    vx_sb,
+    vx_sh,
+    vx_st,
+    Tx,
+    heads_ptr,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    L_arg,
+    len_ptr,
+    chunk,
+    qk_scale,
+    num_splits,
+    NH: tl.constexpr,
+    HKV: tl.constexpr,
+    QG: tl.constexpr,
+    QG_B: tl.constexpr,
+    D: tl.constexpr,
+    D_B: tl.constexpr,
+    KW: tl.constexpr,
+    VW: tl.constexpr,
+    KG: tl.constexpr,
+    VG: tl.constexpr,
+    K_SYM: tl.constexpr,
+    V_SYM: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    L_FROM_PTR: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # grid: (B * NH, num_splits + HAS_EXTRA), as _decode_split_kernel's, for a bucket whose keys and values are
+    # both packed at 2, 4 or 8 bits. Tokens sit on the mma's M dimension and the query group on N: scores
+    # S^T = K q^T (BLOCK_N, QG_B) and output O^T = V^T P^T (D, QG_B), fp16 operands, fp32 accumulation. K and
+    # V tiles are dequantized in registers by kernels.unpack, their columns in its logical order, so q is
+    # loaded in K's order and O^T stored through V's.
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // NH
+    h = tl.load(heads_ptr + pid % NH)
+    b64 = b.to(tl.int64)
+    if L_FROM_PTR:
+        L = tl.load(len_ptr)
+    else:
+        L = L_arg
+
+    i = tl.arange(0, QG_B)
+    # (D,): the code each logical column holds. K tiles are mma operands straight from registers (lane order);
+    # V tiles are transposed through shared memory for the second mma, so they keep each word's values together
+    # (word order: 16-byte stores).
+    kcol = code_of_column_jit(KW, D, True)
+    vcol = code_of_column_jit(VW, D, False)
+    qT = _load_fp16(
+        q_ptr + b64 * stride_qb, (h * QG + i)[None, :] * stride_qh + kcol[:, None], (i < QG)[None, :]
+    )  # (D, QG_B) fmt: skip
+
+    m_i = tl.full((QG_B,), float("-inf"), tl.float32)
+    l_i = tl.zeros((QG_B,), tl.float32)
+    acc = tl.zeros((D, QG_B), tl.float32)
+
+    kslot = tl.load(kslot_ptr + h).to(tl.int64)
+    vslot = tl.load(vslot_ptr + h).to(tl.int64)
+    kp = kp_ptr + b64 * kp_sb + kslot * kp_sh
+    vp = vp_ptr + b64 * vp_sb + vslot * vp_sh
+    ks = ks_ptr + b64 * ks_sb + kslot * ks_sh
+    kz = kz_ptr + b64 * ks_sb + kslot * ks_sh
+    vs = vs_ptr + b64 * vs_sb + vslot * vs_sh
+    vz = vz_ptr + b64 * vs_sb + vslot * vs_sh
+
+    start = tl.minimum(sp * chunk, L)
+    end = tl.minimum(start + chunk, L)
+    for n0 in range(start, end, BLOCK_N):
+        rows = n0 + tl.arange(0, BLOCK_N)
+        mask_n = rows < end
+        k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM, True)  # (BLOCK_N, D) fp16
+        s = tl.dot(k, qT) * qk_scale  # (BLOCK_N, QG_B), log2 units
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0))
+        p = tl.exp2(s - m_new[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+        v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False)
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+
+    if HAS_EXTRA:
+        x_end = tl.where(sp == num_splits, Tx, 0)
+        for n0 in range(0, x_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = n < x_end
+            n64 = n.to(tl.int64)[:, None]
+            k = _load_fp16(kx_ptr + b64 * kx_sb + h * kx_sh, n64 * kx_st + kcol[None, :], mask_n[:, None])
+            v = _load_fp16(vx_ptr + b64 * vx_sb + h * vx_sh, n64 * vx_st + vcol[None, :], mask_n[:, None])
+            s = tl.where(mask_n[:, None], tl.dot(k, qT) * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            p = tl.exp2(s - m_new[None, :])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+
+    # partials as _decode_split_kernel writes them: m, l (B, Hq, S); o (B, Hq, S, D_B)
+    S = num_splits + HAS_EXTRA
+    row = (b64 * HKV * QG + h * QG + i) * S + sp  # (QG_B,)
+    tl.store(m_ptr + row, m_i, mask=i < QG)
+    tl.store(l_ptr + row, l_i, mask=i < QG)
+    tl.store(o_ptr + row[None, :] * D_B + vcol[:, None], acc, mask=(i < QG)[None, :])
 
 
 @triton.jit
@@ -348,47 +511,66 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
     return max(1, min(triton.cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
-def plan_splits(
-    k_store, v_store, span: int, block_n: int, device: torch.device, num_splits: int | None = None
-):
-    """(width buckets, tokens per split of each bucket's launch, split columns of the partials table).
+def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
+    """Whether a (key width, value width) bucket takes the fast packed kernel: fp16 or bf16 queries, both widths
+    2, 4 or 8 with rows that kernels.unpack splits into lanes."""
+    return (
+        q_dtype in (torch.float16, torch.bfloat16)
+        and fast_path_fits(kw, head_dim, k_group)
+        and fast_path_fits(vw, head_dim, v_group)
+    )
 
-    Each bucket's launch is split for its own program count (a bucket of few heads gets more splits, so that
-    it fills the GPU alone); all write one partials table with the largest split count, where a program past
-    its own bucket's splits finds no token and writes an empty partial (weight 0 in the combine).
+
+def plan_splits(
+    k_store, v_store, span: int, block_n: int | None, device: torch.device, num_splits: int | None = None,
+    q_dtype: torch.dtype = torch.float32,
+):  # fmt: skip
+    """(width buckets, (tokens per tile, tokens per split) of each bucket's launch, split columns of the
+    partials table).
+
+    A bucket's tile is `block_n`, or its kernel's default (FAST_BLOCK_N for the fast kernel, BLOCK_N else).
+    A generic bucket's launch is split for its own program count (a bucket of few heads gets more splits, so
+    that it fills the GPU alone). A fast bucket's is split as if it held every head, so its splits are as long as
+    a uniform map's: on the H100 the fast kernel ran slower with every split count above the default at 32K
+    (33, 66, 132 splits: 176, 185, 211 us at 4 bits), and a mixed map whose buckets took 132 splits each ran
+    2.9x slower than uniform 4 bits. All launches write one partials table with the largest split count, where
+    a program past its own bucket's splits finds no token and writes an empty partial (weight 0 in the combine).
     """
     buckets = width_buckets(tuple(k_store.bits), tuple(v_store.bits), device)
-    chunks = []
-    for *_, heads in buckets:
-        n = num_splits or _default_splits(span, k_store.batch * len(heads), block_n, device)
-        chunks.append(triton.cdiv(triton.cdiv(max(span, 1), n), block_n) * block_n)  # whole tiles
-    return buckets, chunks, max(triton.cdiv(max(span, 1), c) for c in chunks)
+    plans = []
+    for kw, vw, heads in buckets:
+        fast = fast_bucket(kw, vw, q_dtype, k_store.head_dim, k_store.group_size, v_store.group_size)
+        tile = block_n or (FAST_BLOCK_N if fast else BLOCK_N)
+        programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
+        n = num_splits or _default_splits(span, programs, tile, device)
+        plans.append((tile, triton.cdiv(triton.cdiv(max(span, 1), n), tile) * tile))  # whole tiles
+    return buckets, plans, max(triton.cdiv(max(span, 1), chunk) for _, chunk in plans)
 
 
-def _store_args(st) -> list:
-    assert st.payload.stride(-1) == 1 and st.scale.stride(-1) == 1 and st.full.stride(-1) == 1
-    assert st.zero is None or st.zero.stride() == st.scale.stride(), "zero must share scale's strides"
-    return [
-        st.payload,
-        st.payload.stride(0),
-        st.payload.stride(1),
-        st.scale,
-        st.scale if st.zero is None else st.zero,
-        st.scale.stride(0),
-        st.scale.stride(1),
-        st.scale.stride(2),
-        st.full,
-        st.full.stride(0),
-        st.full.stride(1),
-        st.full.stride(2),
-        st.byte_offset,
-        st.slot,
-    ]
+def _bucket_args(st, width: int) -> list:
+    """The kernel arguments of one store's bucket at `width`: its payload (or 16-bit values), scales and zeros
+    (placeholders where absent) with their strides, and the store's slot table."""
+    bk = st.bucket_of[width]
+    data = bk.values if width == 16 else bk.payload
+    scale = data if bk.scale is None else bk.scale
+    zero = scale if bk.zero is None else bk.zero
+    assert data.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride()
+    return [data, *data.stride()[:3], scale, zero, *scale.stride()[:3], st.slot]
+
+
+def _packed_args(st, width: int) -> list:
+    """The fast kernel's arguments for one store's bucket at `width`: payload as int32 words, scales and zeros
+    (scales again where symmetric), their batch and head strides, the store's slot table."""
+    bk = st.bucket_of[width]
+    words = bk.payload.view(torch.int32)  # (B, Hw, cap, NW)
+    zero = bk.scale if bk.zero is None else bk.zero
+    assert words.is_contiguous() and bk.scale.is_contiguous() and zero.stride() == bk.scale.stride()
+    return [words, *words.stride()[:2], bk.scale, zero, *bk.scale.stride()[:2], st.slot]
 
 
 def _kernel_group(st, d_b: int) -> int:
     """The group size the kernel is compiled with (any power of two <= D_B when no head is quantized)."""
-    if st.n_quant == 0:
+    if all(w == 16 for w in st.bits):
         return d_b
     check_group_size(st.group_size, st.head_dim)
     return st.group_size
@@ -439,7 +621,7 @@ def decode_attention(
     v_extra: torch.Tensor | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     length: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
@@ -456,7 +638,8 @@ def decode_attention(
         num_splits: KV splits of the stored tokens (default: PROGRAMS_PER_SM programs per SM in each width
             bucket's launch).
         out: optional (B, Hq, D) output tensor, last dim contiguous; default a new tensor of q's dtype.
-        block_n: tokens per tile, a power of two >= 16; a split holds a whole number of tiles.
+        block_n: tokens per tile, a power of two >= 16 (default: each kernel's own, FAST_BLOCK_N or BLOCK_N); a
+            split holds a whole number of tiles.
         length: None (L = the stores' length), or an int32 tensor of one element on q's device holding L, read
             by the kernels: the splits then cover the stores' capacity, so the launches stay the same while L
             grows (CUDA graphs). The caller guarantees 0 < L <= capacity (or an extra segment).
@@ -484,56 +667,35 @@ def decode_attention(
 
     d_b = triton.next_power_of_2(D)
     qg = Hq // Hkv
-    buckets, chunks, splits = plan_splits(k_store, v_store, span, block_n, q.device, num_splits)
+    buckets, plans, splits = plan_splits(k_store, v_store, span, block_n, q.device, num_splits, q.dtype)
     n_cols = splits + int(has_extra)
 
     m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
     kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    for (kw, vw, heads), chunk in zip(buckets, chunks):
-        _decode_split_kernel[(B * len(heads), n_cols)](
-            q,
-            q.stride(0),
-            q.stride(1),
-            *_store_args(k_store),
-            *_store_args(v_store),
-            kx,
-            kx.stride(0),
-            kx.stride(1),
-            kx.stride(2),
-            vx,
-            vx.stride(0),
-            vx.stride(1),
-            vx.stride(2),
-            kx.shape[2] if has_extra else 0,
-            heads,
-            m_part,
-            l_part,
-            o_part,
-            k_store.length,
-            heads if length is None else length,  # unused when L is passed by value
-            chunk,
-            sm_scale * LOG2E,
-            splits,
-            NH=len(heads),
-            HKV=Hkv,
-            QG=qg,
-            QG_B=max(16, triton.next_power_of_2(qg)),  # tl.dot needs at least 16 rows
-            D=D,
-            D_B=d_b,
-            KW=kw,
-            VW=vw,
-            KG=_kernel_group(k_store, d_b),
-            VG=_kernel_group(v_store, d_b),
-            K_SYM=k_store.symmetric,
-            V_SYM=v_store.symmetric,
-            HAS_EXTRA=has_extra,
-            L_FROM_PTR=length is not None,
-            BLOCK_N=block_n,
-            INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-            PREFETCH=(kw, vw) != (16, 16),
-            **launch,
-        )
+    extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
+    for (kw, vw, heads), (tile, chunk) in zip(buckets, plans):
+        kg, vg = _kernel_group(k_store, d_b), _kernel_group(v_store, d_b)
+        common = dict(NH=len(heads), HKV=Hkv, QG=qg, D=D, D_B=d_b, KW=kw, VW=vw, KG=kg, VG=vg,
+                      K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
+                      L_FROM_PTR=length is not None, BLOCK_N=tile, **launch)  # fmt: skip
+        tail = [heads, m_part, l_part, o_part, k_store.length, heads if length is None else length, chunk,
+                sm_scale * LOG2E, splits]  # fmt: skip
+        if fast_bucket(kw, vw, q.dtype, D, k_store.group_size, v_store.group_size):
+            _decode_packed_kernel[(B * len(heads), n_cols)](
+                q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,
+                QG_B=max(8, triton.next_power_of_2(qg)),  # the N of an mma: at least 8
+                ASM=os.environ.get("TRITON_INTERPRET") != "1",
+                **common,
+            )  # fmt: skip
+        else:
+            _decode_split_kernel[(B * len(heads), n_cols)](
+                q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra, *tail,
+                QG_B=max(16, triton.next_power_of_2(qg)),  # tl.dot needs at least 16 rows
+                INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+                PREFETCH=(kw, vw) != (16, 16),
+                **common,
+            )  # fmt: skip
     if out is None:
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     assert out.shape == (B, Hq, D) and out.stride(-1) == 1

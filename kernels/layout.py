@@ -4,20 +4,23 @@ This module owns the memory layout that the torch path (harness/cache/quantized.
 (kernels/quantize.py, kernels/decode_attention.py) share. The bit-level format of one packed row is
 kernels/reference.py's; this file decides where the rows of all heads of one layer live.
 
-Layout, token-major so that one kernel launch per layer can write every head of a new token:
-    payload  uint8    (B, cap, row_bytes)        row_bytes = sum of packed_dim(D, w_h) over quantized heads;
-                                                  head h's codes sit at bytes [byte_offset[h], + packed_dim)
-    scale    float16  (B, n_quant, cap, D // g)  quantized head h uses slot[h]; head-major, so the scales of
-    zero     float16  (B, n_quant, cap, D // g)  one head's consecutive tokens are contiguous; zero is None
-                                                  when symmetric
-    full     dtype    (B, n_full, cap, D)        heads at 16 bits (kept in the model's dtype), slot[h]
-    byte_offset, slot: int32 (Hkv,)              the per-head tables the attention kernel reads
-Positions >= length are unused capacity. Capacity grows by GROWTH (at least GROWTH_MIN tokens) when full, so
-appending a decode token is amortized O(1) instead of a full copy per step while the slack stays under 1/4 of
-what is stored (a prefill reserves exactly its tokens).
+Layout: the KV heads of one width form a `Bucket`, held head-major, so that each head's packed rows are one
+contiguous block of memory (a tile of tokens is one run of bytes that a kernel reads in 16-byte vectors):
+    payload  uint8    (B, Hw, cap, packed_dim(D, w))   the Hw heads stored at width w, in KV-head order
+    scale    float16  (B, Hw, cap, D // g)
+    zero     float16  (B, Hw, cap, D // g)              None when symmetric
+    values   dtype    (B, Hw, cap, D)                   the bucket of 16-bit heads (kept in the model's dtype)
+    slot     int32 (Hkv,)                               head h's index inside its bucket, read by the kernels
+Positions >= length are unused capacity. Capacity is a whole number of TOKEN_BLOCK tokens, so every head's block
+and every tile of a multiple of TOKEN_BLOCK tokens starts 16-byte aligned. A full store grows by
+max(TOKEN_BLOCK, length / GROWTH_DIVISOR) tokens, rounded up to whole blocks: appending a decode token is
+amortized O(1) (a copy of the store every length / 32 steps), and from 1K tokens on the capacity stays within
+1.05x of the stored tokens (a prefill reserves its tokens rounded up to a block).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -25,19 +28,57 @@ from kernels import reference
 
 FULL_WIDTH = 16
 FP16_BYTES = 2
-GROWTH = 1.25  # capacity factor when a store is full: resident bytes stay within 1.25x of the stored tokens'
-GROWTH_MIN = 16  # tokens added at least, so short stores do not copy at every append
+TOKEN_BLOCK = 16  # capacity granularity in tokens: 16 x any packed row length is a multiple of 16 bytes
+GROWTH_DIVISOR = 32  # a full store grows by 1/32 of its tokens (at least one block)
 
 
-def _grow(t: torch.Tensor | None, dim: int, new_cap: int) -> torch.Tensor | None:
-    """Return `t` with its `dim` extended to `new_cap` (new positions uninitialized)."""
+def round_up(tokens: int) -> int:
+    """`tokens` rounded up to whole TOKEN_BLOCKs."""
+    return -(-tokens // TOKEN_BLOCK) * TOKEN_BLOCK
+
+
+def _resized(t: torch.Tensor | None, cap: int, keep: int) -> torch.Tensor | None:
+    """A tensor like `t` (B, Hw, cap_old, ...) with capacity `cap` whose first `keep` tokens are t's."""
     if t is None:
         return None
-    shape = list(t.shape)
-    shape[dim] = new_cap
-    out = torch.empty(shape, dtype=t.dtype, device=t.device)
-    out.narrow(dim, 0, t.shape[dim]).copy_(t)
+    out = torch.empty(t.shape[0], t.shape[1], cap, *t.shape[3:], dtype=t.dtype, device=t.device)
+    out[:, :, :keep] = t[:, :, :keep]
     return out
+
+
+@dataclass
+class Bucket:
+    """The KV heads of one store held at one width, head-major (each head's tokens contiguous)."""
+
+    width: int
+    heads: torch.Tensor  # int64 (Hw,): the KV heads stored at this width, ascending
+    payload: torch.Tensor | None  # uint8 (B, Hw, cap, packed_dim); None at 16 bits
+    scale: torch.Tensor | None  # float16 (B, Hw, cap, D // g); None at 16 bits
+    zero: torch.Tensor | None  # float16 (B, Hw, cap, D // g); None when symmetric or at 16 bits
+    values: torch.Tensor | None  # dtype (B, Hw, cap, D) at 16 bits, else None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.payload, self.scale, self.zero, self.values) if t is not None]
+
+    def resize(self, cap: int, keep: int) -> None:
+        """Move the first `keep` tokens into tensors of capacity `cap`."""
+        self.payload, self.scale = _resized(self.payload, cap, keep), _resized(self.scale, cap, keep)
+        self.zero, self.values = _resized(self.zero, cap, keep), _resized(self.values, cap, keep)
+
+    def take(self, index: torch.Tensor) -> None:
+        """Keep the tokens at `index` (B, n) of each batch row, in tensors of capacity round_up(n)."""
+        B, n = index.shape
+
+        def gathered(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.empty(B, t.shape[1], round_up(n), *t.shape[3:], dtype=t.dtype, device=t.device)
+            idx = index.view(B, 1, n, *[1] * (t.dim() - 3)).expand(B, t.shape[1], n, *t.shape[3:])
+            out[:, :, :n] = t.gather(2, idx)
+            return out
+
+        self.payload, self.scale = gathered(self.payload), gathered(self.scale)
+        self.zero, self.values = gathered(self.zero), gathered(self.values)
 
 
 class PackedStore:
@@ -67,35 +108,35 @@ class PackedStore:
         self.dtype, self.device = dtype, torch.device(device)
         self.length, self.simulate = 0, simulate
 
-        # Heads are laid out width-major (all 2-bit heads, then 3-bit, ...; KV-head order within a width), so the
-        # heads of one width form one contiguous byte range of a row and one contiguous slot range: the torch
-        # path quantizes each width with one call, and the kernels launch once per width (`buckets`), the width a
-        # compile-time constant. The attention kernel finds each head's bytes and slot in the per-head tables.
-        offset, slot = [0] * len(bits), [0] * len(bits)
-        self.buckets: list[tuple[int, torch.Tensor, int, int]] = []  # (width, heads, first slot, first byte)
-        row_bytes = n_quant = n_full = 0
+        # One bucket per width, in width order; the torch path quantizes each bucket with one call, and the
+        # kernels launch once per width (the width a compile-time constant), finding a head in its bucket by
+        # `slot`.
+        cap = round_up(max(0, capacity))
+        ng = head_dim // group_size if quantized else 0
+        slot = [0] * len(bits)
+        self.buckets: list[Bucket] = []
         for w in sorted(set(bits)):
             heads = [h for h, b in enumerate(bits) if b == w]
-            if w == FULL_WIDTH:
-                self.buckets.append((w, torch.tensor(heads, device=self.device), n_full, 0))
-                for h in heads:
-                    slot[h], n_full = n_full, n_full + 1
-                continue
-            self.buckets.append((w, torch.tensor(heads, device=self.device), n_quant, row_bytes))
-            for h in heads:
-                offset[h], slot[h] = row_bytes, n_quant
-                row_bytes += reference.packed_dim(head_dim, w)
-                n_quant += 1
-        self.row_bytes, self.n_quant, self.n_full = row_bytes, n_quant, n_full
-        as_table = lambda xs: torch.tensor(xs, dtype=torch.int32, device=self.device)  # noqa: E731
-        self.byte_offset, self.slot = as_table(offset), as_table(slot)
+            for j, h in enumerate(heads):
+                slot[h] = j
+            full = w == FULL_WIDTH
 
-        n_groups = head_dim // group_size if n_quant else 0
-        cap = max(0, capacity)
-        self.payload = torch.empty(batch, cap, row_bytes, dtype=torch.uint8, device=self.device)
-        self.scale = torch.empty(batch, n_quant, cap, n_groups, dtype=torch.float16, device=self.device)
-        self.zero = None if symmetric else torch.empty_like(self.scale)
-        self.full = torch.empty(batch, n_full, cap, head_dim, dtype=dtype, device=self.device)
+            def empty(*tail: int, dt: torch.dtype, n: int = len(heads)) -> torch.Tensor:
+                return torch.empty(batch, n, cap, *tail, dtype=dt, device=self.device)
+
+            self.buckets.append(
+                Bucket(
+                    width=w,
+                    heads=torch.tensor(heads, device=self.device),
+                    payload=None if full else empty(reference.packed_dim(head_dim, w), dt=torch.uint8),
+                    scale=None if full else empty(ng, dt=torch.float16),
+                    zero=None if full or symmetric else empty(ng, dt=torch.float16),
+                    values=empty(head_dim, dt=dtype) if full else None,
+                )
+            )
+        self.bucket_of = {bk.width: bk for bk in self.buckets}
+        self.slot = torch.tensor(slot, dtype=torch.int32, device=self.device)
+        self._capacity = cap
         # With `simulate` (quant.simulate=true, fast quality sweeps) the store also keeps the dequantized values
         # of what it stored, appended once per token: a full-precision working copy, not stored bytes (nbytes()
         # counts the packed form). Without it, attention reads the packed form (kernels/packed_attention.py, or
@@ -104,21 +145,21 @@ class PackedStore:
 
     @property
     def capacity(self) -> int:
-        return self.payload.shape[1]
+        return self._capacity
 
     def _reserve(self, needed: int) -> None:
-        if needed <= self.capacity:
+        if needed <= self._capacity:
             return
-        cap = max(needed, int(self.capacity * GROWTH), self.capacity + GROWTH_MIN)
-        self.payload = _grow(self.payload, 1, cap)
-        self.scale = _grow(self.scale, 2, cap)
-        self.zero = _grow(self.zero, 2, cap)
-        self.full = _grow(self.full, 2, cap)
+        grown = self._capacity and max(TOKEN_BLOCK, self.length // GROWTH_DIVISOR)  # a prefill: exact
+        cap = round_up(max(needed, self._capacity + grown))
+        for bk in self.buckets:
+            bk.resize(cap, self.length)
+        self._capacity = cap
 
     def append_with(self, x: torch.Tensor, write) -> None:
         """Store new tokens x (B, Hkv, Tn, D) through `write(store, x, start)`, which fills positions
-        [start, start + Tn) of payload, scale, zero and full, as kernels.quantize.quantize_into does with one
-        launch per width; no dequantized copy is kept."""
+        [start, start + Tn) of every bucket, as kernels.quantize.quantize_into does with one launch per width;
+        no dequantized copy is kept."""
         start, end = self.length, self.length + x.shape[2]
         self._reserve(end)
         write(self, x, start)
@@ -136,29 +177,24 @@ class PackedStore:
         start, end = self.length, self.length + Tn
         self._reserve(end)
         new_deq = torch.empty(B, H, Tn, D, dtype=self.dtype, device=self.device) if keep_dequantized else None
-        for w, index, first_slot, first_byte in self.buckets:
-            heads = index.tolist()
-            xw = x.index_select(1, index)  # (B, Hw, Tn, D)
-            slots = slice(first_slot, first_slot + len(heads))
-            if w == FULL_WIDTH:
-                self.full[:, slots, start:end] = xw
+        for bk in self.buckets:
+            xw = x.index_select(1, bk.heads)  # (B, Hw, Tn, D)
+            if bk.width == FULL_WIDTH:
+                bk.values[:, :, start:end] = xw
                 if new_deq is not None:
-                    new_deq.index_copy_(1, index, xw)
+                    new_deq.index_copy_(1, bk.heads, xw)
                 continue
             if new_deq is None:
-                p = reference.quantize(
-                    xw, w, self.group_size, symmetric=self.symmetric
-                )  # payload (B, Hw, Tn, pd)
+                p = reference.quantize(xw, bk.width, self.group_size, symmetric=self.symmetric)
             else:
-                p, values = reference.quantize_dequantize(xw, w, self.group_size, self.symmetric, self.dtype)
-                new_deq.index_copy_(1, index, values)
-            nbytes = len(heads) * p.payload.shape[-1]
-            self.payload[:, start:end, first_byte : first_byte + nbytes] = p.payload.transpose(1, 2).reshape(
-                B, Tn, -1
-            )
-            self.scale[:, slots, start:end] = p.scale
-            if self.zero is not None:
-                self.zero[:, slots, start:end] = p.zero
+                p, values = reference.quantize_dequantize(
+                    xw, bk.width, self.group_size, self.symmetric, self.dtype
+                )
+                new_deq.index_copy_(1, bk.heads, values)
+            bk.payload[:, :, start:end] = p.payload  # (B, Hw, Tn, packed_dim)
+            bk.scale[:, :, start:end] = p.scale
+            if bk.zero is not None:
+                bk.zero[:, :, start:end] = p.zero
         self.length = end
         if new_deq is None:
             return None
@@ -171,20 +207,19 @@ class PackedStore:
                 self.batch, len(self.bits), self.capacity, self.head_dim, dtype=self.dtype, device=self.device
             )
         elif self._dequantized.shape[2] < self.length:
-            self._dequantized = _grow(self._dequantized, 2, self.capacity)
+            self._dequantized = _resized(self._dequantized, self.capacity, self.length - new.shape[2])
         self._dequantized[:, :, self.length - new.shape[2] : self.length] = new
 
     def head_packed(self, h: int) -> reference.Packed:
         """The stored tokens of quantized KV head h as a reference.Packed (payload (B, length, packed_dim))."""
-        b = self.bits[h]
-        assert b != FULL_WIDTH, "head is stored unquantized"
-        slot, off = int(self.slot[h]), int(self.byte_offset[h])
-        n = self.length
+        bk = self.bucket_of[self.bits[h]]
+        assert bk.width != FULL_WIDTH, "head is stored unquantized"
+        j, n = int(self.slot[h]), self.length
         return reference.Packed(
-            payload=self.payload[:, :n, off : off + reference.packed_dim(self.head_dim, b)],
-            scale=self.scale[:, slot, :n],
-            zero=None if self.zero is None else self.zero[:, slot, :n],
-            bits=b,
+            payload=bk.payload[:, j, :n],
+            scale=bk.scale[:, j, :n],
+            zero=None if bk.zero is None else bk.zero[:, j, :n],
+            bits=bk.width,
             group_size=self.group_size,
             symmetric=self.symmetric,
             dim=self.head_dim,
@@ -195,11 +230,12 @@ class PackedStore:
         out = torch.empty(
             self.batch, len(self.bits), self.length, self.head_dim, dtype=self.dtype, device=self.device
         )
-        for h, b in enumerate(self.bits):
-            if b == FULL_WIDTH:
-                out[:, h] = self.full[:, int(self.slot[h]), : self.length]
-            else:
-                out[:, h] = reference.dequantize(self.head_packed(h), dtype=self.dtype)
+        for bk in self.buckets:
+            for j, h in enumerate(bk.heads.tolist()):
+                if bk.width == FULL_WIDTH:
+                    out[:, h] = bk.values[:, j, : self.length]
+                else:
+                    out[:, h] = reference.dequantize(self.head_packed(h), dtype=self.dtype)
         return out
 
     def keep_last(self, n: int) -> None:
@@ -207,20 +243,24 @@ class PackedStore:
         drop = self.length - n
         if drop <= 0:
             return
-        self.payload = self.payload[:, drop : self.length].clone()
-        self.scale = self.scale[:, :, drop : self.length].clone()
-        self.zero = None if self.zero is None else self.zero[:, :, drop : self.length].clone()
-        self.full = self.full[:, :, drop : self.length].clone()
+        cap = round_up(n)
+        for bk in self.buckets:
+            for name in ("payload", "scale", "zero", "values"):
+                t = getattr(bk, name)
+                if t is not None:
+                    kept = torch.empty(*t.shape[:2], cap, *t.shape[3:], dtype=t.dtype, device=t.device)
+                    kept[:, :, :n] = t[:, :, drop : self.length]
+                    setattr(bk, name, kept)
         if self._dequantized is not None:
             self._dequantized = self._dequantized[:, :, drop : self.length].clone()
-        self.length = n
+        self.length, self._capacity = n, cap
 
     def select(self, index: torch.Tensor) -> None:
         """Keep only the stored tokens at `index` (B, n_keep) int64, sorted per batch row (token eviction).
 
         Every row keeps n_keep tokens (the layout is rectangular), in the order given. The kept tokens are copied
-        into tensors of capacity n_keep, so the evicted ones are freed and nbytes() drops. The dequantized copy
-        (torch path) is selected alike.
+        into tensors of capacity n_keep rounded up to a block, so the evicted ones are freed and nbytes() drops.
+        The dequantized copy (torch path) is selected alike.
         """
         B, n = index.shape
         if B != self.batch:
@@ -228,29 +268,27 @@ class PackedStore:
         index = index.to(self.device)
         if n and (int(index.min()) < 0 or int(index.max()) >= self.length):
             raise IndexError(f"select: token index outside [0, {self.length})")
+        for bk in self.buckets:
+            bk.take(index)
+        if self._dequantized is not None:
+            H, D = self._dequantized.shape[1], self._dequantized.shape[3]
+            self._dequantized = self._dequantized.gather(2, index.view(B, 1, n, 1).expand(B, H, n, D))
+        self.length, self._capacity = n, round_up(n)
 
-        def take(t: torch.Tensor | None, dim: int) -> torch.Tensor | None:
-            """t (B, ..., cap at `dim`, ...) -> (B, ..., n_keep, ...): the indexed tokens of each batch row."""
-            if t is None:
-                return None
-            view = [B] + [1] * (t.dim() - 1)
-            view[dim] = n
-            shape = list(t.shape)
-            shape[dim] = n
-            return t.gather(dim, index.view(view).expand(shape))
-
-        self.payload, self.scale, self.zero = take(self.payload, 1), take(self.scale, 2), take(self.zero, 2)
-        self.full = take(self.full, 2)
-        self._dequantized = take(self._dequantized, 2)
-        self.length = n
+    def token_bytes(self) -> int:
+        """Bytes of one stored token of one batch row: packed rows, scales, zeros and 16-bit heads at 2 bytes."""
+        total = 0
+        for bk in self.buckets:
+            if bk.width == FULL_WIDTH:
+                total += len(bk.heads) * self.head_dim * FP16_BYTES
+            else:
+                row = bk.payload.shape[-1] + bk.scale.shape[-1] * FP16_BYTES * (1 if bk.zero is None else 2)
+                total += len(bk.heads) * row
+        return total
 
     def nbytes(self) -> int:
         """Bytes held for the stored tokens: payload, scales, zeros and 16-bit heads (counted at 2 bytes)."""
-        n = self.batch * self.length
-        per_token = self.row_bytes + self.n_quant * (self.head_dim // self.group_size) * FP16_BYTES * (
-            1 if self.zero is None else 2
-        )
-        return n * (per_token + self.n_full * self.head_dim * FP16_BYTES)
+        return self.batch * self.length * self.token_bytes()
 
     def nbytes_fp16(self) -> int:
         """Bytes an unquantized fp16 cache would hold for the same tokens."""

@@ -1,259 +1,183 @@
 """Attention over a packed KV cache in plain torch (the CPU path): nothing of the context in full precision.
 
-This module owns the read side of the torch path, the same split-KV algorithm as kernels/decode_attention.py:
-the stored tokens are read in blocks; each block's scores and value products are computed from the stored
-form, and blocks merge by online softmax (running max, running sum, rescaled accumulator), so the only
-full-precision data alive at a time is one block. kernels/reference.py's attention_reference is the oracle.
+This module owns the read side of the torch path, the split-KV algorithm of kernels/decode_attention.py: the
+stored tokens are read in blocks; each block is dequantized into the queries' dtype, attended, and the blocks merge
+by their log-sum-exp (the output of each block rescaled to the running total), so the only full-precision data
+alive at a time is one block. kernels/reference.py's attention_reference is the oracle.
 
-A store is read through two products over its tokens [start, end):
-    scores(store, q, start, end)   q (B, Hkv, M, D) float32  -> q . k   (B, Hkv, M, end - start) float32
-    weighted(store, p, start, end) p (B, Hkv, M, end - start) -> p @ v  (B, Hkv, M, D) float32
-For kernels.layout.PackedStore they are computed here, one pass per width bucket (the width-major layout puts
-the heads of one width in one byte range of a row). A block's codes are unpacked once into a float32 matrix
-C (B, Hw, Tb, D); at 2 and 4 bits the k = 8 // bits codes of a byte are taken apart with one shift-and-mask
-pass each. Where the block is dequantized (many query rows) the pieces are interleaved into the codes' own
-order (byte j's piece i is code j * k + i). The folded products (few query rows) take the pieces side by
-side instead ("piece order": all bytes' piece 0, then piece 1, ...), which saves the interleaving copy, and
-permute the few query rows and outputs instead (`_Groups` holds both layouts).
-With per-group scale s and zero z (sym: z = -2**(b-1) s), a value is c s + z, so for a query row q split into
-groups q_n:
-    q . k = sum_n s_n (q_n . c_n) + z_n sum(q_n)          p @ v [n] = (p * s_n) @ c_n + (p @ z_n)
-When a block has few query rows (decode: M = query heads per KV head) these folded products touch fewer
-elements than dequantizing the block: the per-group products of all groups are one matrix product with a
-block-diagonal operand (row (m, n) of the queries keeps only group n's entries; for the values, the output
-block of row (m, n) keeps only group n's columns). With many query rows (a prefill chunk) the block is
-dequantized once and multiplied.
-Any other store (harness/schemes) provides the two products as methods `qk` and `pv`.
+A block's attention runs in the queries' dtype with float32 accumulation. On CPU it is torch's flash-attention
+kernel, which returns the block's log-sum-exp beside its output: bf16 products (AVX512-BF16 or AMX where the CPU
+has them) accumulated in float32, the softmax in float32. With logit soft-capping, or on another device, it is the
+same in plain torch products in float32. GQA: the G query heads of a KV head are G x Tq rows of one product.
+
+Reading a store: `values(store, start, end, dtype)` -> (B, Hkv, end - start, D). A kernels.layout.PackedStore is
+read here, one pass per width bucket (the heads of one width are one head-major tensor): the block's codes are
+unpacked (reference.unpack), then c * s + z group by group in float32, the arithmetic of reference.dequantize, and
+cast to the dtype. Any other store (harness/schemes) provides `block(start, end)`; one
+whose blocks are rotated (rotate+, codebook) also `turn`, which moves the queries into its domain (keys) or the
+output out of it (values), so no stored token is rotated back.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from kernels import reference
-from kernels.layout import FULL_WIDTH, PackedStore
+from kernels.layout import FULL_WIDTH, Bucket, PackedStore
 
-SCORE_ELEMENTS = 1 << 22  # float32 scores of one block: 16 MiB
+VALUE_ELEMENTS = 1 << 21  # dequantized keys (or values) of one block: 8 MiB in float32
+SCORE_ELEMENTS = 1 << 22  # float32 scores of one block where they are materialized (softcap, not CPU): 16 MiB
 MAX_BLOCK = 1024  # tokens per block at most
 QUERY_BLOCK = 256  # query rows per pass of a long chunk (a causal chunk then skips the keys it cannot see)
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-class _Groups:
-    """How one width's unpacked codes split into quantization groups, in code order and in piece order.
-
-    k: codes per byte taken apart (1 for 3 and 8 bits, and where a group does not fill whole bytes);
-    ng: groups per head; onehot (ng, D): group n's columns in code order (columns n * g to (n + 1) * g).
-    Piece order, columns (D,) viewed as (k, ng, g / k): column (i, n, r) holds code (n * g / k + r) * k + i,
-    of group n. perm (D,): the code in each piece-order column; inverse (D,): the column of each code;
-    piece_onehot (ng, D): group n's columns in piece order.
-    """
-
-    def __init__(self, bits: int, head_dim: int, group_size: int, device: torch.device):
-        self.k = k = 8 // bits if bits in (2, 4) and group_size % (8 // bits) == 0 else 1
-        self.ng = ng = head_dim // group_size
-        group_of_column = torch.arange(head_dim) // group_size  # (D,)
-        self.onehot = (group_of_column == torch.arange(ng).unsqueeze(1)).float().to(device)  # (ng, D)
-        i, n, r = torch.meshgrid(
-            torch.arange(k), torch.arange(ng), torch.arange(group_size // k), indexing="ij"
-        )
-        self.perm = ((n * (group_size // k) + r) * k + i).flatten().to(device)  # (D,)
-        self.inverse = torch.argsort(self.perm)  # (D,)
-        self.piece_onehot = (n.flatten() == torch.arange(ng).unsqueeze(1)).float().to(device)  # (ng, D)
+def _cast(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values -> dtype, saturating where dtype's range is narrower than a dequantized value's (float16:
+    one can lie just past 65504), as reference.dequantize casts."""
+    if torch.finfo(dtype).max < 2 * reference.FP16_MAX:
+        y = y.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)
+    return y.to(dtype)
 
 
-@functools.lru_cache(maxsize=64)
-def _groups(bits: int, head_dim: int, group_size: int, device: torch.device) -> _Groups:
-    return _Groups(bits, head_dim, group_size, device)
-
-
-def _codes(raw: torch.Tensor, bits: int, groups: _Groups, head_dim: int, piece_order: bool) -> torch.Tensor:
-    """uint8 packed rows raw (B, Hw, Tb, packed bytes) -> float32 codes (B, Hw, Tb, D), in piece order where
-    asked and the codes take pieces of bytes apart, else in code order."""
-    if groups.k == 1:
-        return (raw if bits == 8 else reference.unpack(raw, bits, head_dim)).float()
-    mask = (1 << bits) - 1
-    last = (groups.k - 1) * bits  # the top piece needs no mask
-    parts = [raw & mask, *(((raw >> (i * bits)) & mask) for i in range(1, groups.k - 1)), raw >> last]
-    if piece_order:
-        return torch.cat(parts, -1).float()
-    return torch.stack(parts, -1).flatten(-2).float()  # (B, Hw, Tb, packed bytes, k) -> (B, Hw, Tb, D)
-
-
-def _head_major_bytes(raw: torch.Tensor) -> torch.Tensor:
-    """raw (B, Tb, Hw, pd) uint8 -> (B, Hw, Tb, pd) contiguous, moved as the widest aligned integers."""
-    pd = raw.shape[-1]
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        size = dtype.itemsize
-        if (
-            pd % size == 0
-            and raw.storage_offset() % size == 0
-            and all(st % size == 0 for st in raw.stride()[:-1])
-        ):
-            return raw.view(dtype).transpose(1, 2).contiguous().view(torch.uint8)
-    return raw.transpose(1, 2).contiguous()
-
-
-def _bucket(
-    store: PackedStore, w: int, heads: torch.Tensor, first_slot: int, first_byte: int, start: int, end: int,
-    rows: int,
-):  # fmt: skip
-    """One width bucket's block of tokens [start, end) for `rows` query rows: codes float32 (B, Hw, Tb, D),
-    their _Groups, whether the products fold (few rows: codes in piece order), and scale and zero float32
-    (B, Hw, Tb, ng)."""
-    Hw = len(heads)
-    D = store.head_dim
-    pd = reference.packed_dim(D, w)
-    raw = store.payload[:, start:end, first_byte : first_byte + Hw * pd].unflatten(-1, (Hw, pd))
-    groups = _groups(w, D, store.group_size, store.payload.device)
-    folded = rows * groups.ng < D  # the folded products touch fewer elements than dequantizing the block
-    codes = _codes(_head_major_bytes(raw), w, groups, D, folded)  # (B, Hw, Tb, D): bytes moved, not floats
-    slots = slice(first_slot, first_slot + Hw)
-    s = store.scale[:, slots, start:end].float()  # (B, Hw, Tb, ng), head-major as stored
-    z = s * -float(1 << (w - 1)) if store.symmetric else store.zero[:, slots, start:end].float()
-    return codes, groups, folded, s, z
-
-
-def _buckets(store: PackedStore):
-    """(width, heads, first slot, first byte, whole) per width bucket; whole: the bucket holds every head (then
-    its slots are in KV-head order and no head needs gathering)."""
-    H = len(store.bits)
-    for w, heads, first_slot, first_byte in store.buckets:
-        yield w, heads, first_slot, first_byte, len(heads) == H
-
-
-def _dequantized(codes: torch.Tensor, groups: _Groups, s: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Values (B, Hw, Tb, D) of one bucket's block: codes * s + z, group by group."""
+def _bucket_values(store: PackedStore, bk: Bucket, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """One width bucket's tokens [start, end), dequantized: (B, Hw, Tb, D) in dtype."""
+    if bk.width == FULL_WIDTH:
+        return bk.values[:, :, start:end].to(dtype)
+    codes = reference.unpack(bk.payload[:, :, start:end], bk.width, store.head_dim)  # (B, Hw, Tb, D) uint8
     B, Hw, Tb, D = codes.shape
-    grouped = codes.view(B, Hw, Tb, groups.ng, -1)  # (B, Hw, Tb, ng, g)
-    return (grouped * s.unsqueeze(-1) + z.unsqueeze(-1)).view(B, Hw, Tb, D)
+    x = codes.float().view(B, Hw, Tb, D // store.group_size, -1)  # (B, Hw, Tb, ng, g)
+    s = bk.scale[:, :, start:end].float().unsqueeze(-1)  # (B, Hw, Tb, ng, 1)
+    if bk.zero is None:  # symmetric
+        x.sub_(1 << (bk.width - 1)).mul_(s)
+    else:
+        x.mul_(s).add_(bk.zero[:, :, start:end].float().unsqueeze(-1))
+    return _cast(x.view(B, Hw, Tb, D), dtype)
 
 
-def _folded_scores(q: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z) -> torch.Tensor:
-    """q (B, Hw, M, D) -> q . k (B, Hw, M, Tb): sum_n s_n (q_n . c_n) + z_n sum(q_n), one block-diagonal product.
-    codes in piece order."""
-    B, Hw, M, D = q.shape
-    qp = q if groups.k == 1 else q.index_select(-1, groups.perm)  # (B, Hw, M, D) in piece order
-    # row (m, n) of the block-diagonal operand keeps group n's entries only
-    block_diagonal = (qp.unsqueeze(3) * groups.piece_onehot).view(B, Hw, M * groups.ng, D)
-    per_group = (block_diagonal @ codes.transpose(-1, -2)).view(B, Hw, M, groups.ng, -1)  # (B, Hw, M, ng, Tb)
-    st, zt = s.transpose(-1, -2).contiguous(), z.transpose(-1, -2)  # (B, Hw, ng, Tb)
-    q_sums = q.unflatten(-1, (groups.ng, -1)).sum(-1)  # (B, Hw, M, ng)
-    return (per_group * st.unsqueeze(2)).sum(3) + q_sums @ zt
-
-
-def _folded_weighted(p: torch.Tensor, codes: torch.Tensor, groups: _Groups, s, z) -> torch.Tensor:
-    """p (B, Hw, M, Tb) -> p @ v (B, Hw, M, D): (p * s_n) @ c_n + p @ z_n, one block-diagonal product.
-    codes in piece order."""
-    B, Hw, M, Tb = p.shape
-    D = codes.shape[-1]
-    st = s.transpose(-1, -2).contiguous()  # (B, Hw, ng, Tb)
-    scaled = (p.unsqueeze(3) * st.unsqueeze(2)).view(B, Hw, M * groups.ng, Tb)  # row (m, n): p * s_n
-    per_group = (scaled @ codes).view(B, Hw, M, groups.ng, D)  # row (m, n) is right on group n's columns only
-    out = (per_group * groups.piece_onehot).sum(3)  # (B, Hw, M, D) in piece order
-    out = out.view(B, Hw, M, groups.k, groups.ng, -1) + (p @ z).view(B, Hw, M, 1, groups.ng, 1)
-    out = out.view(B, Hw, M, D)
-    return out if groups.k == 1 else out.index_select(-1, groups.inverse)
-
-
-def _packed_scores(store: PackedStore, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    B, H, M, D = q.shape
-    out = None
-    for w, heads, first_slot, first_byte, whole in _buckets(store):
-        qw = q if whole else q.index_select(1, heads)  # (B, Hw, M, D)
-        if w == FULL_WIDTH:
-            k = store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, Tb, D)
-            sw = qw @ k.transpose(-1, -2)
-        else:
-            codes, groups, folded, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end, M)
-            if folded:
-                sw = _folded_scores(qw, codes, groups, s, z)
-            else:  # many query rows: dequantize the block once
-                sw = qw @ _dequantized(codes, groups, s, z).transpose(-1, -2)
-        if whole:
-            return sw
-        if out is None:
-            out = q.new_empty(B, H, M, end - start)
-        out.index_copy_(1, heads, sw)
+def values(store, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stored tokens [start, end) dequantized from the stored form: (B, Hkv, end - start, D) in dtype."""
+    if not isinstance(store, PackedStore):
+        return store.block(start, end).to(dtype)
+    if len(store.buckets) == 1:  # one bucket holds every head, in KV-head order
+        return _bucket_values(store, store.buckets[0], start, end, dtype)
+    out = torch.empty(
+        store.batch, len(store.bits), end - start, store.head_dim, dtype=dtype, device=store.device
+    )
+    for bk in store.buckets:
+        out.index_copy_(1, bk.heads, _bucket_values(store, bk, start, end, dtype))
     return out
 
 
-def _packed_weighted(store: PackedStore, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    B, H, M, Tb = p.shape
-    D = store.head_dim
-    out = None
-    for w, heads, first_slot, first_byte, whole in _buckets(store):
-        pw = p if whole else p.index_select(1, heads)  # (B, Hw, M, Tb)
-        if w == FULL_WIDTH:
-            ow = pw @ store.full[:, first_slot : first_slot + len(heads), start:end].float()  # (B, Hw, M, D)
-        else:
-            codes, groups, folded, s, z = _bucket(store, w, heads, first_slot, first_byte, start, end, M)
-            if folded:
-                ow = _folded_weighted(pw, codes, groups, s, z)
-            else:  # many query rows: dequantize the block once
-                ow = pw @ _dequantized(codes, groups, s, z)
-        if whole:
-            return ow
-        if out is None:
-            out = p.new_empty(B, H, M, D)
-        out.index_copy_(1, heads, ow)
-    return out
+def turn(store, x: torch.Tensor) -> torch.Tensor:
+    """x (B, Hkv, R, D) moved between the tokens' own domain and the one the store's blocks are in (and back: the
+    turns are their own inverses): the store's `turn` (rotated stores), else x itself."""
+    return store.turn(x) if hasattr(store, "turn") else x
 
 
-def scores(store, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """q . k over stored tokens [start, end): q (B, Hkv, M, D) float32 -> (B, Hkv, M, end - start) float32."""
-    if isinstance(store, PackedStore):
-        return _packed_scores(store, q, start, end)
-    return store.qk(q, start, end)
+def _block_attention(q, k, v, scale: float, bias, softcap: float | None):
+    """One block: q (B, Hkv, R, D), k and v (B, Hkv, Tb, D) in q's dtype, bias None or additive (B or 1, 1, R, Tb)
+    in q's dtype -> (output (B, Hkv, R, D), log-sum-exp (B, Hkv, R) float32) of softmax(q k^T scale + bias) v."""
+    if softcap is None and q.device.type == "cpu":
+        return _FLASH_CPU(q, k, v, attn_mask=bias, scale=scale)
+    s = q.float() @ k.float().transpose(-1, -2) * scale  # (B, Hkv, R, Tb)
+    if softcap is not None:
+        s.div_(softcap).tanh_().mul_(softcap)
+    if bias is not None:
+        s.add_(bias)
+    lse = s.logsumexp(-1)  # (B, Hkv, R)
+    p = s.sub_(torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1)).exp_()
+    return p @ v.float(), lse
 
 
-def weighted(store, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    """p @ v over stored tokens [start, end): p (B, Hkv, M, end - start) float32 -> (B, Hkv, M, D) float32."""
-    if isinstance(store, PackedStore):
-        return _packed_weighted(store, p, start, end)
-    return store.pv(p, start, end)
+def _pieces(open_keys: torch.Tensor | None, length: int, block: int) -> list[tuple[int, int, bool]]:
+    """(start, end, open) pieces of [0, length): the runs of equal open_keys (length,) bool (None: one open run),
+    cut into at most `block` tokens."""
+    if open_keys is None:
+        bounds, flags = [0, length], [True]
+    else:
+        changes = (open_keys[1:] != open_keys[:-1]).nonzero().flatten() + 1
+        bounds = [0, *changes.tolist(), length]
+        flags = open_keys[bounds[:-1]].tolist()
+    return [
+        (s, min(s + block, end), flag)
+        for start, end, flag in zip(bounds[:-1], bounds[1:], flags)
+        for s in range(start, end, block)
+    ]
 
 
-def _block_size(rows: int) -> int:
-    """Tokens per block so that one block's scores (rows x tokens) stay near SCORE_ELEMENTS."""
-    return max(16, min(MAX_BLOCK, SCORE_ELEMENTS // max(rows, 1) // 16 * 16))
+def _bias(part: torch.Tensor, G: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mask over one block, part (B or 1, 1, Tq, Tb) bool (True = attend) or additive float -> (the additive bias
+    (B or 1, 1, G * Tq, Tb) in dtype for the rows of every query head, which rows see some key (B or 1, 1, G * Tq))."""
+    if part.dtype == torch.bool:
+        bias = torch.zeros(part.shape, dtype=dtype, device=part.device).masked_fill_(~part, float("-inf"))
+        seen = part.any(-1)  # (B or 1, 1, Tq)
+    else:
+        bias, seen = part.to(dtype), (part > float("-inf")).any(-1)
+    return bias.repeat(1, 1, G, 1), seen.repeat(1, 1, G)
 
 
 def _attend(q, k_store, v_store, scale, mask, causal_offset, softcap, length, block):
-    """One pass of online softmax over stored tokens [0, length) for q (B, Hkv, G, Tq, D) float32."""
+    """Attention of q (B, Hkv, G, Tq, D) over stored tokens [0, length), merged block by block.
+
+    mask: None or the model's (B or 1, 1, Tq, length), bool or additive float; without it, causal_offset: None (every
+    key) or query row i sees keys j <= causal_offset + i. Returns (B, Hkv, G, Tq, D) in q's dtype; a row with no
+    visible key gives zeros.
+    """
     B, Hkv, G, Tq, D = q.shape
-    qm = q.reshape(B, Hkv, G * Tq, D)
-    m = q.new_full((B, Hkv, G, Tq), float("-inf"))
-    l = q.new_zeros(B, Hkv, G, Tq)  # noqa: E741
-    acc = None
+    qm = turn(k_store, q.reshape(B, Hkv, G * Tq, D))  # row g * Tq + t: query head kv * G + g, query t
+    if mask is not None:
+        bias_free = mask if mask.dtype == torch.bool else mask == 0
+        open_keys = bias_free.flatten(0, -2).all(0)  # (length,): keys no row hides or biases
+        attended = (mask if mask.dtype == torch.bool else mask > float("-inf")).flatten(0, -2).any(0)
+        pieces = [p for p in _pieces(open_keys, length, block) if bool(attended[p[0] : p[1]].any())]
+    elif causal_offset is not None and causal_offset + 1 < length:
+        # keys up to causal_offset: every row sees them; the later ones only some rows
+        pieces = _pieces(torch.arange(length) <= causal_offset, length, block)
+    else:
+        pieces = _pieces(None, length, block)
     rows = torch.arange(Tq, device=q.device).unsqueeze(-1)  # (Tq, 1)
-    if mask is not None:  # (B or 1, 1, Tq, Tk): bool (True = attend) or additive float
-        visible = mask if mask.dtype == torch.bool else mask == 0
-        open_keys = visible.flatten(0, -2).all(0)  # (Tk,): keys no row hides or biases need no masking
-    for start in range(0, length, block):
-        end = min(start + block, length)
-        # One score block is the largest tensor alive here (rows x block floats): every step on it is in place,
-        # so it is allocated once per block (scores are a fresh product, never a view of a store).
-        s = scores(k_store, qm, start, end).view(B, Hkv, G, Tq, end - start).mul_(scale)
-        if softcap is not None:
-            s.div_(softcap).tanh_().mul_(softcap)
-        if mask is not None and not bool(open_keys[start:end].all()):
-            part = mask[..., start:end].unsqueeze(1)  # (B or 1, 1, 1, Tq, Tb)
-            s.masked_fill_(~part, float("-inf")) if part.dtype == torch.bool else s.add_(part)
-        elif causal_offset is not None and end - 1 > causal_offset:  # row 0 cannot see the block's last key
-            cols = torch.arange(start, end, device=q.device)  # (Tb,)
-            s.masked_fill_(cols > rows + causal_offset, float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1))
-        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)  # rows that have seen no visible key yet
-        alpha = torch.exp(m - m_safe)
-        p = s.sub_(m_safe.unsqueeze(-1)).exp_()  # (B, Hkv, G, Tq, Tb), the scores' buffer
-        l = l * alpha + p.sum(-1)  # noqa: E741
-        pv = weighted(v_store, p.view(B, Hkv, G * Tq, end - start), start, end).view(B, Hkv, G, Tq, -1)
-        acc = pv if acc is None else acc.mul_(alpha.unsqueeze(-1)).add_(pv)
-        m = m_new
-        del s, p  # freed before the next block's scores are allocated
-    return acc / l.unsqueeze(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    out = lse = None
+    hidden_rows = False  # whether some row may see no key
+    for start, end, free in pieces:
+        k = values(k_store, start, end, q.dtype)  # (B, Hkv, Tb, D)
+        v = values(v_store, start, end, q.dtype)
+        bias = seen = None
+        if not free:
+            part = mask[..., start:end] if mask is not None else None  # (B or 1, 1, Tq, Tb)
+            if part is None:  # causal
+                part = (torch.arange(start, end, device=q.device) <= rows + causal_offset)[None, None]
+            bias, seen = _bias(part, G, q.dtype)
+        o, block_lse = _block_attention(qm, k, v, scale, bias, softcap)
+        del k, v, bias  # freed before the next block is dequantized
+        if seen is not None:  # the flash kernel gives a row that sees no key here a log-sum-exp of 0
+            block_lse = block_lse.masked_fill(~seen, float("-inf"))
+            hidden_rows = True
+        if out is None:
+            out, lse = o, block_lse
+            continue
+        total = torch.logaddexp(lse, block_lse)  # (B, Hkv, G * Tq)
+        safe = torch.where(torch.isinf(total), 0.0, total)
+        out = (
+            out.float()
+            .mul_(torch.exp(lse - safe).unsqueeze(-1))
+            .add_(o.float().mul_(torch.exp(block_lse - safe).unsqueeze(-1)))
+        )
+        lse = total
+    if out is None:  # no row sees any key
+        return q.new_zeros(B, Hkv, G, Tq, D)
+    if hidden_rows:
+        out = out.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0)  # rows that saw no key
+    return turn(v_store, out).to(q.dtype).view(B, Hkv, G, Tq, -1)
+
+
+def _block_size(B: int, Hkv: int, D: int, rows: int, flash: bool) -> int:
+    """Tokens per block: one block's dequantized keys near VALUE_ELEMENTS, and where scores are materialized
+    (not the flash kernel) one block's scores (rows x tokens) near SCORE_ELEMENTS."""
+    tokens = VALUE_ELEMENTS // max(B * Hkv * D, 1)
+    if not flash:
+        tokens = min(tokens, SCORE_ELEMENTS // max(rows, 1))
+    return max(16, min(MAX_BLOCK, tokens // 16 * 16))
 
 
 def packed_attention(
@@ -270,8 +194,8 @@ def packed_attention(
     q: (B, Hq, Tq, D), the queries of the last Tq stored tokens; query head h reads KV head h // (Hq // Hkv).
     mask: None (Tq = 1: every stored token; Tq > 1: causal, query i sees stored tokens j <= L - Tq + i) or the
         model's mask (B or 1, 1, Tq, L), bool (True = attend) or additive float. softcap: logit soft-capping.
-    block: tokens per block (default: scores of one block near SCORE_ELEMENTS floats).
-    Returns (B, Hq, Tq, Dv) float32. A row with no visible token gives zeros.
+    block: tokens per block (default: one block's dequantized keys near VALUE_ELEMENTS).
+    Returns (B, Hq, Tq, Dv) in q's dtype, accumulated in float32. A row with no visible token gives zeros.
     """
     B, Hq, Tq, D = q.shape
     Hkv, L = len(k_store.bits), k_store.length
@@ -280,7 +204,8 @@ def packed_attention(
             f"q {tuple(q.shape)} does not fit stores of {Hkv} KV heads and {L}, {v_store.length} tokens"
         )
     G = Hq // Hkv
-    qg = q.float().reshape(B, Hkv, G, Tq, D)  # query head h = kv * G + i
+    qg = q.reshape(B, Hkv, G, Tq, D)  # query head h = kv * G + i
+    flash = softcap is None and q.device.type == "cpu"
     outs = []
     for qs in range(0, Tq, QUERY_BLOCK):
         qe = min(qs + QUERY_BLOCK, Tq)
@@ -288,8 +213,7 @@ def packed_attention(
         part_mask = None if mask is None else mask[..., qs:qe, :]
         causal = None if mask is not None or Tq == 1 else offset
         length = L if mask is not None else min(L, offset + qe - qs)  # a causal pass skips unreachable keys
-        rows = B * Hq * (qe - qs)
-        size = block or _block_size(rows)
+        size = block or _block_size(B, Hkv, D, B * Hq * (qe - qs), flash)
         outs.append(
             _attend(qg[:, :, :, qs:qe], k_store, v_store, scale, part_mask, causal, softcap, length, size)
         )

@@ -1,9 +1,9 @@
 """Triton kernel that quantizes and packs new tokens of one layer into a PackedStore's tensors.
 
 This module owns the write side of the fused path: each decode step quantizes Tn new tokens of every KV head
-of a layer, with one launch per width bucket of kernels/layout.py's width-major layout (the width is a
-compile-time constant, so a launch carries only its own width's code path): 2, 3, 4 or 8 bits packed into
-`payload`, with fp16 `scale`/`zero`; 16-bit heads copied into `full`. The bit format is
+of a layer, with one launch per width bucket of kernels/layout.py (the width is a compile-time constant, so a
+launch carries only its own width's code path): 2, 3, 4 or 8 bits packed into the bucket's `payload`, with fp16
+`scale`/`zero`; 16-bit heads copied into the 16-bit bucket's `values`. The bit format is
 kernels/reference.py's (the kernel is bit-exact with reference.quantize); where rows live is
 kernels/layout.py's."""
 
@@ -57,21 +57,16 @@ def _quantize_kernel(
     stride_xh,
     stride_xt,
     stride_xd,
-    payload_ptr,
-    stride_pb,
-    stride_pt,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_ot,
     scale_ptr,
     zero_ptr,
     stride_sb,
     stride_sh,
     stride_st,
-    full_ptr,
-    stride_fb,
-    stride_fh,
-    stride_ft,
     heads_ptr,
-    first_slot,
-    first_byte,
     Tn,
     pos_arg,
     pos_ptr,
@@ -83,14 +78,14 @@ def _quantize_kernel(
     SYM: tl.constexpr,
     POS_FROM_PTR: tl.constexpr,
 ):
-    # grid: (cdiv(Tn, BLOCK_T), B, heads of one width W); a program handles BLOCK_T tokens of one KV head.
-    # The j-th head of a width bucket sits at slot first_slot + j and bytes first_byte + j * packed row
-    # (kernels/layout.py's width-major layout).
+    # grid: (cdiv(Tn, BLOCK_T), B, heads of one width W); a program handles BLOCK_T tokens of one KV head, the
+    # j-th head of the width's bucket (kernels/layout.py): out_ptr is the bucket's payload (uint8
+    # (B, Hw, cap, D * W // 8)), or its values (B, Hw, cap, D) at W 16.
     pid_t = tl.program_id(0)
     b = tl.program_id(1)
     j = tl.program_id(2)
     h = tl.load(heads_ptr + j)
-    slot = first_slot + j
+    orow = out_ptr + b.to(tl.int64) * stride_ob + j.to(tl.int64) * stride_oh
     D_B: tl.constexpr = NG_B * G  # next power of two >= D, as G is a power of two dividing D
     if POS_FROM_PTR:
         pos = tl.load(pos_ptr)
@@ -115,8 +110,8 @@ def _quantize_kernel(
     row = (pos + t).to(tl.int64)  # destination positions; int64 as cap * row stride can exceed 2**31
 
     if W == 16:
-        dst = full_ptr + b.to(tl.int64) * stride_fb + slot * stride_fh + row[:, None, None] * stride_ft + d3
-        tl.store(dst, x_raw.to(full_ptr.dtype.element_ty), mask=mask3)
+        dst = orow + row[:, None, None] * stride_ot + d3
+        tl.store(dst, x_raw.to(out_ptr.dtype.element_ty), mask=mask3)
     else:
         x = tl.minimum(tl.maximum(x_raw.to(tl.float32), -FP16_MAX), FP16_MAX)
         if SYM:
@@ -146,14 +141,15 @@ def _quantize_kernel(
             q = tl.where(s == 0.0, 0.0, q)
         codes = tl.reshape(tl.where(mask3, q, 0.0).to(tl.int32), (BLOCK_T, D_B))
 
-        soff = b.to(tl.int64) * stride_sb + slot * stride_sh + row[:, None] * stride_st + grp[None, :]
+        soff = (
+            b.to(tl.int64) * stride_sb + j.to(tl.int64) * stride_sh + row[:, None] * stride_st + grp[None, :]
+        )
         smask = mask_t[:, None] & (grp[None, :] < D // G)
         tl.store(scale_ptr + soff, scale, mask=smask)
         if not SYM:
             tl.store(zero_ptr + soff, zero, mask=smask)
 
-        off = first_byte + j * (D * W // 8)
-        prow = payload_ptr + b.to(tl.int64) * stride_pb + row[:, None] * stride_pt + off  # (BLOCK_T, 1)
+        prow = orow + row[:, None] * stride_ot  # (BLOCK_T, 1): byte 0 of each token's packed row
         pmask = mask_t[:, None]
         if W == 8:
             d = tl.arange(0, D_B)
@@ -189,7 +185,7 @@ def quantize_into(store, x: torch.Tensor, pos: int | torch.Tensor, block_t: int 
     """Quantize x into positions [pos, pos + Tn) of one layer's PackedStore: one launch per width bucket.
 
     Args (B batch, Hkv KV heads, Tn new tokens, D head_dim, cap = store.capacity):
-        store: kernels.layout.PackedStore (its payload / scale / zero / full tensors are written in place).
+        store: kernels.layout.PackedStore (its buckets' tensors are written in place).
         x: float (B, Hkv, Tn, D), any strides.
         pos: first destination position, an int with pos + Tn <= cap, or an int32/int64 tensor of one element
             on x's device that the kernel reads (no host synchronization; a CUDA graph can replay the launch
@@ -201,46 +197,39 @@ def quantize_into(store, x: torch.Tensor, pos: int | torch.Tensor, block_t: int 
     B, H, Tn, D = x.shape
     assert (B, H, D) == (store.batch, len(store.bits), store.head_dim), (x.shape, store.bits, store.head_dim)
     check_widths(store.bits, D)
-    if store.n_quant:
+    if any(w != FULL_WIDTH for w in store.bits):
         check_group_size(store.group_size, D)
     pos_from_ptr = isinstance(pos, torch.Tensor)
     if not pos_from_ptr and (pos < 0 or pos + Tn > store.capacity):
         raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
-    payload, scale, zero, full = store.payload, store.scale, store.zero, store.full
-    assert payload.stride(-1) == 1 and scale.stride(-1) == 1 and full.stride(-1) == 1
-    assert zero is None or zero.stride() == scale.stride(), "zero must share scale's strides"
     if Tn == 0:
         return
     bt = block_t or min(16, triton.next_power_of_2(Tn))
-    g = store.group_size if store.n_quant else triton.next_power_of_2(D)
-    for w, heads, first_slot, first_byte in store.buckets:
-        _quantize_kernel[(triton.cdiv(Tn, bt), B, len(heads))](
+    quantized = any(w != FULL_WIDTH for w in store.bits)
+    g = store.group_size if quantized else triton.next_power_of_2(D)
+    for bk in store.buckets:
+        out = bk.values if bk.width == FULL_WIDTH else bk.payload
+        scale = out if bk.scale is None else bk.scale  # placeholders at 16 bits
+        zero = scale if bk.zero is None else bk.zero
+        assert out.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride()
+        _quantize_kernel[(triton.cdiv(Tn, bt), B, len(bk.heads))](
             x,
             *x.stride(),
-            payload,
-            payload.stride(0),
-            payload.stride(1),
+            out,
+            *out.stride()[:3],
             scale,
-            scale if zero is None else zero,
-            scale.stride(0),
-            scale.stride(1),
-            scale.stride(2),
-            full,
-            full.stride(0),
-            full.stride(1),
-            full.stride(2),
-            heads,
-            first_slot,
-            first_byte,
+            zero,
+            *scale.stride()[:3],
+            bk.heads,
             Tn,
             0 if pos_from_ptr else pos,
-            pos if pos_from_ptr else heads,  # unused when the position is an int
-            W=w,
+            pos if pos_from_ptr else bk.heads,  # unused when the position is an int
+            W=bk.width,
             D=D,
             G=g,
             NG_B=triton.next_power_of_2(D // g),
             BLOCK_T=bt,
-            SYM=zero is None,
+            SYM=bk.zero is None,
             POS_FROM_PTR=pos_from_ptr,
             # The contract is per-op IEEE float32; never let the compiler contract a multiply-add into an FMA.
             enable_fp_fusion=False,

@@ -126,20 +126,22 @@ def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     D = codes.shape[-1]
     pd = D * bits // 8
     lead = codes.shape[:-1]
-    c = codes.to(torch.int32)
     if bits == 3:
-        c = c.reshape(*lead, D // 8, 8)  # 8 codes = 24 bits = 3 bytes
+        c = codes.to(torch.int32).reshape(*lead, D // 8, 8)  # 8 codes = 24 bits = 3 bytes
         word = torch.zeros(c.shape[:-1], dtype=torch.int32, device=c.device)  # (..., D // 8)
         for i in range(8):
             word |= c[..., i] << (3 * i)
         out = torch.stack([(word >> (8 * i)) & 0xFF for i in range(3)], dim=-1)  # (..., D // 8, 3)
-    else:
-        k = 8 // bits
-        c = c.reshape(*lead, D // k, k)  # (..., D // k, k): code j at [j // k, j % k]
-        out = torch.zeros(c.shape[:-1], dtype=torch.int32, device=c.device)  # (..., D // k)
-        for i in range(k):
-            out |= c[..., i] << (i * bits)
-    return out.to(torch.uint8).reshape(*lead, pd)
+        return out.to(torch.uint8).reshape(*lead, pd)
+    c = codes.to(torch.uint8)
+    if bits == 8:
+        return c
+    k = 8 // bits
+    c = c.reshape(*lead, D // k, k)  # (..., D // k, k): code j at [j // k, j % k]
+    out = c[..., k - 1] << ((k - 1) * bits)  # (..., D // k) uint8: the pieces never reach past bit 7
+    for i in range(k - 1):
+        out |= c[..., i] << (i * bits) if i else c[..., i]
+    return out.reshape(*lead, pd)
 
 
 def unpack(payload: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
@@ -152,16 +154,20 @@ def unpack(payload: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
             f"allowed: torch.uint8 with last dim {pd} (dim={dim}, bits={bits})"
         )
     lead = payload.shape[:-1]
-    p = payload.to(torch.int32)
     mask = (1 << bits) - 1
+    if bits == 8:
+        return payload.clone()
     if bits == 3:
-        p = p.reshape(*lead, dim // 8, 3)
+        p = payload.to(torch.int32).reshape(*lead, dim // 8, 3)
         word = p[..., 0] | (p[..., 1] << 8) | (p[..., 2] << 16)  # (..., D // 8) 24-bit little-endian
         codes = torch.stack([(word >> (3 * i)) & mask for i in range(8)], dim=-1)  # (..., D // 8, 8)
-    else:
-        k = 8 // bits
-        codes = torch.stack([(p >> (i * bits)) & mask for i in range(k)], dim=-1)  # (..., D // k, k)
-    return codes.to(torch.uint8).reshape(*lead, dim)
+        return codes.to(torch.uint8).reshape(*lead, dim)
+    k = 8 // bits
+    last = (k - 1) * bits  # the top piece needs no mask
+    pieces = [payload & mask, *((payload >> (i * bits)) & mask for i in range(1, k - 1)), payload >> last]
+    return torch.stack(pieces, dim=-1).reshape(
+        *lead, dim
+    )  # (..., D // k, k): byte j's piece i is code j * k + i
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -185,24 +191,27 @@ def _quantize_groups(
     _check_dim(D, bits)
     g = _check_group_size(group_size, D)
     lead = x.shape[:-1]
-    xg = x.to(torch.float32).clamp(-FP16_MAX, FP16_MAX).reshape(*lead, D // g, g)  # (..., n_groups, g)
+    xg = x.to(torch.float32)
+    # one float32 copy of x, worked on in place from here on
+    xg = xg.clamp(-FP16_MAX, FP16_MAX) if xg is x else xg.clamp_(-FP16_MAX, FP16_MAX)
+    xg = xg.reshape(*lead, D // g, g)  # (..., n_groups, g)
+    lo, hi = torch.aminmax(xg, dim=-1)  # (..., n_groups)
 
     if symmetric:
         qmax = (1 << (bits - 1)) - 1
-        amax = xg.abs().amax(dim=-1)  # (..., n_groups)
+        amax = torch.maximum(-lo, hi)  # max |x|
         scale = (amax / _divisor(amax, qmax)).to(torch.float16)
         zero = None
         s = scale.float().unsqueeze(-1)  # (..., n_groups, 1)
-        q = torch.floor(xg / s + 0.5).clamp_(-qmax, qmax)  # s == 0 gives nan/inf here, zeroed below
-        q = torch.where(s == 0, 0.0, q).add_(1 << (bits - 1))
+        q = xg.div_(s).add_(0.5).floor_().clamp_(-qmax, qmax)  # s == 0 gives nan/inf here, zeroed below
+        q = q.masked_fill_(s == 0, 0.0).add_(1 << (bits - 1))
     else:
         qmax = (1 << bits) - 1
-        lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # (..., n_groups)
         scale = ((hi - lo) / _divisor(lo, qmax)).to(torch.float16)
         zero = lo.to(torch.float16)
         s, z = scale.float().unsqueeze(-1), zero.float().unsqueeze(-1)  # (..., n_groups, 1)
-        q = torch.floor((xg - z) / s + 0.5).clamp_(0, qmax)  # s == 0 gives nan/inf here, zeroed below
-        q = torch.where(s == 0, 0.0, q)
+        q = xg.sub_(z).div_(s).add_(0.5).floor_().clamp_(0, qmax)  # s == 0 gives nan/inf here, zeroed below
+        q = q.masked_fill_(s == 0, 0.0)
     return q, scale, zero
 
 

@@ -1,12 +1,7 @@
-"""The attention implementations of this project and the one way to install them on a model.
-
-`installed(model, implementation, state)` (base.py) is a context manager: within it `model` attends through
-`implementation` with its per-run `state`; after it, everything is as before. Importing this package registers
-nothing with transformers. Implementations, one file each:
-- packed.py: PACKED, quantized caches attended from their packed form (torch blockwise, Triton fused decode);
-- scored.py: SCORED, PACKED plus the attention probabilities H2O eviction ranks tokens by;
-- probes.py: ENTROPY_PROBE (calibration entropies) and SENSITIVITY_PROBE (per-head quantization error);
-- qdq.py: QDQ, the claim protocol's quantize-dequantize attention without a cache.
+"""The attention implementations of this project and the one way to install them on a model:
+`with installed(model, implementation, state): ...` (base.py); importing this package registers nothing. One file
+per implementation: packed.py (PACKED), scored.py (SCORED), probes.py (ENTROPY_PROBE, SENSITIVITY_PROBE), qdq.py
+(QDQ).
 """
 
 from harness.attention.base import Implementation, active, eager_forward, installed, kv_source_layer

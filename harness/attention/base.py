@@ -11,8 +11,9 @@ and on exit, exceptions included, restores the model's previous implementation, 
 that name as they were (removed if there were none), and the installed states as they were.
 Nothing is registered by importing this package: only inside `installed`.
 
-This module also owns the two lookups every implementation shares: the model's own eager attention function
-(`eager_forward`) and the layer whose K/V an attention module reads (`kv_source_layer`).
+This module also owns what every implementation shares: the model's own eager attention function
+(`eager_forward`), the additive mask it takes (`additive_mask`) and the layer whose K/V an attention module reads
+(`kv_source_layer`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -102,6 +104,19 @@ def installed(model, implementation: Implementation, state=None) -> Iterator[obj
 def eager_forward(module) -> Callable:
     """The eager attention function of `module`'s own modeling file (its masks, softcapping and sinks)."""
     return sys.modules[type(module).__module__].eager_attention_forward
+
+
+def additive_mask(
+    attention_mask: torch.Tensor | None, q_len: int, k_len: int, dtype: torch.dtype, device
+) -> torch.Tensor:
+    """The additive float mask (B or 1, 1, Tq, Tk) eager attention adds to its logits (0 = attend), from SDPA's
+    mask: bool (True = attend), additive, or None (skipped: causal, the last query aligned with the last key)."""
+    if attention_mask is None:
+        query = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
+        attention_mask = (torch.arange(k_len, device=device)[None, :] <= query)[None, None]  # (1, 1, Tq, Tk)
+    if attention_mask.dtype != torch.bool:
+        return attention_mask.to(dtype)
+    return torch.where(attention_mask, 0.0, torch.finfo(dtype).min).to(dtype)
 
 
 def kv_source_layer(module) -> int:

@@ -1,4 +1,4 @@
-"""The attention that reads a harness.cache.QuantizedKVCache's packed K/V directly ("kv_packed_sdpa").
+"""The attention that reads a harness.cache.QuantizedKVCache's packed K/V directly ("kv_packed").
 
 This module owns the glue between transformers' attention interface and the packed attention kernels, and the
 steps that carry a layer's stores to its attention. On the packed paths a cache layer's `update` returns the new
@@ -10,7 +10,8 @@ K/V themselves as placeholders and posts a step for them (`post_step`) on the in
 The attention of layer l reads the step of the layer whose K/V it attends (`kv_source_layer`: itself, or the
 layer a KV-sharing layer reuses), and only for the very key tensor that step was posted with: every other call
 (prefill, other caches, the exact-prefill first step, a step left from an earlier forward) goes to
-transformers' SDPA attention, and the mask function is SDPA's. The steps live in the installed context, not on
+transformers' SDPA attention, or to the model's own eager attention where it softcaps its logits (Gemma 2), and
+the mask function is SDPA's. The name holds no "sdpa": transformers would refuse it for a model without SDPA. The steps live in the installed context, not on
 the tensors, so the per-step path holds no Python attribute on a tensor (what a CUDA graph capture needs).
 
 The fused kernel attends to every stored token of the layer: a sliding layer's store holds its window (the
@@ -24,7 +25,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from harness.attention.base import Implementation, active, kv_source_layer
+from harness.attention.base import Implementation, active, additive_mask, eager_forward, kv_source_layer
 from kernels.layout import PackedStore
 from kernels.packed_attention import packed_attention
 
@@ -108,6 +109,24 @@ def post_step(layer_idx: int, key: torch.Tensor, step: DecodeStep | PackedStep |
         steps.post(layer_idx, key, step)
 
 
+def unpacked_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention over K/V that hold their values (no step posted): SDPA, or, where the model softcaps its attention
+    logits (which SDPA cannot), the model's own eager attention on the same mask. Shapes as packed_forward's."""
+    if kwargs.get("softcap") is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    mask = additive_mask(attention_mask, query.shape[2], key.shape[2], query.dtype, query.device)
+    out, _ = eager_forward(module)(module, query, key, value, mask, scaling=scaling, **kwargs)
+    return out, None
+
+
 def packed_forward(
     steps: Steps,
     module: torch.nn.Module,
@@ -119,16 +138,18 @@ def packed_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query (B, Hq, Tq, D), key/value (B, Hkv, Tk, D) -> (attention output (B, Tq, Hq, D), None)."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            "kv_packed: attention sinks (s_aux) are not supported by the packed attention"
+        )
     step = steps.step(kv_source_layer(module), key)
     if step is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+        return unpacked_forward(module, query, key, value, attention_mask, scaling, **kwargs)
     if isinstance(step, PackedStep):  # the packed torch path: any number of queries, read blockwise
         sm_scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return step.attend(query, attention_mask, sm_scale, kwargs.get("softcap")), None
     if kwargs.get("softcap") is not None:
-        raise ValueError(
-            "kv_packed_sdpa: the fused decode kernel does not support attention logit softcapping"
-        )
+        raise ValueError("kv_packed: the fused decode kernel does not support attention logit softcapping")
     from kernels.decode_attention import decode_attention  # imports triton: only for the triton backend
 
     k_store, v_store = step.take()
@@ -138,17 +159,15 @@ def packed_forward(
         # device-side assertion at the next synchronization.
         if attention_mask.shape[-1] != k_store.length:
             raise NotImplementedError(
-                f"kv_packed_sdpa: the decode mask covers {attention_mask.shape[-1]} tokens, the stores hold "
+                f"kv_packed: the decode mask covers {attention_mask.shape[-1]} tokens, the stores hold "
                 f"{k_store.length}; the fused decode kernel attends to every stored token"
             )
         visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
-        torch._assert_async(
-            visible.all(), "kv_packed_sdpa: the fused decode kernel attends to every stored token"
-        )
+        torch._assert_async(visible.all(), "kv_packed: the fused decode kernel attends to every stored token")
     sm_scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = decode_attention(query[:, :, 0], k_store, v_store, sm_scale)  # (B, Hq, D)
     return out.unsqueeze(1), None
 
 
 # Quantized caches are attended from their packed form; everything else through SDPA.
-PACKED = Implementation("kv_packed_sdpa", packed_forward, sdpa_mask, new_state=Steps)
+PACKED = Implementation("kv_packed", packed_forward, sdpa_mask, new_state=Steps)

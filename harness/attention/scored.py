@@ -1,4 +1,4 @@
-"""The attention that reports attention probabilities to score-based eviction ("kv_scored_sdpa").
+"""The attention that reports attention probabilities to score-based eviction ("kv_scored").
 
 This module owns the glue between transformers' attention interface and harness/cache/eviction.py's H2O-style
 scores. An evicting layer that needs scores posts itself, with the key tensor its `update` returns, on the
@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers.masking_utils import sdpa_mask
 
-from harness.attention.base import Implementation, active, eager_forward, kv_source_layer
+from harness.attention.base import Implementation, active, additive_mask, eager_forward, kv_source_layer
 from harness.attention.packed import Steps, packed_forward
 
 
@@ -50,18 +50,6 @@ def post_scorer(layer_idx: int, key: torch.Tensor, scorer) -> None:
         scores.post_scorer(layer_idx, key, scorer)
 
 
-def _additive_mask(
-    attention_mask: torch.Tensor | None, q_len: int, k_len: int, dtype, device
-) -> torch.Tensor:
-    """The additive float mask (B or 1, 1, Tq, Tk) eager attention adds to its logits (0 = attend)."""
-    if attention_mask is None:  # SDPA's skipped mask: causal, the last query aligned with the last key
-        query = torch.arange(q_len, device=device)[:, None] + (k_len - q_len)
-        attention_mask = (torch.arange(k_len, device=device)[None, :] <= query)[None, None]  # (1, 1, Tq, Tk)
-    if attention_mask.dtype != torch.bool:
-        return attention_mask.to(dtype)
-    return torch.where(attention_mask, 0.0, torch.finfo(dtype).min).to(dtype)
-
-
 def scored_forward(
     scores: Scores,
     module: torch.nn.Module,
@@ -76,7 +64,7 @@ def scored_forward(
     out, _ = packed_forward(scores, module, query, key, value, attention_mask, scaling=scaling, **kwargs)
     scorer = scores.scorer(kv_source_layer(module), key)
     if scorer is not None:
-        mask = _additive_mask(attention_mask, query.shape[2], key.shape[2], torch.float32, query.device)
+        mask = additive_mask(attention_mask, query.shape[2], key.shape[2], torch.float32, query.device)
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         kwargs.pop("dropout", None)
@@ -86,4 +74,4 @@ def scored_forward(
     return out, None
 
 
-SCORED = Implementation("kv_scored_sdpa", scored_forward, sdpa_mask, new_state=Scores)
+SCORED = Implementation("kv_scored", scored_forward, sdpa_mask, new_state=Scores)

@@ -3,22 +3,32 @@ holding only its stored form) and token eviction composed with it (eviction.py: 
 
 from harness.cache.quantized import (
     BACKENDS,
+    OUTSIDE_PACKED,
     PREFILL_MODES,
     QuantizedKVCache,
     QuantizedLayer,
     QuantizedSlidingLayer,
+    UnpackedReadWarning,
+    check_backend_device,
+    check_served,
     kv_heads,
     resident_bytes,
     resolve_backend,
+    unserved_reason,
 )
 
 __all__ = [
     "BACKENDS",
+    "OUTSIDE_PACKED",
     "PREFILL_MODES",
     "QuantizedKVCache",
     "QuantizedLayer",
     "QuantizedSlidingLayer",
+    "UnpackedReadWarning",
+    "check_backend_device",
+    "check_served",
     "kv_heads",
     "resident_bytes",
     "resolve_backend",
+    "unserved_reason",
 ]

@@ -32,9 +32,16 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
 schemes auto is torch and an explicit triton is a ValueError (harness.schemes.check_backend).
-The model must run inside `harness.attention.installed(model, PACKED)` for the placeholders of both backends:
-steps are posted, by layer index, on the state installed there; a step left unattended makes the layer's next
-update raise.
+The placeholders of both backends need the packed attention: the model runs inside
+`harness.attention.installed(model, PACKED)`, where steps are posted, by layer index, on the state installed there
+(a step left unattended makes the layer's next update raise). Outside every such block no attention would read
+the stores, and `outside_packed` says what an update does instead (never hand the model unquantized K/V):
+- `dequantize` (default): return every stored token dequantized (B, Hkv, length, D), for the model's own
+  attention, the same values the packed attention reads; one warning per cache says that memory is then not
+  saved (a full-precision copy of the context exists during each forward);
+- `raise`: a one-line RuntimeError at the first update, before anything is stored, naming the remedy.
+quant.simulate's working copy is returned wherever the model runs, without a warning (it already holds the
+memory of an unquantized cache).
 Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads, sink and residual tokens at
 2 bytes per element);
 `nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens;
@@ -47,7 +54,10 @@ current step still reads them); the byte counts apply that pending eviction firs
 from __future__ import annotations
 
 import copy
+import inspect
 import os
+import sys
+import warnings
 
 import torch
 from transformers.cache_utils import (
@@ -59,13 +69,101 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 from transformers.configuration_utils import get_head_shapes
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from harness.attention.packed import DecodeStep, PackedStep, post_step
-from harness.schemes import KMEANS, KeyCalibration, Scheme, check_backend, get_scheme, starts_at
+from harness.attention.base import active
+from harness.attention.packed import DecodeStep, PackedStep, Steps, post_step
+from harness.policies.base import Allocation
+from harness.schemes import KeyCalibration, Scheme, check_backend, get_scheme, starts_at
 from kernels.layout import FULL_WIDTH
 
 PREFILL_MODES = ("exact", "quantized")
 BACKENDS = ("auto", "torch", "triton")
+OUTSIDE_PACKED = ("dequantize", "raise")
+REMEDY = "run the model inside `with harness.packed_attention(model):` (harness.attention.installed(model, PACKED))"
+
+
+class UnpackedReadWarning(UserWarning):
+    """A quantized cache was read outside the packed attention: the model got dequantized K/V, memory not saved."""
+
+
+class OutsidePacked:
+    """What the layers of one cache do when they are updated with no packed attention installed (`mode`, one of
+    OUTSIDE_PACKED; the module docstring): warn once for the whole cache, or raise."""
+
+    def __init__(self, mode: str = "dequantize"):
+        if mode not in OUTSIDE_PACKED:
+            raise ValueError(f"outside_packed: unknown {mode!r}; allowed: {', '.join(OUTSIDE_PACKED)}")
+        self.mode, self.warned = mode, False
+
+    def update(self) -> None:
+        """Called by a layer's update outside the packed attention, before it stores anything."""
+        if self.mode == "raise":
+            raise RuntimeError(
+                f"QuantizedKVCache: no packed attention is installed, so the model would attend unquantized K/V; "
+                f"{REMEDY} (or build the cache with outside_packed='dequantize')"
+            )
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"QuantizedKVCache: no packed attention is installed; the model attends the cache's dequantized "
+                f"K/V, so memory is not saved; {REMEDY}",
+                UnpackedReadWarning,
+                stacklevel=4,
+            )
+
+
+def check_backend_device(backend: str, device: str | torch.device, key: str = "quant.backend") -> None:
+    """ValueError naming `key` for a backend name not in BACKENDS, or triton where its tensors would not be on
+    CUDA (a CPU device runs Triton only in its interpreter, TRITON_INTERPRET=1): before any model loads."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{key}: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
+    on_cuda = torch.device(device).type == "cuda"
+    if backend == "triton" and not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"{key}: triton needs CUDA tensors (device=cuda) or Triton's CPU interpreter (TRITON_INTERPRET=1); "
+            f"the device is {torch.device(device).type}; allowed here: auto, torch"
+        )
+
+
+# The cache layer types QuantizedKVCache holds (transformers' names, get_layer_types_and_kwargs): the attention
+# ones quantized, the others kept as the model's own layers.
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+SERVED_LAYERS = (*ATTENTION_LAYERS, "linear_attention", "conv", "dummy")
+
+
+def unserved_reason(config, model_class: type | None = None) -> str | None:
+    """Why QuantizedKVCache cannot serve a causal LM of `config` (None: it can), from the config and the model's
+    class alone (no weights): `model_class` or, when None, transformers' causal LM class for the config."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "an encoder-decoder model keeps a cross-attention cache, which this cache does not hold"
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    other = [t for t in types if t not in SERVED_LAYERS]
+    if other:
+        return f"its layer type {other[0]!r} is none this cache holds ({', '.join(SERVED_LAYERS)})"
+    if not any(t in ATTENTION_LAYERS for t in types):
+        return "no layer keeps attention keys and values (only recurrent state): nothing to quantize"
+    if model_class is None and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    modeling = sys.modules.get(getattr(model_class, "__module__", ""))
+    if modeling is None:
+        return None
+    if not hasattr(modeling, "ALL_ATTENTION_FUNCTIONS"):
+        return (
+            f"{model_class.__name__} computes attention in its own code, not through transformers' attention "
+            "interface, where the packed attention plugs in"
+        )
+    if "s_aux=" in inspect.getsource(modeling):
+        return f"{model_class.__name__}'s attention adds learned sink logits (s_aux), which the packed attention lacks"
+    return None
+
+
+def check_served(config, model_class: type | None = None, key: str = "model") -> None:
+    """ValueError naming `key`, one line saying why, for a model QuantizedKVCache cannot serve (unserved_reason)."""
+    reason = unserved_reason(config, model_class)
+    if reason is not None:
+        kind = getattr(config, "model_type", type(config).__name__)
+        raise ValueError(f"{key}: QuantizedKVCache cannot serve {kind}: {reason}")
 
 
 def resolve_backend(
@@ -188,6 +286,7 @@ class QuantizedLayer(CacheLayerMixin):
         backend: str = "torch",
         simulate: bool = False,
         layer_idx: int = 0,
+        outside: OutsidePacked | None = None,
     ):
         super().__init__()
         self.key_bits, self.value_bits = [int(b) for b in key_bits], [int(b) for b in value_bits]
@@ -195,6 +294,7 @@ class QuantizedLayer(CacheLayerMixin):
         self.scheme, self.prefill, self.backend = scheme, prefill, backend
         self.simulate = simulate
         self.layer_idx = layer_idx  # the decoder layer: where its steps are posted for its attention
+        self.outside = OutsidePacked() if outside is None else outside  # shared by the cache's layers
         self.k_store = self.v_store = None
         self.fused = False  # resolved at lazy initialization: the Triton kernels write and attend this layer
         self._step: DecodeStep | PackedStep | None = (
@@ -253,20 +353,23 @@ class QuantizedLayer(CacheLayerMixin):
         Placeholders are the new tokens themselves (B, Hkv, Tn, D), posted for the attention with a step
         (harness.attention.packed.post_step): a DecodeStep on a fused decode step (triton backend, one new token),
         a PackedStep on the packed torch path (any Tn); not on an exact prefill's first call, which attends its
-        own full-precision K/V.
+        own full-precision K/V. Outside the packed attention there are no placeholders: `self.outside` raises, or
+        the stored tokens come back dequantized.
         """
         if self._step is not None and not self._step.attended:
-            raise RuntimeError(
-                "the last update's attention did not read the packed cache; run the model inside "
-                "harness.attention.installed(model, PACKED)"
-            )
+            raise RuntimeError(f"the last update's attention did not read the packed cache; {REMEDY}")
         self._step = None
+        packed = active(Steps) is not None
+        if not packed and not self.simulate:
+            self.outside.update()
         first = not self.is_initialized or self.k_store.length == 0
         stored = self.append(key_states, value_states)
         if first and self.prefill == "exact":
             keys, values = key_states, value_states
         elif stored is not None:
             keys, values = stored
+        elif not packed:
+            keys, values = self.k_store.dequantize(), self.v_store.dequantize()
         elif not self.fused:
             self._step = PackedStep(self.k_store, self.v_store)
             keys, values = key_states, value_states
@@ -317,8 +420,9 @@ class QuantizedSlidingLayer(QuantizedLayer):
         backend: str = "torch",
         simulate: bool = False,
         layer_idx: int = 0,
+        outside: OutsidePacked | None = None,
     ):
-        super().__init__(key_bits, value_bits, scheme, prefill, backend, simulate, layer_idx)
+        super().__init__(key_bits, value_bits, scheme, prefill, backend, simulate, layer_idx, outside)
         self.sliding_window = sliding_window
         self.cumulative_length = 0
 
@@ -358,14 +462,16 @@ class QuantizedSlidingLayer(QuantizedLayer):
 
 
 class QuantizedKVCache(Cache):
-    """A KV cache with per-(layer, KV head) widths from `bits` ([num_layers, max(kv_heads(config))], rows of
-    layers with fewer KV heads padded; or one int for all): the keys' widths, and the values' too unless
-    `value_bits` (the same shape or one int; None: `bits`) gives theirs.
+    """A KV cache with per-(layer, KV head) widths from `bits`: an Allocation (harness.policies: its key_bits and
+    value_bits), or int64 [num_layers, max(kv_heads(config))] (rows of layers with fewer KV heads padded) or one int
+    for all: the keys' widths, and the values' too unless `value_bits` (the same shape or one int; None: `bits`)
+    gives theirs.
 
-    `backend`: "torch", "triton" or "auto" (see the module docstring). `scheme`, `group_size`, `sink_tokens`,
-    `residual` (None: the scheme's default), `key_group_size` (None: group_size), `outliers` and `key_levels` are
-    harness.schemes.Scheme's. `simulate`: keep a full-precision working copy for the model's own attention (torch
-    backend; see the module docstring). `key_calibration`: the model's fitted key tables
+    `scheme`: a harness.schemes.Scheme, or its name with its `options` (harness.schemes.SCHEME_OPTIONS:
+    group_size, sink_tokens, residual, ... as keywords).
+    `backend`: "torch", "triton" or "auto" (see the module docstring). `simulate`: keep a full-precision working copy for the model's own attention (torch
+    backend; see the module docstring). `outside_packed`: "dequantize" or "raise", what an update does outside the
+    packed attention (see the module docstring). `key_calibration`: the model's fitted key tables
     (harness.key_calibration), which a scheme whose keys read them (calkey) needs: each layer's scheme is bound to
     its layer's table (Scheme.for_layer); without them such a scheme is a one-line ValueError.
     """
@@ -373,38 +479,44 @@ class QuantizedKVCache(Cache):
     def __init__(
         self,
         config,
-        bits: torch.Tensor | int,
-        scheme: str = "asym_token",
-        group_size: int = 32,
+        bits: torch.Tensor | int | Allocation,
+        scheme: Scheme | str = "asym_token",
+        *,
+        value_bits: torch.Tensor | int | None = None,
         prefill: str = "exact",
         backend: str = "torch",
-        sink_tokens: int = 0,
-        residual: int | None = None,
         simulate: bool = False,
-        value_bits: torch.Tensor | int | None = None,
-        key_group_size: int | None = None,
-        outliers: float = 0.0,
         key_calibration: KeyCalibration | None = None,
-        key_levels: str = KMEANS,
+        outside_packed: str = "dequantize",
+        **options,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
         if backend not in BACKENDS:
             raise ValueError(f"quant.backend: unknown {backend!r}; allowed: {', '.join(BACKENDS)}")
+        check_served(config)
         text_config = config.get_text_config(decoder=True)
         types, kwargs = get_layer_types_and_kwargs(text_config)
         heads = kv_heads(config)
         shape = (len(types), max(heads))  # (layers, most KV heads of a layer)
+        if isinstance(bits, Allocation):
+            if value_bits is not None:
+                raise ValueError("value_bits: the allocation gives the values' widths; leave value_bits out")
+            bits, value_bits = bits.key_bits, bits.value_bits
         bits = _width_grid("bits", bits, shape)
         value_bits = bits if value_bits is None else _width_grid("value_bits", value_bits, shape)
-        self.scheme = get_scheme(
-            scheme, group_size, sink_tokens, residual, key_group_size, outliers, key_levels
-        )
+        if isinstance(scheme, Scheme):
+            if options:
+                raise ValueError(f"{sorted(options)[0]}: the Scheme object carries its options; leave it out")
+            self.scheme = scheme
+        else:
+            self.scheme = get_scheme(scheme, **options)
         self.key_calibration = key_calibration
         self.prefill, self.backend = prefill, check_backend(self.scheme, backend)
         if not isinstance(simulate, bool):
             raise ValueError(f"quant.simulate: {simulate!r} is not allowed; allowed: true, false")
         self.simulate = simulate
+        self.outside = OutsidePacked(outside_packed)
         self.key_bits, self.value_bits = bits.clone(), value_bits.clone()
         layers = [
             self._layer(i, t, kw, bits[i, : heads[i]].tolist(), value_bits[i, : heads[i]].tolist())
@@ -416,31 +528,29 @@ class QuantizedKVCache(Cache):
                 for layer in layers
                 if isinstance(layer, QuantizedLayer)
                 for b in (*layer.key_bits, *layer.value_bits)
-            ]
+            ],
+            "bits",
         )
         super().__init__(layers=layers)
 
     def _layer(self, index: int, layer_type: str, kwargs: dict, key_bits: list[int], value_bits: list[int]):
-        if layer_type in ("linear_attention", "conv", "dummy"):
+        if layer_type not in ATTENTION_LAYERS:  # recurrent state or a shared layer: the model's own layer
             return DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs)
         widths = (key_bits, value_bits, self.scheme.for_layer(index, self.key_calibration))
+        options = (self.prefill, self.backend, self.simulate, index, self.outside)
         if layer_type == "full_attention":
-            return QuantizedLayer(*widths, self.prefill, self.backend, self.simulate, index)
-        if layer_type in ("sliding_attention", "chunked_attention"):
-            return QuantizedSlidingLayer(
-                *widths, kwargs["sliding_window"], self.prefill, self.backend, self.simulate, index
-            )
-        raise NotImplementedError(f"QuantizedKVCache: layer type {layer_type!r} is not supported yet")
+            return QuantizedLayer(*widths, *options)
+        return QuantizedSlidingLayer(*widths, kwargs["sliding_window"], *options)
 
     @classmethod
-    def from_prefilled(cls, prefilled: Cache, config, bits, **kwargs) -> QuantizedKVCache:
+    def from_prefilled(cls, prefilled: Cache, config, bits, *args, **kwargs) -> QuantizedKVCache:
         """A cache holding, quantized, what a full-precision DynamicCache `prefilled` holds (prefill=exact);
-        `bits` and `kwargs` (value_bits among them) as the constructor's.
+        `bits`, `args` (the scheme) and `kwargs` as the constructor's.
 
         The prompt's logits and attention came from the full-precision pass; from here on every read goes
         through the quantized form. Linear-attention state is copied unchanged.
         """
-        cache = cls(config, bits, **kwargs)
+        cache = cls(config, bits, *args, **kwargs)
         for i, (src, dst) in enumerate(zip(prefilled.layers, cache.layers)):
             if isinstance(dst, QuantizedLayer):
                 if src.keys is None or src.keys.numel() == 0:

@@ -14,7 +14,7 @@ This module owns:
 
 A grid point is flat (harness.config.Point): `policy` names the class, `policy_seed` is the field `seed`, every
 other field has its own key. A policy that has no field for a point key ignores it, and `point_fields` writes that
-key's neutral value (alpha 0, key_offset 0, no sink rule, seed 0), as grid points always did.
+key's neutral value (alpha 0, key_offset 0, no sink rule, seed 0).
 """
 
 from __future__ import annotations
@@ -110,6 +110,54 @@ class Allocation:
             return _counts(self.bits[self.cached])
         return {"key": _counts(self.key_bits[self.cached]), "value": _counts(self.value_bits[self.cached])}
 
+    def to_dict(self) -> dict:
+        """JSON-ready: `policy` and the [num_layers, num_kv_heads] grids as nested lists (levels NaN -> null)."""
+        return {
+            "policy": self.policy,
+            "key_bits": self.key_bits.tolist(),
+            "value_bits": self.value_bits.tolist(),
+            "sinks": self.sinks.tolist(),
+            "continuous": _levels(self.continuous),
+            "value_continuous": _levels(self.value_continuous),
+        }
+
+    @classmethod
+    def from_dict(cls, values: Mapping) -> Allocation:
+        """The allocation of `to_dict()`'s output; `sinks` and the levels may be null (not recorded: no sinks,
+        NaN levels). ValueError naming the key for a missing or malformed entry."""
+        missing = [k for k in ("policy", "key_bits", "value_bits") if k not in values]
+        if missing:
+            raise ValueError(
+                f"allocation.{missing[0]}: missing; an allocation needs policy, key_bits, value_bits"
+            )
+        key_bits = _grid("allocation.key_bits", values["key_bits"], torch.long)
+        shape = tuple(key_bits.shape)
+        value_bits = _grid("allocation.value_bits", values["value_bits"], torch.long, shape)
+        for name, grid in (("key_bits", key_bits), ("value_bits", value_bits)):
+            bad = sorted(set(grid.unique().tolist()) - {0, *ALLOWED_WIDTHS})
+            if bad:
+                allowed = ", ".join(map(str, ALLOWED_WIDTHS))
+                raise ValueError(
+                    f"allocation.{name}: {bad[0]} is not a width; allowed: {allowed} (0: uncached)"
+                )
+        if not torch.equal(key_bits > 0, value_bits > 0):
+            raise ValueError(
+                "allocation.value_bits: caches other heads than allocation.key_bits (0: uncached)"
+            )
+        sinks = values.get("sinks")
+        sinks = (
+            torch.zeros(shape, dtype=torch.bool)
+            if sinks is None
+            else _grid("allocation.sinks", sinks, torch.bool, shape)
+        )
+        levels = [
+            torch.full(shape, math.nan, dtype=torch.float64)
+            if values.get(k) is None
+            else _grid(f"allocation.{k}", values[k], torch.float64, shape)
+            for k in ("continuous", "value_continuous")
+        ]
+        return cls(key_bits, value_bits, sinks, levels[0], str(values["policy"]), levels[1])
+
     def to_records(self) -> list[dict]:
         """One JSON-ready dict per cached head, in (layer, kv_head) order: its key and value widths and levels
         (and `bits`, `continuous` when the allocation gives keys and values one width per head)."""
@@ -130,6 +178,30 @@ class Allocation:
                 record.update(bits=record["key_bits"], continuous=key_level)
             records.append(record)
         return records
+
+
+def _levels(levels: torch.Tensor) -> list[list[float | None]]:
+    return [[None if math.isnan(v) else v for v in row] for row in levels.tolist()]
+
+
+def _grid(key: str, values: object, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """values as a 2-D tensor of dtype ([num_layers, num_kv_heads], `shape` when given); ValueError naming key."""
+    try:
+        if dtype == torch.float64:  # levels: null where there is none
+            values = [[math.nan if v is None else v for v in row] for row in values]
+        grid = torch.tensor(values, dtype=torch.float64 if dtype == torch.long else dtype)
+        if dtype == torch.long:
+            if not torch.equal(grid, grid.round()):
+                raise ValueError
+            grid = grid.long()
+    except (TypeError, ValueError, RuntimeError):
+        raise ValueError(
+            f"{key}: expected a [num_layers, num_kv_heads] grid of numbers; got {values!r:.60}"
+        ) from None
+    if grid.dim() != 2 or (shape is not None and tuple(grid.shape) != shape):
+        want = "2-D" if shape is None else f"shape {shape} (as allocation.key_bits)"
+        raise ValueError(f"{key}: shape {tuple(grid.shape)}; expected {want}")
+    return grid
 
 
 def _counts(widths: torch.Tensor) -> dict[int, int]:
@@ -158,6 +230,9 @@ def _checked_widths(widths: object) -> tuple[int, ...]:
     for width in widths:
         if not isinstance(width, numbers.Integral) or isinstance(width, bool) or width not in ALLOWED_WIDTHS:
             raise ValueError(f"policy.widths: {width!r} is not an allowed width; allowed: {allowed}")
+    repeated = [w for i, w in enumerate(widths) if w in widths[:i]]
+    if repeated:
+        raise ValueError(f"policy.widths: {repeated[0]} appears twice in {widths}; allowed: each width once")
     if not any(width != FULL_WIDTH for width in widths):
         raise ValueError(
             f"policy.widths: needs at least one quantized width ({', '.join(map(str, PACKED_WIDTHS))}); got {widths}"
@@ -282,21 +357,29 @@ def from_point(point: Mapping) -> Policy:
 # ---------------------------------------------------------------------------------------- the common case
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heads:
-    """What a `HeadPolicy` shares out: the cached heads of the entropy table, (layer, kv_head) order."""
+    """What a `HeadPolicy` shares out: the n cached heads of the entropy table, in (layer, kv_head) order, and
+    the bits the m of them that are not sinks may hold."""
 
-    cached: torch.Tensor  # bool [num_layers, num_kv_heads]
-    entropy: torch.Tensor  # float64 [n]: each cached head's entropy
-    sinks: torch.Tensor  # bool [n]: heads kept at 16
-    budget: float  # bits per element per cached head
-    target: float  # bits the non-sink heads may hold in total
-    credit: float  # bits per element of scales that a 16-bit head does not store (a bytes budget; else 0)
-    quantized: list[int]  # the policy's quantized widths, ascending
-    sensitivity: pd.DataFrame | None  # the measured table, for a policy with a `measurement`
-    role_credit: tuple[
-        float, ...
-    ]  # credit per role (ROLES: keys, values), for units of one role; credit: mean
+    # bool [num_layers, num_kv_heads]: the heads that have a KV cache
+    cached: torch.Tensor
+    # float64 [n]: each cached head's entropy
+    entropy: torch.Tensor
+    # bool [n]: the heads kept at 16
+    sinks: torch.Tensor
+    # bits per element per cached head
+    budget: float
+    # bits the non-sink heads may hold in total, in one role (a head's keys and values together: twice that)
+    target: float
+    # bits per element of scales a 16-bit head does not store, given to the others (a bytes budget; else 0)
+    credit: float
+    # that credit per role (ROLES: keys, values), for policies whose units are a head's keys and its values
+    role_credit: tuple[float, ...]
+    # the policy's quantized widths, ascending
+    quantized: list[int]
+    # the measured table of a policy with a `measurement`; else None
+    sensitivity: pd.DataFrame | None
 
     def grid(self, free: torch.Tensor, sink=math.nan, uncached=math.nan) -> torch.Tensor:
         """[num_layers, num_kv_heads] of free's dtype: `free` ([m] or [n]) at the non-sink (or all) cached
@@ -331,34 +414,53 @@ class HeadPolicy(Policy):
         price: Callable[[int, str], float] | None,
         sensitivity: pd.DataFrame | None,
     ) -> Heads:
-        """The cached heads of the entropy table, their sinks and what the non-sink heads may hold in total
-        (one role's bits per element, keys and values each: a head's keys and values together may hold twice
-        that); ValueError for a bytes budget without a price, a measured policy without its table, or a
-        budget that cannot pay for the sinks."""
+        """The cached heads of the entropy table, their sinks and what the others may hold (Heads); ValueError
+        for a bytes budget without a price, a measured policy without its table, or a budget that cannot pay for
+        the sinks."""
+        self._check_inputs(budget, price, sensitivity)
+        head_entropy = kv_head_entropy(entropy, self.entropy_key)  # [L, Hkv], NaN where no cache
+        cached = ~torch.isnan(head_entropy)
+        h = head_entropy[cached]  # [n]
+        if len(h) == 0:
+            raise ValueError("entropy table: no cached heads to allocate")
+        sinks = self.sinks(h)  # [n]
+        quantized = quantized_widths(self.widths)
+        credit, role_credit = self._scale_credit(price)
+        target = free_target(budget, len(h), int(sinks.sum()), self.budget_mode, quantized[0], credit)
+        return Heads(
+            cached=cached,
+            entropy=h,
+            sinks=sinks,
+            budget=budget,
+            target=target,
+            credit=credit,
+            role_credit=role_credit,
+            quantized=quantized,
+            sensitivity=sensitivity,
+        )
+
+    @property
+    def bytes_budget(self) -> bool:
+        """Whether the budget holds in true bytes (priced by the scheme's byte model), not in mean bits."""
+        return self.budget_unit == "bytes" and self.budget_mode == "exact"
+
+    def _check_inputs(self, budget: float, price, sensitivity) -> None:
         self.check_budget(budget)
-        bytes_budget = self.budget_unit == "bytes" and self.budget_mode == "exact"
-        if bytes_budget and price is None:
+        if self.bytes_budget and price is None:
             raise ValueError("policy.budget_unit: bytes needs the scheme's byte model (price=); or use bits")
         if self.measurement is not None and sensitivity is None:
             raise ValueError(
                 f"policy.name: {self.name} allocates from measured errors; pass sensitivity= "
                 f"(harness.sensitivity.MEASUREMENTS[{self.measurement!r}])"
             )
-        head_entropy = kv_head_entropy(entropy, self.entropy_key)  # [L, Hkv]
-        cached = ~torch.isnan(head_entropy)  # [L, Hkv]
-        h = head_entropy[cached]  # [n], (layer, kv_head) order
-        n = len(h)
-        if n == 0:
-            raise ValueError("entropy table: no cached heads to allocate")
-        quantized = quantized_widths(self.widths)
-        sinks = self.sinks(h)  # [n]
-        # bytes: every head's scales cost the same bits per element (its keys' and values' mean: roles may be
-        # priced apart), except a sink's, which stores none; the scales the sinks do not store go to the others.
-        credit = head_scale_bits(price, self.widths) if bytes_budget else 0.0
-        target = free_target(budget, n, int(sinks.sum()), self.budget_mode, quantized[0], credit)
-        # per role too, for a policy whose units are a head's keys and its values (UnitPolicy)
-        role_credit = tuple(scale_bits(price, self.widths, role) if bytes_budget else 0.0 for role in ROLES)
-        return Heads(cached, h, sinks, budget, target, credit, quantized, sensitivity, role_credit)
+
+    def _scale_credit(self, price) -> tuple[float, tuple[float, ...]]:
+        """Bits per element of scales a sink (16 bits) does not store, which the other heads get: for a head
+        (its keys' and values' mean: the roles may be priced apart) and per role; 0 unless the budget is in
+        bytes."""
+        if not self.bytes_budget:
+            return 0.0, (0.0,) * len(ROLES)
+        return head_scale_bits(price, self.widths), tuple(scale_bits(price, self.widths, r) for r in ROLES)
 
     def allocate(
         self,

@@ -29,7 +29,7 @@ def quantized_widths(widths: Iterable[int]) -> list[int]:
     return sorted({int(width) for width in widths} - {FULL_WIDTH})
 
 
-def scale_bits(price: Callable[[int, str], float], widths: Sequence[int], role: str = "value") -> float:
+def scale_bits(price: Callable[[int, str], float], widths: Sequence[int], role: str) -> float:
     """Bits per element that a quantized unit of `role` (a head's keys or its values) stores beside its codes
     (scales, zeros), from the byte model.
 

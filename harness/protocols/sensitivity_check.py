@@ -109,7 +109,7 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
             f"quant.scheme: {point.scheme} reads fitted key tables, which the proxy check does not use; "
             f"allowed with {point.scheme}: --additivity N"
         )
-    scheme.check_widths([args.width])
+    scheme.check_widths([args.width], "--width")
     check_model_inputs(cfg, [point])
     return cfg, point, scheme
 

@@ -44,7 +44,7 @@ from harness.report.paired import (
 )
 from harness.report.sweep import provenance
 from harness.report.tables import markdown_table
-from harness.schemes import KMEANS, SCHEMES, get_scheme
+from harness.schemes import KMEANS, SCHEMES, from_point
 
 TARGETS = (2.0, 3.0, 3.5, 4.0, 4.5, 5.0, 6.0, 7.0, 8.0)  # true compression (fp16 bytes / stored bytes)
 GOALS = (
@@ -187,15 +187,9 @@ def storage(config: dict) -> str:
     name = config["scheme"]
     if name not in SCHEMES:
         return str(name)
-    return get_scheme(
-        name,
-        config["group_size"],
-        config.get("sink_tokens", 0),
-        config.get("residual"),
-        config.get("key_group_size"),
-        config.get("outliers", 0.0),
-        config["key_levels"] if isinstance(config.get("key_levels"), str) else KMEANS,  # older rows: NaN
-    ).label()
+    # a table's rows hold NaN where a point made before an option existed lacks it: the option's default
+    recorded = {k: v for k, v in config.items() if not (isinstance(v, float) and math.isnan(v))}
+    return from_point(recorded).label()
 
 
 def name(config: dict) -> str:

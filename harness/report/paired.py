@@ -117,59 +117,67 @@ def differences(
     references = {key_of(r["config"]): r for r in ok if is_reference(r["config"])}
     rows = []
     for record in ok:
-        config = record["config"]
-        if is_reference(config):
+        if is_reference(record["config"]):
             continue
-        reference = references.get(key_of(config))
+        reference = references.get(key_of(record["config"]))
         mine = item_statistics(record)
         theirs = item_statistics(reference) if reference is not None else None
         for metric in DIFF_METRICS:
-            row = {
-                "model": config["model"],
-                "scheme": config["scheme"],
-                "budget": config["budget"],
-                "configuration": configuration(config),
-                "metric": metric,
-                "key": record["key"],
-                "uniform_key": None,
-                "difference": math.nan,
-                "n": 0,
-                "low": math.nan,
-                "high": math.nan,
-                "excludes_zero": False,
-                "bytes_ratio": math.nan,
-            }
+            row = _unpaired_row(record, metric)
             if theirs is not None:
-                (stat_a, n_items), (stat_b, _) = mine[metric], theirs[metric]
-                every = np.arange(n_items)
-                row.update(
-                    uniform_key=reference["key"],
-                    difference=stat_a(every) - stat_b(every),
-                    n=n_items,
-                    bytes_ratio=_bytes_ratio(record, reference),
-                )
-                if n_items >= MIN_PAIRED_UNITS:
-                    low, high = paired_difference_ci(
-                        stat_a, stat_b, n_items, n_boot=n_boot, seed=seed, level=level
-                    )
-                    row.update(low=low, high=high, excludes_zero=bool(low > 0 or high < 0))
+                row.update(_paired(mine[metric], theirs[metric], n_boot, seed, level))
+                row.update(uniform_key=reference["key"], bytes_ratio=_bytes_ratio(record, reference))
             rows.append(row)
-    columns = [
-        "model",
-        "scheme",
-        "budget",
-        "configuration",
-        "metric",
-        "difference",
-        "n",
-        "low",
-        "high",
-        "excludes_zero",
-        "bytes_ratio",
-        "key",
-        "uniform_key",
-    ]
-    return pd.DataFrame(rows, columns=columns)
+    return pd.DataFrame(rows, columns=DIFFERENCE_COLUMNS)
+
+
+DIFFERENCE_COLUMNS = [
+    "model",
+    "scheme",
+    "budget",
+    "configuration",
+    "metric",
+    "difference",
+    "n",
+    "low",
+    "high",
+    "excludes_zero",
+    "bytes_ratio",
+    "key",
+    "uniform_key",
+]
+
+
+def _unpaired_row(record: dict, metric: str) -> dict:
+    """A differences row of `record` and `metric` before any pairing: no partner, no difference."""
+    config = record["config"]
+    return {
+        "model": config["model"],
+        "scheme": config["scheme"],
+        "budget": config["budget"],
+        "configuration": configuration(config),
+        "metric": metric,
+        "key": record["key"],
+        "uniform_key": None,
+        "difference": math.nan,
+        "n": 0,
+        "low": math.nan,
+        "high": math.nan,
+        "excludes_zero": False,
+        "bytes_ratio": math.nan,
+    }
+
+
+def _paired(mine: tuple, theirs: tuple, n_boot: int, seed: int, level: float) -> dict:
+    """The difference of two points' (statistic, n items) on the same items, its n, and its interval where n
+    reaches MIN_PAIRED_UNITS."""
+    (stat_a, n_items), (stat_b, _) = mine, theirs
+    every = np.arange(n_items)
+    out = {"difference": stat_a(every) - stat_b(every), "n": n_items}
+    if n_items >= MIN_PAIRED_UNITS:
+        low, high = paired_difference_ci(stat_a, stat_b, n_items, n_boot=n_boot, seed=seed, level=level)
+        out.update(low=low, high=high, excludes_zero=bool(low > 0 or high < 0))
+    return out
 
 
 def _bytes_ratio(record: dict, reference: dict) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -168,6 +169,49 @@ def legend_fits(fig: Figure) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class _Style:
+    """The Pareto plot's colours (a family per scheme, a shade per variant; peers' cache types in greys) and
+    markers (one per policy family, then per peer engine)."""
+
+    variants: dict  # scheme family -> its variant labels, "plain" first
+    colour: dict  # (scheme family, variant) -> RGB
+    grey: dict  # a peer's cache label -> RGB
+    families: list[str]
+    engines: list[str]
+    marker: dict
+
+    @classmethod
+    def of(cls, mine: list[dict], theirs: list[dict]) -> _Style:
+        """The style of the harness's points `mine` and the peer engines' points `theirs`."""
+        variants: dict[str, list[str]] = {}
+        for row in mine:
+            names = variants.setdefault(scheme_family(row), [])
+            if variant_label(row) not in names:
+                names.append(variant_label(row))
+        colour = {}
+        palette = matplotlib.colormaps["tab10"]
+        for i, (fam, names) in enumerate(variants.items()):
+            names.sort(key=lambda n: (n != "plain", n))
+            for name, shade in zip(names, shades(palette(i % palette.N), len(names))):
+                colour[(fam, name)] = shade
+        peer_caches = sorted({cache_label(r) for r in theirs})
+        levels = np.linspace(*PEER_GREYS, len(peer_caches)) if len(peer_caches) > 1 else [PEER_GREYS[0]]
+        grey = {name: (v, v, v) for name, v in zip(peer_caches, levels)}
+        kinds = {family(r) for r in mine}
+        families = [f for f in FAMILY_MARKERS if f in kinds] + sorted(kinds - FAMILY_MARKERS.keys())
+        marker = _markers(families, FAMILY_MARKERS, EXTRA_MARKERS)
+        engines = sorted({family(r) for r in theirs})
+        marker.update(_markers(engines, {}, PEER_MARKERS))
+        return cls(variants, colour, grey, families, engines, marker)
+
+    def look(self, row: Mapping, is_peer: bool):
+        """The colour of one point's collection."""
+        return (
+            self.grey[cache_label(row)] if is_peer else self.colour[(scheme_family(row), variant_label(row))]
+        )
+
+
 def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> Figure:
     """Four panels (kl_mean and ppl_ratio - 1 on log axes, bleu, token_match) against true compression (log axis),
     the harness's frontier as thick steps with its points ringed.
@@ -186,26 +230,7 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
     if scheme is not None:
         points = points[points["scheme"] == scheme]
     mine, theirs = ordered(points).to_dict("records"), peer_points.to_dict("records")
-    # colours: a family per scheme, a shade per variant; peers' cache types in greys
-    variants: dict[str, list[str]] = {}
-    for row in mine:
-        names = variants.setdefault(scheme_family(row), [])
-        if variant_label(row) not in names:
-            names.append(variant_label(row))
-    colour = {}
-    palette = matplotlib.colormaps["tab10"]
-    for i, (fam, names) in enumerate(variants.items()):
-        names.sort(key=lambda n: (n != "plain", n))
-        for name, shade in zip(names, shades(palette(i % palette.N), len(names))):
-            colour[(fam, name)] = shade
-    peer_caches = sorted({cache_label(r) for r in theirs})
-    levels = np.linspace(*PEER_GREYS, len(peer_caches)) if len(peer_caches) > 1 else [PEER_GREYS[0]]
-    grey = {name: (v, v, v) for name, v in zip(peer_caches, levels)}
-    kinds = {family(r) for r in mine}
-    families = [f for f in FAMILY_MARKERS if f in kinds] + sorted(kinds - FAMILY_MARKERS.keys())
-    marker = _markers(families, FAMILY_MARKERS, EXTRA_MARKERS)
-    engines = sorted({family(r) for r in theirs})
-    marker.update(_markers(engines, {}, PEER_MARKERS))
+    style = _Style.of(mine, theirs)
     # one collection per configuration, named after it (scheme-prefixed on the all-schemes plot)
     name_of = configuration if scheme is not None else (lambda r: f"{r['scheme']}: {configuration(r)}")
     drawn: dict[tuple[str, bool], list[dict]] = {}
@@ -216,94 +241,104 @@ def plot_pareto(frame: pd.DataFrame, model: str, scheme: str | None = None) -> F
     base = frame[(frame["model"] == model) & (frame["policy"] == "baseline") & (frame["status"] == "ok")]
     xs = pd.concat([points[X], peer_points[X]]).astype(float)
     lo, hi = (float(xs.min()), float(xs.max())) if len(xs) else (1.0, 2.0)
-    lo, hi = lo / 1.08, hi * 1.08
 
     fig = _figure(11, 8)
     axes = fig.subplots(2, 2).ravel()
     for ax, metric in zip(axes, PANELS):
-        shown = LOG_PANELS.get(metric)
-
-        def y(rows: list[dict], metric=metric) -> np.ndarray:
-            values = np.array([r[metric] for r in rows], dtype=float)
-            return values - 1 if metric == "ppl_ratio" else values
-
-        hidden = 0
-        for (name, is_peer), rows in drawn.items():
-            values = y(rows)
-            keep = values > 0 if shown else np.isfinite(values)
-            hidden += int((~keep & np.isfinite(values)).sum())
-            first = rows[0]
-            look = (
-                grey[cache_label(first)] if is_peer else colour[(scheme_family(first), variant_label(first))]
-            )
-            ax.scatter(
-                np.array([r[X] for r in rows], dtype=float)[keep],
-                values[keep],
-                marker=marker[family(first)],
-                s=70 if is_peer else 30,
-                facecolors=look if is_peer else "none",
-                edgecolors="black" if is_peer else look,
-                linewidths=0.8 if is_peer else 1.1,
-                label=name,
-                zorder=5 if is_peer else 3,
-            )
-        edge = frontier(points, metric, x=X, x_higher_is_better=True)
-        edge_y = y(edge.to_dict("records")) if len(edge) else np.zeros(0)
-        if shown:
-            edge, edge_y = edge[edge_y > 0], edge_y[edge_y > 0]
-        if len(edge):
-            # from the most compressed frontier point to the least: at compression c the best quality of any
-            # point at c or more, held until the next point
-            ax.step(
-                edge[X].astype(float), edge_y, where="post", color="black", linewidth=1.8,
-                label="Pareto frontier", zorder=2,
-            )  # fmt: skip
-            ax.scatter(
-                edge[X].astype(float), edge_y, s=110, facecolors="none", edgecolors="black", linewidths=1.0,
-                label="on the frontier", zorder=4,
-            )  # fmt: skip
-        unquantized = base.iloc[0][metric] if len(base) and not shown else math.nan
-        if pd.notna(unquantized):
-            ax.axhline(unquantized, color="grey", linestyle=":", linewidth=1, label="unquantized")
-        if shown:
-            ax.set_yscale("log")
-        ax.set_xscale("log")
-        ax.set_xlim(lo, hi)
-        ax.xaxis.set_major_locator(FixedLocator(compression_ticks(lo, hi)))
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("true compression (fp16 bytes / stored bytes)")
-        ax.set_ylabel(f"{shown or metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
-        if hidden:
-            ax.set_title(f"{hidden} point(s) at {shown} <= 0 not drawn", fontsize="small")
-        ax.grid(True, which="both", alpha=0.3)
-    _pareto_legend(fig, axes, variants, colour, grey, families, engines, marker)
+        unquantized = base.iloc[0][metric] if len(base) else math.nan
+        _pareto_panel(ax, metric, drawn, points, unquantized, style, (lo / 1.08, hi * 1.08))
+    _pareto_legend(fig, axes, style)
     fig.suptitle(f"{model} / {scheme or 'all schemes'}: quality against true compression")
     return fig
 
 
-def _pareto_legend(fig, axes, variants, colour, grey, families, engines, marker) -> None:
+def _pareto_panel(
+    ax, metric: str, drawn: dict, points: pd.DataFrame, unquantized: float, style: _Style, xlim: tuple
+) -> None:
+    """One panel: every collection of `drawn` ((name, is_peer) -> rows) at its true compression, the harness's
+    frontier as thick steps with its points ringed, and the unquantized value as a dotted line (linear panels)."""
+    shown = LOG_PANELS.get(metric)
+
+    def y(rows: list[dict]) -> np.ndarray:
+        values = np.array([r[metric] for r in rows], dtype=float)
+        return values - 1 if metric == "ppl_ratio" else values
+
+    hidden = 0
+    for (name, is_peer), rows in drawn.items():
+        values = y(rows)
+        keep = values > 0 if shown else np.isfinite(values)
+        hidden += int((~keep & np.isfinite(values)).sum())
+        look = style.look(rows[0], is_peer)
+        ax.scatter(
+            np.array([r[X] for r in rows], dtype=float)[keep],
+            values[keep],
+            marker=style.marker[family(rows[0])],
+            s=70 if is_peer else 30,
+            facecolors=look if is_peer else "none",
+            edgecolors="black" if is_peer else look,
+            linewidths=0.8 if is_peer else 1.1,
+            label=name,
+            zorder=5 if is_peer else 3,
+        )
+    edge = frontier(points, metric, x=X, x_higher_is_better=True)
+    edge_y = y(edge.to_dict("records")) if len(edge) else np.zeros(0)
+    if shown:
+        edge, edge_y = edge[edge_y > 0], edge_y[edge_y > 0]
+    if len(edge):
+        # from the most compressed frontier point to the least: at compression c the best quality of any point
+        # at c or more, held until the next point
+        ax.step(
+            edge[X].astype(float), edge_y, where="post", color="black", linewidth=1.8,
+            label="Pareto frontier", zorder=2,
+        )  # fmt: skip
+        ax.scatter(
+            edge[X].astype(float), edge_y, s=110, facecolors="none", edgecolors="black", linewidths=1.0,
+            label="on the frontier", zorder=4,
+        )  # fmt: skip
+    if pd.notna(unquantized) and not shown:
+        ax.axhline(unquantized, color="grey", linestyle=":", linewidth=1, label="unquantized")
+    if shown:
+        ax.set_yscale("log")
+    ax.set_xscale("log")
+    ax.set_xlim(*xlim)
+    ax.xaxis.set_major_locator(FixedLocator(compression_ticks(*xlim)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("true compression (fp16 bytes / stored bytes)")
+    ax.set_ylabel(f"{shown or metric} ({'higher' if HIGHER_IS_BETTER[metric] else 'lower'} is better)")
+    if hidden:
+        ax.set_title(f"{hidden} point(s) at {shown} <= 0 not drawn", fontsize="small")
+    ax.grid(True, which="both", alpha=0.3)
+
+
+def _pareto_legend(fig, axes, style: _Style) -> None:
     """One legend below the panels: each scheme family (bold) with its variants' shades, the peers' cache types,
     then the markers and lines; the fewest rows whose width fits the figure, the figure as tall as it needs."""
     handles, bold = [], []
-    for fam, names in variants.items():
+    for fam, names in style.variants.items():
         bold.append(len(handles))
         if names == ["plain"]:  # one entry: the family's colour
-            handles.append(Patch(facecolor=colour[(fam, "plain")], label=fam))
+            handles.append(Patch(facecolor=style.colour[(fam, "plain")], label=fam))
             continue
         handles.append(Patch(facecolor="none", edgecolor="none", label=fam))
-        handles += [Patch(facecolor=colour[(fam, n)], label=f"  {n}") for n in names]
-    if grey:
+        handles += [Patch(facecolor=style.colour[(fam, n)], label=f"  {n}") for n in names]
+    if style.grey:
         bold.append(len(handles))
         handles.append(Patch(facecolor="none", edgecolor="none", label="peers (filled)"))
-        handles += [Patch(facecolor=c, edgecolor="black", label=f"  {name}") for name, c in grey.items()]
+        handles += [
+            Patch(facecolor=c, edgecolor="black", label=f"  {name}") for name, c in style.grey.items()
+        ]
     handles += [
-        Line2D([], [], linestyle="none", marker=marker[f], markerfacecolor="none", color="black", label=f)
-        for f in families
+        Line2D(
+            [], [], linestyle="none", marker=style.marker[f], markerfacecolor="none", color="black", label=f
+        )
+        for f in style.families
     ]
     handles += [
-        Line2D([], [], linestyle="none", marker=marker[e], markerfacecolor="grey", color="black", label=e)
-        for e in engines
+        Line2D(
+            [], [], linestyle="none", marker=style.marker[e], markerfacecolor="grey", color="black", label=e
+        )
+        for e in style.engines
     ]
     lines = {}
     for ax in axes:  # the frontier, its rings and the unquantized line, once each

@@ -11,16 +11,48 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import pandas as pd
 import torch
 
 from harness import data, evaluate
+from harness.cache.eviction import EvictionSpec
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, shape_from_config
 from harness.config import CALIBRATION_FIELDS, EVAL_FIELDS, Point
 from harness.io import write_parquet_atomic
 from harness.models import load_model
+from harness.schemes import FittedParts, Scheme
+
+
+class TableKey(NamedTuple):
+    """What a measured table depends on within a model context (harness.run.measure.table_key)."""
+
+    measurement: str  # a name in harness.sensitivity.MEASUREMENTS
+    scheme: Scheme
+    widths: tuple[int, ...]
+    chunk: int
+
+
+class KeyFit(NamedTuple):
+    """What a scheme's fitted parts depend on within a model context: their kind (Scheme.fit) and its variant
+    (Scheme.fit_variant: a rank, channel groups), the positions [0, span) and the level fit."""
+
+    kind: str  # a name in harness.fitted.FITS
+    variant: object
+    span: int
+    levels: str  # quant.key_levels
+
+
+class MeasurementKey(NamedTuple):
+    """Everything a point's measurement depends on beyond its model context: equal keys, equal metrics."""
+
+    key_bits: bytes  # the allocation's int64 grids, as bytes
+    value_bits: bytes
+    scheme: Scheme  # with its options resolved
+    prefill: str
+    eviction: EvictionSpec
 
 
 @dataclass
@@ -40,13 +72,13 @@ class ModelContext:
     backend: str  # quant.backend: an execution choice, not part of a point's key (like the device)
     simulate: bool  # quant.simulate: likewise (the same metrics either way), recorded in every row
     timings: dict = field(default_factory=dict)
-    measured: dict = field(default_factory=dict)  # measurement_key -> (first point key, measurement)
+    measured: dict[MeasurementKey, tuple[str, dict]] = field(default_factory=dict)  # -> (first point, result)
     calib_ids: torch.Tensor | None = None  # (C, Tc) calibration tokens, for the measured policies
-    sensitivity: dict = field(default_factory=dict)  # (measurement, scheme, widths, chunk) -> table, lazily
+    sensitivity: dict[TableKey, pd.DataFrame] = field(default_factory=dict)  # measured tables, lazily
     shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
     bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
     peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
-    key_calibration: dict = field(default_factory=dict)  # (span, key_levels) -> the fitted key tables, lazily
+    key_calibration: dict[KeyFit, FittedParts] = field(default_factory=dict)  # fitted parts, lazily
     data_source: str | None = (
         None  # eval.data.path: where the prompts and sequences come from (None: default)
     )

@@ -15,9 +15,10 @@ from harness.capacity import element_price
 from harness.config import HARNESS, Point
 from harness.data import source_name
 from harness.fitted import cached_fit
-from harness.policies import from_point
-from harness.run.context import ModelContext
-from harness.schemes import FittedParts, Scheme, get_scheme
+from harness.policies import from_point as policy_of
+from harness.run.context import KeyFit, MeasurementKey, ModelContext, TableKey
+from harness.schemes import FittedParts, Scheme
+from harness.schemes import from_point as scheme_of
 from harness.sensitivity import MEASUREMENTS
 from kernels.layout import FULL_WIDTH
 
@@ -28,44 +29,38 @@ def allocation(ctx: ModelContext, point: Point):
     A measured policy's table (its `measurement`, harness.sensitivity.MEASUREMENTS) is measured once per model,
     scheme (with its options), widths and chunk.
     """
-    policy = from_point(point.group("policy"))
+    policy = policy_of(point.group("policy"))
     key = table_key(point)
     table = None
     if key is not None:
         if key not in ctx.sensitivity:
-            measure_table = MEASUREMENTS[key[0]]
+            measure_table = MEASUREMENTS[key.measurement]
             tables = key_calibration(ctx, point)  # a calkey point's table measures through its key tables
             extra = {"source": ctx.calibration_source}
             if tables is not None:
                 extra["key_calibration"] = tables
-            ctx.sensitivity[key] = measure_table(ctx.model, ctx.name, ctx.calib_ids, *key[1:], **extra)
+            ctx.sensitivity[key] = measure_table(
+                ctx.model, ctx.name, ctx.calib_ids, key.scheme, key.widths, key.chunk, **extra
+            )
         table = ctx.sensitivity[key]
     price = element_price(ctx.shape, point_scheme(point))
     return policy.allocate(ctx.entropy, point.budget, price=price, sensitivity=table)
 
 
-def table_key(point: Point) -> tuple | None:
-    """What the table of the point's measured policy depends on within its model context: (measurement, scheme
-    with its options, widths, chunk); None when its policy reads no table, or when another engine measures it."""
+def table_key(point: Point) -> TableKey | None:
+    """What the table of the point's measured policy depends on within its model context; None when its policy
+    reads no table, or when another engine measures it."""
     if point.engine != HARNESS:
         return None
-    measurement = from_point(point.group("policy")).measurement
+    measurement = policy_of(point.group("policy")).measurement
     if measurement is None:
         return None
-    return (measurement, point_scheme(point), tuple(point.widths), point.chunk)
+    return TableKey(measurement, point_scheme(point), tuple(point.widths), point.chunk)
 
 
 def point_scheme(point: Point) -> Scheme:
-    """The point's storage scheme with its options."""
-    return get_scheme(
-        point.scheme,
-        point.group_size,
-        point.sink_tokens,
-        point.residual,
-        point.key_group_size,
-        point.outliers,
-        point.key_levels,
-    )
+    """The point's storage scheme with its options (its quant fields)."""
+    return scheme_of(point.group("quant"))
 
 
 def key_calibration(ctx: ModelContext, point: Point) -> FittedParts | None:
@@ -80,11 +75,10 @@ def key_calibration(ctx: ModelContext, point: Point) -> FittedParts | None:
         raise ValueError(
             f"quant.scheme: {point.scheme} fits its key tables on the calibration windows; this context has none"
         )
-    span = key_span(point)
-    fit = (scheme.fit, scheme.fit_variant, span, point.key_levels)
+    fit = KeyFit(scheme.fit, scheme.fit_variant, key_span(point), point.key_levels)
     if fit not in ctx.key_calibration:
         ctx.key_calibration[fit] = cached_fit(
-            scheme, ctx.model, ctx.name, ctx.calib_ids, span, point.key_levels, ctx.calibration_source
+            scheme, ctx.model, ctx.name, ctx.calib_ids, fit.span, fit.levels, ctx.calibration_source
         )
     return ctx.key_calibration[fit]
 
@@ -94,35 +88,14 @@ def key_span(point: Point) -> int:
     return max(point.sequence_tokens, point.prompt_tokens + point.new_tokens)
 
 
-def measurement_key(point: Point, alloc) -> tuple:
+def measurement_key(point: Point, alloc) -> MeasurementKey:
     """Everything a measurement depends on beyond the shared context: equal keys give equal metrics."""
-    return (
+    return MeasurementKey(
         alloc.key_bits.numpy().tobytes(),
         alloc.value_bits.numpy().tobytes(),
-        point.scheme,
-        point.group_size,
-        point.key_group_size,  # None: group_size
-        point.sink_tokens,
-        point.residual,  # None: the scheme's default (grid points carry it resolved)
-        point.outliers,
-        point.key_levels,
+        point_scheme(point),
         point.prefill,
         EvictionSpec.from_point(point),
-    )
-
-
-def cache_options(point: Point, backend: str, simulate: bool = False) -> dict:
-    """QuantizedKVCache keyword arguments (besides the widths and prefill) for a point."""
-    return dict(
-        scheme=point.scheme,
-        group_size=point.group_size,
-        key_group_size=point.key_group_size,
-        sink_tokens=point.sink_tokens,
-        residual=point.residual,
-        outliers=point.outliers,
-        key_levels=point.key_levels,
-        backend=backend,
-        simulate=simulate,
     )
 
 
@@ -136,14 +109,15 @@ def measure(ctx: ModelContext, point: Point, alloc) -> dict:
 
 def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict:
     config = ctx.model.config
-    cache_kwargs = cache_options(point, ctx.backend, ctx.simulate)
-    cache_kwargs["value_bits"] = alloc.value_bits
-    cache_kwargs["key_calibration"] = key_calibration(ctx, point)
+    cache_kwargs = dict(
+        backend=ctx.backend, simulate=ctx.simulate, key_calibration=key_calibration(ctx, point)
+    )
+    scheme = point_scheme(point)
     caches = []
 
     def from_prefilled(prefilled_cache):
         cache = QuantizedKVCache.from_prefilled(
-            prefilled_cache, config, alloc.key_bits, prefill="exact", **cache_kwargs
+            prefilled_cache, config, alloc, scheme, prefill="exact", **cache_kwargs
         )
         caches.append(with_eviction(cache, spec))
         return caches[-1]
@@ -156,7 +130,7 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
     else:
 
         def factory():
-            cache = QuantizedKVCache(config, alloc.key_bits, prefill=point.prefill, **cache_kwargs)
+            cache = QuantizedKVCache(config, alloc, scheme, prefill=point.prefill, **cache_kwargs)
             caches.append(with_eviction(cache, spec))
             return caches[-1]
 
@@ -173,7 +147,7 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         ctx.model,
         ctx.sequences,
         lambda: with_eviction(
-            QuantizedKVCache(config, alloc.key_bits, prefill="quantized", **cache_kwargs), spec
+            QuantizedKVCache(config, alloc, scheme, prefill="quantized", **cache_kwargs), spec
         ),
         chunk=point.chunk,
         batch_size=ctx.batch_size,

@@ -34,7 +34,7 @@ class AsymToken(Scheme):
         group = self.role_group_size(role)
         return PackedStore(bits, head_dim, batch, group, self.symmetric, dtype, device, simulate=simulate)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         groups = head_dim // self.role_group_size(role)
         return packed_dim(head_dim, bits) + groups * FP16_BYTES * (
             1 if self.symmetric else 2

@@ -27,13 +27,13 @@ weighted by the loss's Fisher information) and for_layer refuses tables fitted t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 
-from harness.registry import Registry
+from harness.registry import Registry, unknown_name_message
 from harness.schemes.key_table import KMEANS, KeyCalibration, check_key_levels
 from harness.schemes.wrappers import ResidualStore, SinkStore
 from kernels import reference
@@ -46,10 +46,11 @@ ROLES = ("key", "value")
 class Store(Protocol):
     """One layer's keys or values for a batch, each KV head at its own width (16 = unquantized).
 
-    The torch path of harness/cache/quantized.py uses nothing else. Attention reads a store through
-    kernels.packed_attention's `scores` and `weighted`: a kernels.layout.PackedStore directly, any other store
-    through its methods qk(q, start, end) and pv(p, start, end), computed from the stored form one block at a
-    time.
+    The torch path of harness/cache/quantized.py uses nothing else. Attention reads a store one block of tokens at
+    a time through kernels.packed_attention's `values`: a kernels.layout.PackedStore directly, any other store
+    through its method block(start, end) -> (B, Hkv, end - start, D), dequantized from the stored form. A store
+    whose blocks are rotated (rotate+, codebook) also has turn(x): x (B, Hkv, R, D) with its quantized heads
+    rotated, which attention applies to the queries of the keys and to the output of the values instead.
     """
 
     length: int  # tokens held
@@ -170,12 +171,12 @@ class Scheme:
         """The store of every token of one layer's keys or values in this format (no sink or residual tokens)."""
         raise NotImplementedError
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         """Bytes of one token of one head of `role` stored at `bits` (a width of `widths`), scales and zeros
         included (per channel: a group's bytes spread over its tokens)."""
         raise NotImplementedError
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         """Bytes a store of `role` holds once per KV head at `bits`, whatever its tokens and batch (a fitted table);
         0 unless the family keeps one."""
         return 0
@@ -231,7 +232,7 @@ class Scheme:
             parts.append(f"{self.key_levels} levels")
         return " ".join(parts)
 
-    def token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         """Bytes of one stored token of one head of `role` at `bits` (16: unquantized, 2 bytes per element): the
         byte model of the cache's nbytes(), harness.capacity and the bytes budget. A per-channel role's group
         bytes are spread over its g tokens (a fraction where g does not divide them)."""
@@ -247,18 +248,19 @@ class Scheme:
             raise ValueError(f"{self.group_key(role)}: {group} does not divide head_dim {head_dim}")
         return self.quantized_token_bytes(bits, head_dim, role)
 
-    def check_widths(self, widths) -> None:
-        """ValueError for a width this scheme does not store (fp8: 8 bits only)."""
+    def check_widths(self, widths, key: str = "policy.widths") -> None:
+        """ValueError naming `key` (where the widths came from) for a width this scheme does not store (fp8: 8
+        bits only)."""
         bad = sorted({int(w) for w in widths} - {*self.widths, FULL_WIDTH})
         if bad:
             stored = ", ".join(map(str, self.widths))
             allowed = ", ".join(map(str, [*self.widths, FULL_WIDTH]))
             raise ValueError(
-                f"quant.scheme: {self.name} stores quantized heads at {stored} bits; got widths {bad} "
-                f"(policy.widths or bits); allowed: {allowed}"
+                f"{key}: {bad} with quant.scheme {self.name}, which stores quantized heads at {stored} bits; "
+                f"allowed: {allowed}"
             )
 
-    def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
+    def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         """ValueError unless this scheme can store heads of `head_dim` at `bits` in `role`."""
         quantized = any(b != FULL_WIDTH for b in bits)
         group = self.role_group_size(role)
@@ -278,7 +280,7 @@ class Scheme:
         batch: int,
         dtype: torch.dtype,
         device,
-        role: str = "value",
+        role: str,
         simulate: bool = False,
     ) -> Store:
         """The store of one layer's keys or values (`role`): the family's base store, wrapped for sink tokens
@@ -290,7 +292,7 @@ class Scheme:
         if role not in ROLES:
             raise ValueError(f"role: unknown {role!r}; allowed: {', '.join(ROLES)}")
         self.check_head_dim(bits, head_dim, role)
-        self.check_widths(bits)
+        self.check_widths(bits, "bits")
         store = self.base_store(bits, head_dim, batch, dtype, device, role, simulate)
         shape = (len(bits), head_dim, batch, dtype, device)
         per_channel = self.per_channel(role)
@@ -302,9 +304,10 @@ class Scheme:
         return store
 
 
-# name -> the scheme's constructor (group_size, sink_tokens, residual, key_group_size, outliers, key_levels as
-# keywords)
+# name -> the scheme's constructor (its options, SCHEME_OPTIONS, as keywords)
 SCHEMES: Registry[Callable[..., Scheme]] = Registry("quant.scheme")
+SCHEME_OPTIONS = tuple(f.name for f in fields(Scheme) if f.name != "name")  # every option of every scheme
+POINT_KEYS = {"name": "scheme"}  # field -> grid point key, where they differ
 
 
 def register(cls: type[Scheme]) -> type[Scheme]:
@@ -312,23 +315,28 @@ def register(cls: type[Scheme]) -> type[Scheme]:
     return SCHEMES.register(cls.name)(cls)
 
 
-def get_scheme(
-    name: str,
-    group_size: int = 32,
-    sink_tokens: int = 0,
-    residual: int | None = None,
-    key_group_size: int | None = None,
-    outliers: float = 0.0,
-    key_levels: str = KMEANS,
-) -> Scheme:
-    return SCHEMES.get(name)(
-        group_size=group_size,
-        sink_tokens=sink_tokens,
-        residual=residual,
-        key_group_size=key_group_size,
-        outliers=outliers,
-        key_levels=key_levels,
-    )
+def get_scheme(name: str, group_size: int = 32, **options) -> Scheme:
+    """The scheme `name` with its options (SCHEME_OPTIONS: group_size, the one given by position, and the others
+    by keyword; a missing one takes its default); ValueError naming an unknown name or option."""
+    unknown = sorted(set(options) - set(SCHEME_OPTIONS))
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not an option of a scheme; allowed: {', '.join(SCHEME_OPTIONS)}")
+    return SCHEMES.get(name)(group_size=group_size, **options)
+
+
+def from_point(point: Mapping) -> Scheme:
+    """The scheme of a grid point, a result row or a saved allocation (`point_fields`): `scheme` names it, its
+    options come from their point keys (a missing key takes the option's default, a key it has no option for is
+    ignored); ValueError naming the key."""
+    name = point.get("scheme")
+    if not isinstance(name, str):
+        raise ValueError(unknown_name_message(SCHEMES.key, name, SCHEMES.names()))
+    return SCHEMES.get(name)(**{key: point[key] for key in SCHEME_OPTIONS if key in point})
+
+
+def point_fields(scheme: Scheme) -> dict:
+    """A scheme as a grid point's quant fields (the inverse of from_point): `scheme` and every option."""
+    return {POINT_KEYS.get(f.name, f.name): getattr(scheme, f.name) for f in fields(Scheme)}
 
 
 def default_residual(name: str) -> int:

@@ -69,7 +69,7 @@ class CalKey(AsymToken):
         """k = ceil(outliers * head_dim) outliers per key token of a quantized head."""
         return math.ceil(round(self.outliers * head_dim, 9))
 
-    def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
+    def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         super().check_head_dim(bits, head_dim, role)
         if role == "key" and self.outliers and head_dim > INDEX_LIMIT:
             raise ValueError(
@@ -87,13 +87,13 @@ class CalKey(AsymToken):
             )
         return replace(self, table=key_calibration.layer(layer))
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         if role != "key":
             return super().quantized_token_bytes(bits, head_dim, role)
         codes = reference.packed_dim(head_dim, bits)
         return codes + self.outlier_count(head_dim) * (FP16_BYTES + 1)  # outlier values, uint8 indices
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         quantized = role == "key" and bits != FULL_WIDTH
         return 2 * head_dim * FP16_BYTES if quantized else 0  # fp16 scale and zero per channel
 

@@ -37,7 +37,7 @@ import torch
 
 from harness.schemes.base import Scheme, Store, register
 from harness.schemes.lloyd_max import lloyd_max
-from harness.schemes.wrappers import BlockStore, dense_pv, dense_qk, head_index, take_tokens
+from harness.schemes.wrappers import BlockStore, head_index, take_tokens
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
@@ -64,7 +64,7 @@ class Codebook(Scheme):
     ) -> Store:
         return CodebookStore(bits, head_dim, batch, dtype, device, simulate)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> int:
         return reference.packed_dim(head_dim, bits) + FP16_BYTES  # codes, one fp16 scale per (token, head)
 
 
@@ -120,7 +120,7 @@ def rotated_values(codes: torch.Tensor, scale: torch.Tensor, bits: int, dim: int
         word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
         units = torch.stack([word & ((1 << UNIT_BITS) - 1), word >> UNIT_BITS], -1)  # (..., dim // 8, 2)
     table = decoder(bits, torch.device(codes.device))
-    values = table.index_select(0, units.reshape(-1).long()).view(*lead, dim)
+    values = table.index_select(0, units.reshape(-1).int()).view(*lead, dim)
     return values * scale.float().unsqueeze(-1)
 
 
@@ -198,42 +198,30 @@ class CodebookStore(BlockStore):
             self.codes[w][:, :, start:end], self.scale[w][:, :, start:end], w, self.head_dim
         )
 
-    def block(self, start: int, end: int) -> torch.Tensor:
-        """Dequantized tokens [start, end): (B, Hkv, end - start, D) in the store's dtype."""
+    def dequantize(self) -> torch.Tensor:
+        """Every stored token dequantized: (B, Hkv, length, D) in the store's dtype."""
         out = torch.empty(
-            self.batch, len(self.bits), end - start, self.head_dim, dtype=self.dtype, device=self.device
+            self.batch, len(self.bits), self.length, self.head_dim, dtype=self.dtype, device=self.device
         )
         for w in self.widths:
-            codes, scale = self.codes[w][:, :, start:end], self.scale[w][:, :, start:end]
-            out.index_copy_(1, self.heads[w], dequantize(codes, scale, w, self.dtype, self.h))
-        return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
+            out.index_copy_(1, self.heads[w], dequantize(self.codes[w], self.scale[w], w, self.dtype, self.h))
+        return out.index_copy_(1, self.full_heads, self.full)
 
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        B, H, M, _ = q.shape  # q (B, Hkv, M, D) float32
-        out = q.new_empty(B, H, M, end - start)
-        turned = reference.hadamard_rotate(q, h=self.h) if self.widths else q  # (B, Hkv, M, D)
+    def block(self, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) in the rotated domain (quantized heads levels * scale, 16-bit heads as stored):
+        (B, Hkv, end - start, D) float32."""
+        out = torch.empty(self.batch, len(self.bits), end - start, self.head_dim, device=self.device)
         for w in self.widths:
-            out.index_copy_(
-                1,
-                self.heads[w],
-                dense_qk(turned.index_select(1, self.heads[w]), self._rotated(w, start, end)),
-            )
-        full = dense_qk(q.index_select(1, self.full_heads), self.full[:, :, start:end])
-        return out.index_copy_(1, self.full_heads, full)
+            out.index_copy_(1, self.heads[w], self._rotated(w, start, end))
+        return out.index_copy_(1, self.full_heads, self.full[:, :, start:end].float())
 
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        B, H, M, _ = p.shape  # p (B, Hkv, M, end - start) float32
-        turned = p.new_empty(B, H, M, self.head_dim)  # quantized heads rotated, 16-bit heads as they are
-        for w in self.widths:
-            turned.index_copy_(
-                1, self.heads[w], dense_pv(p.index_select(1, self.heads[w]), self._rotated(w, start, end))
-            )
-        full = dense_pv(p.index_select(1, self.full_heads), self.full[:, :, start:end])
-        turned.index_copy_(1, self.full_heads, full)
+    def turn(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, Hkv, R, D) with its quantized heads rotated by H (its own inverse): between the rotated domain and
+        the tokens' own."""
         if not self.widths:
-            return turned
-        rotated = reference.hadamard_rotate(turned.index_select(1, self.quant_heads), h=self.h)
-        return turned.index_copy_(1, self.quant_heads, rotated)
+            return x
+        rotated = reference.hadamard_rotate(x.index_select(1, self.quant_heads), x.dtype, self.h)
+        return x.index_copy(1, self.quant_heads, rotated)
 
     def keep_last(self, n: int) -> None:
         start = max(self.length - n, 0)

@@ -33,7 +33,7 @@ class Fp8(Scheme):
     ) -> Store:
         return Fp8Store(bits, head_dim, batch, dtype, device, simulate)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         return head_dim + FP16_BYTES  # one e4m3 byte per element, one fp16 scale per (token, head)
 
 

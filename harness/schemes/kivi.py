@@ -40,7 +40,7 @@ class Kivi(AsymToken):
     def per_channel(self, role: str) -> bool:
         return role == "key"
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         if role != "key":
             return super().quantized_token_bytes(bits, head_dim, role)
         g = self.key_group_size

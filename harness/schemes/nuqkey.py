@@ -49,7 +49,7 @@ class NuqKey(CalKey):
     widths: ClassVar[tuple[int, ...]] = LEVEL_WIDTHS
     fitted_levels: ClassVar[bool] = True
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         quantized = role == "key" and bits != FULL_WIDTH
         return head_dim * (1 << bits) * FP16_BYTES if quantized else 0  # 2**b fp16 levels per channel
 
@@ -73,8 +73,12 @@ def nearest_level(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
 def level_values(code: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
     """levels[h, c, code[b, h, t, c]]: (B, H, T, D) float32 from codes (any integer dtype) and levels (H, D, n)."""
     H, D, n = levels.shape
-    base = (torch.arange(H, device=code.device)[:, None] * D + torch.arange(D, device=code.device)) * n
-    return levels.reshape(-1)[code.long() + base[None, :, None]]
+    base = (
+        torch.arange(H, device=code.device)[:, None] * D + torch.arange(D, device=code.device)
+    ) * n  # (H, D)
+    index = code.to(torch.int32, memory_format=torch.contiguous_format, copy=True)  # index_select takes int32
+    index.add_(base.int()[None, :, None])
+    return levels.reshape(-1).index_select(0, index.view(-1)).view(code.shape)
 
 
 class NuqKeyStore(CalKeyStore):

@@ -55,7 +55,7 @@ class NuqKeyCodebook(NuqKey):
             return super().base_store(bits, head_dim, batch, dtype, device, role, simulate)
         return CodebookStore(bits, head_dim, batch, dtype, device, simulate)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         if role == "key":
             return super().quantized_token_bytes(bits, head_dim, role)
         return Codebook.quantized_token_bytes(self, bits, head_dim, role)

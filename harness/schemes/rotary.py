@@ -24,7 +24,11 @@ def turn(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
         return x
     a, b = x[..., :half], x[..., half : 2 * half]
     cos, sin = torch.cos(angle), torch.sin(angle)
-    return torch.cat([a * cos - b * sin, b * cos + a * sin, x[..., 2 * half :]], -1)
+    out = torch.empty_like(x)  # each half written in place (no concatenation)
+    torch.mul(a, cos, out=out[..., :half]).sub_(b * sin)
+    torch.mul(b, cos, out=out[..., half : 2 * half]).add_(a * sin)
+    out[..., 2 * half :] = x[..., 2 * half :]
+    return out
 
 
 class TokenPositions:

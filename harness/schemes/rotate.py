@@ -14,7 +14,7 @@ import torch
 from harness.schemes.base import SCHEMES, Scheme, Store, get_scheme
 from harness.schemes.wrappers import head_index, take_tokens
 from kernels import reference
-from kernels.packed_attention import scores, weighted
+from kernels.packed_attention import values
 
 ROTATE = "rotate+"
 
@@ -27,7 +27,13 @@ class Rotated(Scheme):
     rotated: ClassVar[bool] = True
 
     def __post_init__(self):
-        inner = get_scheme(self.name.removeprefix(ROTATE), self.group_size, 0, 0, self.key_group_size)
+        inner = get_scheme(
+            self.name.removeprefix(ROTATE),
+            self.group_size,
+            sink_tokens=0,
+            residual=0,
+            key_group_size=self.key_group_size,
+        )
         object.__setattr__(self, "inner", inner)
         super().__post_init__()
 
@@ -54,7 +60,7 @@ class Rotated(Scheme):
     def per_channel(self, role: str) -> bool:
         return self.inner.per_channel(role)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         return self.inner.quantized_token_bytes(bits, head_dim, role)
 
     def base_store(
@@ -79,8 +85,8 @@ class RotatedStore:
     """Rotates head_dim of the quantized heads by an orthonormal Hadamard matrix before `base` (built in float32)
     quantizes them, and back after dequantization; 16-bit heads pass unrotated, so they stay exact.
 
-    Attention never rotates the stored keys and values back: the rotation moves to the small side of each
-    product, q . (k' H) = (q H) . k' and p @ (v' H) = (p @ v') H.
+    Attention never rotates the stored keys and values back: it reads them rotated (`block`) and the rotation moves
+    to the small side of each product (`turn`), q . (k' H) = (q H) . k' and p @ (v' H) = (p @ v') H.
     """
 
     def __init__(
@@ -115,11 +121,13 @@ class RotatedStore:
     def dequantize(self) -> torch.Tensor:
         return self._turn(self.base.dequantize(), self.dtype)
 
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return scores(self.base, self._turn(q, torch.float32), start, end)
+    def block(self, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) as stored, quantized heads rotated: (B, Hkv, end - start, D) float32."""
+        return values(self.base, start, end, torch.float32)
 
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return self._turn(weighted(self.base, p, start, end), torch.float32)
+    def turn(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, Hkv, R, D) with its quantized heads rotated: between the stored (rotated) form and the tokens' own."""
+        return self._turn(x, x.dtype)
 
     def keep_last(self, n: int) -> None:
         self.base.keep_last(n)

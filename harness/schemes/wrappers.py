@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.layout import FP16_BYTES, FULL_WIDTH
-from kernels.packed_attention import scores, weighted
+from kernels.packed_attention import turn, values
 
 
 def take_tokens(t: torch.Tensor, index: torch.Tensor, dim: int) -> torch.Tensor:
@@ -46,31 +46,15 @@ def head_index(bits: tuple[int, ...], quantized: bool, device) -> torch.Tensor:
     return torch.tensor(heads, dtype=torch.long, device=device)
 
 
-def dense_qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q (B, H, M, D) float32 . k (B, H, Tb, D) -> (B, H, M, Tb) float32."""
-    return q @ k.float().transpose(-1, -2)
-
-
-def dense_pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """p (B, H, M, Tb) float32 @ v (B, H, Tb, D) -> (B, H, M, D) float32."""
-    return p @ v.float()
-
-
 class BlockStore:
-    """The common attention of stores that read a block of tokens back to full precision (fp8, KIVI's keys):
-    the store implements `block(start, end)` -> (B, Hkv, end - start, D) and `length`."""
+    """The common reading of stores that dequantize a block of tokens (fp8, KIVI's keys, calkey's, nuqkey's,
+    codebook's): the store implements `block(start, end)` -> (B, Hkv, end - start, D) and `length`."""
 
     def block(self, start: int, end: int) -> torch.Tensor:
         raise NotImplementedError
 
     def dequantize(self) -> torch.Tensor:
         return self.block(0, self.length)
-
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_qk(q, self.block(start, end))
-
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_pv(p, self.block(start, end))
 
 
 class FullStore:
@@ -94,11 +78,8 @@ class FullStore:
     def dequantize(self) -> torch.Tensor:
         return self.tokens
 
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_qk(q, self.tokens[:, :, start:end])
-
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return dense_pv(p, self.tokens[:, :, start:end])
+    def block(self, start: int, end: int) -> torch.Tensor:
+        return self.tokens[:, :, start:end]
 
     def pop_front(self, n: int) -> torch.Tensor:
         """Remove and return the oldest n tokens (B, H, n, D)."""
@@ -123,11 +104,12 @@ class FullStore:
 
 
 class _TwoPart:
-    """Tokens [0, front.length) in store `front`, the later ones in store `back`. With `simulate` each part's
-    dequantized values are kept as the part last returned them, so an append costs one concatenation."""
+    """Tokens [0, front.length) in store `front`, the later ones in store `back`, one of them the quantized `base`
+    and the other a FullStore. With `simulate` each part's dequantized values are kept as the part last returned
+    them, so an append costs one concatenation."""
 
-    def __init__(self, front, back, empty: torch.Tensor, simulate: bool = False):
-        self.parts, self.batch, self.simulate = [front, back], front.batch, simulate
+    def __init__(self, front, back, base, empty: torch.Tensor, simulate: bool = False):
+        self.parts, self.base, self.batch, self.simulate = [front, back], base, front.batch, simulate
         self.values = [empty, empty]  # simulate only: (B, Hkv, part length, D) each
 
     @property
@@ -148,15 +130,19 @@ class _TwoPart:
         if end > n0:
             yield self.parts[1], max(start, n0) - n0, end - n0, max(n0 - start, 0)
 
-    def qk(self, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        return torch.cat([scores(part, q, s, e) for part, s, e, _ in self._ranges(start, end)], -1)
+    def block(self, start: int, end: int) -> torch.Tensor:
+        """Tokens [start, end) of both parts (B, Hkv, end - start, D) in the dtype of the unquantized part and in the
+        domain of the base's blocks: the unquantized tokens (a few) turned into it, the base's never turned back."""
+        dtype = self.values[0].dtype
+        pieces = [
+            values(part, s, e, dtype) if part is self.base else turn(self.base, values(part, s, e, dtype))
+            for part, s, e, _ in self._ranges(start, end)
+        ]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, 2)
 
-    def pv(self, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        out = None
-        for part, s, e, at in self._ranges(start, end):
-            o = weighted(part, p[..., at : at + e - s], s, e)
-            out = o if out is None else out + o
-        return out
+    def turn(self, x: torch.Tensor) -> torch.Tensor:
+        """The base's turn (kernels.packed_attention.turn): x moved between the tokens' domain and the blocks'."""
+        return turn(self.base, x)
 
     def keep_last(self, n: int) -> None:
         for i in (1, 0):  # the back part holds the newest tokens
@@ -207,7 +193,7 @@ class SinkStore(_TwoPart):
         simulate=False,
     ):
         sinks = FullStore(heads, head_dim, batch, dtype, device)
-        super().__init__(sinks, base, sinks.tokens, simulate)
+        super().__init__(sinks, base, base, sinks.tokens, simulate)
         self.bits = base.bits
         self.n_sinks, self.seen = n_sinks, 0  # tokens appended so far
 
@@ -249,7 +235,7 @@ class ResidualStore(_TwoPart):
         simulate: bool = False,
     ):
         recent = FullStore(heads, head_dim, batch, dtype, device)
-        super().__init__(base, recent, recent.tokens, simulate)
+        super().__init__(base, recent, base, recent.tokens, simulate)
         self.bits = base.bits
         self.window, self.chunk = window, chunk
 

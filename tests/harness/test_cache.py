@@ -244,10 +244,14 @@ def test_keys_and_values_at_different_widths_match_the_oracle_and_the_byte_model
     assert (layer.key_bits, layer.value_bits) == (key_bits[0].tolist(), value_bits[0].tolist())
     D = model.config.head_dim
     per_token = sum(
-        cache.scheme.token_bytes(b, D) for grid in (key_bits, value_bits) for b in grid.flatten().tolist()
+        cache.scheme.token_bytes(b, D, role="value")
+        for grid in (key_bits, value_bits)
+        for b in grid.flatten().tolist()
     )
     assert cache.nbytes() == 2 * 31 * per_token  # batch x tokens x (every head's key + value bytes)
     with pytest.raises(ValueError, match=r"^value_bits: shape \(1, 1\)"):
         QuantizedKVCache(model.config, key_bits, value_bits=torch.tensor([[4]]))
-    with pytest.raises(ValueError, match="quant.scheme: fp8 stores quantized heads at 8 bits"):
+    with pytest.raises(
+        ValueError, match=r"^bits: \[[\d, ]+\] with quant.scheme fp8, which stores quantized heads at 8"
+    ):
         QuantizedKVCache(model.config, 8, scheme="fp8", value_bits=value_bits)

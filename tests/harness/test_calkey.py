@@ -359,7 +359,7 @@ def test_capacity_counts_the_tables_as_the_cache_holds_them():
         key_calibration=cal, outliers=0.05, value_bits=4,
     )  # fmt: skip
     shape = capacity.shape_from_config(model.config, "tiny-llama")
-    storage = get_scheme("calkey", 16, 1, 0, outliers=0.05)
+    storage = get_scheme("calkey", 16, sink_tokens=1, residual=0, outliers=0.05)
     assert capacity.cache_bytes(shape, 0, bits, storage, 2, 4).true_bytes == 0
     ids = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(13))
     with installed(model, PACKED):
@@ -372,7 +372,7 @@ def test_the_capacity_command_prices_the_outliers():
     argv = ["--model", "tiny-llama", "--context", "100", "--scheme", "calkey", "--sink-tokens", "1", "--json"]
     shape, (bare,) = capacity.rows(capacity.parser().parse_args(argv))
     _, (kept,) = capacity.rows(capacity.parser().parse_args([*argv, "--outliers", "0.05"]))
-    storage = get_scheme("calkey", 32, 1, 0, outliers=0.05)
+    storage = get_scheme("calkey", 32, sink_tokens=1, residual=0, outliers=0.05)
     assert kept["true_bytes"] == capacity.cache_bytes(shape, 100, 4, storage).true_bytes > bare["true_bytes"]
     with pytest.raises(
         ValueError, match=r"^quant.outliers: 0.05 with quant.scheme asym_token, which keeps no"
@@ -446,7 +446,10 @@ def test_quant_calkey_validates_and_keys_outliers_only_when_set():
     points = validate_config(compose_cfg("quant=calkey", "quant.outliers=0.01"))
     # the first token (BOS) is kept in fp16 by default
     assert {(p.scheme, p.outliers, p.sink_tokens) for p in points} == {("calkey", 0.01, 1)}
-    assert get_scheme("calkey", 32, 1, outliers=0.01).label() == "calkey g32 sink_tokens=1 outliers=0.01"
+    assert (
+        get_scheme("calkey", 32, sink_tokens=1, outliers=0.01).label()
+        == "calkey g32 sink_tokens=1 outliers=0.01"
+    )
     plain = validate_config(compose_cfg())[0]
     assert plain.key() == plain.replace(outliers=0.0).key()  # 0 outliers stay out of the key
     assert plain.key() != plain.replace(outliers=0.01, scheme="calkey").key()

@@ -70,7 +70,7 @@ def test_true_bytes_equal_cache_nbytes(models, name, scheme, sinks, residual, pr
         value_bits=value_bits,
     )
     shape = capacity.shape_from_config(model.config, name)
-    storage = get_scheme(scheme, 16, sinks, residual)
+    storage = get_scheme(scheme, 16, sink_tokens=sinks, residual=residual)
     ids = torch.randint(0, 256, (batch, prompt + 10), generator=torch.Generator().manual_seed(prompt))
     steps = [(0, prompt)] + [(t, t + 1) for t in range(prompt, prompt + 10)]  # prefill, then 10 decode steps
     with torch.no_grad():
@@ -108,7 +108,7 @@ SHAPE = capacity.explicit_shape(full=(2, 3, 64), sliding=(3, 2, 32, 40), linear=
     batch=st.integers(1, 3),
 )
 def test_max_context_exact_at_the_boundary(memory, bits, sinks, residual, batch):
-    storage = get_scheme("asym_token", 32, sinks, residual)
+    storage = get_scheme("asym_token", 32, sink_tokens=sinks, residual=residual)
     longest = capacity.max_context(SHAPE, memory, bits, storage, batch)
     peak = lambda t: max(
         capacity.cache_bytes(SHAPE, u, bits, storage, batch).total_bytes for u in range(t + 1)
@@ -158,7 +158,7 @@ def test_gemma4_31b_by_hand():
 def test_kivi_keys_cost_what_per_token_groups_cost_over_a_whole_key_group():
     # per channel, one fp16 scale and zero per 32 tokens: 64 channels * 4 bytes / 32 tokens = 8 bytes per token
     kivi, asym = get_scheme("kivi", 32), get_scheme("asym_token", 32)
-    assert kivi.token_bytes(4, 64) == asym.token_bytes(4, 64) == 32 + 8
+    assert kivi.token_bytes(4, 64, role="value") == asym.token_bytes(4, 64, role="value") == 32 + 8
 
 
 def test_bad_input_names_the_key():

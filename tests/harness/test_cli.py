@@ -6,6 +6,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from harness.validate import ConfigError, preflight_overrides, validate_config
@@ -41,12 +42,32 @@ def compose_cfg(*overrides):
         ("eval.sequence_tokens=9000", r"^eval.sequence_tokens: 9000 exceeds .*; allowed: up to 8192"),
         ("eval.new_tokens=8000", r"^eval.prompt_tokens / eval.new_tokens: 256 \+ 8000 exceeds .* up to 8192"),
         ("tracking.wandb.mode=sometimes", r"^tracking.wandb.mode: unknown 'sometimes'"),
+        ("device=tpu", r"^device: 'tpu' is not allowed; allowed here: cpu"),
+        ("policy.widths=[4,4]", r"^policy.widths: 4 appears twice in \[4, 4\]; allowed: each width once"),
+        ("quant=nuqkey policy.widths=[8]",
+         r"^policy.widths: \[8\] with quant.scheme nuqkey, which stores quantized heads at 2, 3, 4 bits; allowed: "
+         r"2, 3, 4, 16"),
     ],
-)
+)  # fmt: skip
 def test_invalid_config_gives_one_line_naming_the_key(override, message):
     with pytest.raises(ConfigError, match=message) as err:
-        validate_config(compose_cfg(override))
+        validate_config(compose_cfg(*override.split()))
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_and_triton_without_cuda_are_refused(monkeypatch):
+    with pytest.raises(
+        ConfigError, match=r"^device: cuda but this machine has no CUDA device.*; allowed here: cpu$"
+    ):
+        validate_config(compose_cfg("device=cuda"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(
+        ConfigError, match=r"^quant.backend: triton needs CUDA tensors .*; allowed here: auto, torch$"
+    ):
+        validate_config(compose_cfg("quant.backend=triton"))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # Triton's CPU interpreter: allowed
+    assert validate_config(compose_cfg("quant.backend=triton"))
 
 
 @pytest.mark.parametrize(
@@ -121,8 +142,9 @@ def guarded(tmp_path_factory, cli):
         """)
     )
     env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}", "KVBITS_CACHE": str(folder / "cache")}
+    env.pop("TRITON_INTERPRET", None)  # as a user's shell has it (tests/conftest.py sets it for this process)
 
-    return lambda *args: cli("harness", *args, "tracking.wandb.mode=disabled", env=env, timeout=600)
+    return lambda *args: cli("harness", "tracking.wandb.mode=disabled", *args, env=env, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -153,6 +175,14 @@ BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it
     (["policy.budget=9"], "policy.budget", []),
     (["policy.alpha=abc"], "policy.alpha", ["'abc'"]),
     (["policy.sink_fraction=1.5"], "policy.sink_fraction", ["[0, 1]"]),
+    (["tracking.wandb.mode=bogus"], "tracking.wandb.mode", ["allowed: online, offline, disabled"]),
+    (["device=tpu"], "device", ["allowed here: cpu"]),
+    (["quant=nuqkey", "policy.widths=[8]"], "policy.widths", ["nuqkey", "2, 3, 4 bits", "allowed: 2, 3, 4, 16"]),
+    (["policy.widths=[4,4]"], "policy.widths", ["appears twice", "allowed: each width once"]),
+    *([] if torch.cuda.is_available() else [
+        (["device=cuda"], "device", ["no CUDA device", "allowed here: cpu"]),
+        (["quant.backend=triton"], "quant.backend", ["TRITON_INTERPRET=1", "allowed here: auto, torch"]),
+    ]),
 ]  # fmt: skip
 
 

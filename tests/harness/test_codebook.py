@@ -54,7 +54,7 @@ def relative_mse(got: torch.Tensor, x: torch.Tensor) -> float:
 
 def codebook_mse(x: torch.Tensor, bits: int) -> float:
     """Relative MSE of x (N, D) stored at `bits` by a codebook store."""
-    store = CODEBOOK.new_store([bits], x.shape[-1], 1, torch.float32, "cpu")
+    store = CODEBOOK.new_store([bits], x.shape[-1], 1, torch.float32, "cpu", role="value")
     store.append(x[None, None])
     return relative_mse(store.dequantize()[0, 0], x)
 
@@ -177,11 +177,13 @@ def test_zero_constant_and_huge_vectors(dtype):
     x[:, :, 2:3] = 1e4 * signs
     x[:, :, 3] = 65504.0 * torch.randn(4, D).sign()
     x = x.to(dtype)
-    store = CODEBOOK.new_store([2, 3, 4, 8], D, 1, dtype, "cpu", simulate=True)
+    store = CODEBOOK.new_store([2, 3, 4, 8], D, 1, dtype, "cpu", simulate=True, role="value")
     got = store.append(x)
     assert got.dtype == dtype and torch.isfinite(got).all() and torch.equal(got, store.dequantize())
     assert torch.equal(got[:, :, 0], x[:, :, 0])  # zeros stay exact
-    unit = CODEBOOK.new_store([2, 3, 4, 8], D, 1, torch.float32, "cpu", simulate=True).append(signs)
+    unit = CODEBOOK.new_store([2, 3, 4, 8], D, 1, torch.float32, "cpu", simulate=True, role="value").append(
+        signs
+    )
     torch.testing.assert_close(
         got[:, :, 2:3].float(), 1e4 * unit, rtol=1e-2, atol=1e2
     )  # 1e4 x the signs' own
@@ -202,7 +204,7 @@ def test_no_nan_or_inf_on_nasty_inputs(dtype, values, seed):
     pool = torch.tensor(values)
     x = pool[torch.randint(0, len(values), (1, 4, 9, 16), generator=g)]
     x = x.clamp(torch.finfo(dtype).min, torch.finfo(dtype).max).to(dtype)
-    store = CODEBOOK.new_store([2, 3, 16, 8], 16, 1, dtype, "cpu", simulate=True)
+    store = CODEBOOK.new_store([2, 3, 16, 8], 16, 1, dtype, "cpu", simulate=True, role="value")
     got = feed(store, x, [5, 4])
     assert torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
     assert torch.equal(got[:, 2], x[:, 2])  # the 16-bit head is exact
@@ -229,8 +231,8 @@ def test_stored_levels_are_read_from_what_reference_packs(bits):
 
 @pytest.mark.parametrize("tokens", [1, 63, 1000])
 def test_nbytes_is_the_byte_model(tokens):
-    assert [CODEBOOK.token_bytes(b, 64) for b in (2, 3, 4, 8, 16)] == [18, 26, 34, 66, 128]
-    assert CODEBOOK.token_bytes(4, 64) * 8 / 64 == 4.25
+    assert [CODEBOOK.token_bytes(b, 64, role="value") for b in (2, 3, 4, 8, 16)] == [18, 26, 34, 66, 128]
+    assert CODEBOOK.token_bytes(4, 64, role="value") * 8 / 64 == 4.25
     for role in ("key", "value"):
         store = CODEBOOK.new_store(BITS, 64, 2, torch.bfloat16, "cpu", role)
         feed(
@@ -238,7 +240,7 @@ def test_nbytes_is_the_byte_model(tokens):
             torch.randn(2, len(BITS), tokens, 64, dtype=torch.bfloat16),
             [tokens // 2, tokens - tokens // 2],
         )
-        assert store.nbytes() == 2 * tokens * sum(CODEBOOK.token_bytes(b, 64) for b in BITS)
+        assert store.nbytes() == 2 * tokens * sum(CODEBOOK.token_bytes(b, 64, role="value") for b in BITS)
         assert store.nbytes_fp16() == 2 * tokens * len(BITS) * 64 * 2
 
 
@@ -246,8 +248,8 @@ def test_nbytes_is_the_byte_model(tokens):
 def test_store_returns_the_oracle_in_chunks_packed_and_simulated(dtype):
     torch.manual_seed(30)
     x = (torch.randn(2, len(BITS), 45, 32) * torch.logspace(-2, 1, 32)).to(dtype)  # (B, H, T, D)
-    simulated = CODEBOOK.new_store(BITS, 32, 2, dtype, "cpu", simulate=True)
-    packed = CODEBOOK.new_store(BITS, 32, 2, dtype, "cpu")
+    simulated = CODEBOOK.new_store(BITS, 32, 2, dtype, "cpu", simulate=True, role="value")
+    packed = CODEBOOK.new_store(BITS, 32, 2, dtype, "cpu", role="value")
     got = feed(simulated, x, [1, 20, 24])
     assert feed(packed, x, [13, 1, 31]) is None
     want = oracle(x, BITS)
@@ -263,7 +265,7 @@ def test_keep_last_and_select_keep_what_dequantize_gave():
     torch.manual_seed(31)
     x = torch.randn(2, len(BITS), 30, 32)
     for simulate in (False, True):
-        store = CODEBOOK.new_store(BITS, 32, 2, torch.float32, "cpu", simulate=simulate)
+        store = CODEBOOK.new_store(BITS, 32, 2, torch.float32, "cpu", simulate=simulate, role="value")
         feed(store, x, [7, 23])
         full = store.dequantize()
         stored = {w: (store.codes[w].clone(), store.scale[w].clone()) for w in store.widths}  # (B, Hw, 30, .)
@@ -299,7 +301,7 @@ def test_select_through_sinks_and_residual():
     scheme = get_scheme("codebook", sink_tokens=2, residual=3)
     torch.manual_seed(32)
     x = torch.randn(2, 2, 12, 16)
-    store = scheme.new_store([4, 16], 16, 2, torch.float32, "cpu", simulate=True)
+    store = scheme.new_store([4, 16], 16, 2, torch.float32, "cpu", simulate=True, role="value")
     feed(store, x, [4, 8])  # sinks 0-1, quantized 2-8, residual 9-11
     index = torch.tensor([[0, 1, 3, 6, 9, 10, 11], [0, 1, 2, 5, 9, 10, 11]])
     store.select(index)
@@ -319,11 +321,12 @@ def test_attention_in_the_rotated_domain_equals_attention_over_dequantized_token
     v_store.append(torch.randn(B, H, T, D) * 3)
     keys, values = k_store.dequantize(), v_store.dequantize()
     q = torch.randn(B, H, 5, D)
-    torch.testing.assert_close(
-        k_store.qk(q, 11, 40), q @ keys[:, :, 11:40].transpose(-1, -2), rtol=1e-5, atol=1e-5
-    )
+    # tokens [11, 40) read rotated: the queries turned for the keys, the output turned for the values
+    scores = k_store.turn(q) @ k_store.block(11, 40).transpose(-1, -2)
+    torch.testing.assert_close(scores, q @ keys[:, :, 11:40].transpose(-1, -2), rtol=1e-5, atol=1e-5)
     p = torch.rand(B, H, 5, 29)
-    torch.testing.assert_close(v_store.pv(p, 11, 40), p @ values[:, :, 11:40], rtol=1e-5, atol=1e-5)
+    out = v_store.turn(p @ v_store.block(11, 40))
+    torch.testing.assert_close(out, p @ values[:, :, 11:40], rtol=1e-5, atol=1e-5)
     for Tq in (1, 6):  # a decode step and a causal chunk, read in blocks of 16 tokens
         q = torch.randn(B, H * G, Tq, D)
         got = packed_attention(q, k_store, v_store, D**-0.5, block=16)
@@ -399,7 +402,7 @@ def test_quant_codebook_validates_and_ignores_group_size():
         CODEBOOK.label() == "codebook"
         and get_scheme("codebook", sink_tokens=4).label() == "codebook sink_tokens=4"
     )
-    inputs = ModelInputs("tiny-llama", "codebook", 48, None, (4, 16), None, ())
+    inputs = ModelInputs("tiny-llama", get_scheme("codebook", 48), (4, 16), None, ())
     _check_head_dims(inputs, {64, 128})  # a group size that divides no head_dim is not an error
     with pytest.raises(
         ConfigError,

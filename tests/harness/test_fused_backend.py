@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import kernels.decode_attention as decode_attention
+from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resolve_backend
+from harness.cache.quantized import UnpackedReadWarning
 from harness.models import load_model
 
 # (model, bits [layers, KV heads], group size, scheme, prefill, batch, value bits (None: bits), key group size
@@ -94,15 +96,20 @@ def test_triton_generate_matches_torch(
 
 
 @torch.no_grad()
-def test_unfused_attention_on_a_triton_cache_raises(device):
-    """SDPA would attend the decode placeholders only: the layer's next update refuses to go on."""
+def test_a_triton_cache_outside_the_packed_attention_reads_its_dequantized_stores(device):
+    """Without the fused decode attention the model gets the stores dequantized (one warning): the logits equal
+    the fused decode step's within float summation order, not the unquantized ones."""
     model, _ = load_model("tiny-llama", device=device)
-    cache = QuantizedKVCache(model.config, 4, group_size=16, backend="triton")
-    ids = torch.randint(0, 256, (1, 9), device=device)
-    model(input_ids=ids, past_key_values=cache, use_cache=True)
-    model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
-    with pytest.raises(RuntimeError, match="installed"):
-        model(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    ids = torch.randint(0, 256, (1, 10), device=device)
+    logits = {}
+    for inside in (False, True):
+        cache = QuantizedKVCache(model.config, 2, group_size=16, backend="triton")
+        with installed(model, PACKED) if inside else pytest.warns(UnpackedReadWarning):
+            model(input_ids=ids[:, :9], past_key_values=cache, use_cache=True)
+            logits[inside] = model(input_ids=ids[:, 9:], past_key_values=cache, use_cache=True).logits
+    full = model(input_ids=ids, use_cache=False).logits[:, 9:]
+    assert ((logits[False] - logits[True]).norm() / logits[True].norm()).item() < 1e-4
+    assert (logits[False] - full).abs().max() > 1e-2
 
 
 @torch.no_grad()

@@ -277,7 +277,8 @@ def test_constant_zero_and_huge_keys_give_no_nan(dtype):
 
 def test_widths_and_an_unbound_scheme_are_one_line_errors():
     with pytest.raises(
-        ValueError, match=r"^quant.scheme: nuqkey stores quantized heads at 2, 3, 4 bits; got widths \[8\]"
+        ValueError,
+        match=r"^bits: \[8\] with quant.scheme nuqkey, which stores quantized heads at 2, 3, 4 bits",
     ):
         scheme().for_layer(0, calibration()[1]).new_store([8, 16], D, 1, torch.float32, "cpu", "key")
     with pytest.raises(ValueError, match="^quant.scheme: nuqkey stores keys against tables fitted"):

@@ -595,8 +595,13 @@ def test_every_policy_keeps_its_budget_in_its_unit_and_is_deterministic(df, unit
     elif unit == "bits":
         assert units.sum().item() <= budget * len(units) + 1e-9
     else:  # the bytes uniform at `budget` bits would hold
-        held = sum(price(int(b)) for b in units.tolist())
-        assert held <= price(quantized[0]) * len(units) + (budget - quantized[0]) / 8 * len(units) + 1e-9
+        held = sum(price(int(b), role="value") for b in units.tolist())
+        assert (
+            held
+            <= price(quantized[0], role="value") * len(units)
+            + (budget - quantized[0]) / 8 * len(units)
+            + 1e-9
+        )
 
 
 def test_an_allocation_with_different_key_and_value_widths_has_no_single_width():

@@ -73,7 +73,7 @@ def feed(store, x: torch.Tensor, chunks: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("sinks, residual, key_group_size", [(0, None, None), (3, 5, None), (3, 5, 16)])
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_store_matches_oracle(name, sinks, residual, key_group_size, role):
-    scheme = get_scheme(name, 8, sinks, residual, key_group_size)
+    scheme = get_scheme(name, 8, sink_tokens=sinks, residual=residual, key_group_size=key_group_size)
     bits = widths_for(name)
     torch.manual_seed(SCHEMES.index(name) + 10 * sinks + (role == "key"))
     x = torch.randn(2, len(bits), 45, 32) * torch.logspace(-2, 1, 32)  # channels of very different ranges
@@ -119,7 +119,9 @@ def test_hadamard_is_orthonormal_and_rotation_round_trips():
     torch.manual_seed(1)
     x = torch.randn(3, 1, 5, 32)
     x[..., 3] *= 40  # an outlier channel: what rotation spreads out
-    store = get_scheme("rotate+asym_token", group_size=32).new_store([2], 32, 3, torch.float32, "cpu")
+    store = get_scheme("rotate+asym_token", group_size=32).new_store(
+        [2], 32, 3, torch.float32, "cpu", role="value"
+    )
     assert store.append(x) is None  # packed-only: the stored form is read back below
     got = store.dequantize()
     rotated = reference.hadamard_rotate(x)
@@ -129,13 +131,15 @@ def test_hadamard_is_orthonormal_and_rotation_round_trips():
     torch.testing.assert_close((got - x).norm(), (q - rotated).norm(), rtol=1e-4, atol=0)
     assert (got - x).norm() < (reference.fake_quantize(x, 2, 32) - x).norm()
     with pytest.raises(ValueError, match="quant.scheme: rotate\\+asym_token needs a power-of-two head_dim"):
-        get_scheme("rotate+asym_token", group_size=8).new_store([4], 24, 1, torch.float32, "cpu")
+        get_scheme("rotate+asym_token", group_size=8).new_store(
+            [4], 24, 1, torch.float32, "cpu", role="value"
+        )
 
 
 def test_fp8_matches_torch_e4m3_cast():
     torch.manual_seed(2)
     x = torch.randn(2, 2, 9, 16, dtype=torch.float16) * torch.logspace(-3, 3, 9, dtype=torch.float16)[:, None]
-    store = get_scheme("fp8").new_store([8, 16], 16, 2, torch.float16, "cpu")
+    store = get_scheme("fp8").new_store([8, 16], 16, 2, torch.float16, "cpu", role="value")
     assert store.append(x) is None  # packed-only: nothing dequantized is returned or kept
     got = store.dequantize()
     scale = (x[:, 0].float().abs().amax(-1, keepdim=True) / 448).half().float()  # per (token, head)
@@ -143,9 +147,9 @@ def test_fp8_matches_torch_e4m3_cast():
     assert torch.equal(got[:, 0], want) and torch.equal(got[:, 1], x[:, 1])
     assert store.nbytes() == 2 * 9 * (16 + 2) + 2 * 9 * 16 * 2  # e4m3 payload + fp16 scale; 16-bit head
     with pytest.raises(
-        ValueError, match=r"^quant.scheme: fp8 stores quantized heads at 8 bits; got widths \[4\]"
+        ValueError, match=r"^bits: \[4\] with quant.scheme fp8, which stores quantized heads at 8 bits"
     ):
-        get_scheme("fp8").new_store([8, 4], 16, 1, torch.float32, "cpu")
+        get_scheme("fp8").new_store([8, 4], 16, 1, torch.float32, "cpu", role="value")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -223,14 +227,14 @@ def test_select_keeps_the_chosen_tokens_through_sinks_and_residual(name):
     bits = [8, 16]
     torch.manual_seed(3)
     x = torch.randn(2, 2, 12, 16)
-    store = scheme.new_store(bits, 16, 2, torch.float32, "cpu", simulate=True)
+    store = scheme.new_store(bits, 16, 2, torch.float32, "cpu", simulate=True, role="value")
     feed(store, x, [4, 8])  # sinks 0-1, quantized 2-8, residual 9-11
     before = store.nbytes()
     index = torch.tensor([[0, 1, 3, 6, 9, 10, 11], [0, 1, 2, 5, 9, 10, 11]])  # each row: 2 sinks, 3 residual
     store.select(index)
     full = oracle(scheme, x, bits, "value")
     want = torch.stack([full[b, :, index[b]] for b in range(2)])  # (B, H, 7, D)
-    one_token = get_scheme(name, group_size=8).new_store(bits, 16, 1, torch.float32, "cpu")
+    one_token = get_scheme(name, group_size=8).new_store(bits, 16, 1, torch.float32, "cpu", role="value")
     one_token.append(x[:1, :, :1])
     assert store.length == 7 and store.nbytes() == before - 2 * 5 * one_token.nbytes()  # 5 quantized evicted
     torch.testing.assert_close(store.dequantize(), want, rtol=1e-5, atol=1e-6)
@@ -409,7 +413,7 @@ def compose_cfg(*overrides):
     [
         (
             ["quant=fp8", "policy.widths=[2,4]"],
-            r"^quant.scheme: fp8 stores quantized heads at 8 bits; got widths \[2, 4\]",
+            r"^policy.widths: \[2, 4\] with quant.scheme fp8, which stores quantized heads at 8 bits",
         ),
         (["quant.sink_tokens=-1"], r"^quant.sink_tokens: -1 is not a non-negative integer"),
         (["quant.residual=1.5"], r"^quant.residual: 1.5 is not a non-negative integer"),
@@ -481,7 +485,9 @@ def test_command_rejects_fp8_with_other_widths(tmp_path, cli):
     proc = harness(cli, "quant=fp8", "policy.widths=[2,4]", run_dir=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: quant.scheme: fp8"), proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: policy.widths: [2, 4] with quant.scheme fp8"), (
+        proc.stderr
+    )
     assert not any(tmp_path.iterdir())
 
 
@@ -541,9 +547,10 @@ def test_per_token_keys_are_stored_in_their_own_groups():
         store = scheme.new_store([4, 4, 4], 64, 2, torch.float32, "cpu", role)
         store.append(x)
         want = reference.quantize(x, 4, g)  # scale (B, Hkv, T, 64 // g)
-        assert store.scale.shape[-1] == 64 // g, role
-        assert torch.equal(store.scale[:, :, :11], want.scale) and torch.equal(
-            store.zero[:, :, :11], want.zero
+        bucket = store.bucket_of[4]  # every head at 4 bits: one bucket, KV heads in order
+        assert bucket.scale.shape[-1] == 64 // g, role
+        assert torch.equal(bucket.scale[:, :, :11], want.scale) and torch.equal(
+            bucket.zero[:, :, :11], want.zero
         )
         assert store.nbytes() == 2 * 3 * 11 * scheme.token_bytes(4, 64, role)
     assert scheme.token_bytes(4, 64, "key") == 32 + 4 * 4 and scheme.token_bytes(4, 64, "value") == 32 + 2 * 4

@@ -21,7 +21,17 @@ import pytest
 import torch
 
 import harness.schemes
-from harness.schemes import SCHEMES, KeyCalibration, Scheme, Store, get_scheme
+from harness import capacity
+from harness.schemes import (
+    SCHEME_OPTIONS,
+    SCHEMES,
+    KeyCalibration,
+    Scheme,
+    Store,
+    from_point,
+    get_scheme,
+    point_fields,
+)
 from harness.schemes.cq_table import CqCalibration, CqLayer
 from harness.schemes.cq_table import fit_table as fit_codebooks_table
 from harness.schemes.key_table import fit_table
@@ -177,7 +187,7 @@ def test_round_trip_within_one_step(case, role):
 def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual, key_group_size):
     key_tables = get_scheme(case.name).key_tables
     key_groups = None if key_tables else key_group_size  # calkey's and nuqkey's keys have no groups
-    scheme = get_scheme(case.name, G, sinks, residual, key_groups)
+    scheme = get_scheme(case.name, G, sink_tokens=sinks, residual=residual, key_group_size=key_groups)
     bits = widths(scheme)
     scheme = ready(scheme, len(bits))
     store = scheme.new_store(bits, D, B, torch.float16, "cpu", role, simulate=case.simulated_only)
@@ -243,3 +253,62 @@ def test_constant_and_zero_groups_give_no_nan(case, role, dtype):
     assert got.dtype == dtype and torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
     if case.zero_values_exact if role == "value" else case.zero_keys_exact:
         assert torch.equal(got[:, :, :G], x[:, :, :G])  # zeros stay exact
+
+
+# --- one object per configured scheme, built from names ----------------------------------------------------
+
+
+OPTIONS = {  # a valid, non-default value of every Scheme option for some scheme
+    "asym_token": dict(group_size=16, sink_tokens=2, residual=4, key_group_size=8),
+    "kivi": dict(group_size=16, key_group_size=64, residual=16),
+    "rotate+sym_token": dict(group_size=8, sink_tokens=1),
+    "calkey": dict(sink_tokens=1, outliers=0.01),
+    "nuqkey": dict(outliers=0.02, key_levels="fisher_sqrt"),
+}
+
+
+@pytest.mark.parametrize("name", [*SCHEMES])
+def test_a_scheme_and_its_point_fields_round_trip(name):
+    scheme = get_scheme(name, **OPTIONS.get(name, {}))
+    fields = point_fields(scheme)
+    assert fields["scheme"] == name and set(fields) == {"scheme", *SCHEME_OPTIONS}
+    assert from_point(fields) == scheme
+    assert (
+        from_point({**fields, "prefill": "exact", "policy": "uniform"}) == scheme
+    )  # other point keys ignored
+
+
+def test_every_option_reaches_the_scheme_by_name_and_an_unknown_one_is_refused():
+    for name, options in OPTIONS.items():
+        scheme = get_scheme(name, **options)
+        assert all(getattr(scheme, key) == value for key, value in options.items()), name
+    with pytest.raises(ValueError, match=r"^group_sizee: not an option of a scheme; allowed: group_size, "):
+        get_scheme("asym_token", group_sizee=16)
+
+
+def test_the_capacity_command_keeps_every_scheme_option():
+    args = capacity.parser().parse_args(
+        [
+            "--full",
+            "2:1:64",
+            "--context",
+            "8",
+            "--scheme",
+            "nuqkey",
+            "--outliers",
+            "0.01",
+            "--key-levels",
+            "fisher",
+        ]
+    )
+    assert capacity.cli_scheme(args) == get_scheme("nuqkey", residual=0, outliers=0.01, key_levels="fisher")
+
+
+def test_a_byte_model_call_without_its_role_is_an_error():
+    """A forgotten role would price values silently: every byte-model and store method asks for it."""
+    scheme = get_scheme("kivi", 32, key_group_size=64)
+    with pytest.raises(TypeError):
+        scheme.token_bytes(4, 64)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        scheme.new_store([4], 64, 1, torch.float32, "cpu")  # type: ignore[call-arg]
+    assert scheme.token_bytes(4, 64, "key") != scheme.token_bytes(4, 64, "value")  # per channel vs per token

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from harness.protocols.sweep import expand, shard
@@ -114,7 +115,7 @@ def single(tmp_path_factory, cli):
     return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
 
 
-def test_slurm_config_composes_with_both_launchers():
+def test_slurm_config_composes_with_both_launchers(monkeypatch):
     slurm = compose_sweep(
         "slurm",
         "num_shards=3",
@@ -141,6 +142,9 @@ def test_slurm_config_composes_with_both_launchers():
     assert joblib.hydra.launcher._target_.endswith("JoblibLauncher")
     assert joblib.hydra.sweeper.params.shard == "range(0,3)"
 
+    # slurm_gpu's jobs validate on their GPU node (device=cuda): a machine with one CUDA device here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     for launcher in ("slurm_cluster", "submitit_local"):
         gpu = compose_sweep("slurm_gpu", f"hydra/launcher={launcher}")
         assert gpu.hydra.launcher.gpus_per_node == 1

@@ -185,9 +185,14 @@ def test_the_byte_model_prices_scales_and_unquantized_heads():
     shape = shape_from_config(model.config)
     head_dim = shape.layers[0].head_dim
     price = element_price(shape, get_scheme("asym_token", 16))
-    assert price(16) == 2.0 and price(4) == pytest.approx((head_dim // 2 + 4 * head_dim // 16) / head_dim)
-    assert scale_bits(price, (2, 3, 4, 8)) == pytest.approx(2.0)  # fp16 scale + zero per 16 elements
-    assert scale_bits(element_price(shape, get_scheme("sym_token", 16)), (2, 4)) == pytest.approx(1.0)
+    assert price(16, role="value") == 2.0 and price(4, role="value") == pytest.approx(
+        (head_dim // 2 + 4 * head_dim // 16) / head_dim
+    )
+    # fp16 scale + zero per 16 elements
+    assert scale_bits(price, (2, 3, 4, 8), role="value") == pytest.approx(2.0)
+    assert scale_bits(
+        element_price(shape, get_scheme("sym_token", 16)), (2, 4), role="value"
+    ) == pytest.approx(1.0)
 
 
 @settings(max_examples=60, deadline=None)

@@ -94,7 +94,7 @@ def test_group_size_check_refuses_exactly_what_the_stores_refuse(model, group_si
     refused = []
     for head_dim in preload.head_dims(model):
         try:
-            scheme.new_store([4], head_dim, 1, torch.float32, "cpu")
+            scheme.new_store([4], head_dim, 1, torch.float32, "cpu", role="value")
         except ValueError:
             refused.append(head_dim)
     if not refused:

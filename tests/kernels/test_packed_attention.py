@@ -21,13 +21,14 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want).norm() / want.norm()).item()
 
 
-def filled(bits, T, B, D, g, symmetric, seed):
+def filled(bits, T, B, D, g, symmetric, seed, dtype=torch.float32):
     """(keys, values) PackedStores holding T fresh random tokens, appended in a prefill and a few decode steps."""
     gen = torch.Generator().manual_seed(seed)
     stores = []
     for _ in range(2):
-        store = PackedStore(bits, D, B, g, symmetric, simulate=False)
+        store = PackedStore(bits, D, B, g, symmetric, dtype=dtype, simulate=False)
         x = torch.randn(B, len(bits), T, D, generator=gen) * torch.rand(1, len(bits), 1, D, generator=gen) * 4
+        x = x.to(dtype)
         cut = max(T - 3, 1)
         store.append(x[:, :, :cut])
         for t in range(cut, T):
@@ -64,6 +65,20 @@ def test_packed_attention_matches_the_oracle(bits, T, Tq, B, D, g, G, symmetric)
     assert rel_err(small, want) < TOL
 
 
+@pytest.mark.parametrize("block", [None, 48])
+@pytest.mark.parametrize("Tq", [1, 37, 300])
+def test_bfloat16_is_attended_in_bfloat16_within_twice_the_rounding_of_the_exact_answer(Tq, block):
+    """bf16 queries and stores (a 16-bit head among them): bf16 products with float32 accumulation come within 2x
+    the error of rounding the float64 oracle's answer itself to bf16."""
+    bits, T, B, D = [4, 16, 2], 300, 2, 64
+    k_store, v_store = filled(bits, T, B, D, 32, False, Tq, torch.bfloat16)
+    q = torch.randn(B, 9, Tq, D, generator=torch.Generator().manual_seed(Tq + 1)).bfloat16()
+    want = reference.attention_reference(q, k_store.dequantize(), v_store.dequantize(), D**-0.5, T - Tq)
+    got = packed_attention(q, k_store, v_store, D**-0.5, block=block)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    assert rel_err(got, want) < 2 * rel_err(want.bfloat16(), want)
+
+
 @pytest.mark.parametrize("as_bool", [True, False], ids=["bool", "additive"])
 def test_a_sliding_window_mask_hides_what_the_oracle_hides(as_bool):
     """A sliding layer's chunk: query i sees keys (i - window, i] of the 50 stored, as the model's mask says."""
@@ -80,6 +95,19 @@ def test_a_sliding_window_mask_hides_what_the_oracle_hides(as_bool):
     scores = (q.double() @ k64.transpose(-1, -2) * 0.2).masked_fill(~visible, float("-inf"))
     want = torch.softmax(scores, -1) @ v64
     assert rel_err(got, want) < TOL
+
+
+def test_a_row_that_sees_no_key_gives_zeros_and_the_others_are_unchanged():
+    """A padded batch row: the model's mask hides every key from batch row 1's first two queries (and only those)."""
+    bits, T, Tq, B, D = [4, 8], 90, 5, 2, 32
+    k_store, v_store = filled(bits, T, B, D, 16, False, 7)
+    q = torch.randn(B, 4, Tq, D)
+    visible = (torch.arange(T) <= torch.arange(T - Tq, T).unsqueeze(-1)).repeat(B, 1, 1, 1)  # (B, 1, Tq, T)
+    visible[1, :, :2] = False
+    got = packed_attention(q, k_store, v_store, 0.3, mask=visible, block=32)
+    assert torch.equal(got[1, :, :2], torch.zeros_like(got[1, :, :2]))
+    want = reference.attention_reference(q, k_store.dequantize(), v_store.dequantize(), 0.3, T - Tq)
+    assert rel_err(got[0], want[0]) < TOL and rel_err(got[1, :, 2:], want[1, :, 2:]) < TOL
 
 
 def test_softcap_matches_the_oracle_with_capped_logits():
@@ -123,3 +151,31 @@ def test_every_store_is_attended_from_its_stored_form(name, sinks, residual, Tq)
     q = torch.randn(B, 6, Tq, D)
     want = reference.attention_reference(q, stores[0].dequantize(), stores[1].dequantize(), 0.3, T - Tq)
     assert rel_err(packed_attention(q, *stores, 0.3, block=16), want) < TOL
+
+
+@pytest.mark.parametrize("name", ["codebook", "rotate+asym_token"])
+def test_a_rotated_store_behind_sink_tokens_turns_queries_and_outputs_not_its_tokens(name, monkeypatch):
+    """The stored tokens stay in the rotated domain: only the queries, the outputs and the unquantized sink tokens
+    are turned, whatever the length of the blocks read."""
+    scheme = get_scheme(name, group_size=8, sink_tokens=2, residual=0)
+    B, T, D, G, Tq = 2, 70, 32, 3, 1
+    torch.manual_seed(9)
+    stores = [
+        scheme.new_store([4, 16, 4], D, B, torch.float32, "cpu", role=role) for role in ("key", "value")
+    ]
+    for store in stores:
+        store.append(torch.randn(B, 3, T, D))
+    rows_turned = []
+    rotate = reference.hadamard_rotate
+
+    def counting(x, *args, **kwargs):
+        rows_turned.append(x.shape[-2])
+        return rotate(x, *args, **kwargs)
+
+    monkeypatch.setattr(reference, "hadamard_rotate", counting)
+    q = torch.randn(B, 3 * G, Tq, D)
+    got = packed_attention(q, *stores, 0.3, block=16)
+    assert rows_turned and max(rows_turned) <= max(G * Tq, 2), rows_turned
+    monkeypatch.setattr(reference, "hadamard_rotate", rotate)
+    want = reference.attention_reference(q, stores[0].dequantize(), stores[1].dequantize(), 0.3, T - Tq)
+    assert rel_err(got, want) < TOL

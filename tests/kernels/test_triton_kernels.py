@@ -35,11 +35,9 @@ def _inputs(shape: tuple[int, ...], g: int, dtype: torch.dtype, device: str, see
 
 def _fill_garbage(st: PackedStore) -> None:
     """Every element a kernel must write (or must not read) starts as garbage that a check would catch."""
-    st.payload.fill_(0xA5)
-    st.scale.fill_(float("nan"))
-    if st.zero is not None:
-        st.zero.fill_(float("nan"))
-    st.full.fill_(float("nan"))
+    for bk in st.buckets:
+        for t in bk.tensors():
+            t.fill_(0xA5 if t.dtype == torch.uint8 else float("nan"))
 
 
 @pytest.mark.parametrize(
@@ -67,16 +65,16 @@ def test_quantize_bit_exact(device, bits, head_dim, group_size, symmetric, dtype
     quantize_into(st, x, pos)
 
     new = slice(pos, pos + tn)
-    assert torch.equal(st.payload[:, new], ref.payload[:, new])
-    # Compare fp16 bit patterns so that -0.0 vs 0.0 or a NaN left unwritten is caught.
-    assert torch.equal(st.scale[:, :, new].view(torch.int16), ref.scale[:, :, new].view(torch.int16))
-    if not symmetric:
-        assert torch.equal(st.zero[:, :, new].view(torch.int16), ref.zero[:, :, new].view(torch.int16))
-    assert torch.equal(st.full[:, :, new], ref.full[:, :, new])
-    # Nothing outside [pos, pos + Tn) was written.
-    assert (st.payload[:, :pos] == 0xA5).all() and (st.payload[:, pos + tn :] == 0xA5).all()
-    assert st.scale[:, :, :pos].isnan().all() and st.scale[:, :, pos + tn :].isnan().all()
-    assert st.full[:, :, :pos].isnan().all() and st.full[:, :, pos + tn :].isnan().all()
+    for bk, want in zip(st.buckets, ref.buckets):
+        for got, exp in zip(bk.tensors(), want.tensors()):
+            # Compare bit patterns so that -0.0 vs 0.0 or a NaN left unwritten is caught.
+            bits_of = lambda t: (
+                t if t.dtype == torch.uint8 else t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+            )  # noqa: E731
+            assert torch.equal(bits_of(got[:, :, new]), bits_of(exp[:, :, new])), bk.width
+            # Nothing outside [pos, pos + Tn) was written.
+            for outside in (got[:, :, :pos], got[:, :, pos + tn :]):
+                assert (outside == 0xA5).all() if got.dtype == torch.uint8 else outside.isnan().all()
 
 
 def test_quantize_rejects_unsupported_group_size():
@@ -245,8 +243,9 @@ def test_device_side_position_and_length_match_host_ones(device):
             st.length = 9 + T
         stores.append(pair)
     for a, b in zip(*stores):
-        assert torch.equal(a.payload[:, : 9 + T], b.payload[:, : 9 + T])
-        assert torch.equal(a.scale[:, :, : 9 + T], b.scale[:, :, : 9 + T])
+        for bk_a, bk_b in zip(a.buckets, b.buckets):
+            for ta, tb in zip(bk_a.tensors(), bk_b.tensors()):
+                assert torch.equal(ta[:, :, : 9 + T], tb[:, :, : 9 + T])
     want = decode_attention(q, *stores[0], 0.125, num_splits=1)
     length = torch.tensor([9 + T], dtype=torch.int32, device=device)
     got = decode_attention(q, *stores[1], 0.125, length=length, block_n=16)
@@ -308,3 +307,90 @@ def test_decode_step_replays_in_a_cuda_graph(dtype):
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 2e-2, (i, err)
     assert int(pos) == prefix + steps
+
+
+class _LaunchSpy:
+    """Counts the launches of a Triton kernel and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize(
+    "k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra",
+    [
+        ((4, 4, 4), (4, 4, 4), 64, 32, False, torch.float16, 0),
+        ((2, 4, 8), (8, 2, 4), 64, 16, True, torch.bfloat16, 5),
+        ((4, 2, 4), (2, 2, 8), 128, 32, False, torch.bfloat16, 0),
+        ((8, 8, 2), (4, 4, 4), 128, 64, True, torch.float16, 17),
+        ((4, 4, 4), (2, 4, 2), 256, 32, False, torch.bfloat16, 3),
+    ],
+)
+def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra,
+                                    monkeypatch):  # fmt: skip
+    """Buckets packed at 2, 4 and 8 bits with fp16/bf16 queries take the fast kernel (kernels/unpack.py's
+    dequantization, tokens on the mma's M): the output matches the float64 oracle over the dequantized stores
+    at any split count, with and without an extra segment."""
+    from kernels import decode_attention as da
+
+    spy = _LaunchSpy(da._decode_packed_kernel)
+    monkeypatch.setattr(da, "_decode_packed_kernel", spy)
+    ks, vs = _stores(k_bits, v_bits, head_dim, group_size, symmetric, device, seed=head_dim + group_size)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(B, HQ, head_dim, generator=gen).to(device=device, dtype=q_dtype)
+    kx, vx = (torch.randn(B, 3, n_extra, head_dim, generator=gen).to(device, q_dtype) for _ in range(2))
+    keys = torch.cat([ks.dequantize(), kx.float()], dim=2)
+    values = torch.cat([vs.dequantize(), vx.float()], dim=2)
+    ref = reference.attention_reference(q[:, :, None], keys, values, head_dim**-0.5)[:, :, 0]
+    for num_splits, block_n in ((1, None), (3, 16)):
+        out = torch.full((B, HQ, head_dim), float("nan"), dtype=q_dtype, device=device)
+        extra = dict(k_extra=kx, v_extra=vx) if n_extra else {}
+        decode_attention(q, ks, vs, head_dim**-0.5, num_splits=num_splits, out=out, block_n=block_n, **extra)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (num_splits, err)
+    assert spy.launches == 2 * len(set(zip(k_bits, v_bits)))  # every bucket took the fast kernel
+
+
+def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
+    """Without block_n the fast kernel runs FAST_BLOCK_N-token tiles and the generic one BLOCK_N (a 4-bit
+    bucket and a 16-bit one in the same call)."""
+    from kernels import decode_attention as da
+
+    tiles = {}
+
+    class Recorder:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tiles[self.name] = kwargs["BLOCK_N"]
+                return self.kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(da, "_decode_packed_kernel", Recorder("fast", da._decode_packed_kernel))
+    monkeypatch.setattr(da, "_decode_split_kernel", Recorder("generic", da._decode_split_kernel))
+    ks, vs = _stores((4, 16, 4), (4, 16, 4), 64, 32, False, device, seed=5)
+    q = torch.randn(B, HQ, 64).to(device=device, dtype=torch.float16)
+    decode_attention(q, ks, vs, 0.125)
+    assert tiles == {"fast": da.FAST_BLOCK_N, "generic": da.BLOCK_N}
+
+
+def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():
+    """A fast bucket of few heads is split as if it held every head (the generic ones for their own count)."""
+    from kernels.decode_attention import FAST_BLOCK_N, plan_splits
+
+    uniform = [PackedStore([4] * 8, 64, 2) for _ in range(2)]
+    mixed = [PackedStore([2, 2, 2, 2, 4, 4, 8, 3], 64, 2) for _ in range(2)]
+    _, (plan,), _ = plan_splits(*uniform, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
+    _, plans, _ = plan_splits(*mixed, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
+    assert plan[0] == FAST_BLOCK_N
+    fast = [plans[0], plans[2], plans[3]]  # buckets in width order: (2, 2), (3, 3), (4, 4), (8, 8)
+    assert fast == [plan] * 3  # fast buckets: splits as long as the uniform map's
+    tile, chunk = plans[1]  # (3, 3): the generic kernel, one head: more, shorter splits
+    assert tile == 32 and chunk < plan[1]

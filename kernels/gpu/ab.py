@@ -1,0 +1,191 @@
+"""`python -m kernels.gpu.ab FILE... --out CSV`: versions of kernels/decode_attention.py timed in one process.
+
+This module owns kernel A/B comparisons. Each FILE is a copy of kernels/decode_attention.py (an older
+revision, a candidate), loaded as its own module so that its Triton kernels compile from its own source. At
+each context and width map the same random bf16 K/V are packed once (kernels/layout.py, the current
+quantize kernel), and every version's `decode_attention` runs on those stores, at its default splits and at
+each `--splits`; SDPA over the 16-bit K/V is timed beside them as the baseline. A version written for the
+token-major layout that kernels/layout.py held before the head-major one (the kernel of baf9cf7 and older: it
+reads `store.payload` as (B, cap, row bytes) and `store.byte_offset`) is given the same stores rearranged
+into that layout (`TokenMajorStore`), so both read the same bytes. Rows have kernels/gpu/bench.py's
+columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized stores, where that fits), so
+decode.csv and these tables read alike. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
+a check that the code runs, no figure. Its file checks and module loading also serve harness/perf_ab.py (the
+CPU read path's comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from kernels.gpu.bench import (
+    DRY_SHAPES,
+    HEAD_SHAPES,
+    Bench,
+    default_backend,
+    dequant_sdpa,
+    fill,
+    partial_bytes,
+    rel_err,
+    sdpa,
+    tag,
+    width_maps,
+)
+
+
+def check_version_files(p: argparse.ArgumentParser, files: list[Path], original: str) -> None:
+    """Stop with one line (exit 2) unless every file exists and the names differ (rows carry the name)."""
+    for f in files:
+        if not f.is_file():
+            p.error(f"files: {str(f)!r} is not a file; allowed: copies of {original}")
+    if len({f.stem for f in files}) != len(files):
+        p.error("files: two files share a name; allowed: files with distinct names (the rows carry the name)")
+
+
+def load_versions(files: list[Path]) -> dict:
+    """name -> the module each file defines, under a name of its own (so its kernels compile from its source)."""
+    versions = {}
+    for i, path in enumerate(files):
+        spec = importlib.util.spec_from_file_location(f"kernels._ab{i}_{path.stem}", path)
+        versions[path.stem] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(versions[path.stem])
+    return versions
+
+
+class TokenMajorStore:
+    """A kernels.layout.PackedStore's tokens in the older token-major layout, for versions that read it:
+    payload uint8 (B, cap, row bytes) with the quantized heads width-major in each row at `byte_offset`;
+    scale/zero fp16 (B, n_quant, cap, D // g) and full (B, n_full, cap, D) at `slot`."""
+
+    def __init__(self, store):
+        self.bits, self.batch, self.head_dim = store.bits, store.batch, store.head_dim
+        self.group_size, self.symmetric = store.group_size, store.symmetric
+        self.length = store.length
+        quant = [bk for bk in store.buckets if bk.width != 16]
+        full = [bk for bk in store.buckets if bk.width == 16]
+        self.n_quant = sum(len(bk.heads) for bk in quant)
+        offset, slot = [0] * len(store.bits), [0] * len(store.bits)
+        row, n = 0, 0
+        for bk in quant:  # width-major, KV-head order within a width, as the older layout put them
+            for h in bk.heads.tolist():
+                offset[h], slot[h] = row, n
+                row, n = row + bk.payload.shape[-1], n + 1
+        n = 0
+        for bk in full:
+            for h in bk.heads.tolist():
+                slot[h], n = n, n + 1
+        dev = store.slot.device
+        self.payload = torch.cat([bk.payload.transpose(1, 2).flatten(2) for bk in quant], 2).contiguous() if quant \
+            else torch.empty(store.batch, store.capacity, 0, dtype=torch.uint8, device=dev)  # fmt: skip
+        groups = store.head_dim // store.group_size
+        empty = torch.empty(store.batch, 0, store.capacity, groups, dtype=torch.float16, device=dev)
+        self.scale = torch.cat([bk.scale for bk in quant], 1) if quant else empty
+        self.zero = None if store.symmetric else (torch.cat([bk.zero for bk in quant], 1) if quant else empty)
+        self.full = full[0].values if full else torch.empty(
+            store.batch, 0, store.capacity, store.head_dim, dtype=store.dtype, device=dev
+        )  # fmt: skip
+        self.byte_offset = torch.tensor(offset, dtype=torch.int32, device=dev)
+        self.slot = torch.tensor(slot, dtype=torch.int32, device=dev)
+        self.capacity = store.capacity
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    @classmethod
+    def of(cls, store):
+        out = cls(store)
+        out._nbytes = store.nbytes()
+        return out
+
+
+def reads_token_major(module) -> bool:
+    """Whether a version of kernels/decode_attention.py reads the older token-major layout."""
+    return not hasattr(module, "_bucket_args")
+
+
+def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: list[int], group_size: int):
+    """Every version at every width map and split count, on the same stores; SDPA first."""
+    B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
+    dev, scale = run.device, D**-0.5
+    qkv_bytes = 2 * B * hq * D * 2
+    q = torch.randn(B, hq, D, dtype=run.dtype, device=dev)
+    k = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
+    v = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
+    run.add(shape, "sdpa_default", "16", 16, run.time_ms(lambda: sdpa(q, k, v, scale)),
+            2 * k.numel() * k.element_size() + qkv_bytes, note=default_backend(q, k, scale))  # fmt: skip
+    for name, bits in width_maps(hkv, widths).items():
+        kst, vst = fill(bits, k, group_size), fill(bits, v, group_size)
+        want = dequant_sdpa(q, kst, vst, scale) if B * L <= 8 * 32768 else None
+        older = (
+            (TokenMajorStore.of(kst), TokenMajorStore.of(vst))
+            if any(map(reads_token_major, versions.values()))
+            else None
+        )
+        for stem, mod in versions.items():
+            ks_, vs_ = older if reads_token_major(mod) else (kst, vst)
+            for n in [None, *splits]:
+                used = _splits_used(mod, ks_, vs_, L, dev, n, q.dtype)
+                fn = partial(mod.decode_attention, q, ks_, vs_, scale, num_splits=n)
+                fetched = kst.nbytes() + vst.nbytes() + qkv_bytes + partial_bytes(B, hq, used, D)
+                method, t, mean = f"fused:{stem}", tag(name, bits), sum(bits) / len(bits)
+                try:
+                    err = rel_err(fn(), want) if want is not None else ""
+                    ms = run.time_ms(fn)
+                except Exception as e:  # noqa: BLE001 - a version that does not compile is a row, not a crash
+                    run.add(
+                        shape, method, t, mean, None, fetched, note=f"failed: {type(e).__name__}: {e}"[:200]
+                    )
+                    continue
+                run.add(shape, method, t, mean, ms, fetched, rel_err=err, note=f"splits={used}")
+        del kst, vst
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _splits_used(mod, k_store, v_store, L: int, dev, n: int | None, dtype) -> int:
+    """The split columns a version's decode_attention plans (its plan_splits' signature changed over time)."""
+    if reads_token_major(mod) or not hasattr(mod, "fast_bucket"):
+        return mod.plan_splits(k_store, v_store, L, mod.BLOCK_N, dev, n)[2]
+    return mod.plan_splits(k_store, v_store, L, None, dev, n, dtype)[2]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.ab", description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="+", type=Path, help="copies of kernels/decode_attention.py")
+    p.add_argument("--out", type=Path, required=True, help="the CSV to write")
+    p.add_argument("--config", default="32x8", help=f"head shape: {', '.join(HEAD_SHAPES)}")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--context", nargs="+", type=int, default=[32768])
+    p.add_argument("--widths", nargs="+", default=["2", "3", "4", "8", "mixed", "16"])
+    p.add_argument("--splits", nargs="*", type=int, default=[], help="split counts tried besides the default")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny shape")
+    args = p.parse_args(argv)
+    shapes = DRY_SHAPES if args.dry_run else HEAD_SHAPES
+    if args.config not in shapes:
+        p.error(f"--config: {args.config!r} is not a head shape; allowed: {', '.join(shapes)}")
+    check_version_files(p, args.files, "kernels/decode_attention.py")
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("error: kernels.gpu.ab needs a CUDA GPU (or --dry-run); nothing was run")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    run = Bench("cpu" if args.dry_run else "cuda", args.out, deadline=float("inf"))
+    versions = load_versions(args.files)
+    hq, hkv, D = shapes[args.config]
+    for context in args.context:
+        shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
+                 "context": context}  # fmt: skip
+        compare(run, versions, shape, args.widths, args.splits, args.group_size)
+    print(f"wrote {args.out} ({len(run.rows)} rows)")
+
+
+if __name__ == "__main__":
+    main()

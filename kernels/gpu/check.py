@@ -1,0 +1,466 @@
+"""`python -m kernels.gpu.check --out DIR`: check and benchmark the whole GPU path in one run of under 20 minutes.
+
+This module owns that run. From the repository root on a CUDA machine it runs, each stage in its own process
+with its own time limit (so a stage that hangs or crashes costs only its own share, and what it wrote stays):
+1. install: the wheels in `.whl/` (`make gpu-wheels` downloads them) into /tmp/site, put first on PYTHONPATH
+   for every later stage: for a machine that has torch, triton and transformers but not the rest (no network);
+2. metadata: GPU name, driver, CUDA, Python / torch / triton / transformers versions, git commit
+   (metadata.json);
+3. tests: `pytest -m gpu` (kernels against the oracle, the CUDA graph replay, generate() triton == torch on
+   the tiny models, mixed widths), as tests.xml;
+4. ab: `python -m kernels.gpu.ab` of the kernel versions in `.ab/` (`make gpu-ab-baseline` puts the kernel of
+   baf9cf7 there) against kernels/decode_attention.py, in one process at the headline shape (ab.csv);
+5. ncu: `python -m kernels.gpu.ncu` (Nsight Compute on stage 1 at 4, 2 and 8 bits: ncu.csv);
+6. bench: `python -m kernels.gpu.bench` (decode.csv, decode.png);
+7. e2e: `python -m kernels.gpu.e2e` (e2e.csv, e2e.png);
+8. runner: `python -m kernels.gpu.runner_check` (runner.csv: the smoke grid on CUDA/triton against CPU/torch);
+9. a README.md with the stage outcomes, DESIGN.md section 8's targets read off decode.csv (or ab.csv), and per
+   width the measured time and share of copy bandwidth beside the static figures of results/kernels/inspect.csv
+   (kernels.gpu.inspect, made with `make inspect`) and ncu's counters.
+Everything goes to DIR/results/kernels/<gpu name>/ (logs in logs/). `--dry-run` runs every stage's code on
+CPU under TRITON_INTERPRET=1 at tiny sizes and skips the install: a check that nothing has rotted; its
+figures are no measurement.
+`--minutes M` (2 to 20) scales every stage's limit by M/20, for a machine lent for less time: the bench
+runs its headline shape first and stops starting shapes when its share is spent; a stage cut short says so in
+the README. Where the tree is a copy, HARNESS_COMMIT=<commit> in the environment names its commit in
+metadata.json. This file imports only the standard library: the packages come with the install stage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SITE = "/tmp/site"
+WHEELS = Path(".whl")
+# stage -> seconds: 18 1/2 minutes in all, the rest of the 20 for starting up and the README
+BUDGET = {"install": 45, "metadata": 45, "tests": 240, "ab": 210, "ncu": 120, "bench": 150, "e2e": 180,
+          "runner": 120}  # fmt: skip
+DRY_BUDGET = {"install": 0, "metadata": 60, "tests": 120, "ab": 180, "ncu": 0, "bench": 120, "e2e": 180,
+              "runner": 300}  # fmt: skip
+AB_DIR = Path(".ab")  # older kernel versions to time against the current one (make gpu-ab-baseline)
+KERNEL = Path("kernels/decode_attention.py")
+INSPECT_CSV = Path("results/kernels/inspect.csv")
+STAGES = tuple(BUDGET)
+# The test files with GPU-marked tests (the others import packages a GPU machine may lack, e.g. nbclient).
+GPU_TEST_FILES = (
+    "tests/kernels/test_reference.py",
+    "tests/kernels/test_triton_kernels.py",
+    "tests/harness/test_fused_backend.py",
+    "tests/harness/test_eviction.py",
+)
+TARGETS = {"speedup_4bit": 2.5, "frac_bw_4bit": 0.60, "speedup_2bit": 4.0, "mixed_vs_uniform": 1.10}
+
+
+def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]]:
+    py = sys.executable
+    if dry:
+        bench = ["--dry-run", "--configs", "32x8", "--batch", "2", "--context", "40", "--widths", "2", "mixed",
+                 "--quantize-tokens", "8"]  # fmt: skip
+        e2e = [
+            "--dry-run",
+            "--context",
+            "20",
+            "--batch",
+            "2",
+            "--new-tokens",
+            "2",
+            "--chunk",
+            "8",
+            "--caches",
+            "dynamic",
+            "mixed",
+        ]
+        runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
+        tests = ["tests/kernels/test_triton_kernels.py"]
+        ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16"]
+    else:
+        runner = ["--timeout", str(budget["runner"] - 10)]
+        # four test processes: most of the stage is Triton compiling kernels, on the CPU
+        bench, e2e, tests = [], [], ["-n", "4", *GPU_TEST_FILES]
+        ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3"]
+    return {
+        "install": [
+            py,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--no-compile",
+            "--no-cache-dir",
+            "--upgrade",
+            "--target",
+            SITE,
+            *map(str, sorted(WHEELS.glob("*.whl"))),
+        ],  # fmt: skip
+        "metadata": [py, "-m", "kernels.gpu.check", "--metadata", str(folder / "metadata.json")],
+        "tests": [
+            py,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--junitxml",
+            str(folder / "tests.xml"),
+            *tests,
+        ],
+        "bench": [
+            py,
+            "-m",
+            "kernels.gpu.bench",
+            "--out",
+            str(folder),
+            "--time-budget",
+            str(max(budget["bench"] - 45, budget["bench"] // 2)),  # the rest: plot, quantize bench
+            *bench,
+        ],
+        "ab": [
+            py,
+            "-m",
+            "kernels.gpu.ab",
+            *map(str, ab_versions(folder, dry)),
+            "--out",
+            str(folder / "ab.csv"),
+            *ab,
+        ],
+        "ncu": [py, "-m", "kernels.gpu.ncu", "--widths", "4", "2", "8", "--out", str(folder)],
+        "e2e": [py, "-m", "kernels.gpu.e2e", "--out", str(folder), *e2e],
+        "runner": [py, "-m", "kernels.gpu.runner_check", "--out", str(folder / "runner"), *runner],
+    }
+
+
+def ab_versions(folder: Path, dry: bool) -> list[Path]:
+    """The files the ab stage times: the versions in AB_DIR, then the current kernel. A dry run with no older
+    version times a copy of the current one beside it, so that the code runs."""
+    older = sorted(AB_DIR.glob("*.py"))
+    if dry and not older:
+        older = [folder / "copy_of_current.py"]
+        if KERNEL.exists():
+            older[0].write_text(KERNEL.read_text())
+    return [*older, KERNEL]
+
+
+def scaled_budget(budget: dict, minutes: float) -> dict:
+    """Each stage's limit times minutes/20 (whole seconds, at least 10): the same shares in a shorter run."""
+    return {stage: max(10, round(seconds * minutes / 20)) for stage, seconds in budget.items()}
+
+
+def skip_reason(stage: str, dry: bool) -> str:
+    """Why a stage does not run here ("" when it does)."""
+    if stage == "install" and (dry or not list(WHEELS.glob("*.whl"))):
+        return "dry run" if dry else "no wheels in .whl/"
+    if stage == "ab" and not dry and not list(AB_DIR.glob("*.py")):
+        return f"no older kernel in {AB_DIR}/ (make gpu-ab-baseline)"
+    if stage == "ncu" and dry:
+        return "dry run (no GPU counters)"
+    return ""
+
+
+def run_stage(cmd: list[str], timeout: float, log: Path, env: dict) -> tuple[int, float]:
+    """Run cmd in its own process group with output to `log`; on timeout kill the whole group. (rc, seconds)"""
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = 124
+    return rc, time.monotonic() - t0
+
+
+def metadata() -> dict:
+    """What the GPU run ran on: device, driver, CUDA and package versions."""
+    import platform
+
+    import torch
+    import transformers
+    import triton
+
+    meta = {
+        "python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+        "transformers": transformers.__version__, "cuda": torch.version.cuda,
+        "gpu": "dry-run-cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "no-cuda-device",
+        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+    }  # fmt: skip
+    commit, named = _git("rev-parse", "HEAD"), os.environ.get("HARNESS_COMMIT")
+    if named:  # the caller names the commit a copied tree came from (a .git copied with it may be stale)
+        meta["commit"], meta["dirty"] = named, "unknown (HARNESS_COMMIT names the commit)"
+        if commit and commit != named:
+            meta["git_head"] = f"{commit} (the copied .git; not the tree's commit)"
+    elif commit:
+        meta["commit"] = commit
+        meta["dirty"] = bool(_git("status", "--porcelain", "--untracked-files=no"))
+    else:
+        meta["commit"], meta["dirty"] = "unknown (no git checkout)", "unknown (no git checkout)"
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        meta.update(gpu=props.name, sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                    capability=f"{props.major}.{props.minor}")  # fmt: skip
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=30)  # fmt: skip
+            meta["driver"] = smi.stdout.strip().split(",")[0]
+        except (OSError, subprocess.TimeoutExpired):
+            meta["driver"] = "unknown (nvidia-smi did not answer)"
+    return meta
+
+
+def _git(*args: str) -> str:
+    """git's output for this checkout, or "" where there is no git or no repository."""
+    try:
+        proc = subprocess.run(["git", *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return proc.stdout.strip() if proc.returncode == 0 else ""
+
+
+def gpu_folder_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "gpu"
+
+
+def read_csv(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def _num(x) -> float:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return float("nan")
+
+
+def targets(rows: list[dict]) -> list[tuple[str, float, str, str]]:
+    """DESIGN.md section 8's targets from decode.csv at 32x8, batch 8, context 32K: (name, value, target, met)."""
+    at = [
+        r
+        for r in rows
+        if (r["config"], r["batch"], r["context"]) == ("32x8", "8", "32768") and _num(r["time_us"]) > 0
+    ]
+    base = [_num(r["time_us"]) for r in at if r["method"].startswith(("sdpa_", "flex_decode"))]
+    fused = {r["widths"]: r for r in at if r["method"] == "fused"}
+    if not base or "4" not in fused:
+        return []
+    fp16 = min(base)
+    out = [
+        (
+            "4-bit fused vs fastest 16-bit",
+            fp16 / _num(fused["4"]["time_us"]),
+            f">= {TARGETS['speedup_4bit']}x",
+        )
+    ]
+    out.append(
+        (
+            "4-bit fused: fraction of copy bandwidth",
+            _num(fused["4"]["frac_copy_bw"]),
+            f">= {TARGETS['frac_bw_4bit']}",
+        )
+    )
+    if "2" in fused:
+        out.append(
+            (
+                "2-bit fused vs fastest 16-bit",
+                fp16 / _num(fused["2"]["time_us"]),
+                f">= {TARGETS['speedup_2bit']}x",
+            )
+        )
+    mixed = [r for w, r in fused.items() if "," in w]
+    if mixed:
+        out.append(
+            (
+                "mixed (mean 4) time / uniform 4",
+                _num(mixed[0]["time_us"]) / _num(fused["4"]["time_us"]),
+                f"<= {TARGETS['mixed_vs_uniform']}",
+            )
+        )
+    met = lambda v, t: (
+        (v >= float(t.split()[1].rstrip("x"))) if t.startswith(">=") else (v <= float(t.split()[1]))
+    )  # noqa: E731
+    return [(n, v, t, "yes" if met(v, t) else "no") for n, v, t in out]
+
+
+def ab_as_decode(rows: list[dict]) -> list[dict]:
+    """ab.csv's rows of the current kernel (method fused:<KERNEL stem>, default splits) as decode.csv's fused
+    rows, beside its SDPA rows, so that `targets` reads either file."""
+    current, out = f"fused:{KERNEL.stem}", []
+    by_widths: dict[str, dict] = {}
+    for r in rows:
+        if r["method"].startswith("sdpa_"):
+            out.append(r)
+        elif r["method"] == current and r["widths"] not in by_widths:
+            by_widths[r["widths"]] = {**r, "method": "fused"}  # the first row of a width map: default splits
+    return out + list(by_widths.values())
+
+
+def current_kernel_sha() -> str:
+    """kernels.gpu.inspect's kernel_sha of the files here (standard library only, as this module)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("decode_attention.py", "unpack.py", "layout.py"):
+        path = KERNEL.parent / name
+        digest.update(path.read_bytes() if path.exists() else b"")
+    return digest.hexdigest()[:12]
+
+
+def kernel_table(ab: list[dict], static: list[dict], counters: list[dict]) -> list[str]:
+    """Per kernel version and width: measured time, x SDPA, share of copy bandwidth; for the current kernel the
+    static instructions per KV byte (inspect.csv rows made from these kernel files), their product with the
+    share, and ncu's counters."""
+    if not ab:
+        return []
+    sdpa = [_num(r["time_us"]) for r in ab if r["method"].startswith("sdpa_")]
+    base = min(sdpa) if sdpa else float("nan")
+    fresh = [r for r in static if r.get("kernel_sha") == current_kernel_sha()]  # figures of this kernel only
+    per_byte = {r["key_bits"]: _num(r["instr_per_byte"]) for r in fresh if r["key_bits"] == r["value_bits"]}
+    ncu = {r["widths"]: r for r in counters}
+    lines = ["", "## Kernel versions (ab.csv, default splits) beside static and counter figures", "",
+             "| version | widths | us | x SDPA | share of copy bw | static instr/byte | share x instr/byte | "
+             "ncu: DRAM % of peak | ncu: thread-instr per DRAM byte | ncu: top stalls |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    seen = set()
+    for r in ab:
+        key = (r["method"], r["widths"])
+        if not r["method"].startswith("fused:") or key in seen:
+            continue
+        seen.add(key)
+        t, share = _num(r["time_us"]), _num(r["frac_copy_bw"])
+        current = r["method"] == f"fused:{KERNEL.stem}"
+        ipb = per_byte.get(r["widths"], float("nan")) if current else float("nan")
+        c = ncu.get(r["widths"], {}) if current else {}
+        lines.append(f"| {r['method'][6:]} | {r['widths']} | {t:.0f} | {base / t:.2f} | {share:.3f} | {ipb:.2f} | "
+                     f"{share * ipb:.2f} | {c.get('dram_pct_of_peak', '')} | {c.get('thread_instr_per_dram_byte', '')} "
+                     f"| {c.get('top_stalls', '')} |")  # fmt: skip
+    return lines
+
+
+def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, command: str) -> None:
+    lines = [f"# GPU check on {meta.get('gpu', 'unknown')}", ""]
+    if dry:
+        lines += ["A DRY RUN (CPU, TRITON_INTERPRET=1, tiny sizes): it shows that every stage runs; its times are "
+                  "no measurement.", ""]  # fmt: skip
+    lines += [f"Command: `{command}`", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in meta.items()]
+    lines += ["", "## Stages", "", "| stage | exit code | seconds | limit | log |", "|---|---|---|---|---|"]
+    lines += [f"| {o['stage']} | {o['rc']}{' (time limit)' if o['rc'] == 124 else ''}"
+              f"{' (' + o['why'] + ')' if o.get('why') else ''} | {o['seconds']:.0f} | "
+              f"{o['limit']:.0f} | logs/{o['stage']}.log |" for o in outcomes]  # fmt: skip
+    decode = read_csv(folder / "decode.csv")
+    ab = read_csv(folder / "ab.csv")
+    found = targets(decode) or targets(ab_as_decode(ab))
+    lines += ["", "## Targets (32 query / 8 KV heads, head_dim 128, batch 8, context 32K)", ""]
+    if found:
+        lines += ["| target | measured | wanted | met |", "|---|---|---|---|"]
+        lines += [f"| {n} | {v:.3g} | {t} | {m} |" for n, v, t, m in found]
+    else:
+        lines += ["Not measured in this run (decode.csv has no fused and 16-bit rows at that shape)."]
+    lines += kernel_table(ab, read_csv(INSPECT_CSV), read_csv(folder / "ncu.csv"))
+    e2e = read_csv(folder / "e2e.csv")
+    if e2e:
+        lines += [
+            "",
+            "## End to end (e2e.csv)",
+            "",
+            "| cache | tokens/s | peak GiB above weights | KV GiB | note |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {r['cache']} | {_num(r['tokens_per_s']):.4g} | {_num(r['peak_gib']):.3g} | {_num(r['kv_gib']):.3g} | {r['note']} |"
+            for r in e2e
+        ]
+    runner = read_csv(folder / "runner" / "runner.csv")
+    if runner:
+        bad = [r for r in runner if r["ok"] == "False"]
+        lines += ["", "## Runner (runner/runner.csv)", "",
+                  f"{len({r['key'] for r in runner})} points compared, {len(bad)} outside tolerance "
+                  "(tolerances and their reasons: kernels/gpu/runner_check.py)."]  # fmt: skip
+    lines += ["", "Files: metadata.json, tests.xml, decode.csv / decode.png (kernels/gpu/bench.py says what each "
+              "method and column is), e2e.csv / e2e.png (kernels/gpu/e2e.py), runner/ (kernels/gpu/runner_check.py), logs/."]  # fmt: skip
+    (folder / "README.md").write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.check", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, help="results go to OUT/results/kernels/<gpu name>/")
+    p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes, no install")
+    p.add_argument("--stages", nargs="+", default=list(STAGES), help=f"a subset of {', '.join(STAGES)}")
+    p.add_argument("--minutes", type=float, default=20.0, help="scale the stage limits by MINUTES/20 (<= 20)")
+    p.add_argument("--metadata", type=Path, help=argparse.SUPPRESS)  # the metadata stage's own entry point
+    args = p.parse_args(argv)
+    if args.metadata:
+        args.metadata.write_text(json.dumps(metadata(), indent=1))
+        return
+    if args.out is None:
+        p.error("--out is required")
+    for s in args.stages:
+        if s not in STAGES:
+            p.error(f"--stages: {s!r} is not a stage; allowed: {', '.join(STAGES)}")
+    if not 2 <= args.minutes <= 20:
+        p.error(f"--minutes: {args.minutes:g} is not allowed; allowed: 2 to 20")
+    budget = scaled_budget(DRY_BUDGET if args.dry_run else BUDGET, args.minutes)
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    if args.dry_run:
+        env["TRITON_INTERPRET"] = "1"
+    else:
+        env.pop("TRITON_INTERPRET", None)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [SITE, os.getcwd()] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
+    staging = args.out / "results" / "kernels" / ".pending"
+    (staging / "logs").mkdir(parents=True, exist_ok=True)
+    command = "python -m kernels.gpu.check " + " ".join(sys.argv[1:] if argv is None else argv)
+    outcomes, folder = [], staging
+    for stage in [s for s in STAGES if s in args.stages]:
+        skip = skip_reason(stage, args.dry_run)
+        if skip:
+            print(f"[{stage}] skipped: {skip}", flush=True)
+            outcomes.append(
+                {"stage": stage, "rc": "skipped", "seconds": 0.0, "limit": budget[stage], "why": skip}
+            )
+            continue
+        cmd = stage_commands(folder, args.dry_run, budget)[stage]
+        print(f"[{stage}] up to {budget[stage]} s: {' '.join(cmd)}", flush=True)
+        rc, secs = run_stage(cmd, budget[stage], folder / "logs" / f"{stage}.log", env)
+        outcomes.append({"stage": stage, "rc": rc, "seconds": secs, "limit": budget[stage]})
+        print(f"[{stage}] exit {rc} after {secs:.0f} s", flush=True)
+        if stage == "metadata" and rc == 0:
+            name = gpu_folder_name(json.loads((folder / "metadata.json").read_text())["gpu"])
+            final = args.out / "results" / "kernels" / name
+            final.parent.mkdir(parents=True, exist_ok=True)
+            if final.exists():
+                final.rename(final.with_name(f"{name}.previous-{int(time.time())}"))
+            folder.rename(final)
+            folder = final
+    meta_path = folder / "metadata.json"
+    meta = (
+        json.loads(meta_path.read_text())
+        if meta_path.exists()
+        else {"gpu": "unknown (metadata stage failed)"}
+    )
+    write_readme(folder, meta, outcomes, args.dry_run, command)
+    print(f"wrote {folder}/README.md")
+    sys.exit(0 if all(o["rc"] in (0, "skipped") for o in outcomes) else 1)
+
+
+if __name__ == "__main__":
+    main()

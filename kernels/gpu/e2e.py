@@ -1,0 +1,192 @@
+"""End-to-end generate() on a random-weight model of Llama-3-8B's shape: decode tokens/s and peak GPU memory
+with transformers' DynamicCache against QuantizedKVCache on the triton backend at 8, 4 and 2 bits and a mixed
+allocation (mean 4 bits).
+
+This module owns that measurement. The model is built on the GPU from Llama-3-8B's configuration (32 layers,
+32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocabulary 128256) in bf16 with random weights: speed
+and memory do not depend on the weights. Per cache: a chunked prefill of the prompt but its last token (so no
+full-prompt activations or logits are ever held), then `model.generate` of `--new-tokens` tokens from there,
+timed alone. Peak memory is torch.cuda.max_memory_allocated over the prefill and the generation, less the
+weights. A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a two-layer model of the same kind at a tiny
+size, to check that the code runs; its times are no figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+)  # fmt: skip
+DRY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
+)  # fmt: skip
+CACHES = ("dynamic", "4", "2", "mixed", "8")  # a run cut short by its time limit still has the headline ones
+COLUMNS = [
+    "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "tokens_per_s",
+    "peak_gib", "weights_gib", "kv_gib", "note",
+]  # fmt: skip
+
+
+def mixed_bits(layers: int, kv_heads: int) -> torch.Tensor:
+    """[layers, kv_heads] widths with mean 4: per layer half the heads at 2, a quarter at 4, a quarter at 8."""
+    n2, n4 = kv_heads // 2, kv_heads // 4
+    row = [2] * n2 + [4] * n4 + [8] * (kv_heads - n2 - n4)
+    return torch.tensor([row] * layers)
+
+
+def build_model(config: dict, dtype: torch.dtype, device: str):
+    """A LlamaForCausalLM with random weights, built on `device` (no weights file is read)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # parameters are created in `dtype` (no float32 copy of 8B weights)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    finally:
+        torch.set_default_dtype(default)
+    return model
+
+
+def make_cache(kind: str, model, group_size: int):
+    from transformers import DynamicCache
+
+    from harness.cache import QuantizedKVCache
+
+    cfg = model.config
+    if kind == "dynamic":
+        return DynamicCache(config=cfg)
+    bits = mixed_bits(cfg.num_hidden_layers, cfg.num_key_value_heads) if kind == "mixed" else int(kind)
+    return QuantizedKVCache(cfg, bits, group_size=group_size, backend="triton")
+
+
+def cache_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return cache.nbytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@torch.no_grad()
+def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int, group_size: int) -> dict:
+    """Chunked prefill of prompt[:, :-1], then generate() of new_tokens greedy tokens; times and memory."""
+    dev = prompt.device
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cache = make_cache(kind, model, group_size)
+    t0 = time.perf_counter()
+    for s in range(0, prompt.shape[1] - 1, chunk):
+        model(
+            input_ids=prompt[:, s : min(s + chunk, prompt.shape[1] - 1)],
+            past_key_values=cache,
+            logits_to_keep=1,
+        )
+    sync()
+    t1 = time.perf_counter()
+    out = model.generate(
+        prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+        do_sample=False, pad_token_id=0,
+    )  # fmt: skip
+    sync()
+    t2 = time.perf_counter()
+    assert out.shape[1] == prompt.shape[1] + new_tokens
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "peak": peak, "kv": cache_bytes(cache)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.e2e", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="folder for e2e.csv and e2e.png")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per sequence)")
+    p.add_argument("--caches", nargs="+", default=list(CACHES), help=f"any of {', '.join(CACHES)}")
+    p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny model")
+    args = p.parse_args(argv)
+    for c in args.caches:
+        if c not in CACHES:
+            p.error(f"--caches: {c!r} is not allowed; allowed: {', '.join(CACHES)}")
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+    if not args.dry_run and not torch.cuda.is_available():
+        sys.exit("error: kernels.gpu.e2e needs a CUDA GPU (or --dry-run); nothing was run")
+    from harness.attention import PACKED, installed
+
+    device = "cpu" if args.dry_run else "cuda"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    # bf16 on the GPU; float32 in a dry run, as Triton's interpreter computes tl.dot on bf16 wrongly.
+    model = build_model(
+        DRY if args.dry_run else LLAMA3_8B, torch.float32 if args.dry_run else torch.bfloat16, device
+    )
+    weights = sum(t.numel() * t.element_size() for t in model.parameters())
+    vocab = model.config.vocab_size
+    prompt = torch.randint(
+        0, vocab, (args.batch, args.context), generator=torch.Generator().manual_seed(1)
+    ).to(device)
+    path = args.out / "e2e.csv"
+    with open(path, "w", newline="") as f:
+        csv.DictWriter(f, fieldnames=COLUMNS).writeheader()
+    rows = []
+    for kind in args.caches:
+        row = {"cache": kind, "batch": args.batch, "context": args.context, "new_tokens": args.new_tokens,
+               "weights_gib": weights / 2**30, "note": ""}  # fmt: skip
+        row["mean_bits"] = 16 if kind == "dynamic" else 4 if kind == "mixed" else int(kind)
+        try:
+            # decode steps of the triton caches read the packed K/V; the rest is SDPA
+            with installed(model, PACKED):
+                m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
+            row.update(
+                prefill_s=m["prefill_s"], decode_s=m["decode_s"],
+                tokens_per_s=args.batch * args.new_tokens / m["decode_s"],
+                peak_gib=max(m["peak"] - weights, 0) / 2**30 if m["peak"] else float("nan"), kv_gib=m["kv"] / 2**30,
+            )  # fmt: skip
+        except torch.OutOfMemoryError:
+            row["note"] = "oom"
+        rows.append(row)
+        with open(path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=COLUMNS).writerow(row)
+        print({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    plot(rows, args.out / "e2e.png")
+    print(f"wrote {path}, e2e.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Decode tokens/s and peak memory above the weights, one bar per cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if "tokens_per_s" in r]
+    if not done:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["cache"] for r in done]
+    a.bar(names, [r["tokens_per_s"] for r in done])
+    a.set(ylabel="decode tokens/s", title=f"batch {done[0]['batch']}, context {done[0]['context']}")
+    b.bar(names, [r["peak_gib"] for r in done])
+    b.set(ylabel="peak GPU memory above weights (GiB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""`python -m kernels.gpu.inspect`: compile the fused decode kernel's stage 1 for Hopper (sm_90a) on a machine with
+no GPU, and read its machine code.
+
+This module owns the static inspection of stage 1 (kernels/decode_attention.py). For each variant (key width,
+value width, BLOCK_N, warps) it calls `decode_attention` on packed stores of the real launch's shape (32 query /
+8 KV heads, head_dim 128, batch 8, 32K tokens by default, on the `meta` device: nothing is allocated), catches the
+stage-1 launch instead of running it, and compiles that launch exactly as Triton's JIT would on an H100 or H200:
+the same argument types, the same divisibility-16 specialization of pointers and integers, the same options.
+ptxas and cuobjdump (both ship in Triton's wheel) then give:
+- registers per thread, spilled bytes (ptxas's local memory), shared memory;
+- the main loop: the SASS between the target and the source of the backward branch that closes the loop over
+  tiles (the largest loop holding a tensor-core instruction), its instruction count per tile, and its
+  instruction mix (HMMA / HGMMA, int-to-float I2F / I2FP, float conversions F2F / F2FP, shared-memory LDS / STS,
+  barriers BAR, global loads by width);
+- `instr_per_byte`: thread-instructions per KV byte, i.e. loop instructions x 32 x warps / (BLOCK_N x the K and V
+  bytes of one token of one head: packed rows, scales and zeros), the quantity whose product with the achieved
+  share of copy bandwidth measured about 3.1 on the H200 (kernel issue);
+- `payload_load_bytes`: the widths of the loop's global loads (16 is LDG.E.128 or a 16-byte cp.async; 1 is a
+  byte-wide load).
+It prints a table and writes a CSV. The Triton that compiles is the one imported: `make inspect-env` makes
+.venv-triton36 with the GPU machine's Triton (3.6.0), and every row names the version that compiled it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+
+SHAPE = {"hq": 32, "hkv": 8, "head_dim": 128, "batch": 8, "context": 32768}
+TARGET_ARCH = 90  # Hopper; compiled as sm_90a
+ROOT = Path(__file__).resolve().parents[2]
+KERNEL_SOURCES = tuple(ROOT / "kernels" / f for f in ("decode_attention.py", "unpack.py", "layout.py"))
+COLUMNS = [
+    "triton", "kernel_sha", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
+    "shared_bytes", "loop_instr", "kv_bytes_per_tile", "instr_per_byte", "payload_load_bytes", "mma", "i2f",
+    "f2f", "lds", "sts", "bar", "lop3", "shf", "prmt", "ffma", "ldg", "ldgsts", "static_targets", "note",
+]  # fmt: skip
+# DESIGN.md section 8's static targets: main-loop thread-instructions per KV byte by width (uniform K and V)
+INSTR_PER_BYTE_TARGET = {4: 4.0, 2: 5.0, 8: 3.0}
+MAX_REGISTERS = 128
+# SASS opcode (before the first dot) -> the mix column that counts it
+MIX = {
+    "HMMA": "mma", "HGMMA": "mma", "I2F": "i2f", "I2FP": "i2f", "F2F": "f2f", "F2FP": "f2f", "LDS": "lds",
+    "LDSM": "lds", "STS": "sts", "BAR": "bar", "LOP3": "lop3", "SHF": "shf", "PRMT": "prmt", "FFMA": "ffma",
+    "LDG": "ldg", "LDGSTS": "ldgsts",
+}  # fmt: skip
+LOAD_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # SASS load suffix -> bytes (else 4)
+
+
+@dataclass
+class Launch:
+    """One caught kernel launch: the JIT function, its positional arguments and its keyword arguments."""
+
+    fn: object
+    args: tuple
+    kwargs: dict
+
+
+def catch_stage1(
+    kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict
+) -> Launch:
+    """The stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values) at `shape`."""
+    from kernels import decode_attention as da
+    from kernels.layout import PackedStore
+
+    B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
+    dev = torch.device("meta")
+    stores = [PackedStore([w] * hkv, D, B, dtype=torch.bfloat16, device=dev, capacity=L) for w in (kw, vw)]
+    for st in stores:
+        st.length = L
+    caught: list[Launch] = []
+
+    def catcher(kernel):
+        return lambda *args, grid, warmup, **kwargs: caught.append(Launch(kernel, args, kwargs))
+
+    stage1 = (da._decode_split_kernel, da._decode_packed_kernel)
+    for kernel in stage1:
+        kernel.run = catcher(kernel)
+    da._combine_kernel.run = lambda *args, grid, warmup, **kwargs: None
+    try:
+        q = torch.empty(B, hq, D, dtype=torch.bfloat16, device=dev)
+        da.decode_attention(q, *stores, D**-0.5, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    finally:
+        for kernel in (*stage1, da._combine_kernel):
+            del kernel.run
+    assert len(caught) == 1, f"expected one stage-1 launch, caught {len(caught)}"
+    return caught[0]
+
+
+def compile_for_hopper(launch: Launch):
+    """Compile a caught launch for sm_90a as the JIT would on a Hopper GPU: (cubin bytes, metadata, asm dict)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", TARGET_ARCH, 32)
+    backend = make_backend(target)
+    fn = launch.fn
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, launch.kwargs, bound, specialization, options
+    )
+    kernel = compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return kernel.asm["cubin"], kernel.metadata, kernel.asm
+
+
+def _tool(name: str) -> str:
+    """Path of a CUDA binary that ships in Triton's wheel (ptxas, cuobjdump)."""
+    path = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not path.exists():
+        raise FileNotFoundError(f"{name} not found at {path}: this Triton wheel does not carry it")
+    return str(path)
+
+
+def sass_and_resources(cubin: bytes) -> tuple[str, dict]:
+    """cuobjdump's SASS listing and resource usage (REG, STACK, SHARED, LOCAL) of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run(
+            [_tool("cuobjdump"), "-sass", f.name], capture_output=True, text=True, check=True
+        )
+        res = subprocess.run(
+            [_tool("cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        )
+    usage = {k: int(v) for k, v in re.findall(r"\b(REG|STACK|SHARED|LOCAL):(\d+)", res.stdout)}
+    return sass.stdout, usage
+
+
+_INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode with modifiers, operands) of every SASS instruction, in order."""
+    return [(int(a, 16), op, rest.strip()) for a, _, op, rest in _INSTR.findall(sass)]
+
+
+def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The instructions of the largest loop (a backward branch's target to the branch) that holds an mma."""
+    best: list = []
+    for i, (addr, op, rest) in enumerate(instrs):
+        if not op.startswith("BRA"):
+            continue
+        m = re.search(r"0x([0-9a-f]+)", rest)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        start = int(m.group(1), 16)
+        body = [x for x in instrs[: i + 1] if x[0] >= start]
+        if any(x[1].split(".")[0] in ("HMMA", "HGMMA") for x in body) and len(body) > len(best):
+            best = body
+    return best
+
+
+def load_width(op: str) -> int | None:
+    """Bytes per thread of a global load (LDG or cp.async LDGSTS), None for any other instruction."""
+    parts = op.split(".")
+    if parts[0] not in ("LDG", "LDGSTS"):
+        return None
+    for p in reversed(parts[1:]):
+        if p in LOAD_WIDTH:
+            return LOAD_WIDTH[p]
+    return 4
+
+
+def kv_bytes_per_token(bits: int, head_dim: int, group_size: int = 32) -> int:
+    """Bytes of one token of one head as stored: packed row and fp16 scale and zero per group (16 bits: 2/elem)."""
+    if bits == 16:
+        return 2 * head_dim
+    return head_dim * bits // 8 + 2 * 2 * head_dim // group_size
+
+
+def inspect_variant(
+    kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict
+) -> dict:
+    """One row of the table: the compiled variant's resources, main loop and instruction mix (block_n None:
+    the kernel's default tile)."""
+    launch = catch_stage1(kw, vw, block_n, num_warps, num_stages, shape)
+    block_n = launch.kwargs["BLOCK_N"]
+    cubin, meta, _ = compile_for_hopper(launch)
+    sass, usage = sass_and_resources(cubin)
+    loop = main_loop(instructions(sass))
+    mix = Counter(MIX.get(op.split(".")[0]) for _, op, _ in loop)
+    widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
+    tile = block_n * (kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"]))
+    row = {
+        "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
+        "num_stages": meta.num_stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("LOCAL", 0),
+        "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
+        "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
+        "payload_load_bytes": " ".join(map(str, widths)), "note": "" if loop else "no loop with an mma found",
+    }  # fmt: skip
+    row.update({col: mix.get(col, 0) for col in set(MIX.values())})
+    row["static_targets"] = static_targets(row)
+    return row
+
+
+def kernel_sha() -> str:
+    """The first 12 hex digits of sha256 over the kernel sources the figures describe (KERNEL_SOURCES)."""
+    digest = hashlib.sha256()
+    for path in KERNEL_SOURCES:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def variants(widths: list[int], block_ns: list[int], warps: list[int]) -> list[tuple[int, int, int, int]]:
+    """(key bits, value bits, BLOCK_N, warps) for every uniform width and setting asked for."""
+    return [(w, w, n, nw) for w in widths for n in block_ns for nw in warps]
+
+
+def static_targets(row: dict) -> str:
+    """ "met", or the static targets a packed variant misses (instructions per byte for its width, registers,
+    spills, byte-wide payload loads, I2F in the loop); "" for widths without a target (3, 16)."""
+    width = int(row["key_bits"])
+    if width not in INSTR_PER_BYTE_TARGET or row["key_bits"] != row["value_bits"]:
+        return ""
+    missed = []
+    if not float(row["instr_per_byte"]) <= INSTR_PER_BYTE_TARGET[width]:
+        missed.append(f"instr/byte {row['instr_per_byte']} > {INSTR_PER_BYTE_TARGET[width]:g}")
+    if int(row["registers"]) > MAX_REGISTERS:
+        missed.append(f"registers {row['registers']} > {MAX_REGISTERS}")
+    if int(row["spill_bytes"]):
+        missed.append(f"spills {row['spill_bytes']} B")
+    if "1" in str(row["payload_load_bytes"]).split():
+        missed.append("byte-wide loads")
+    if int(row["i2f"]):
+        missed.append(f"{row['i2f']} I2F")
+    return "missed: " + "; ".join(missed) if missed else "met"
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ["key_bits", "value_bits", "block_n", "num_warps", "registers", "spill_bytes", "shared_bytes",
+            "loop_instr", "instr_per_byte", "payload_load_bytes", "mma", "i2f", "lds", "sts", "bar",
+            "static_targets"]  # fmt: skip
+    lines = [" ".join(f"{c:>10}" for c in cols)]
+    lines += [" ".join(f"{str(r[c]):>10}" for c in cols) for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m kernels.gpu.inspect", description=__doc__.split("\n\n")[0])
+    p.add_argument("--widths", nargs="+", type=int, default=[16, 8, 4, 3, 2], help="uniform K and V widths")
+    p.add_argument(
+        "--block-n", nargs="+", type=int, default=None, help="tokens per tile (default: the kernel's)"
+    )
+    p.add_argument("--warps", nargs="+", type=int, default=[4])
+    p.add_argument("--stages", type=int, default=None, help="num_stages (default: the kernel's)")
+    p.add_argument("--out", type=Path, help="CSV to write")
+    for k, v in SHAPE.items():
+        p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("error: TRITON_INTERPRET=1 is set; the inspector compiles, so unset it")
+    for w in args.widths:
+        if w not in (2, 3, 4, 8, 16):
+            p.error(f"--widths: {w} is not a width; allowed: 2, 3, 4, 8, 16")
+    shape = {k: getattr(args, k) for k in SHAPE}
+    rows = []
+    for kw, vw, n, nw in variants(args.widths, args.block_n or [None], args.warps):
+        rows.append(inspect_variant(kw, vw, n, nw, args.stages, shape))
+        print(f"compiled K{kw}V{vw} BLOCK_N={rows[-1]['block_n']} warps={nw}", file=sys.stderr, flush=True)
+    print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")
+    print(format_table(rows))
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""Packed codes to fp16 by bit operations, in the order the tensor cores read them.
+
+This module owns the fast path's dequantization (kernels/decode_attention.py's packed stage 1): a row of
+kernels/reference.py's format, read as 32-bit words, becomes fp16 values with no int-to-float conversion.
+A word holds CPW = 32 / W codes at W in {2, 4, 8} bits. Its P = 16 / W "pairs" are two fp16 lanes, the low one
+code CPW * word + i, the high one code CPW * word + i + P, each made exactly by shifting the code into place and
+OR-ing an exponent (one lop3 for mask and OR):
+- 2 and 4 bits: the code lands on the top W mantissa bits under exponent 2**W, so a lane is exactly 2**W + code,
+  and one fma.rn.f16x2 gives the value: lane * scale + (zero - 2**W * scale), where the per-group constant is
+  rounded to fp16 once per token and group (its rounding error, at most 2**-11 (|zero| + 2**W scale), is at most
+  about 1% of a quantization step: below bf16's resolution of the value);
+- 8 bits: the code lands on the low mantissa bits under exponent 1024 (lane 1024 + code), sub.f16x2 takes the
+  1024 off exactly and fma.rn.f16x2 applies scale and zero: the value fp16(code * scale + zero) in one rounding.
+The reference computes a value in float32 and rounds it to the model's dtype (fp16 keeps 11 bits of it, bf16 8).
+
+Logical order. A tile of R tokens x NW words becomes (R, D) fp16 in a permuted channel order that makes every
+pair a register of the mma operand without moving it: with WL = NW / 4 words per lane, logical column
+    k = (((wt * P/2 + i_hi) * 4 + c) * 2 + i_lo) * 2 + h
+holds code CPW * (c * WL + wt) + (2 * i_hi + i_lo) + P * h, so that lane c of a k16 block owns 4 consecutive
+logical columns (Triton's mma operand with kWidth 4) taken from its own WL words. The queries are loaded in
+the same order for the scores, and the output columns are stored through it (`code_of_column`).
+
+With ASM (compiled for a GPU) each step is inline PTX (lop3, sub.f16x2, fma.rn.f16x2); without it (Triton's
+interpreter, which runs no assembly) the same values come from plain integer and float operations.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FAST_WIDTHS = (2, 4, 8)  # packed widths the fast path reads; 3 bits and 16 take the generic path
+
+
+def fast_path_fits(width: int, head_dim: int, group_size: int) -> bool:
+    """Whether rows of `width` split into 4 lanes of whole words, each word in one group, at a power-of-two
+    head_dim (the kernel's tile shapes)."""
+    if width not in FAST_WIDTHS or head_dim & (head_dim - 1):
+        return False
+    words, codes_per_word = head_dim * width // 32, 32 // width
+    return head_dim * width % 32 == 0 and words % 4 == 0 and group_size % codes_per_word == 0
+
+
+def code_of_column(width: int, head_dim: int, lanes: bool = True) -> list[int]:
+    """The code (channel) index each logical column holds: the lane order of the module docstring, or with
+    lanes=False the word order (column CPW * word + 2 * i + h holds code CPW * word + i + P * h)."""
+    pairs, words = 16 // width, head_dim * width // 32
+    wl, cpw = words // 4, 32 // width
+    out = []
+    for k in range(head_dim):
+        if not lanes:
+            word, i, h = k // cpw, (k % cpw) // 2, k % 2
+            out.append(cpw * word + i + pairs * h)
+            continue
+        h, i_lo, c = k % 2, (k // 2) % 2, (k // 4) % 4
+        i_hi, wt = (k // 16) % (pairs // 2), k // (16 * (pairs // 2))
+        out.append(cpw * (c * wl + wt) + 2 * i_hi + i_lo + pairs * h)
+    return out
+
+
+@triton.jit
+def code_of_column_jit(W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
+    """`code_of_column` as a (D,) int32 tensor, in the kernel."""
+    P: tl.constexpr = 16 // W
+    WL: tl.constexpr = D * W // 128
+    k = tl.arange(0, D)
+    h = k % 2
+    if LANES:
+        i_lo = (k // 2) % 2
+        c = (k // 4) % 4
+        i_hi = (k // 16) % (P // 2)
+        wt = k // (16 * (P // 2))
+        return (32 // W) * (c * WL + wt) + 2 * i_hi + i_lo + P * h
+    else:
+        return (32 // W) * (k // (32 // W)) + (k % (32 // W)) // 2 + P * h
+
+
+@triton.jit
+def _lop3(x, MASK: tl.constexpr, OR: tl.constexpr):
+    """(x & MASK) | OR in one lop3 (immLut 0xEA = (a & b) | c); MASK and OR as decimal strings."""
+    return tl.inline_asm_elementwise(
+        "lop3.b32 $0, $1, " + MASK + ", " + OR + ", 234;", "=r,r", [x], tl.int32, True, 1
+    )
+
+
+@triton.jit
+def _pair(words, PAIR: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
+    """Pair PAIR of every word: int32 of two fp16 lanes, 2**W + code at 2 and 4 bits, 1024 + code at 8."""
+    if W == 8:
+        shifted = words >> (W * PAIR) if PAIR > 0 else words
+    else:  # the field at bit W * PAIR moves to the top W mantissa bits, [10 - W, 10)
+        SHIFT: tl.constexpr = 10 - W - W * PAIR
+        if SHIFT > 0:
+            shifted = words << SHIFT
+        elif SHIFT < 0:
+            shifted = words >> (-SHIFT)
+        else:
+            shifted = words
+    if ASM:
+        if W == 2:
+            return _lop3(shifted, "50332416", "1140868096")  # 0x03000300, 0x44004400 (4.0)
+        elif W == 4:
+            return _lop3(shifted, "62915520", "1275087872")  # 0x03C003C0, 0x4C004C00 (16.0)
+        else:
+            return _lop3(shifted, "16711935", "1677747200")  # 0x00FF00FF, 0x64006400 (1024.0)
+    else:
+        if W == 2:
+            return (shifted & 0x03000300) | 0x44004400
+        elif W == 4:
+            return (shifted & 0x03C003C0) | 0x4C004C00
+        else:
+            return (shifted & 0x00FF00FF) | 0x64006400
+
+
+@triton.jit
+def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr):
+    """Per token and group, fp16 scale s and zero z (R, NG) -> the `dequant_tile` operands s2, z2 (R, NG) int32:
+    s in both lanes, and in both lanes the constant the fma adds: at 2 and 4 bits zero - 2**W * s (symmetric:
+    -(2**W + 2**(W-1)) * s), rounded to fp16 once; at 8 bits the zero itself (symmetric: unused)."""
+    if W == 8:
+        z2 = splat2(z)
+    else:
+        offset = (1 << W) + ((1 << (W - 1)) if SYM else 0)
+        base = 0.0 if SYM else z.to(tl.float32)
+        z2 = splat2((base - offset * s.to(tl.float32)).to(tl.float16))
+    return splat2(s), z2
+
+
+@triton.jit
+def _halves(x):
+    """int32 -> its low and high 16 bits as fp16."""
+    lo = x.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _bits(lo, hi):
+    """Two fp16 tensors -> int32 with lo in the low and hi in the high 16 bits."""
+    lo_b = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    hi_b = hi.to(tl.int16, bitcast=True).to(tl.int32)
+    return lo_b | (hi_b << 16)
+
+
+@triton.jit
+def splat2(x):
+    """fp16 tensor -> int32 with x in both 16-bit lanes (the per-word scale or zero of `affine`)."""
+    return _bits(x, x)
+
+
+@triton.jit
+def _fma(t, s2, z2):
+    return tl.inline_asm_elementwise(
+        "fma.rn.f16x2 $0, $1, $2, $3;", "=r,r,r,r", [t, s2, z2], tl.int32, True, 1
+    )
+
+
+@triton.jit
+def _sub_fma(t, s2, z2, BIAS: tl.constexpr):
+    """PTX for (t - BIAS) * s + z on f16x2 lanes; BIAS names the fp16x2 bits subtracted."""
+    return tl.inline_asm_elementwise(
+        "{.reg .b32 c, k; mov.b32 k, " + BIAS + "; sub.f16x2 c, $1, k; fma.rn.f16x2 $0, c, $2, $3;}",
+        "=r,r,r,r",
+        [t, s2, z2],
+        tl.int32,
+        True,
+        1,
+    )
+
+
+@triton.jit
+def _affine(t, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+    """Both fp16 lanes of a pair t to their values, one rounding each (s2, z2 from `group_constants`): at 2 and 4
+    bits t * s + z2; at 8 bits (t - 1024) * s + z (symmetric: (t - 1024 - 128) * s)."""
+    if ASM:
+        if W != 8:
+            return _fma(t, s2, z2)
+        elif not SYM:
+            return _sub_fma(t, s2, z2, "1677747200")  # 0x64006400: 1024
+        else:
+            return _sub_fma(t, s2, tl.zeros_like(t), "1686135936")  # 0x64806480: 1152
+    else:
+        bias = 0.0 if W != 8 else (1152.0 if SYM else 1024.0)
+        t_lo, t_hi = _halves(t)
+        s, _ = _halves(s2)
+        s = s.to(tl.float32)
+        if W == 8 and SYM:
+            z = 0.0
+        else:
+            z, _ = _halves(z2)
+            z = z.to(tl.float32)
+        lo = ((t_lo.to(tl.float32) - bias) * s + z).to(tl.float16)
+        hi = ((t_hi.to(tl.float32) - bias) * s + z).to(tl.float16)
+        return _bits(lo, hi)
+
+
+@triton.jit
+def _values(words, PAIR: tl.constexpr, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+    """Pair PAIR of every word as two fp16 values (int32 bits)."""
+    return _affine(_pair(words, PAIR, W, ASM), s2, z2, W, SYM, ASM)
+
+
+@triton.jit
+def _stack2(a, b):
+    return tl.join(a, b)  # (..., 2): [a, b]
+
+
+@triton.jit
+def _stack4(a, b, c, d):
+    return tl.join(tl.join(a, c), tl.join(b, d))  # (..., 2, 2): index (m, j) holds item 2m + j
+
+
+@triton.jit
+def _stack8(a, b, c, d, e, f, g, h):
+    return tl.join(_stack4(a, c, e, g), _stack4(b, d, f, h))  # (..., 2, 2, 2): item 4m + 2n + j
+
+
+@triton.jit
+def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):
+    """words int32 (R, NW) of W-bit codes; s2, z2 int32 (R, NW): `splat2` of each word's group scale and zero.
+
+    Returns fp16 (R, NW * 32 / W) in the lane order of the module docstring (LANES: an mma operand read from
+    registers), or in word order (a tile that goes through shared memory: each word's values contiguous).
+    """
+    R: tl.constexpr = words.shape[0]
+    NW: tl.constexpr = words.shape[1]
+    P: tl.constexpr = 16 // W
+    WL: tl.constexpr = NW // 4
+    if P == 2:
+        x = _stack2(_values(words, 0, s2, z2, W, SYM, ASM), _values(words, 1, s2, z2, W, SYM, ASM))
+    elif P == 4:
+        x = _stack4(
+            _values(words, 0, s2, z2, W, SYM, ASM),
+            _values(words, 1, s2, z2, W, SYM, ASM),
+            _values(words, 2, s2, z2, W, SYM, ASM),
+            _values(words, 3, s2, z2, W, SYM, ASM),
+        )
+    else:
+        x = _stack8(
+            _values(words, 0, s2, z2, W, SYM, ASM),
+            _values(words, 1, s2, z2, W, SYM, ASM),
+            _values(words, 2, s2, z2, W, SYM, ASM),
+            _values(words, 3, s2, z2, W, SYM, ASM),
+            _values(words, 4, s2, z2, W, SYM, ASM),
+            _values(words, 5, s2, z2, W, SYM, ASM),
+            _values(words, 6, s2, z2, W, SYM, ASM),
+            _values(words, 7, s2, z2, W, SYM, ASM),
+        )
+    lo, hi = _halves(x)  # (R, NW, pair dims...): pair i in row-major order
+    if not LANES:
+        return tl.reshape(tl.join(lo, hi), (R, NW * 2 * P))  # (R, word, i, h)
+    # (R, c, wt, i_hi, i_lo, h): word = c * WL + wt, pair i = 2 * i_hi + i_lo, lane h
+    y = tl.reshape(tl.join(lo, hi), (R, 4, WL, P // 2, 2, 2))
+    y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)
+    return tl.reshape(y, (R, NW * 2 * P))

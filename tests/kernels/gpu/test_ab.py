@@ -1,0 +1,69 @@
+"""kernels/gpu/ab.py: versions of the decode kernel timed side by side, each compiled from its own file."""
+
+from __future__ import annotations
+
+import csv
+import os
+import shutil
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+KERNEL = ROOT / "kernels" / "decode_attention.py"
+
+
+def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
+    other = tmp_path / "copy.py"
+    shutil.copy(KERNEL, other)
+    out = tmp_path / "ab.csv"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = cli("kernels.gpu.ab", str(KERNEL), str(other), "--dry-run", "--batch", "2", "--context", "40",
+               "--widths", "4", "16", "--splits", "3", "--out", str(out), env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(out) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["method"] for r in rows if r["method"].startswith("sdpa")] == ["sdpa_default"]
+    fused = [r for r in rows if r["method"].startswith("fused:")]
+    # 2 versions x 2 width maps x (default splits, 3 splits), each checked against SDPA over the stores
+    assert len(fused) == 8 and {r["method"] for r in fused} == {"fused:decode_attention", "fused:copy"}
+    assert all(0 < float(r["rel_err"]) < 2e-2 for r in fused)
+    by_version = {}
+    for r in fused:  # the same code on the same stores: the same outputs
+        by_version.setdefault((r["widths"], r["note"]), set()).add(r["rel_err"])
+    assert all(len(errs) == 1 for errs in by_version.values())
+
+
+def test_two_files_with_one_name_are_refused(tmp_path, cli):
+    twin = tmp_path / "decode_attention.py"
+    shutil.copy(KERNEL, twin)
+    proc = cli("kernels.gpu.ab", str(KERNEL), str(twin), "--out", str(tmp_path / "ab.csv"))
+    assert proc.returncode == 2 and "files: two files share a name" in proc.stderr
+    missing = cli("kernels.gpu.ab", str(tmp_path / "nope.py"), "--out", str(tmp_path / "ab.csv"))
+    assert missing.returncode == 2 and "is not a file" in missing.stderr
+    assert not (tmp_path / "ab.csv").exists()
+
+
+def test_token_major_store_holds_the_same_bytes_as_the_head_major_one():
+    """The older layout's view of a store: each head's packed row at its byte offset, scales at its slot."""
+    import torch
+
+    from kernels.gpu.ab import TokenMajorStore
+    from kernels.layout import PackedStore
+
+    torch.manual_seed(0)
+    bits = (8, 2, 16, 4, 2)
+    st = PackedStore(bits, 64, 2, group_size=32, simulate=False)
+    st.append(torch.randn(2, len(bits), 21, 64))
+    old = TokenMajorStore.of(st)
+    assert old.n_quant == 4 and old.payload.shape == (2, st.capacity, 16 + 16 + 32 + 64)
+    assert old.byte_offset.tolist() == [64, 0, 0, 32, 16] and old.slot.tolist() == [3, 0, 0, 2, 1]
+    for h, b in enumerate(bits):
+        if b == 16:
+            assert torch.equal(old.full[:, old.slot[h], :21], st.bucket_of[16].values[:, 0, :21])
+            continue
+        p = st.head_packed(h)
+        off = int(old.byte_offset[h])
+        assert torch.equal(old.payload[:, :21, off : off + p.payload.shape[-1]], p.payload)
+        assert torch.equal(old.scale[:, old.slot[h], :21], p.scale) and torch.equal(
+            old.zero[:, old.slot[h], :21], p.zero
+        )
+    assert old.nbytes() == st.nbytes()

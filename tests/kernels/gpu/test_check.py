@@ -1,0 +1,174 @@
+"""kernels/gpu/check.py and its stages (kernels/gpu/bench.py, kernels/gpu/e2e.py, kernels/gpu/runner_check.py).
+
+The dry run executes every stage's code on CPU under TRITON_INTERPRET=1 at tiny sizes, so that the one GPU
+command cannot rot between the runs on a GPU machine.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from kernels.gpu import bench
+from kernels.gpu import check as gpu_check
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def _rows(path: Path) -> list[dict]:
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
+def test_dry_run_exercises_every_stage(tmp_path, cli):
+    proc = cli("kernels.gpu.check", "--dry-run", "--out", str(tmp_path), timeout=900)
+    folder = tmp_path / "results" / "kernels" / "dry-run-cpu"
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    meta = json.loads((folder / "metadata.json").read_text())
+    assert meta["gpu"] == "dry-run-cpu" and meta["triton_interpret"] is True
+    assert {"torch", "triton", "transformers", "python", "commit", "dirty"} <= set(meta)
+    readme = (folder / "README.md").read_text()
+    assert "DRY RUN" in readme
+    for stage in ("metadata", "tests", "ab", "bench", "e2e", "runner"):
+        assert re.search(rf"\| {stage} \| 0 \|", readme), stage
+    assert re.search(r"\| ncu \| skipped \(dry run", readme)
+    ab = _rows(folder / "ab.csv")
+    versions = {r["method"] for r in ab if r["method"].startswith("fused:")}
+    assert "fused:decode_attention" in versions and len(versions) >= 2
+    assert all(float(r["rel_err"]) < 2e-2 for r in ab if r["method"].startswith("fused:"))
+    assert "## Kernel versions" in readme
+    methods = {r["method"] for r in _rows(folder / "decode.csv")}
+    assert {"sdpa_default", "flex_decode", "fp8_dequant_sdpa", "fused", "dequant_sdpa", "step_fused", "step_bf16",
+            "fused_tuned", "quantize"} <= methods  # fmt: skip
+    fused = [r for r in _rows(folder / "decode.csv") if r["method"] == "fused"]
+    assert {r["widths"] for r in fused} == {"2", "2,8"} and all(float(r["rel_err"]) < 2e-2 for r in fused)
+    e2e = _rows(folder / "e2e.csv")
+    assert [r["cache"] for r in e2e] == ["dynamic", "mixed"] and all(
+        float(r["tokens_per_s"]) > 0 for r in e2e
+    )
+    runner = _rows(folder / "runner" / "runner.csv")
+    assert runner and all(r["ok"] != "False" for r in runner)
+    assert (
+        (folder / "tests.xml").exists() and (folder / "decode.png").exists() and (folder / "e2e.png").exists()
+    )
+
+
+def test_stage_budgets_fit_twenty_minutes():
+    assert sum(gpu_check.BUDGET.values()) <= 19.5 * 60
+
+
+def test_minutes_scale_every_stage_limit():
+    short = gpu_check.scaled_budget(gpu_check.BUDGET, 8.5)
+    assert short.keys() == gpu_check.BUDGET.keys()
+    assert sum(short.values()) <= 8.5 * 60 * 19.5 / 20 + len(short)  # rounding: at most a second a stage
+    assert all(short[s] < gpu_check.BUDGET[s] for s in short)
+    assert gpu_check.scaled_budget(gpu_check.BUDGET, 20) == gpu_check.BUDGET
+
+
+def test_minutes_out_of_range_is_refused(tmp_path, cli):
+    proc = cli("kernels.gpu.check", "--out", str(tmp_path), "--minutes", "40")
+    assert proc.returncode == 2 and "--minutes: 40 is not allowed; allowed: 2 to 20" in proc.stderr
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_named_commit_wins_over_a_copied_git_head(tmp_path, cli):
+    path = tmp_path / "metadata.json"
+    env = {**os.environ, "HARNESS_COMMIT": "0123abc", "TRITON_INTERPRET": "1"}
+    proc = cli("kernels.gpu.check", "--metadata", str(path), env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    meta = json.loads(path.read_text())
+    assert meta["commit"] == "0123abc" and meta["dirty"].startswith("unknown")
+    assert meta.get("git_head", "none").split()[0] != "0123abc"  # a checkout's HEAD is recorded apart
+
+
+def test_gpu_test_files_are_those_with_gpu_tests():
+    """Every test file that can run on a GPU (the `device` fixture or a gpu mark) is in the GPU stage's list."""
+    found = set()
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        if path == Path(__file__).resolve():
+            continue  # this file names the mark in its own check
+        text = path.read_text()
+        if "mark.gpu" in text or re.search(r"def test_\w+\([^)]*\bdevice\b", text):
+            found.add(str(path.relative_to(ROOT)))
+    assert found == set(gpu_check.GPU_TEST_FILES)
+
+
+def _decode_row(method: str, widths: str, us: float, frac: float = 0.5, context: str = "32768") -> dict:
+    return {"config": "32x8", "batch": "8", "context": context, "method": method, "widths": widths,
+            "time_us": str(us), "frac_copy_bw": str(frac)}  # fmt: skip
+
+
+def test_targets_read_off_the_headline_shape():
+    rows = [
+        _decode_row("sdpa_flash", "16", 300.0),
+        _decode_row("flex_decode", "16", 250.0),  # the fastest 16-bit method is the baseline
+        _decode_row("fused", "4", 100.0, frac=0.65),
+        _decode_row("fused", "2", 70.0),
+        _decode_row("fused", "2,2,2,2,4,4,8,8", 112.0),
+        _decode_row("fused", "4", 1.0, context="65536"),  # another shape: ignored
+    ]
+    got = {name: (value, met) for name, value, _, met in gpu_check.targets(rows)}
+    assert got["4-bit fused vs fastest 16-bit"] == (2.5, "yes")
+    assert got["4-bit fused: fraction of copy bandwidth"] == (0.65, "yes")
+    assert got["2-bit fused vs fastest 16-bit"] == (pytest.approx(250 / 70), "no")
+    assert got["mixed (mean 4) time / uniform 4"] == (pytest.approx(1.12), "no")
+    assert gpu_check.targets(rows[2:]) == []  # no 16-bit baseline: nothing to compare
+
+
+@pytest.mark.parametrize("hkv", [1, 2, 3, 4, 8, 12])
+def test_mixed_width_map(hkv):
+    """Mean 4 bits over 2, 4 and 8 where the head count allows it (a multiple of 4), else 2 and 8 alternating
+    (plus one 4-bit head for an odd count)."""
+    bits = bench.width_maps(hkv, ["mixed"])["mixed"]
+    assert len(bits) == hkv and set(bits) <= {2, 4, 8}
+    if hkv % 4 == 0:
+        assert sum(bits) == 4 * hkv and set(bits) == {2, 4, 8}
+    else:
+        assert sorted(bits) == sorted([2, 8] * (hkv // 2) + [4] * (hkv % 2))
+
+
+def test_bad_arguments_exit_2_with_the_key(capsys):
+    with pytest.raises(SystemExit) as err:
+        gpu_check.main(["--out", "x", "--stages", "nope"])
+    assert err.value.code == 2 and "--stages: 'nope' is not a stage" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as err:
+        bench.parse_args(["--out", "x", "--widths", "5"])
+    assert err.value.code == 2 and "--widths: '5' is not allowed" in capsys.readouterr().err
+
+
+def test_ab_rows_stand_in_for_the_bench_in_the_targets():
+    """Without the bench's rows at the headline shape the targets come from the A/B's current-kernel rows."""
+    rows = [
+        {**_decode_row("sdpa_default", "16", 300.0), "method": "sdpa_default"},
+        _decode_row("fused:baf9cf7", "4", 600.0),
+        _decode_row("fused:decode_attention", "4", 120.0, frac=0.7),
+        _decode_row("fused:decode_attention", "4", 90.0, frac=0.9),  # another split count: not the default
+        _decode_row("fused:decode_attention", "2", 75.0),
+    ]
+    got = {name: value for name, value, _, _ in gpu_check.targets(gpu_check.ab_as_decode(rows))}
+    assert got["4-bit fused vs fastest 16-bit"] == pytest.approx(2.5)
+    assert got["4-bit fused: fraction of copy bandwidth"] == pytest.approx(0.7)
+    assert got["2-bit fused vs fastest 16-bit"] == pytest.approx(4.0)
+    static = [
+        {
+            "key_bits": "4",
+            "value_bits": "4",
+            "instr_per_byte": "4.0",
+            "kernel_sha": gpu_check.current_kernel_sha(),
+        },
+        {"key_bits": "2", "value_bits": "2", "instr_per_byte": "9.0", "kernel_sha": "stale0000000"},
+    ]
+    counters = [
+        {"widths": "4", "dram_pct_of_peak": "71", "thread_instr_per_dram_byte": "4.2", "top_stalls": "wait=1"}
+    ]
+    table = "\n".join(gpu_check.kernel_table(rows, static, counters))
+    assert "| decode_attention | 4 | 120 | 2.50 | 0.700 | 4.00 | 2.80 | 71 | 4.2 | wait=1 |" in table
+    assert "| baf9cf7 | 4 | 600 | 0.50 |" in table
+    assert (
+        "| decode_attention | 2 | 75 | 4.00 | 0.500 | nan |" in table
+    )  # static figures of another kernel: left out

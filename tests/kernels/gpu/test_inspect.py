@@ -1,0 +1,83 @@
+"""kernels/gpu/inspect.py: the static inspection of stage 1 compiled for sm_90a on a machine without a GPU."""
+
+from __future__ import annotations
+
+import csv
+import os
+
+import pytest
+
+from kernels.gpu import inspect as insp
+
+SASS = """
+        /*0100*/                   MOV R1, c[0x0][0x28] ;
+        /*0110*/                   LDG.E.U8 R2, desc[UR4][R4.64] ;
+        /*0120*/                   BRA 0x140 ;
+        /*0130*/                   NOP ;
+        /*0140*/                   LDG.E.128 R8, desc[UR4][R6.64] ;
+        /*0150*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
+        /*0160*/                   HMMA.16816.F32 R12, R8, R10, R12 ;
+        /*0170*/              @!P0 BRA 0x140 ;
+        /*0180*/                   SHF.R.U32.HI R2, RZ, 0x8, R2 ;
+        /*0190*/                   BRA 0x180 ;
+        /*01a0*/                   EXIT ;
+"""
+
+
+def test_main_loop_is_the_backward_branch_around_an_mma():
+    """The loop at 0x140..0x170 holds the HMMA; the one at 0x180 does not; the forward branch is no loop."""
+    loop = insp.main_loop(insp.instructions(SASS))
+    assert [addr for addr, _, _ in loop] == [0x140, 0x150, 0x160, 0x170]
+    assert [insp.load_width(op) for _, op, _ in loop] == [16, 16, None, None]
+    assert (
+        insp.load_width("LDG.E.U8") == 1
+        and insp.load_width("LDG.E.64") == 8
+        and insp.load_width("LDG.E") == 4
+    )
+
+
+def test_kv_bytes_per_token_counts_payload_scales_and_zeros():
+    assert insp.kv_bytes_per_token(4, 128) == 64 + 4 * 2 * 2
+    assert insp.kv_bytes_per_token(2, 64, group_size=16) == 16 + 4 * 2 * 2
+    assert insp.kv_bytes_per_token(16, 128) == 256
+
+
+def test_inspector_compiles_one_variant_for_hopper(cli, tmp_path):
+    """The 4-bit fast kernel compiled for sm_90a with this machine's Triton: its resources, loop and loads."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "inspect.csv"
+    proc = cli("kernels.gpu.inspect", "--widths", "4", "--out", str(out), env=env, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = list(csv.DictReader(open(out)))
+    from kernels.decode_attention import FAST_BLOCK_N
+
+    assert (
+        row["kernel"] == "_decode_packed_kernel"
+        and row["key_bits"] == "4"
+        and row["block_n"] == str(FAST_BLOCK_N)
+    )
+    assert 0 < int(row["registers"]) <= 255 and int(row["spill_bytes"]) == 0
+    assert int(row["loop_instr"]) > 0 and int(row["mma"]) > 0
+    assert float(row["instr_per_byte"]) == pytest.approx(
+        int(row["loop_instr"]) * 32 * 4 / (FAST_BLOCK_N * 2 * (64 + 16)), rel=1e-2
+    )
+    assert "1" not in row["payload_load_bytes"].split()  # no byte-wide load in the loop
+    assert int(row["i2f"]) == 0  # codes become fp16 by bit operations
+
+
+def test_inspector_refuses_interpreter_mode(cli):
+    proc = cli("kernels.gpu.inspect", "--widths", "4", env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode != 0 and "TRITON_INTERPRET" in proc.stderr
+
+
+def test_static_targets_name_what_a_variant_misses():
+    row = {"key_bits": "4", "value_bits": "4", "instr_per_byte": "5.41", "registers": "168", "spill_bytes": "0",
+           "payload_load_bytes": "8 16", "i2f": "0"}  # fmt: skip
+    assert insp.static_targets(row) == "missed: instr/byte 5.41 > 4; registers 168 > 128"
+    ok = {**row, "instr_per_byte": "3.9", "registers": "128"}
+    assert insp.static_targets(ok) == "met"
+    assert (
+        insp.static_targets({**ok, "payload_load_bytes": "1 16", "i2f": "64"})
+        == "missed: byte-wide loads; 64 I2F"
+    )
+    assert insp.static_targets({**ok, "key_bits": "3", "value_bits": "3"}) == ""  # no target at 3 bits

@@ -1,0 +1,99 @@
+"""kernels/unpack.py: packed rows to fp16 by bit operations, against kernels/reference.py.
+
+Under Triton's interpreter the plain-integer fallback runs (no inline assembly). At 8 bits it computes a value as
+the reference does (float32 multiply, then add) and rounds to fp16: bit for bit the reference's. At 2 and 4 bits
+the per-group constant zero - 2**W * scale is rounded to fp16 first (as on the GPU), so a value may differ from
+the reference by that rounding and its own: at most 2**-11 (|zero| + 2**W |scale|) + 2**-11 |value|, about 1% of
+a quantization step. Compiled, the PTX rounds each value once (fma).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference
+from kernels.unpack import code_of_column, code_of_column_jit, dequant_tile, fast_path_fits, group_constants
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
+                 G: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    # One (R, D) tile: words (R, NW) int32, scales/zeros (R, NG) fp16 -> out (R, D) fp16 in code order.
+    NW: tl.constexpr = D * W // 32
+    NG: tl.constexpr = D // G
+    r = tl.arange(0, R)
+    words = tl.load(p_ptr + r[:, None] * NW + tl.arange(0, NW)[None, :])
+    g = tl.arange(0, NG)
+    s2, z2 = group_constants(
+        tl.load(s_ptr + r[:, None] * NG + g[None, :]), tl.load(z_ptr + r[:, None] * NG + g[None, :]), W, SYM
+    )
+    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, NG, NW // NG)), (R, NW))
+    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (R, NG, NW // NG)), (R, NW))
+    tile = dequant_tile(words, s2, z2, W, SYM, ASM, LANES)  # (R, D) in lane or word order
+    tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D, LANES)[None, :], tile)
+
+
+@pytest.mark.parametrize("width", [2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_code_of_column_is_a_permutation_that_lanes_read_from_their_own_words(width, head_dim):
+    cols = code_of_column(width, head_dim)
+    assert sorted(cols) == list(range(head_dim))
+    by_word = code_of_column(width, head_dim, lanes=False)
+    cpw = 32 // width
+    assert sorted(by_word) == list(range(head_dim))
+    assert all(code // cpw == k // cpw for k, code in enumerate(by_word))  # a word's values stay together
+    words, cpw = head_dim * width // 32, 32 // width
+    for k, code in enumerate(cols):
+        lane = (k // 4) % 4  # lane c of the mma operand owns columns 16 kb + 4 c .. + 3
+        assert (code // cpw) // (words // 4) == lane  # ... all from words c * WL .. c * WL + WL - 1
+
+
+@pytest.mark.parametrize(
+    "width, head_dim, group_size, symmetric",
+    [(2, 64, 32, False), (2, 128, 16, True), (4, 64, 32, True), (4, 128, 32, False), (4, 256, 64, False),
+     (8, 64, 16, False), (8, 128, 32, True), (8, 32, 32, False)],
+)  # fmt: skip
+@pytest.mark.skipif(
+    not INTERPRET, reason="the fallback is bit-exact; the compiled path is checked by the decode tests"
+)
+@pytest.mark.parametrize("lanes", [True, False])
+def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetric, lanes):
+    assert fast_path_fits(width, head_dim, group_size)
+    gen = torch.Generator().manual_seed(width * head_dim + group_size)
+    R = 16
+    x = torch.randn(R, head_dim, generator=gen) * torch.logspace(-3, 2, head_dim)  # groups of many ranges
+    x[3, :group_size] = 0.25  # a constant group: scale 0
+    p = reference.quantize(x, width, group_size, symmetric=symmetric)
+    zero = p.scale if symmetric else p.zero  # unused when symmetric
+    out = torch.full((R, head_dim), float("nan"), dtype=torch.float16)
+    _tile_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, W=width, G=group_size,
+                       SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
+    want = reference.dequantize(p, dtype=torch.float16)
+    if width == 8:
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+        return
+    # the folded constant's fp16 rounding and the value's: 2**-11 relative each, plus a subnormal's unit
+    s = p.scale.float().repeat_interleave(group_size, -1)
+    z = 0.0 if symmetric else p.zero.float().repeat_interleave(group_size, -1)
+    offset = (1 << width) + ((1 << (width - 1)) if symmetric else 0)
+    bound = 2.0**-11 * ((z - offset * s).abs() + want.float().abs()) + 2.0**-24
+    err = (out.float() - want.float()).abs()
+    assert (err <= bound).all(), (err - bound).max()
+    step = s.clamp_min(1e-30)
+    assert (err / step).max() < 0.02  # at most 2% of a quantization step
+
+
+@pytest.mark.parametrize(
+    "width, head_dim, group_size",
+    [(2, 32, 32), (2, 64, 8), (3, 64, 32), (16, 64, 32), (4, 96, 32), (8, 48, 16)],
+)
+def test_rows_the_fast_path_cannot_split_are_refused(width, head_dim, group_size):
+    """Fewer than 4 words a row, a word spanning groups, 3 or 16 bits, a head_dim not a power of two."""
+    assert not fast_path_fits(width, head_dim, group_size)
