@@ -66,15 +66,15 @@ class Cq(Scheme):
             raise ValueError(UNBOUND.format(name=self.name))
         return replace(self, fitted=key_calibration.layer(layer))
 
-    def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
+    def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         super().check_head_dim(bits, head_dim, role)
         if head_dim % 8:
             raise ValueError(f"quant.scheme: {self.name} needs a head_dim that is a multiple of 8")
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         return bits * head_dim / 8
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         return 0 if bits == FULL_WIDTH else head_dim * (1 << (self.channels * bits)) * FP16_BYTES
 
     def base_store(

@@ -73,17 +73,17 @@ class Pca(Scheme):
             raise ValueError(UNBOUND)
         return replace(self, fitted=key_calibration.layer(layer))
 
-    def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
+    def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         super().check_head_dim(bits, head_dim, role)
         if head_dim % 8:
             raise ValueError(
                 f"quant.scheme: pca needs a head_dim that is a multiple of 8; the model's is {head_dim}"
             )
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> float:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         return bits * head_dim / 8
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         if bits == FULL_WIDTH:
             return 0
         return (

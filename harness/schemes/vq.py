@@ -77,15 +77,15 @@ class Vq(Scheme):
             raise ValueError(UNBOUND.format(name=self.name))
         return replace(self, fitted=key_calibration.layer(layer))
 
-    def check_head_dim(self, bits: list[int], head_dim: int, role: str = "value") -> None:
+    def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         super().check_head_dim(bits, head_dim, role)
         if head_dim % self.dim:
             raise ValueError(f"quant.scheme: {self.name} needs a head_dim that is a multiple of {self.dim}")
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> int:
         return reference.packed_dim(head_dim, bits) + FP16_BYTES
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         return 0 if bits == FULL_WIDTH else head_dim * FP16_BYTES  # the fitted mean
 
     def base_store(

@@ -86,10 +86,10 @@ class Xlayer(Scheme):
             key_calibration.chain = {}
         return replace(self, fitted=key_calibration.layer(layer), chain=key_calibration.chain, layer=layer)
 
-    def quantized_token_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> int:
         return reference.packed_dim(head_dim, bits) + FP16_BYTES  # the residual's codes and fp16 scale
 
-    def table_bytes(self, bits: int, head_dim: int, role: str = "value") -> int:
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         if bits == FULL_WIDTH:
             return 0
         if self.fitted is None:

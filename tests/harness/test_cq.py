@@ -121,7 +121,10 @@ def test_widths_the_frame_and_an_unbound_scheme():
         assert torch.equal(back.layer(0).key.codebooks[w], cal.layer(0).key.codebooks[w])
     with pytest.raises(ValueError, match="^quant.scheme: cq4 codes channel groups against codebooks"):
         get_scheme("cq4").for_layer(0, cal)  # fitted for pairs, not groups of 4
-    with pytest.raises(ValueError, match="^quant.scheme: cq2 stores quantized heads at 2, 3 bits"):
+    with pytest.raises(
+        ValueError,
+        match=r"^policy.widths: \[4\] with quant.scheme cq2, which stores quantized heads at 2, 3 bits",
+    ):
         get_scheme("cq2").check_widths([4])
 
 

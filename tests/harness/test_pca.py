@@ -295,17 +295,27 @@ def test_positions_follow_starts_at_keep_last_and_select():
 
 def test_bytes_widths_and_an_unbound_scheme():
     scheme = get_scheme("pca")
-    assert [scheme.token_bytes(w, 64) for w in (1, 2, 3, 4, 5, 6, 8, 16)] == [8, 16, 24, 32, 40, 48, 64, 128]
+    assert [scheme.token_bytes(w, 64, "value") for w in (1, 2, 3, 4, 5, 6, 8, 16)] == [
+        8,
+        16,
+        24,
+        32,
+        40,
+        48,
+        64,
+        128,
+    ]
     assert scheme.table_bytes(3, 64, "key") == scheme.table_bytes(5, 64, "value") == 2 * 64 * 64 + 5 * 64
     assert scheme.table_bytes(16, 64, "key") == 0
     with pytest.raises(
-        ValueError, match="^quant.scheme: pca stores quantized heads at 1, 2, 3, 4, 5, 6, 8 bits"
+        ValueError,
+        match=r"^policy.widths: \[7\] with quant.scheme pca, which stores quantized heads at 1, 2, 3, 4, 5, 6, 8 bits",
     ):
         scheme.check_widths([7])
     with pytest.raises(ValueError, match="^quant.scheme: pca stores keys and values against transforms"):
         scheme.new_store([2], D, 1, torch.float32, "cpu", "value")
     with pytest.raises(ValueError, match="multiple of 8"):
-        scheme.check_head_dim([2], 36)
+        scheme.check_head_dim([2], 36, "value")
 
 
 def test_the_frame_round_trips_every_fitted_number():
@@ -378,7 +388,11 @@ def test_tiny_model_through_the_cache_is_the_oracle(name):
     assert (simulated - exact).abs().amax() > 0  # the quantization is felt
     # the fitted tables (held once: more than these few tokens' fp16 bytes) aside, fewer bytes than fp16
     layers = cache.quantized_layers()
-    tables = sum(2 * len(layer.key_bits) * cache.scheme.table_bytes(4, 32) for layer in layers)
+    tables = sum(
+        len(layer.key_bits)
+        * (cache.scheme.table_bytes(4, 32, "key") + cache.scheme.table_bytes(4, 32, "value"))
+        for layer in layers
+    )
     assert 0 < cache.nbytes() - tables < cache.nbytes_fp16()
 
 

@@ -182,7 +182,9 @@ def test_store_is_the_oracle_packed_and_simulated(name, bits, role):
     per_token = sum(bound.token_bytes(w, D, role) for w in bits)
     tables = sum(bound.table_bytes(w, D, role) for w in bits)
     assert packed.nbytes() == B * T * per_token + tables
-    assert tables == (len(bits) - 1) * D * 2 and bound.token_bytes(2, D) == reference.packed_dim(D, 2) + 2
+    assert (
+        tables == (len(bits) - 1) * D * 2 and bound.token_bytes(2, D, role) == reference.packed_dim(D, 2) + 2
+    )
 
 
 @pytest.mark.parametrize("name, bits", [("vq4", 2), ("vq8", 4)])
