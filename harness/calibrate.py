@@ -25,6 +25,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.attention import ENTROPY_PROBE, installed
 from harness.cache import kv_heads
+from harness.data import DEFAULT_CORPUS, source_name
 from harness.io import cache_root, write_parquet_atomic
 
 CACHE_VERSION = 2  # 2: no rows for KV-shared layers
@@ -120,6 +121,13 @@ def model_identity(model, model_name: str) -> str:
     return f"{model_name}|{model.config.to_json_string()}" + ("" if dtype == "float32" else f"|{dtype}")
 
 
+def source_identity(source: str | None) -> str:
+    """What a table cached on disk adds to its identity about the calibration source its windows were cut from
+    (harness.data): nothing for the default corpus (so tables cached before sources had names keep their keys),
+    else '|calibration=' and the source's name. The windows' tokens are part of every key as well."""
+    return "" if source in (None, DEFAULT_CORPUS) else f"|calibration={source_name(source)}"
+
+
 def cache_dir() -> Path:
     return cache_root() / "calibration"
 
@@ -137,11 +145,15 @@ def disk_cached(stem: str, identity: str, input_ids: torch.Tensor, compute) -> p
     return table
 
 
-def cached_head_entropies(model, model_name: str, input_ids: torch.Tensor, i0: int = 32) -> pd.DataFrame:
-    """head_entropies, read from disk when the same model, tokens and i0 were calibrated before."""
+def cached_head_entropies(
+    model, model_name: str, input_ids: torch.Tensor, i0: int = 32, source: str | None = None
+) -> pd.DataFrame:
+    """head_entropies, read from disk when the same model, tokens (from the calibration `source`) and i0 were
+    calibrated before."""
     # The model's config is part of the key: a registry entry that changes its architecture or init (tiny
     # models) must not read another model's statistics.
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{i0}|{tuple(input_ids.shape)}"
+    identity += source_identity(source)
     table = disk_cached(model_name, identity, input_ids, lambda: head_entropies(model, input_ids, i0=i0))
     table.attrs.update(table_attrs(model.config))
     return table

@@ -11,8 +11,9 @@ below are derived.
 Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is a hash of `Point.to_dict()`,
 so a finished point is recognized on re-run whatever order the grid lists it in:
 - the model dtype enters the hash only when it is not float32, the kv policy's key_offset only when it is not
-  0, quant.key_group_size only when it is set, quant.outliers only when it is not 0 and quant.key_levels only
-  when it is not kmeans (KEYED_UNLESS), so points made before those fields were recorded keep their keys;
+  0, quant.key_group_size only when it is set, quant.outliers only when it is not 0, quant.key_levels only
+  when it is not kmeans and eval.calibration.data.path only when it is set (KEYED_UNLESS), so points made
+  before those fields were recorded keep their keys;
 - the peer fields are in the dict only for a peer point (engine not HARNESS), so the harness's own points keep
   the keys they had before peers existed;
 - a point read from a record made before some field existed (`Point.from_dict`) takes today's default for it
@@ -46,6 +47,7 @@ KEYED_UNLESS = {
     "key_group_size": None,
     "outliers": 0.0,
     "key_levels": KMEANS,
+    "calibration_data_path": None,
 }
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
@@ -99,6 +101,8 @@ class Point:
     calibration_sequences: int = _setting("eval.calibration.num_sequences", "calibration")
     calibration_tokens: int = _setting("eval.calibration.tokens", "calibration")
     i0: int = _setting("eval.calibration.i0", "calibration")
+    # the calibration windows' text source; None: eval.data.path's (harness.data.calibration_source)
+    calibration_data_path: str | None = _setting("eval.calibration.data.path", "calibration", None)
     data_path: str | None = _setting("eval.data.path", "context")
     seed: int = _setting("seed", "context")
     engine: str = _setting("sweep.peers.engine", "peer", HARNESS)
@@ -169,7 +173,7 @@ PEER_FIELDS = GROUPS["peer"]
 def key_of(config: Mapping) -> str:
     """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, the
     fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None,
-    outliers 0, key_levels kmeans; see the docstring)."""
+    outliers 0, key_levels kmeans, calibration_data_path None; see the docstring)."""
     config = {k: v for k, v in config.items() if k not in KEYED_UNLESS or v != KEYED_UNLESS[k]}
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

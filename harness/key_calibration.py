@@ -2,8 +2,9 @@
 cache.
 
 The calibration windows (C, Tc) run through the model with a transformers DynamicCache, one window at a time;
-each layer with a KV cache of its own gives the keys it cached: post-RoPE, as they reach a QuantizedKVCache, at
-their positions in the window. Position 0 of every window (the BOS token where the windows carry one, an attention
+each layer with a KV cache of its own gives the keys (and values: `calibration_vectors`, which harness/
+pca_calibration.py fits on too) it cached: post-RoPE, as they reach a QuantizedKVCache, at their positions in the
+window. Position 0 of every window (the BOS token where the windows carry one, an attention
 sink either way) is left out: its keys are unlike any other position's, and quant.sink_tokens=1 keeps it in fp16.
 A sliding-window layer gives the keys its window still holds. Evaluation windows are never read.
 
@@ -21,7 +22,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from harness.calibrate import disk_cached, layer_types, model_identity
+from harness.calibrate import disk_cached, layer_types, model_identity, source_identity
 from harness.schemes.key_table import (
     KMEANS,
     QUANTILE,
@@ -48,12 +49,14 @@ def rotary_frequencies(model, layer_type: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def calibration_keys(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Per decoder layer, the post-RoPE keys it cached for input_ids (C, Tc) and their positions, position 0 of each
-    window left out: (float32 (N, Hkv, D), int64 (N,)); None for a layer without a KV cache of its own."""
+def calibration_vectors(
+    model, input_ids: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
+    """Per decoder layer, the post-RoPE keys and the values it cached for input_ids (C, Tc) and their positions,
+    position 0 of each window left out: (keys float32 (N, Hkv, D), values float32 (N, Hkv, Dv), positions int64
+    (N,)); None for a layer without a KV cache of its own."""
     kinds = layer_types(model.config)
-    keys: list[list[torch.Tensor]] = [[] for _ in kinds]
-    positions: list[list[torch.Tensor]] = [[] for _ in kinds]
+    found: list[list[tuple[torch.Tensor, ...]]] = [[] for _ in kinds]
     for window in input_ids:
         cache = DynamicCache(config=model.config)
         model(input_ids=window[None].to(model.device), past_key_values=cache, use_cache=True)
@@ -61,10 +64,19 @@ def calibration_keys(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor,
             if kind == "linear":
                 continue
             k = cache.layers[i].keys[0].float()  # (Hkv, T_held, D): the last T_held positions of the window
+            v = cache.layers[i].values[0].float()
             at = torch.arange(window.shape[0] - k.shape[1], window.shape[0])
-            keys[i].append(k.transpose(0, 1)[at > 0].cpu())  # (T, Hkv, D)
-            positions[i].append(at[at > 0])
-    return [(torch.cat(k), torch.cat(p)) if k else None for k, p in zip(keys, positions)]
+            keep = at > 0
+            found[i].append((k.transpose(0, 1)[keep].cpu(), v.transpose(0, 1)[keep].cpu(), at[keep]))
+    return [tuple(torch.cat(part) for part in zip(*layer)) if layer else None for layer in found]
+
+
+def calibration_keys(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per decoder layer, the post-RoPE keys it cached for input_ids (C, Tc) and their positions, position 0 of each
+    window left out: (float32 (N, Hkv, D), int64 (N,)); None for a layer without a KV cache of its own."""
+    return [
+        None if layer is None else (layer[0], layer[2]) for layer in calibration_vectors(model, input_ids)
+    ]
 
 
 class _KeyRecorder(DynamicCache):
@@ -126,15 +138,21 @@ def fit_key_calibration(
 
 
 def cached_key_calibration(
-    model, model_name: str, calib_ids: torch.Tensor, span: int, levels: str = KMEANS
+    model,
+    model_name: str,
+    calib_ids: torch.Tensor,
+    span: int,
+    levels: str = KMEANS,
+    source: str | None = None,
 ) -> KeyCalibration:
-    """fit_key_calibration, read from disk when the same model, calibration tokens, span and level fit were
-    fitted before."""
+    """fit_key_calibration, read from disk when the same model, calibration tokens (cut from the calibration
+    `source`), span and level fit were fitted before."""
     identity = (
         f"{CACHE_VERSION}|{model_identity(model, model_name)}|{QUANTILE}|{span}|{tuple(calib_ids.shape)}"
     )
     if levels != KMEANS:  # k-means tables keep the identity they had before the level fits had names
         identity += f"|{levels}"
+    identity += source_identity(source)
     frame = disk_cached(
         f"{model_name}-calkey",
         identity,

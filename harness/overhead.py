@@ -74,7 +74,9 @@ class Contender:
         """Fresh empty caches for the teacher-forced pass (quantize-on-write, as a grid point's)."""
         if self.point is None:
             return evaluate.dynamic_cache_factory(model)
-        return lambda: QuantizedKVCache(model.config, self.bits, self.scheme, prefill="quantized", **self.options)
+        return lambda: QuantizedKVCache(
+            model.config, self.bits, self.scheme, prefill="quantized", **self.options
+        )
 
 
 def parser() -> argparse.ArgumentParser:

@@ -194,6 +194,15 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
         raise ConfigError(f"sweep: {err}") from None
     for point in points:
         _check_point(point, cfg.quant.backend)
+        if (
+            point.engine == HARNESS
+            and point_scheme(point).reads_previous_layer
+            and not cfg.quant.get("simulate")
+        ):
+            raise ConfigError(
+                f"quant.simulate: {point.scheme} reconstructs each layer from the reconstruction of the layer "
+                "below, which only a simulated cache keeps; allowed: true"
+            )
     return points
 
 
@@ -219,13 +228,15 @@ def check_run_dir(cfg: DictConfig) -> None:
 
 @dataclass(frozen=True)
 class Windows:
-    """`count` token windows of `length` cut from one split of the text, and the keys that set them."""
+    """`count` token windows of `length` cut from one split of a text source, and the keys that set them."""
 
     split: str  # "calibration" | "evaluation"
     count: int
     length: int
     keys: tuple[str, str]  # (count key, length key)
     what: str
+    source: str | None  # the text source (harness.data: a corpus name or a path; None: the default)
+    source_key: str = "eval.data.path"  # the config key that names the source
 
 
 @dataclass(frozen=True)
@@ -235,30 +246,31 @@ class ModelInputs:
     model: str
     scheme: Scheme | None  # None: a peer engine's point, stored by that engine
     widths: tuple[int, ...]
-    data_path: str | None
     windows: tuple[Windows, ...]
 
 
 def _inputs_of_point(point: Point) -> ModelInputs:
+    calibration, key = data.calibration_source(point)
     windows = (
         Windows("calibration", point.calibration_sequences, point.calibration_tokens,
-                ("eval.calibration.num_sequences", "eval.calibration.tokens"), "calibration windows"),
+                ("eval.calibration.num_sequences", "eval.calibration.tokens"), "calibration windows",
+                calibration, key),
         Windows("evaluation", point.num_prompts, point.prompt_tokens,
-                ("eval.num_prompts", "eval.prompt_tokens"), "prompts"),
+                ("eval.num_prompts", "eval.prompt_tokens"), "prompts", point.data_path),
         Windows("evaluation", point.num_sequences, point.sequence_tokens,
-                ("eval.num_sequences", "eval.sequence_tokens"), "sequences"),
+                ("eval.num_sequences", "eval.sequence_tokens"), "sequences", point.data_path),
     )  # fmt: skip
     widths = tuple(point.widths)
     scheme = point_scheme(point) if point.engine == HARNESS else None  # a peer engine stores K/V its own way
-    return ModelInputs(point.model, scheme, widths, point.data_path, windows)
+    return ModelInputs(point.model, scheme, widths, windows)
 
 
 def _inputs_of_claim(cfg: DictConfig) -> ModelInputs:
 
     s = settings(cfg)
     keys = ("sweep.claim.num_sequences", "sweep.claim.sequence_tokens")
-    windows = (Windows("evaluation", s.num_sequences, s.sequence_tokens, keys, "sequences"),)
-    return ModelInputs(s.model, get_scheme(s.scheme, s.group_size), s.widths, s.data_path, windows)
+    windows = (Windows("evaluation", s.num_sequences, s.sequence_tokens, keys, "sequences", s.data_path),)
+    return ModelInputs(s.model, get_scheme(s.scheme, s.group_size), s.widths, windows)
 
 
 def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
@@ -290,9 +302,9 @@ def _check_head_dims(inputs: ModelInputs, dims: set[int]) -> None:
 
 
 def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> None:
-    """Every window set fits its split of the text, counted with the model's own tokenizer."""
+    """Every window set fits its split of the text source `data_path`, counted with the model's own tokenizer."""
     try:
-        text = data.split(data_path)
+        text = data.split(data_path, windows[0].source_key)
     except ValueError as err:
         raise ConfigError(str(err).splitlines()[0]) from None
     available = preload.token_counts(model, {"calibration": text.calibration, "evaluation": text.evaluation})
@@ -306,10 +318,10 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
         asked = ", ".join(f"{w.count} x {w.length} = {w.count * w.length} ({w.what})" for w in needs)
         parts.append(f"{split} split {available[split]} tokens, " + (f"needs {asked}" if needs else "unused"))
     keys = list(dict.fromkeys(k for w in short for k in w.keys))
-    source = data_path or "pydoc_data.topics"
+    source_keys = " or ".join(dict.fromkeys(w.source_key for w in short))
     raise ConfigError(
-        f"{' / '.join(keys)}: the text ({source}) is too short for {model}'s windows: {'; '.join(parts)}; "
-        f"lower {' or '.join(keys)}, or give more text with eval.data.path"
+        f"{' / '.join(keys)}: the text ({data.source_name(data_path)}) is too short for {model}'s windows: "
+        f"{'; '.join(parts)}; lower {' or '.join(keys)}, or give more text with {source_keys}"
     )
 
 
@@ -324,6 +336,7 @@ def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:
         _check_head_dims(item, dims[item.model])
     texts: dict[tuple, list[Windows]] = {}
     for item in inputs:
-        texts.setdefault((item.model, item.data_path), []).extend(item.windows)
+        for w in item.windows:
+            texts.setdefault((item.model, w.source or data.DEFAULT_CORPUS), []).append(w)
     for (model, data_path), windows in texts.items():
         _check_text(model, data_path, windows)

@@ -37,7 +37,9 @@ from harness.schemes.base import ROLES
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
-ALLOWED_WIDTHS = (*PACKED_WIDTHS, FULL_WIDTH)  # what a policy may assign; 16 = unquantized
+# what a policy may assign (16 = unquantized): the packed widths, and 1, 5 and 6, which pca stores (a scheme's
+# check_widths refuses those it does not)
+ALLOWED_WIDTHS = tuple(sorted({1, 5, 6, *PACKED_WIDTHS, FULL_WIDTH}))
 BUDGET_MODES = ("exact", "claim")
 BUDGET_UNITS = ("bytes", "bits")
 POINT_KEYS = {"seed": "policy_seed"}  # field -> grid point key, where they differ

@@ -22,8 +22,8 @@ from omegaconf import DictConfig
 
 from harness import data, io
 from harness.config import Point, base_point, compose
+from harness.fitted import cached_fit
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
-from harness.key_calibration import cached_key_calibration
 from harness.models import ModelUnavailable, load_model
 from harness.run.measure import key_span, point_scheme
 from harness.schemes import Scheme
@@ -119,7 +119,8 @@ def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
     windows = data.point_windows(tokenizer, point)
     calibration, sequences = windows.calibration, windows.sequences
     widths = sorted(set(measured_widths(point.widths)) | {args.width})
-    table = cached_sensitivity(model, point.model, calibration, scheme, widths)
+    source, _ = data.calibration_source(point)
+    table = cached_sensitivity(model, point.model, calibration, scheme, widths, source)
     heads = sample_heads(table, args.check_heads, point.seed)
     rows, rho = proxy_check(model, sequences, table, heads, args.width, scheme, point.chunk)
     write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
@@ -135,14 +136,19 @@ def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
 def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
     model, tokenizer = load_model(point.model, dtype=point.dtype)
     calibration = data.point_windows(tokenizer, point).calibration
-    # a calkey point's key tables, as its sweep point fits them (the unit KLs are measured through them)
-    tables = (
-        cached_key_calibration(model, point.model, calibration, key_span(point), point.key_levels)
-        if scheme.key_tables
-        else None
-    )
+    source, _ = data.calibration_source(point)
+    # a calkey (pca) point's key tables (transforms), as its sweep point fits them (the unit KLs are measured
+    # through them)
+    tables = cached_fit(scheme, model, point.model, calibration, key_span(point), point.key_levels, source)
     table = cached_unit_kl(
-        model, point.model, calibration, scheme, point.widths, point.chunk, key_calibration=tables
+        model,
+        point.model,
+        calibration,
+        scheme,
+        point.widths,
+        point.chunk,
+        key_calibration=tables,
+        source=source,
     )
     ids = probe_ids(calibration)  # the sequences the table was measured on
     rows, rho, ratio = additivity_check(

@@ -1,8 +1,9 @@
 """What every point of one model shares, built once per model and evaluation setup: the model (loaded once), its
-token windows (harness.data.point_windows), per-head attention entropies (harness.calibrate, cached on disk) and,
-lazily, the key tables of calkey (harness.key_calibration, fitted on the calibration windows, cached on disk), the
-unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache) and one full-precision
-prefill of the prompts that every point with prefill=exact starts from.
+token windows (harness.data.point_windows: calibration windows from the calibration source, the others from the
+evaluation's), per-head attention entropies (harness.calibrate, cached on disk) and, lazily, the parts fitted on
+the calibration windows (key tables, transforms: harness.key_calibration, cached on disk and keyed by the
+calibration source), the unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache)
+and one full-precision prefill of the prompts that every point with prefill=exact starts from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from harness.capacity import ModelShape, shape_from_config
 from harness.config import CALIBRATION_FIELDS, EVAL_FIELDS, Point
 from harness.io import write_parquet_atomic
 from harness.models import load_model
-from harness.schemes import KeyCalibration, Scheme
+from harness.schemes import FittedParts, Scheme
 
 
 class TableKey(NamedTuple):
@@ -35,8 +36,11 @@ class TableKey(NamedTuple):
 
 
 class KeyFit(NamedTuple):
-    """What fitted key tables depend on within a model context: the positions [0, span) and the level fit."""
+    """What a scheme's fitted parts depend on within a model context: their kind (Scheme.fit) and its variant
+    (Scheme.fit_variant: a rank, channel groups), the positions [0, span) and the level fit."""
 
+    kind: str  # a name in harness.fitted.FITS
+    variant: object
     span: int
     levels: str  # quant.key_levels
 
@@ -74,12 +78,16 @@ class ModelContext:
     shape: ModelShape | None = None  # the cache's layers and heads (harness.capacity), for the byte model
     bos: bool = False  # whether every window starts with the tokenizer's BOS token (eval.bos resolved)
     peer_state: dict = field(default_factory=dict)  # what harness.peers engines share across points, lazily
-    key_calibration: dict[KeyFit, KeyCalibration] = field(default_factory=dict)  # fitted key tables, lazily
+    key_calibration: dict[KeyFit, FittedParts] = field(default_factory=dict)  # fitted parts, lazily
+    data_source: str | None = (
+        None  # eval.data.path: where the prompts and sequences come from (None: default)
+    )
+    calibration_source: str | None = None  # where the calibration windows come from (harness.data)
 
 
 def context_key(point: Point) -> tuple:
     """Points that share a ModelContext (same model, data, sizes, seed, calibration, prefill mode)."""
-    fields = ("model", "dtype", "data_path", "seed", *EVAL_FIELDS, *CALIBRATION_FIELDS)
+    fields = ("model", "dtype", "data_path", "seed", *EVAL_FIELDS, *CALIBRATION_FIELDS)  # both text sources
     return tuple(getattr(point, f) for f in fields)
 
 
@@ -94,9 +102,10 @@ def build_context(
     # the point was checked (harness.validate): its windows fit the model
     windows = data.point_windows(tokenizer, point)
     bos, calib_ids, prompts, sequences = windows.bos, windows.calibration, windows.prompts, windows.sequences
+    calibration_source, _ = data.calibration_source(point)
 
     t = time.perf_counter()
-    entropy = cached_head_entropies(model, point.model, calib_ids, i0=point.i0)
+    entropy = cached_head_entropies(model, point.model, calib_ids, i0=point.i0, source=calibration_source)
     timings["calibrate_s"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -126,4 +135,6 @@ def build_context(
         calib_ids=calib_ids,
         shape=shape_from_config(model.config, point.model),
         bos=bos,
+        data_source=point.data_path,
+        calibration_source=calibration_source,
     )

@@ -13,10 +13,11 @@ from harness.cache import QuantizedKVCache
 from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.capacity import element_price
 from harness.config import HARNESS, Point
-from harness.key_calibration import cached_key_calibration
+from harness.data import source_name
+from harness.fitted import cached_fit
 from harness.policies import from_point as policy_of
 from harness.run.context import KeyFit, MeasurementKey, ModelContext, TableKey
-from harness.schemes import KeyCalibration, Scheme
+from harness.schemes import FittedParts, Scheme
 from harness.schemes import from_point as scheme_of
 from harness.sensitivity import MEASUREMENTS
 from kernels.layout import FULL_WIDTH
@@ -35,7 +36,9 @@ def allocation(ctx: ModelContext, point: Point):
         if key not in ctx.sensitivity:
             measure_table = MEASUREMENTS[key.measurement]
             tables = key_calibration(ctx, point)  # a calkey point's table measures through its key tables
-            extra = {} if tables is None else {"key_calibration": tables}
+            extra = {"source": ctx.calibration_source}
+            if tables is not None:
+                extra["key_calibration"] = tables
             ctx.sensitivity[key] = measure_table(
                 ctx.model, ctx.name, ctx.calib_ids, key.scheme, key.widths, key.chunk, **extra
             )
@@ -60,20 +63,22 @@ def point_scheme(point: Point) -> Scheme:
     return scheme_of(point.group("quant"))
 
 
-def key_calibration(ctx: ModelContext, point: Point) -> KeyCalibration | None:
-    """The fitted key tables of a point whose scheme reads them (calkey), for positions below the point's longest
-    window, its levels fitted as quant.key_levels says: fitted on the context's calibration windows once per span
-    and level fit (cached on disk); None for other schemes."""
-    if not point_scheme(point).key_tables:
+def key_calibration(ctx: ModelContext, point: Point) -> FittedParts | None:
+    """The parts fitted on calibration text that a point's scheme reads (harness.fitted: calkey's key tables for
+    positions below the point's longest window, its levels fitted as quant.key_levels says; pca's transforms):
+    fitted on the context's calibration windows once per kind, span and level fit (cached on disk); None for
+    other schemes."""
+    scheme = point_scheme(point)
+    if not scheme.key_tables:
         return None
     if ctx.calib_ids is None:
         raise ValueError(
             f"quant.scheme: {point.scheme} fits its key tables on the calibration windows; this context has none"
         )
-    fit = KeyFit(key_span(point), point.key_levels)
+    fit = KeyFit(scheme.fit, scheme.fit_variant, key_span(point), point.key_levels)
     if fit not in ctx.key_calibration:
-        ctx.key_calibration[fit] = cached_key_calibration(
-            ctx.model, ctx.name, ctx.calib_ids, fit.span, fit.levels
+        ctx.key_calibration[fit] = cached_fit(
+            scheme, ctx.model, ctx.name, ctx.calib_ids, fit.span, fit.levels, ctx.calibration_source
         )
     return ctx.key_calibration[fit]
 
@@ -160,6 +165,8 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         "resident_bytes": resident,
         "resident_ratio": resident / held,
         "simulate": ctx.simulate,
+        # the measurement mode: each layer reconstructed from the layer below's reconstruction (xlayer)
+        "reads_previous_layer": point_scheme(point).reads_previous_layer,
         "n_sinks": int(alloc.sinks.sum()),
         "tokens_kept_fraction": kept_fraction(caches),
     }
@@ -190,8 +197,14 @@ def allocation_record(alloc) -> dict:
 
 def resolved(ctx: ModelContext) -> dict:
     """What a point's configuration resolved to when it ran (rules that depend on the model or the machine, such
-    as whether the CPU computes bf16 natively): its row records it."""
-    return {"bos_used": ctx.bos, **precision.describe(ctx.model.device.type)}
+    as whether the CPU computes bf16 natively), and the text its windows came from (harness.data.source_name):
+    its row records it."""
+    return {
+        "bos_used": ctx.bos,
+        "data_source": source_name(ctx.data_source),
+        "calibration_source": source_name(ctx.calibration_source),
+        **precision.describe(ctx.model.device.type),
+    }
 
 
 def baseline_record(ctx: ModelContext) -> dict:

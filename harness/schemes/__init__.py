@@ -8,8 +8,8 @@ one YAML file in conf/quant.
 """
 
 # The import order is the registration order (the order of the allowed names in errors); rotate wraps every scheme
-# registered before it, so only codebook, which rotates itself, and calkey, nuqkey and nuqkey_codebook, whose key
-# tables rely on the rotary pairs a rotation would mix, come after it.
+# registered before it, so only codebook, which rotates itself, and calkey, nuqkey, nuqkey_codebook and pca, whose
+# fitted tables rely on the rotary pairs a rotation would mix (and pca on its own basis), come after it.
 # isort: off
 from harness.schemes.base import (
     ROLES,
@@ -33,13 +33,24 @@ from harness.schemes.codebook import Codebook, CodebookStore
 from harness.schemes.calkey import CalKey, CalKeyStore
 from harness.schemes.nuqkey import NuqKey, NuqKeyStore
 from harness.schemes.nuqkey_codebook import NuqKeyCodebook
+from harness.schemes.pca import Pca, PcaStore
+from harness.schemes.xlayer import Xlayer, XlayerStore
+from harness.schemes.vq import Vq, VqStore
+from harness.schemes.cq import Cq, CqStore
 from harness.schemes.key_table import FISHER, FISHER_SQRT, KEY_LEVELS, KMEANS, KeyCalibration, KeyTable
 from harness.schemes.wrappers import FullStore, ResidualStore, SinkStore, starts_at
+from harness.schemes.pca_table import PcaCalibration
+from harness.schemes.xlayer_table import CrossLayerCalibration
+from harness.schemes.cq_table import CqCalibration
 
 # isort: on
 
+# What a scheme with key_tables reads, fitted on calibration text (harness.fitted builds them, Scheme.fit says which)
+FittedParts = KeyCalibration | PcaCalibration | CrossLayerCalibration | CqCalibration
+
 __all__ = [
     "FISHER",
+    "FittedParts",
     "FISHER_SQRT",
     "KEY_LEVELS",
     "KMEANS",
@@ -53,6 +64,8 @@ __all__ = [
     "ChannelStore",
     "Codebook",
     "CodebookStore",
+    "Cq",
+    "CqStore",
     "Fp8",
     "Fp8Store",
     "FullStore",
@@ -62,6 +75,12 @@ __all__ = [
     "NuqKey",
     "NuqKeyCodebook",
     "NuqKeyStore",
+    "Pca",
+    "PcaStore",
+    "Vq",
+    "VqStore",
+    "Xlayer",
+    "XlayerStore",
     "ResidualStore",
     "Rotated",
     "RotatedStore",

@@ -18,8 +18,9 @@ checks it against every store), the capacity arithmetic (harness/capacity.py) su
 quantized KV head whatever its tokens and batch (calkey's fitted key tables; 0 for every other scheme), which
 nbytes() and harness.capacity count; a bytes budget prices tokens, so it leaves them out.
 
-A scheme whose keys read a table fitted offline per layer (`key_tables`: calkey) is bound to its layer's table by
-`for_layer` (QuantizedKVCache does it from its key_calibration); every other scheme ignores the calibration. Where
+A scheme that reads parts fitted offline per layer (`key_tables`: calkey's key tables, pca's transforms; `fit` says
+which, harness.fitted) is bound to its layer's part by `for_layer` (QuantizedKVCache does it from its
+key_calibration); every other scheme ignores the calibration. Where
 that table holds fitted key levels (`fitted_levels`: nuqkey), `key_levels` says how they were fitted (k-means, or
 weighted by the loss's Fisher information) and for_layer refuses tables fitted the other way.
 """
@@ -124,7 +125,10 @@ class Scheme:
     rotated: ClassVar[bool] = False  # rotates head_dim by a Hadamard matrix (a power-of-two head_dim)
     no_eviction: ClassVar[str | None] = None  # what keeps single tokens from being evicted, if anything does
     keeps_outliers: ClassVar[bool] = False  # stores quant.outliers of each key in fp16 (calkey)
-    key_tables: ClassVar[bool] = False  # its keys read a table fitted per layer on calibration text (calkey)
+    key_tables: ClassVar[bool] = False  # it reads parts fitted per layer on calibration text (calkey, pca)
+    fit: ClassVar[str] = "key_tables"  # which parts, when key_tables (harness.fitted.FITS)
+    # its stores predict each layer from the layer below's reconstruction (xlayer): a simulated cache only
+    reads_previous_layer: ClassVar[bool] = False
     fitted_levels: ClassVar[bool] = False  # that table holds fitted key levels (nuqkey), fitted key_levels
 
     def __post_init__(self):
@@ -199,6 +203,11 @@ class Scheme:
         return "quant.key_group_size" if apart else "quant.group_size"
 
     # ------------------------------------------------------------------------------------------ what callers ask
+
+    @property
+    def fit_variant(self) -> object:
+        """What distinguishes this scheme's fitted parts from another of the same `fit` (xlayer: the rank); None."""
+        return None
 
     @property
     def fusable(self) -> bool:

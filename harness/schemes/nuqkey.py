@@ -15,12 +15,8 @@ L (D, 2**b) fp16, k = ceil(outliers * D) outliers:
     deq  = L[c][code]; outliers: the k channels where |y - deq| is largest keep y itself (a 2-byte float: bf16 in
            a bfloat16 model, fp16 otherwise, saturating) with their uint8 channel index
     out  = deq with each pair turned by +p * theta_i, cast to the store's dtype saturating
-The store knows each token's position: the token after the sink tokens starts at position sink_tokens (or where
-`starts_at` says, for a sliding window that has already dropped the first tokens), held tokens are contiguous
-positions ending at the last one appended, and only after an eviction that keeps scattered tokens (`select`) does
-it keep their positions, int32 (B, T), counted in its bytes. A batch row's positions are the cache's token count,
-as every other cache here assumes (a left-padded row is quantized in a frame turned by its padding: still exact
-to turn back, a little worse for the levels).
+The store knows each token's position (harness/schemes/rotary.py's TokenPositions: the token after the sink tokens
+starts at position sink_tokens; after a scattered eviction the positions are kept, int32, counted in its bytes).
 
 Bytes: a key token costs packed_dim(D, b) + 3 k bytes, the same as calkey's; the layer's levels, 2**b fp16 per
 channel of each quantized head at width b, are held once per store (Scheme.table_bytes) and counted in nbytes().
@@ -36,10 +32,11 @@ import torch
 from harness.schemes.base import register
 from harness.schemes.calkey import CalKey, CalKeyStore, Encoded, outlier_dtype, saturating_cast
 from harness.schemes.key_table import LEVEL_WIDTHS, KeyTable
+from harness.schemes.rotary import POSITION_BYTES, TokenPositions, turn
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
-POSITION_BYTES = 4  # int32 positions, held only after a scattered eviction
+__all__ = ["POSITION_BYTES", "NuqKey", "NuqKeyStore", "level_values", "nearest_level", "turn"]
 
 
 @register
@@ -61,21 +58,6 @@ class NuqKey(CalKey):
     ):
         k = self.outlier_count(head_dim)
         return NuqKeyStore(bits, head_dim, batch, dtype, device, self.table, k, self.sink_tokens, simulate)
-
-
-def turn(x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
-    """x (B, H, T, D) float32 with each rotary pair (i, i + R / 2) turned by angle (B or 1, 1, T, R / 2) radians;
-    channels past R unchanged."""
-    half = angle.shape[-1]
-    if not half:
-        return x
-    a, b = x[..., :half], x[..., half : 2 * half]
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    out = torch.empty_like(x)
-    torch.mul(a, cos, out=out[..., :half]).sub_(b * sin)
-    torch.mul(b, cos, out=out[..., half : 2 * half]).add_(a * sin)
-    out[..., 2 * half :] = x[..., 2 * half :]
-    return out
 
 
 def nearest_level(y: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
@@ -118,39 +100,21 @@ class NuqKeyStore(CalKeyStore):
         super().__init__(bits, head_dim, batch, dtype, device, table, outliers, simulate)
         # per width w: the levels of its heads, fp16 (Hw, D, 2**w) (stored bytes, counted once)
         self.levels = {w: table.levels[w].to(device).index_select(0, self.heads[w]) for w in self.widths}
-        self.theta = table.rotary_frequencies.to(device)  # (R / 2,) float32
-        self.next_position = first_position  # the sequence position of the next token appended
-        self.positions: torch.Tensor | None = None  # int32 (B, T) after a scattered eviction; else contiguous
+        self.positions = TokenPositions(table.rotary_frequencies, batch, device, first_position)
         self._new: torch.Tensor | None = None  # during append: the positions (1, Tn) of the tokens appended
 
     def starts_at(self, position: int) -> None:
         """The next token appended sits at sequence position `position`."""
-        assert self.length == 0, "starts_at: the store already holds tokens"
-        self.next_position = position
-
-    def _angle(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions (B or 1, T) -> the angles (B or 1, 1, T, R / 2) each rotary pair turns by there."""
-        return (positions.double()[..., None] * self.theta.double()).float()[:, None]
-
-    def held_positions(self, start: int, end: int) -> torch.Tensor:
-        """The sequence positions of held tokens [start, end): (B or 1, end - start) int64."""
-        if self.positions is not None:
-            return self.positions[:, start:end].long()
-        first = self.next_position - self.length
-        return torch.arange(first + start, first + end, device=self.device)[None]
+        self.positions.starts_at(position, self.length)
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
-        Tn = x.shape[2]
-        self._new = torch.arange(self.next_position, self.next_position + Tn, device=self.device)[None]
-        if self.positions is not None:
-            self.positions = torch.cat([self.positions, self._new.int().expand(self.batch, Tn)], 1)
+        self._new = self.positions.new(x.shape[2])
         out = super().append(x)
-        self.next_position += Tn
         self._new = None
         return out
 
     def encode(self, x: torch.Tensor, w: int) -> tuple[Encoded, torch.Tensor]:
-        angle = self._angle(self._new)
+        angle = self.positions.angle(self._new)
         y = turn(x.to(torch.float32).clamp(-reference.FP16_MAX, reference.FP16_MAX), -angle)  # (B, Hw, Tn, D)
         levels = self.levels[w].float()
         code = nearest_level(y, levels)
@@ -165,23 +129,19 @@ class NuqKeyStore(CalKeyStore):
         code = reference.unpack(part.codes, w, self.head_dim)
         deq = level_values(code, self.levels[w].float())
         deq = deq.scatter(-1, part.outlier_index.long(), part.outlier_values.float())
-        return saturating_cast(turn(deq, self._angle(self.held_positions(start, end))), self.dtype)
+        angle = self.positions.angle(self.positions.held(start, end, self.length))
+        return saturating_cast(turn(deq, angle), self.dtype)
 
     def table_nbytes(self) -> int:
         return sum(lv.numel() for lv in self.levels.values()) * FP16_BYTES
 
     def nbytes(self) -> int:
-        positions = 0 if self.positions is None else self.positions.numel() * POSITION_BYTES
-        return super().nbytes() + positions
+        return super().nbytes() + self.positions.nbytes()
 
     def keep_last(self, n: int) -> None:
-        start = max(self.length - n, 0)
-        if self.positions is not None:
-            self.positions = self.positions[:, start:].clone()
+        self.positions.keep_last(n, self.length)
         super().keep_last(n)
 
     def select(self, index: torch.Tensor) -> None:
-        self.positions = torch.gather(
-            self.held_positions(0, self.length).expand(self.batch, -1), 1, index
-        ).int()  # (B, n)
+        self.positions.select(index, self.length)
         super().select(index)

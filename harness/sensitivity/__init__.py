@@ -42,7 +42,7 @@ import torch
 
 from harness import evaluate
 from harness.attention import SENSITIVITY_PROBE, installed
-from harness.calibrate import disk_cached, layer_types, model_identity
+from harness.calibrate import disk_cached, layer_types, model_identity, source_identity
 from harness.policies import quantized_widths
 from harness.schemes import Scheme
 from harness.sensitivity.common import cache_shape, quantized_factory, spearman
@@ -155,15 +155,21 @@ def head_sensitivity(
 
 
 def cached_sensitivity(
-    model, model_name: str, input_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int] = PACKED_WIDTHS
+    model,
+    model_name: str,
+    input_ids: torch.Tensor,
+    scheme: Scheme,
+    widths: Sequence[int] = PACKED_WIDTHS,
+    source: str | None = None,
 ) -> pd.DataFrame:
     """head_sensitivity, read from disk (calibration's cache dir) when measured before with the same model,
-    model config, calibration tokens, scheme (name, group size, options) and widths."""
+    model config, calibration tokens (cut from the calibration `source`), scheme (name, group size, options) and
+    widths."""
     widths = measured_widths(widths)
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
     identity = (
         f"{CACHE_VERSION}|{model_identity(model, model_name)}|{options}|{widths}|{tuple(input_ids.shape)}"
-    )
+    ) + source_identity(source)
     table = disk_cached(
         f"{model_name}-sensitivity",
         identity,
@@ -224,16 +230,23 @@ def proxy_check(
 
 
 def _proxy(
-    model, model_name: str, calib_ids: torch.Tensor, scheme: Scheme, widths: Sequence[int], chunk: int
+    model,
+    model_name: str,
+    calib_ids: torch.Tensor,
+    scheme: Scheme,
+    widths: Sequence[int],
+    chunk: int,
+    source: str | None = None,
 ):
     """cached_sensitivity under the measurements' common signature (one forward pass: no chunks)."""
-    return cached_sensitivity(model, model_name, calib_ids, scheme, widths)
+    return cached_sensitivity(model, model_name, calib_ids, scheme, widths, source)
 
 
 # The tables a policy may declare (Policy.measurement): name -> f(model, model name, calibration ids (C, T),
-# scheme, widths, chunk[, key_calibration=]) -> the table, measured once and cached on disk.
+# scheme, widths, chunk[, key_calibration=][, source=]) -> the table, measured once and cached on disk (source:
+# the calibration source the ids were cut from, harness.calibrate.source_identity).
 MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
-# Those that measure through caches, and so take a scheme's fitted key tables (key_calibration=, calkey); the
+# Those that measure through caches, and so take a scheme's fitted parts (key_calibration=: calkey, pca, ...); the
 # proxy stores each head through the scheme alone, without them.
 READS_KEY_TABLES = frozenset({"unit_kl"})
 

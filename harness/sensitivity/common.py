@@ -12,7 +12,7 @@ import torch
 from harness import evaluate
 from harness.cache import QuantizedKVCache, kv_heads
 from harness.calibrate import layer_types
-from harness.schemes import KeyCalibration, Scheme
+from harness.schemes import FittedParts, Scheme
 
 
 def cache_shape(model) -> tuple[int, int]:
@@ -34,11 +34,11 @@ def quantized_factory(
     scheme: Scheme,
     key_bits: torch.Tensor,
     value_bits: torch.Tensor,
-    key_calibration: KeyCalibration | None = None,
+    key_calibration: FittedParts | None = None,
 ) -> evaluate.CacheFactory:
     """Fresh QuantizedKVCaches storing keys at key_bits and values at value_bits (int64 [num_layers,
     num_kv_heads]) in `scheme` with quantize-on-write (prefill=quantized), as the teacher-forced metrics do;
-    key_calibration: the fitted key tables a scheme with key_tables (calkey) reads.
+    key_calibration: the fitted parts a scheme with key_tables reads (harness.fitted).
     simulate: the model's own attention reads a dequantized working copy (a quality measurement, the same
     numbers as the packed path within float summation order)."""
     return partial(

@@ -33,9 +33,9 @@ import pandas as pd
 import torch
 
 from harness import evaluate
-from harness.calibrate import disk_cached, model_identity
+from harness.calibrate import disk_cached, model_identity, source_identity
 from harness.policies import quantized_widths
-from harness.schemes import KeyCalibration, Scheme
+from harness.schemes import FittedParts, Scheme
 from harness.schemes.base import ROLES
 from harness.sensitivity.common import cache_shape, cached_heads, quantized_factory, spearman
 from kernels.layout import FULL_WIDTH
@@ -77,11 +77,11 @@ def allocation_kl(
     value_bits: torch.Tensor,
     base: evaluate.TeacherForced,
     chunk: int,
-    key_calibration: KeyCalibration | None = None,
+    key_calibration: FittedParts | None = None,
 ) -> float:
     """Mean KL(p_base || p) per scored position (nats) of input_ids (S, T) teacher-forced through a cache storing
     keys at key_bits and values at value_bits (int64 [num_layers, num_kv_heads]); base: the unquantized run;
-    key_calibration: the fitted key tables of a scheme that reads them (calkey)."""
+    key_calibration: the fitted parts of a scheme that reads them (calkey's key tables, pca's transforms, ...)."""
     factory = quantized_factory(model, scheme, key_bits, value_bits, key_calibration)
     run = evaluate.teacher_forced(
         model, input_ids, factory, chunk=chunk, batch_size=len(input_ids), baseline=base
@@ -96,7 +96,7 @@ def unit_kl_table(
     scheme: Scheme,
     widths: Sequence[int],
     chunk: int = 128,
-    key_calibration: KeyCalibration | None = None,
+    key_calibration: FittedParts | None = None,
 ) -> pd.DataFrame:
     """The KL of every cached unit alone at every quantized width in `widths`, on input_ids (S, T) (through caches
     reading key_calibration's tables, for a scheme with key_tables).
@@ -132,17 +132,19 @@ def cached_unit_kl(
     chunk: int = 128,
     sequences: int = PROBE_SEQUENCES,
     tokens: int = PROBE_TOKENS,
-    key_calibration: KeyCalibration | None = None,
+    key_calibration: FittedParts | None = None,
+    source: str | None = None,
 ) -> pd.DataFrame:
     """unit_kl on probe_ids(calib_ids, sequences, tokens), read from disk (calibration's cache dir) when measured
-    before with the same model, model config, probe tokens, scheme (name, group size, options), widths, chunk
-    and fitted key tables (key_calibration, for a scheme that reads them)."""
+    before with the same model, model config, probe tokens (cut from the calibration `source`), scheme (name,
+    group size, options), widths, chunk and fitted key tables (key_calibration, for a scheme that reads them)."""
     quantized = quantized_widths(widths)
     ids = probe_ids(calib_ids, sequences, tokens)
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{options}|{quantized}|{tuple(ids.shape)}|{chunk}"
     if key_calibration is not None:  # tables without one keep their keys
         identity += f"|{key_calibration.digest()}"
+    identity += source_identity(source)
     table = disk_cached(
         f"{model_name}-unit-kl",
         identity,
@@ -219,7 +221,7 @@ def additivity_check(
     budget: float | None = None,
     seed: int = 0,
     chunk: int = 128,
-    key_calibration: KeyCalibration | None = None,
+    key_calibration: FittedParts | None = None,
 ) -> tuple[pd.DataFrame, float, float]:
     """Predicted (summed unit KL) against measured KL of `count` random joint allocations (random_allocations),
     on input_ids (S, T): the probe sequences the table was measured on (with the key tables it was measured

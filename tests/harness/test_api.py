@@ -136,7 +136,7 @@ def test_allocation_files_round_trip(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("values", [
-    {"policy": "x", "key_bits": [[4, 5]], "value_bits": [[4, 4]]},
+    {"policy": "x", "key_bits": [[4, 7]], "value_bits": [[4, 4]]},
     {"policy": "x", "key_bits": [[4, 4.5]], "value_bits": [[4, 4]]},
     {"policy": "x", "key_bits": [[4, 4]], "value_bits": [[4]]},
     {"policy": "x", "key_bits": [[4, 0]], "value_bits": [[4, 4]]},

@@ -392,7 +392,12 @@ def test_the_tables_come_from_the_calibration_windows_only(tmp_path, monkeypatch
 
     def context(calib_ids, sequences):
         return SimpleNamespace(
-            model=model, name="tiny-llama", calib_ids=calib_ids, sequences=sequences, key_calibration={}
+            model=model,
+            name="tiny-llama",
+            calib_ids=calib_ids,
+            sequences=sequences,
+            key_calibration={},
+            calibration_source=None,
         )
 
     first = context(calib, torch.randint(0, 256, (2, 24), generator=g))
@@ -423,7 +428,9 @@ def test_missing_calibration_is_a_one_line_error():
         scheme().new_store([4], D, 1, torch.float32, "cpu", "key")
     assert scheme().new_store([4], D, 1, torch.float32, "cpu", "value").length == 0  # values need no table
     point = base_point(compose_point(["model=tiny-llama", "quant=calkey", "eval=tiny"]))
-    ctx = SimpleNamespace(model=model, name="tiny-llama", calib_ids=None, key_calibration={})
+    ctx = SimpleNamespace(
+        model=model, name="tiny-llama", calib_ids=None, key_calibration={}, calibration_source=None
+    )
     with pytest.raises(
         ValueError, match="^quant.scheme: calkey fits its key tables on the calibration windows"
     ):
@@ -496,7 +503,9 @@ def test_the_measured_policy_measures_calkey_units_through_the_points_key_tables
 
     model, tokenizer = load_model("tiny-llama")
     calib = data.point_windows(tokenizer, point).calibration
-    ctx = SimpleNamespace(model=model, name="tiny-llama", calib_ids=calib, key_calibration={})
+    ctx = SimpleNamespace(
+        model=model, name="tiny-llama", calib_ids=calib, key_calibration={}, calibration_source=None
+    )
     fitted = key_calibration(ctx, point)
     other = fit_key_calibration(
         model, torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(3)), 64

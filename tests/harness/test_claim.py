@@ -170,7 +170,7 @@ def test_rows_validate_and_bad_input_names_its_key():
         ("sweep.protocol=claims", r"^sweep.protocol: unknown 'claims'; allowed: runner, claim"),
         ("sweep.models=[smollm2-135m,gpt2]", r"^sweep.models: the claim protocol runs one model per run"),
         ("sweep.claim.budget=9", r"^sweep.claim.budget: 9 is not allowed"),
-        ("sweep.claim.widths=[2,5]", r"^sweep.claim.widths: 5 is not an allowed width"),
+        ("sweep.claim.widths=[2,7]", r"^sweep.claim.widths: 7 is not an allowed width"),
         ("policy.entropy_key=H3", r"^policy.entropy_key: unknown 'H3'"),
         (
             "quant.scheme=kivi",

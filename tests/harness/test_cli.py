@@ -25,7 +25,10 @@ def compose_cfg(*overrides):
     "override, message",
     [
         ("policy.name=entropyy", r"^policy.name: unknown 'entropyy' \(did you mean entropy\?\); allowed: "),
-        ("policy.widths=[2,5]", r"^policy.widths: 5 is not an allowed width; allowed: 2, 3, 4, 8, 16"),
+        (
+            "policy.widths=[2,7]",
+            r"^policy.widths: 7 is not an allowed width; allowed: 1, 2, 3, 4, 5, 6, 8, 16",
+        ),
         ("policy.budget=9", r"^policy.budget: .*9"),
         ("policy.budget=1.5", r"^policy.budget: .*1.5"),
         ("policy.alpha=abc", r"^policy.alpha: .*'abc'"),
@@ -167,7 +170,8 @@ BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it
     (["run_dir=/proc/nope"], "run_dir", ["not writable"]),
     (["threads=0"], "threads", ["positive integer"]),
     (["model=nope"], "model", ["allowed: "]),
-    (["policy.widths=[2,5]"], "policy.widths", ["allowed: 2, 3, 4, 8, 16"]),
+    (["policy.widths=[2,7]"], "policy.widths", ["allowed: 1, 2, 3, 4, 5, 6, 8, 16"]),
+    (["policy.widths=[2,5]"], "policy.widths", ["asym_token", "2, 3, 4, 8 bits", "allowed: 2, 3, 4, 8, 16"]),
     (["policy.budget=9"], "policy.budget", []),
     (["policy.alpha=abc"], "policy.alpha", ["'abc'"]),
     (["policy.sink_fraction=1.5"], "policy.sink_fraction", ["[0, 1]"]),

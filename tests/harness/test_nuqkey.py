@@ -227,8 +227,8 @@ def test_positions_follow_starts_at_keep_last_and_select():
     expected = torch.stack([kept[b, :, index[b]] for b in range(B)])
     torch.testing.assert_close(store.dequantize().double(), expected.float().double(), atol=1e-4, rtol=1e-4)
     base = store.parts[1]
-    assert base.positions.dtype == torch.int32 and base.positions.shape == (B, 5)
-    assert torch.equal(base.positions[0].long(), start + 8 + index[0])
+    assert base.positions.kept.dtype == torch.int32 and base.positions.kept.shape == (B, 5)
+    assert torch.equal(base.positions.kept[0].long(), start + 8 + index[0])
     tables = sum(bound.table_bytes(b, D, "key") for b in BITS)
     assert before == pytest.approx(tables + sum(B * T * bound.token_bytes(b, D, "key") for b in BITS))
     assert store.nbytes() == pytest.approx(
@@ -415,7 +415,12 @@ def test_the_levels_come_from_the_calibration_windows_only(tmp_path, monkeypatch
 
     def context(calib_ids, sequences):
         return SimpleNamespace(
-            model=model, name="tiny-llama", calib_ids=calib_ids, sequences=sequences, key_calibration={}
+            model=model,
+            name="tiny-llama",
+            calib_ids=calib_ids,
+            sequences=sequences,
+            key_calibration={},
+            calibration_source=None,
         )
 
     first = context(calib, torch.randint(0, 256, (2, 24), generator=g))

@@ -283,7 +283,7 @@ GOOD = {
     [
         ({"policy": "entropie"}, "policy.name", "did you mean entropy"),
         ({"policy": None}, "policy.name", "allowed: uniform"),
-        ({"widths": [2, 5]}, "policy.widths", "5 is not an allowed width; allowed: 2, 3, 4, 8, 16"),
+        ({"widths": [2, 7]}, "policy.widths", "7 is not an allowed width; allowed: 1, 2, 3, 4, 5, 6, 8, 16"),
         ({"widths": []}, "policy.widths", "quantized width"),
         ({"widths": [16]}, "policy.widths", "quantized width"),
         (

@@ -285,7 +285,7 @@ def synthetic(key: str, policy: str, budget: int, alpha: float = 0.0, threshold=
         "key": key,
         "status": "ok",
         "config": config,
-        "metrics": {"bleu": 0.5, "bytes_per_token": 10.0 * budget},
+        "metrics": {"bleu": 0.5, "bytes_per_token": 10.0 * budget, "compression_true": 16 / budget},
         "allocation": {"bits": [[budget]]},
     }
 
@@ -377,7 +377,8 @@ def test_committed_tables_regenerate_identically(run_dir, tmp_path):
 
 def test_a_pareto_plot_of_many_policies_has_one_legend_entry_per_scheme_and_family():
     """39 configurations (13 policies x 3 schemes) over 3 budgets: colours are schemes, markers policy families,
-    the legend lists each once (and the frontier and unquantized lines); KL is on a log axis."""
+    the legend lists each once (and the frontier, its rings and the unquantized line); kl_mean and ppl_ratio - 1
+    are on log axes, x is true compression on a log axis."""
     rng = np.random.default_rng(0)
     policies = [
         ("uniform", {}),
@@ -420,16 +421,21 @@ def test_a_pareto_plot_of_many_policies_has_one_legend_entry_per_scheme_and_fami
         "sensitivity",
         "layerwise",
     }
-    lines = {"Pareto frontier", "unquantized"}
+    lines = {"Pareto frontier", "on the frontier", "unquantized"}
 
     fig = plots.plot_pareto(frame, "m")
     kl = fig.axes[0]
-    assert len(kl.collections) == len(schemes) * 13  # every configuration drawn, one collection each
+    drawn = [c for c in kl.collections if c.get_label() != "on the frontier"]
+    assert len(drawn) == len(schemes) * 13  # every configuration drawn, one collection each
     legend = [t.get_text() for legend in fig.legends for t in legend.get_texts()]
-    assert len(legend) <= len(schemes) + len(families) + len(lines)
     assert sorted(legend) == sorted({*schemes, *families, *lines})
-    assert kl.get_ylabel().startswith("kl_mean") and kl.get_yscale() == "log"
-    assert [ax.get_yscale() for ax in fig.axes[1:4]] == ["linear"] * 3
+    assert kl.get_ylabel().startswith("kl_mean") and fig.axes[1].get_ylabel().startswith("ppl_ratio - 1")
+    assert [ax.get_yscale() for ax in fig.axes] == ["log", "log", "linear", "linear"]
+    assert {ax.get_xscale() for ax in fig.axes} == {"log"}
+    assert kl.get_xlabel().startswith("true compression")
+    # x is true compression: uniform's budget-2 point (8x) lies right of its budget-4 point (4x)
+    offsets = {c.get_label(): c.get_offsets() for c in drawn}
+    assert sorted(offsets["asym_token: uniform"][:, 0].tolist()) == [4.0, 16 / 3, 8.0]
 
     one = plots.plot_pareto(frame, "m", "kivi")
     legend = [t.get_text() for legend in one.legends for t in legend.get_texts()]
@@ -437,3 +443,94 @@ def test_a_pareto_plot_of_many_policies_has_one_legend_entry_per_scheme_and_fami
     by_label = {c.get_label(): c for c in one.axes[0].collections}
     shape = {k: tuple(c.get_paths()[0].vertices.round(3).ravel()) for k, c in by_label.items()}
     assert shape["entropy a=0.25"] == shape["entropy a=1"] != shape["uniform"]  # a marker per family
+
+
+def crowded_frame(variants: int, seed: int) -> pd.DataFrame:
+    """A frontier-like run: `variants` storage variants of 6 scheme families (long option labels), each at 3
+    budgets under uniform and measured, a ppl_ratio spanning 1.001 to 61, and two llama.cpp peers."""
+    rng = np.random.default_rng(seed)
+    schemes = ("asym_token", "rotate+asym_token", "kivi", "codebook", "calkey", "nuqkey", "nuqkey_codebook")
+    records = []
+    for v in range(variants):
+        scheme = schemes[v % len(schemes)]
+        options = dict(
+            outliers=[0.0, 0.01, 0.02][v % 3],
+            sink_tokens=v % 2,
+            key_levels=["kmeans", "fisher", "fisher_sqrt"][(v // 3) % 3],
+            key_group_size=[None, 128][(v // 7) % 2],
+            group_size=32,
+        )
+        for budget in (2, 3, 4):
+            for policy in ("uniform", "measured"):
+                record = synthetic(f"{v}-{budget}-{policy}", policy, budget)
+                record["config"].update(scheme=scheme, **options)
+                compression = 16 / (budget + rng.uniform(0.1, 1.0))
+                record["metrics"].update(
+                    compression_true=compression,
+                    kl_mean=float(np.exp(rng.uniform(-7, 1.5))),
+                    ppl_ratio=float(1 + np.exp(rng.uniform(-7, 4.1))),
+                    token_match=float(rng.uniform(0.1, 0.9)),
+                )
+                records.append(record)
+    for cache, rotation, compression in (("q4_0", True, 3.56), ("q8_0", False, 1.88), ("f16", False, 1.0)):
+        peer = synthetic(cache, "llamacpp", 4)
+        peer["config"].update(engine="llamacpp", scheme=cache, rotation=rotation)
+        peer["metrics"].update(compression_true=compression, kl_mean=0.05, ppl_ratio=1.06, bleu=None)
+        records.append(peer)
+    return results.table(records)
+
+
+def inside(box, outer, slack: float = 0.5) -> bool:
+    return (
+        box.x0 >= outer.x0 - slack
+        and box.x1 <= outer.x1 + slack
+        and box.y0 >= outer.y0 - slack
+        and box.y1 <= outer.y1 + slack
+    )
+
+
+@pytest.mark.parametrize("variants", [1, 9, 30])
+def test_the_pareto_legend_stays_inside_the_figure_and_off_the_panels(variants):
+    """However many storage variants a run has, its one legend lies inside the figure and overlaps no panel
+    (the plot before this test ran two legends off the figure's right edge); x tick labels never touch."""
+    frame = crowded_frame(variants, seed=variants)
+    for scheme in (None, "nuqkey_codebook" if variants > 6 else "asym_token"):
+        fig = plots.plot_pareto(frame, "m", scheme)
+        fig.draw_without_rendering()
+        renderer = fig.canvas.get_renderer()
+        assert len(fig.legends) == 1
+        box = fig.legends[0].get_window_extent(renderer)
+        assert inside(box, fig.bbox), (box, fig.bbox)
+        for ax in fig.axes:
+            assert not box.overlaps(ax.get_tightbbox(renderer)), ax.get_ylabel()
+            labels = [t for t in ax.get_xticklabels() if t.get_text() and t.get_visible()]
+            extents = sorted((t.get_window_extent(renderer) for t in labels), key=lambda b: b.x0)
+            assert all(a.x1 < b.x0 for a, b in zip(extents, extents[1:])), [t.get_text() for t in labels]
+            assert all(t.get_text().endswith("x") for t in labels)
+
+
+def test_the_frontier_is_ringed_and_peers_are_filled_and_larger():
+    frame = crowded_frame(9, seed=3)
+    fig = plots.plot_pareto(frame, "m")
+    ppl = fig.axes[1]  # ppl_ratio - 1
+    rings = next(c for c in ppl.collections if c.get_label() == "on the frontier")
+    ours = frame[(frame["engine"] == "harness") & (frame["policy"] != "baseline")]
+    # the frontier by hand: no other point at the same or more compression has a lower ppl_ratio
+    best = [
+        r
+        for r in ours.to_dict("records")
+        if not any(
+            o["compression_true"] >= r["compression_true"] and o["ppl_ratio"] < r["ppl_ratio"]
+            for o in ours.to_dict("records")
+            if o is not r
+        )
+    ]
+    expected = sorted((r["compression_true"], r["ppl_ratio"] - 1) for r in best)
+    got = sorted(map(tuple, rings.get_offsets().tolist()))
+    np.testing.assert_allclose(got, expected)
+    peers = [c for c in ppl.collections if c.get_label().startswith("llama.cpp")]
+    assert {c.get_label() for c in peers} == {"llama.cpp q4_0 + rotation", "llama.cpp q8_0"}  # not f16 (1x)
+    mine = [c for c in ppl.collections if c not in peers and c is not rings]
+    assert all(c.get_facecolors()[0][3] > 0 for c in peers)  # filled
+    assert all(len(c.get_facecolors()) == 0 for c in mine)  # hollow
+    assert min(c.get_sizes()[0] for c in peers) > max(c.get_sizes()[0] for c in mine)

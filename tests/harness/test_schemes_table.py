@@ -6,7 +6,8 @@
   reports, with and without sink tokens, a residual window and key groups apart from the values';
 - every store, and every store inside it, satisfies the Store protocol;
 - constant and zero groups give no NaN or inf, and zeros come back exact.
-A scheme whose keys read a fitted table (calkey, nuqkey) is bound to one fitted on the test's keys (`ready`).
+A scheme that reads fitted tables (calkey, nuqkey: key tables; pca: transforms) is bound to ones fitted on the test's
+keys and values (`ready`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,12 @@ from harness.schemes import (
     get_scheme,
     point_fields,
 )
+from harness.schemes.cq_table import CqCalibration, CqLayer
+from harness.schemes.cq_table import fit_table as fit_codebooks_table
 from harness.schemes.key_table import fit_table
+from harness.schemes.pca_table import PcaCalibration, PcaLayer
+from harness.schemes.pca_table import fit_table as fit_transform
+from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
 from kernels.layout import FULL_WIDTH, PackedStore
 from kernels.reference import hadamard_rotate
 
@@ -47,6 +53,8 @@ class Case:
     name: str
     step: Callable[[int], float] = integer_step  # bits -> error bound relative to the head's absmax
     zero_keys_exact: bool = True  # whether a key of zeros comes back exact
+    zero_values_exact: bool = True  # whether a value of zeros comes back exact
+    simulated_only: bool = False  # its stores keep their reconstruction (xlayer): built with simulate=True
 
 
 CASES = [
@@ -70,6 +78,29 @@ CASES = [
     Case("nuqkey", step=lambda bits: 4.0, zero_keys_exact=False),
     # nuqkey's keys and codebook's values: the looser of the two bounds.
     Case("nuqkey_codebook", step=lambda bits: 4.0, zero_keys_exact=False),
+    # A transform fitted on the test's vectors: at 1 bit per element most components are dropped, so a bound of
+    # the head's absmax a few times over (test_pca.py checks the format exactly against its oracle); a vector of
+    # zeros comes back as the fitted mean and its nearest levels, not zeros.
+    Case("pca", step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False),
+    # Cross-layer prediction with one layer and no layer below (`ready`: a bias per head, no inputs): codebook's
+    # format on the residual from that bias, so codebook's bound (the residual's absmax is at most about twice the
+    # head's); zeros come back as the bias plus its nearest levels. test_xlayer.py checks layers that predict.
+    *(
+        Case(name, step=lambda bits: 2.0, zero_keys_exact=False, zero_values_exact=False, simulated_only=True)
+        for name in ("xlayer", "xlayer_r32", "xlayer_r8")
+    ),
+    # Fixed grids after the fitted mean and the rotation: a loose bound, as pca's (test_vq.py checks the format
+    # exactly against its oracle); zeros come back as the mean plus its nearest grid points.
+    *(
+        Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False)
+        for name in ("vq2", "vq4", "vq8")
+    ),
+    # Codebooks fitted on the test's vectors: each group to its nearest centroid, so within the data's span (a loose
+    # bound as pca's; test_cq.py checks the format against its oracle); zeros come back as their nearest centroids.
+    *(
+        Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False)
+        for name in ("cq2", "cq4")
+    ),
 ]
 IDS = [case.name for case in CASES]
 G, B, D = 8, 3, 32
@@ -88,6 +119,17 @@ def ready(scheme: Scheme, heads: int, x: torch.Tensor | None = None) -> Scheme:
     if not scheme.key_tables:
         return scheme
     keys = torch.randn(64, heads, D) if x is None else x.transpose(1, 2).reshape(-1, heads, D)
+    if scheme.fit == "pca":  # keys and values alike, on the same vectors; no rotary pairs
+        layer = PcaLayer(fit_transform(keys), fit_transform(keys), torch.zeros(D))
+        return scheme.for_layer(0, PcaCalibration((layer,)))
+    if scheme.fit == "cq":  # keys and values alike, on the same vectors; no rotary pairs
+        table = fit_codebooks_table(keys, scheme.channels)
+        return scheme.for_layer(0, CqCalibration((CqLayer(table, table, torch.zeros(D)),), scheme.channels))
+    if scheme.fit == "xlayer":  # one layer, no layer below: each head predicted by its mean (no inputs)
+        bias = keys.mean(0).half()  # (H, D)
+        first = Predictor(bias, weight=torch.zeros(heads, 0, D).half())
+        layer = CrossLayerLayer(first, first, torch.zeros(D), None)
+        return scheme.for_layer(0, CrossLayerCalibration((layer,), scheme.rank))
     table = fit_table(keys, torch.arange(len(keys)), torch.ones(D // 2), span=8, quantile=1.0)
     return scheme.for_layer(0, KeyCalibration((table,)))
 
@@ -120,10 +162,11 @@ def test_round_trip_within_one_step(case, role):
     x = torch.randn(B, len(bits), 37, D) * torch.logspace(-1, 1, D) + 0.3  # (B, H, T, D), odd T
     scheme = ready(scheme, len(bits), x)
     simulated = feed(scheme.new_store(bits, D, B, torch.float32, "cpu", role, simulate=True), x)
-    packed = scheme.new_store(bits, D, B, torch.float32, "cpu", role)
-    assert feed(packed, x) is None  # packed-only: nothing dequantized is returned or kept
-    got = packed.dequantize()
-    torch.testing.assert_close(got, simulated, rtol=1e-6, atol=1e-6)
+    if not case.simulated_only:
+        packed = scheme.new_store(bits, D, B, torch.float32, "cpu", role)
+        assert feed(packed, x) is None  # packed-only: nothing dequantized is returned or kept
+        torch.testing.assert_close(packed.dequantize(), simulated, rtol=1e-6, atol=1e-6)
+    got = simulated
     rotated = scheme.rotated and not (role == "key" and scheme.key_tables)  # nuqkey_codebook's keys are not
     if rotated:  # compare in the rotated domain, where the format quantized (H is its own inverse)
         x, got = hadamard_rotate(x), hadamard_rotate(got)
@@ -147,7 +190,7 @@ def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual, key_gr
     scheme = get_scheme(case.name, G, sink_tokens=sinks, residual=residual, key_group_size=key_groups)
     bits = widths(scheme)
     scheme = ready(scheme, len(bits))
-    store = scheme.new_store(bits, D, B, torch.float16, "cpu", role)
+    store = scheme.new_store(bits, D, B, torch.float16, "cpu", role, simulate=case.simulated_only)
     table = sum(scheme.table_bytes(b, D, role) for b in bits)  # held once, whatever the tokens
     x = torch.randn(B, len(bits), 37, D, dtype=torch.float16)
     start = 0
@@ -170,7 +213,10 @@ def test_token_bytes_is_what_the_store_holds(case, role, sinks, residual, key_gr
 def test_every_store_satisfies_the_store_protocol(case, role):
     for options in (dict(residual=0), dict(sink_tokens=2, residual=3)):
         scheme = get_scheme(case.name, group_size=G, **options)
-        store = ready(scheme, len(widths(scheme))).new_store(widths(scheme), D, 1, torch.float32, "cpu", role)
+        bound = ready(scheme, len(widths(scheme)))
+        store = bound.new_store(
+            widths(scheme), D, 1, torch.float32, "cpu", role, simulate=case.simulated_only
+        )
         for part in parts(store):
             assert isinstance(part, Store), (case.name, type(part).__name__)
 
@@ -181,7 +227,10 @@ def test_every_store_class_is_built_and_checked():
     for name in SCHEMES:
         for role in ROLES:
             scheme = get_scheme(name, group_size=G, sink_tokens=1, residual=1)
-            store = ready(scheme, 2).new_store([scheme.widths[-1], 16], D, 1, torch.float32, "cpu", role)
+            simulate = scheme.reads_previous_layer
+            store = ready(scheme, 2).new_store(
+                [scheme.widths[-1], 16], D, 1, torch.float32, "cpu", role, simulate
+            )
             seen |= {type(p) for p in parts(store)}
     classes = {
         c for _, c in inspect.getmembers(harness.schemes, inspect.isclass) if c.__name__.endswith("Store")
@@ -202,7 +251,7 @@ def test_constant_and_zero_groups_give_no_nan(case, role, dtype):
     store = ready(scheme, len(bits), x).new_store(bits, D, 2, dtype, "cpu", role, simulate=True)
     got = feed(store, x, (5, 2 * G - 5, G))
     assert got.dtype == dtype and torch.isfinite(got).all() and torch.isfinite(store.dequantize()).all()
-    if role == "value" or case.zero_keys_exact:
+    if case.zero_values_exact if role == "value" else case.zero_keys_exact:
         assert torch.equal(got[:, :, :G], x[:, :, :G])  # zeros stay exact
 
 

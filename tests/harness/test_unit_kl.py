@@ -131,6 +131,7 @@ def test_the_runner_measures_the_table_from_calibration_ids_only(tmp_path, monke
             entropy=entropy,
             sensitivity={},
             shape=None,
+            calibration_source=None,
         )
 
     first = context(calib, torch.randint(0, 256, (2, 24), generator=g))

@@ -1,0 +1,73 @@
+"""Codes of different widths in one row of bits: each head's codes (D,) packed at its own per-element widths
+(a `Layout`, 0 to 8 bits each), LSB first, element 0's bits first.
+
+Bit k of a row is bit k - start[c] of code c, start[c] the sum of the widths before c; byte j holds bits
+8 j .. 8 j + 7, bit 8 j + i at value 2**i. With every width equal to b in (2, 3, 4, 8) a row is exactly
+kernels.reference.pack's (code j at bits [b j, b j + b)). A width of 0 stores nothing (its code is 0). Every head of
+a layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_WIDTH = 8
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """The widths (H, D) of H heads' codes and the gather indices that pack them: every row holds `bits` bits."""
+
+    widths: torch.Tensor  # (H, D) int64 in [0, MAX_WIDTH]
+    element: torch.Tensor  # (H, bits) int64: the element whose bit sits at each position of the row
+    bit: torch.Tensor  # (H, bits) int64: which bit of that element's code
+
+    @property
+    def bits(self) -> int:
+        return self.element.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one packed row."""
+        return self.bits // 8
+
+
+def layout(widths: torch.Tensor) -> Layout:
+    """The Layout of per-element widths (H, D) (any integer dtype); ValueError unless every width lies in
+    [0, MAX_WIDTH] and every head's widths sum to one multiple of 8."""
+    widths = widths.long()
+    if widths.dim() != 2:
+        raise ValueError(f"bitstream widths: expected (heads, elements); got shape {tuple(widths.shape)}")
+    if widths.numel() and (int(widths.min()) < 0 or int(widths.max()) > MAX_WIDTH):
+        raise ValueError(f"bitstream widths: each in [0, {MAX_WIDTH}]")
+    totals = widths.sum(1)
+    if len(totals) and (bool((totals != totals[0]).any()) or int(totals[0]) % 8):
+        raise ValueError(
+            f"bitstream widths: every head must hold one whole number of bytes; got {totals.tolist()}"
+        )
+    H, D = widths.shape
+    rows = [torch.repeat_interleave(torch.arange(D, device=widths.device), widths[h]) for h in range(H)]
+    element = torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long, device=widths.device)
+    start = torch.cumsum(widths, 1) - widths  # (H, D): the first bit of each element
+    bit = torch.arange(element.shape[1], device=widths.device)[None] - start.gather(1, element)
+    return Layout(widths, element, bit)
+
+
+def pack(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """codes (B, H, T, D) (integers in [0, 2**width)) -> uint8 (B, H, T, lay.nbytes)."""
+    B, H, T, _ = codes.shape
+    element = lay.element[None, :, None].expand(B, H, T, -1)  # (B, H, T, bits)
+    bits = (codes.long().gather(-1, element) >> lay.bit[None, :, None]) & 1
+    weights = 1 << torch.arange(8, device=codes.device)
+    return (bits.view(B, H, T, -1, 8) * weights).sum(-1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """uint8 (B, H, T, lay.nbytes) -> codes (B, H, T, D) int64 (0 where a width is 0)."""
+    B, H, T, _ = packed.shape
+    bits = (packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1  # (B, H, T, nbytes, 8)
+    values = bits.view(B, H, T, -1) << lay.bit[None, :, None]  # (B, H, T, bits)
+    codes = torch.zeros(B, H, T, lay.widths.shape[1], dtype=torch.long, device=packed.device)
+    return codes.scatter_add_(-1, lay.element[None, :, None].expand(B, H, T, -1), values)

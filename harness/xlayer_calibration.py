@@ -1,0 +1,92 @@
+"""xlayer's predictors (harness/schemes/xlayer_table.py) fitted on a model's calibration windows, and their on-disk
+cache.
+
+Each calibration window (C, Tc) runs through the model with a transformers DynamicCache; each layer with a KV cache
+of its own gives the keys (turned back before RoPE at their positions, with the model's rotary frequencies) and
+values it cached, position 0 of the window left out (kept in fp16 by quant.sink_tokens=1). A layer is fitted on
+the positions it and the cached layer below it both hold (a sliding-window layer holds the window's last ones).
+Evaluation windows are never read.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from harness.calibrate import disk_cached, layer_types, model_identity, source_identity
+from harness.key_calibration import rotary_frequencies
+from harness.schemes.key_table import unturn
+from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, predictor
+
+CACHE_VERSION = 1
+
+
+@torch.no_grad()
+def _window_vectors(model, window: torch.Tensor, inv_freq: list[torch.Tensor]) -> list[dict | None]:
+    """Per decoder layer, {position: (key before RoPE (Hkv, D), value (Hkv, Dv))} of one window (T,) (position
+    0 left out); None for a layer without a KV cache of its own."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=window[None].to(model.device), past_key_values=cache, use_cache=True)
+    out = []
+    for i, kind in enumerate(layer_types(model.config)):
+        if kind == "linear":
+            out.append(None)
+            continue
+        k = cache.layers[i].keys[0].float().transpose(0, 1).cpu()  # (T_held, Hkv, D)
+        v = cache.layers[i].values[0].float().transpose(0, 1).cpu()
+        at = torch.arange(window.shape[0] - k.shape[0], window.shape[0])
+        k = unturn(k, at, inv_freq[i])
+        out.append({int(p): (k[j], v[j]) for j, p in enumerate(at.tolist()) if p > 0})
+    return out
+
+
+def fit_xlayer_calibration(model, input_ids: torch.Tensor, rank: int | None = None) -> CrossLayerCalibration:
+    """Every cached layer's predictors fitted on the calibration windows input_ids (C, Tc) at `rank` (None: full)."""
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    inv_freq = [rotary_frequencies(model, t) for t in types]
+    windows = [_window_vectors(model, w, inv_freq) for w in input_ids]
+    layers: list[CrossLayerLayer | None] = []
+    previous = None
+    for i in range(len(types)):
+        if windows[0][i] is None:
+            layers.append(None)
+            continue
+        rows = {"key": ([], []), "value": ([], [])}  # role -> (inputs, targets) per window
+        for held in windows:
+            positions = sorted(held[i] if previous is None else held[i].keys() & held[previous].keys())
+            key = torch.stack([held[i][p][0] for p in positions])  # (n, H, D)
+            value = torch.stack([held[i][p][1] for p in positions])
+            if previous is None:  # the first cached layer: keys from nothing (a bias), values from its keys
+                key_inputs, value_inputs = key.new_zeros(len(key), 0), key.flatten(1)
+            else:
+                below_key = torch.stack([held[previous][p][0] for p in positions]).flatten(1)  # (n, Hp D)
+                below_value = torch.stack([held[previous][p][1] for p in positions]).flatten(1)
+                key_inputs, value_inputs = below_key, torch.cat([key.flatten(1), below_value], -1)
+            rows["key"][0].append(key_inputs)
+            rows["key"][1].append(key)
+            rows["value"][0].append(value_inputs)
+            rows["value"][1].append(value)
+        fits = {role: predictor(torch.cat(x), torch.cat(y), rank) for role, (x, y) in rows.items()}
+        half = len(inv_freq[i])
+        turns = torch.zeros(fits["key"].bias.shape[1])
+        turns[:half], turns[half : 2 * half] = inv_freq[i], inv_freq[i]
+        layers.append(CrossLayerLayer(fits["key"], fits["value"], turns, previous))
+        previous = i
+    return CrossLayerCalibration(tuple(layers), rank)
+
+
+def cached_xlayer_calibration(
+    model, model_name: str, calib_ids: torch.Tensor, rank: int | None = None, source: str | None = None
+) -> CrossLayerCalibration:
+    """fit_xlayer_calibration, read from disk when the same model, calibration tokens (cut from the calibration
+    `source`) and rank were fitted before."""
+    identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{rank}|{tuple(calib_ids.shape)}"
+    identity += source_identity(source)
+    frame = disk_cached(
+        f"{model_name}-xlayer",
+        identity,
+        calib_ids,
+        lambda: fit_xlayer_calibration(model, calib_ids, rank).to_frame(),
+    )
+    return CrossLayerCalibration.from_frame(frame, len(layer_types(model.config)), rank)

@@ -1,0 +1,447 @@
+"""The pca scheme: rows of bits of mixed widths (bitstream) against kernels.reference's packing and a bit-by-bit
+oracle; the plan's dynamic program against brute force; the fit (basis, scale, plans) against what they must be;
+its stores against a float64 oracle written from the format's contract (turned back at each token's position,
+projected, each component to its width's Lloyd-Max level times its scale, restored, turned forward), packed-only
+and simulated; positions, bytes, tiny models through QuantizedKVCache, the fit read from the calibration windows
+only, and a tiny run through the runner."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import DynamicCache
+
+from harness.attention import PACKED, installed
+from harness.cache import QuantizedKVCache
+from harness.config import base_point
+from harness.config import compose as compose_point
+from harness.key_calibration import calibration_vectors, rotary_frequencies
+from harness.models import load_model
+from harness.pca_calibration import cached_pca_calibration, fit_pca_calibration
+from harness.run import runner
+from harness.run.measure import key_calibration
+from harness.schemes import bitstream, get_scheme
+from harness.schemes.key_table import unturn
+from harness.schemes.lloyd_max import lloyd_max
+from harness.schemes.pca_table import (
+    MAX_COMPONENT_BITS,
+    PCA_WIDTHS,
+    PcaCalibration,
+    PcaLayer,
+    fit_head,
+    fit_table,
+    plan_bits,
+)
+from harness.schemes.rotary import POSITION_BYTES
+from kernels import reference
+from kernels.layout import FULL_WIDTH
+
+B, D, R = 3, 32, 24  # batch, head_dim, the channels RoPE turns (the last 8 are not turned)
+BITS = [3, 16, 1, 4, 6, 2]  # heads at their widths, a 16-bit head among them
+
+
+def theta() -> torch.Tensor:
+    return 10000.0 ** (-torch.arange(R // 2, dtype=torch.float32) / (R // 2))
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, sign: float = 1.0, inv_freq: torch.Tensor | None = None):
+    """x (..., T, D) float64 with pairs (i, i + R / 2) turned by sign * positions (T,) * inv_freq (R / 2,) (default
+    theta()) in complex float64; channels past R unchanged."""
+    inv_freq = theta() if inv_freq is None else inv_freq
+    half = len(inv_freq)
+    z = torch.complex(x[..., :half], x[..., half : 2 * half]) * torch.polar(
+        torch.ones(len(positions), half, dtype=torch.float64),
+        sign * positions.double()[:, None] * inv_freq.double(),
+    )
+    return torch.cat([z.real, z.imag, x[..., 2 * half :]], -1)
+
+
+def correlated(n: int, heads: int, seed: int, mixing: int) -> torch.Tensor:
+    """(n, heads, D) vectors drawn with `seed` from one distribution per `mixing`: correlated channels of decaying
+    variance and an offset."""
+    mix = torch.randn(heads, D, D, generator=torch.Generator().manual_seed(mixing)) / D**0.5
+    z = torch.randn(n, heads, D, generator=torch.Generator().manual_seed(seed)) * torch.logspace(0.5, -2, D)
+    return torch.einsum("nhc,hcd->nhd", z, mix) + torch.linspace(-1, 2, D)
+
+
+def calibration(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, PcaCalibration]:
+    """Pre-RoPE keys and values (N, H, D) and one layer's transforms fitted on them (keys turned: R channels)."""
+    keys, values = correlated(400, len(BITS), seed, mixing=0), correlated(400, len(BITS), seed + 1, mixing=1)
+    turns = torch.zeros(D)
+    turns[: R // 2], turns[R // 2 : R] = theta(), theta()
+    return keys, values, PcaCalibration((PcaLayer(fit_table(keys), fit_table(values), turns),))
+
+
+def feed(store, x: torch.Tensor, chunks) -> torch.Tensor | None:
+    start, got = 0, None
+    for n in chunks:
+        got = store.append(x[:, :, start : start + n])
+        start += n
+    assert start == x.shape[2]
+    return got
+
+
+def oracle(
+    x: torch.Tensor, positions: torch.Tensor, bits: list[int], layer: PcaLayer, role: str
+) -> torch.Tensor:
+    """x (B, H, T, D) at `positions` (T,) stored as pca stores `role`, head h at bits[h], in float64 from the
+    format's contract; 16-bit heads unchanged."""
+    table = layer.role(role)
+    out = x.double().clone()
+    for h, w in enumerate(bits):
+        if w == FULL_WIDTH:
+            continue
+        y = x[:, h].double().clamp(-65504, 65504)
+        if role == "key":
+            y = rope(y, positions, -1.0, layer.rotary_frequencies)
+        mean, basis = table.mean[h].double(), table.basis[h].double()
+        z = (y - mean) @ basis  # (B, T, D)
+        plan, scale = table.plans[w][h].long(), table.scales[w][h].double()
+        zq = torch.zeros_like(z)
+        for c in range(D):
+            if plan[c] == 0:
+                continue
+            q = lloyd_max(int(plan[c]))
+            levels = torch.tensor(q.levels, dtype=torch.float64)
+            code = torch.bucketize(z[..., c] / scale[c], torch.tensor(q.boundaries, dtype=torch.float64))
+            zq[..., c] = levels[code] * scale[c]
+        restored = mean + zq @ basis.T
+        out[:, h] = rope(restored, positions, 1.0, layer.rotary_frequencies) if role == "key" else restored
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# bit rows
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_uniform_rows_are_kernels_reference_packing(bits):
+    codes = torch.randint(0, 1 << bits, (2, 3, 5, 64))
+    lay = bitstream.layout(torch.full((3, 64), bits))
+    packed = bitstream.pack(codes, lay)
+    assert torch.equal(packed, reference.pack(codes.to(torch.uint8), bits))
+    assert torch.equal(bitstream.unpack(packed, lay), codes)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from([8, 16, 24, 40]))
+def test_rows_of_mixed_widths_are_the_bits_in_order(seed, heads, dim):
+    """Each head's own widths (0 to 8, one total a multiple of 8): every bit where the layout says, round trip."""
+    g = torch.Generator().manual_seed(seed)
+    total = 8 * int(torch.randint(0, dim + 1, (1,), generator=g))
+    widths = torch.stack([torch.tensor(plan(total, dim, g)) for _ in range(heads)])  # (H, D)
+    codes = torch.randint(0, 256, (2, heads, 3, dim), generator=g) % (1 << widths)[None, :, None]
+    lay = bitstream.layout(widths)
+    packed = bitstream.pack(codes, lay)
+    assert packed.shape == (2, heads, 3, total // 8) and lay.nbytes == total // 8
+    for h in range(heads):  # the oracle: the row's bits one by one, element by element, LSB first
+        row = [(int(c) >> i) & 1 for c, w in zip(codes[1, h, 2], widths[h]) for i in range(int(w))]
+        got = [(int(byte) >> i) & 1 for byte in packed[1, h, 2] for i in range(8)]
+        assert got == row
+    assert torch.equal(bitstream.unpack(packed, lay), torch.where(widths[None, :, None] > 0, codes, 0))
+
+
+def plan(total: int, dim: int, g: torch.Generator) -> list[int]:
+    """Random widths 0..8 of `dim` elements summing to `total`."""
+    widths = [0] * dim
+    for _ in range(total):
+        free = [i for i in range(dim) if widths[i] < MAX_COMPONENT_BITS]
+        widths[free[int(torch.randint(0, len(free), (1,), generator=g))]] += 1
+    return widths
+
+
+def test_a_layout_must_hold_whole_bytes_alike():
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        bitstream.layout(torch.tensor([[3, 4], [4, 4]]))
+    with pytest.raises(ValueError, match=r"each in \[0, 8\]"):
+        bitstream.layout(torch.tensor([[9, 7]]))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the fit
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 5), st.integers(0, 3))
+def test_the_plan_is_the_least_distortion_brute_force_finds(seed, dim, options):
+    g = torch.Generator().manual_seed(seed)
+    distortion = torch.rand(dim, options + 1, generator=g, dtype=torch.float64)
+    total = int(torch.randint(0, dim * options + 1, (1,), generator=g))
+    bits = plan_bits(distortion, total)
+    assert int(bits.sum()) == total
+    best = min(
+        float(sum(distortion[c, b] for c, b in enumerate(combo)))
+        for combo in np.ndindex(*([options + 1] * dim))
+        if sum(combo) == total
+    )
+    assert float(distortion[torch.arange(dim), bits].sum()) == pytest.approx(best)
+
+
+def test_the_fit_finds_the_principal_axes_least_squares_scales_and_spends_the_width():
+    g = torch.Generator().manual_seed(3)
+    axes, _ = torch.linalg.qr(torch.randn(D, D, generator=g))  # orthonormal columns
+    sd = torch.logspace(1, -3, D)
+    x = (torch.randn(20_000, D, generator=g) * sd) @ axes.T + 5.0
+    mean, basis, plans, scales = fit_head(x)
+    assert (mean.float() - 5.0).abs().max() < 0.2
+    # each fitted component is an axis up to its sign (fp16 rounding of the basis aside), in order of variance
+    overlap = (basis.double().T @ axes.double()).abs()
+    assert (overlap.diagonal()[:8] > 0.99).all()
+    for i, w in enumerate(PCA_WIDTHS):
+        assert int(plans[i].sum()) == w * D and int(plans[i].max()) <= MAX_COMPONENT_BITS
+        assert (plans[i][:-1] >= plans[i][1:]).all()  # more variance, as many bits or more
+    assert (plans[PCA_WIDTHS.index(1)][-8:] == 0).all()  # the trailing components dropped at 1 bit
+    # a scale is the least-squares one for its codes (Lloyd's fixed point), within fp16 rounding
+    z = (x.double() - mean.double()) @ basis.double()
+    i = PCA_WIDTHS.index(4)
+    for c in (0, 5):
+        b = int(plans[i][c])
+        q = lloyd_max(b)
+        levels = torch.tensor(q.levels, dtype=torch.float64)
+        chosen = levels[torch.bucketize(z[:, c] / scales[i][c].double(), torch.tensor(q.boundaries).double())]
+        best = float((z[:, c] * chosen).sum() / (chosen * chosen).sum())
+        assert float(scales[i][c]) == pytest.approx(best, rel=5e-3)
+
+
+def test_pca_beats_per_channel_levels_on_correlated_vectors():
+    """What the transform is for: on correlated channels of decaying variance, w bits per element through the
+    fitted basis and plan err less than w-bit Lloyd-Max levels per channel, each at its own least-squares
+    scale, whose bytes are the same."""
+    _, values, cal = calibration()
+    x = correlated(300, len(BITS), 9, mixing=1)[:, :, None].transpose(0, 2)  # (1, H, 300, D): values' kind
+    scheme = get_scheme("pca").for_layer(0, cal)
+    for w in (2, 3, 4):
+        store = scheme.new_store([w] * len(BITS), D, 1, torch.float32, "cpu", "value")
+        store.append(x)
+        pca_error = (store.dequantize() - x).square().sum()
+        q = lloyd_max(w)
+        channel = torch.zeros_like(x)
+        for h in range(len(BITS)):
+            mean = values[:, h].mean(0)
+            sd = values[:, h].std(0)
+            y = (x[0, h] - mean) / sd
+            channel[0, h] = torch.tensor(q.levels)[torch.bucketize(y, torch.tensor(q.boundaries))] * sd + mean
+        assert pca_error < (channel - x).square().sum(), w
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the store
+
+
+@pytest.mark.parametrize("role", ["key", "value"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sinks, residual", [(0, 0), (1, 2)])
+def test_store_is_the_oracle_packed_and_simulated(role, dtype, sinks, residual):
+    keys, values, cal = calibration()
+    g = torch.Generator().manual_seed(7)
+    T = 37
+    pool = keys if role == "key" else values
+    x0 = pool[torch.randint(0, len(pool), (B * T,), generator=g)].view(B, T, -1, D).transpose(1, 2)
+    x0 = x0 + 0.05 * torch.randn(x0.shape, generator=g)  # (B, H, T, D): like the calibration's
+    x = (rope(x0.double(), torch.arange(T)) if role == "key" else x0.double()).to(dtype)
+    bound = get_scheme("pca", sink_tokens=sinks, residual=residual).for_layer(0, cal)
+    packed = bound.new_store(BITS, D, B, dtype, "cpu", role)
+    assert feed(packed, x, [1, 15, 1, 20]) is None
+    simulated = feed(bound.new_store(BITS, D, B, dtype, "cpu", role, simulate=True), x, [1, 15, 1, 20])
+    got = packed.dequantize()
+    # the same codes; the basis's matmul may sum in another order for another number of tokens (float32 ULPs)
+    torch.testing.assert_close(got, simulated, rtol=1e-5, atol=1e-5)
+    want = oracle(x, torch.arange(T), BITS, cal.layer(0), role)
+    want[:, :, :sinks] = x[:, :, :sinks].double()  # sink tokens exact
+    quantized_from = sinks + max(T - sinks - residual, 0)
+    want[:, :, quantized_from:] = x[:, :, quantized_from:].double()
+    # float32 against float64: a component on a cell boundary may take the neighbouring level (rare)
+    close = ((got.double() - want.to(dtype).double()).abs() <= 1e-3 + 1e-2 * want.abs()).all(-1)  # (B, H, T)
+    assert close.float().mean() > 0.97, (~close).nonzero()[:5]
+    assert torch.equal(got[:, 1], x[:, 1])  # the 16-bit head
+    assert (got[:, 0] != x[:, 0]).any()  # the quantization is felt
+
+
+def test_positions_follow_starts_at_keep_last_and_select():
+    keys, _, cal = calibration()
+    bound = get_scheme("pca", residual=0).for_layer(0, cal)
+    T, start = 20, 7
+    x0 = keys[:T].transpose(0, 1)[None].expand(B, -1, -1, -1)  # (B, H, T, D) before RoPE
+    x = rope(x0.double(), torch.arange(start, start + T)).float()
+    store = bound.new_store(BITS, D, B, torch.float32, "cpu", "key")
+    store.starts_at(start)
+    feed(store, x, [8, 12])
+    want = oracle(x, torch.arange(start, start + T), BITS, cal.layer(0), "key")
+    torch.testing.assert_close(store.dequantize().double(), want.float().double(), atol=1e-3, rtol=1e-2)
+    before = store.nbytes()
+    store.keep_last(12)
+    torch.testing.assert_close(
+        store.dequantize().double(), want[:, :, -12:].float().double(), atol=1e-3, rtol=1e-2
+    )
+    index = torch.stack(
+        [torch.tensor([0, 3, 4, 9, 11]), torch.tensor([1, 2, 5, 6, 10]), torch.tensor([0, 1, 2, 3, 4])]
+    )
+    store.select(index)
+    kept = want[:, :, -12:]
+    expected = torch.stack([kept[b, :, index[b]] for b in range(B)])
+    torch.testing.assert_close(store.dequantize().double(), expected.float().double(), atol=1e-3, rtol=1e-2)
+    tables = sum(bound.table_bytes(b, D, "key") for b in BITS)
+    assert before == tables + sum(B * T * bound.token_bytes(b, D, "key") for b in BITS)
+    assert (
+        store.nbytes()
+        == tables + sum(B * 5 * bound.token_bytes(b, D, "key") for b in BITS) + B * 5 * POSITION_BYTES
+    )
+
+
+def test_bytes_widths_and_an_unbound_scheme():
+    scheme = get_scheme("pca")
+    assert [scheme.token_bytes(w, 64, "value") for w in (1, 2, 3, 4, 5, 6, 8, 16)] == [
+        8,
+        16,
+        24,
+        32,
+        40,
+        48,
+        64,
+        128,
+    ]
+    assert scheme.table_bytes(3, 64, "key") == scheme.table_bytes(5, 64, "value") == 2 * 64 * 64 + 5 * 64
+    assert scheme.table_bytes(16, 64, "key") == 0
+    with pytest.raises(
+        ValueError,
+        match=r"^policy.widths: \[7\] with quant.scheme pca, which stores quantized heads at 1, 2, 3, 4, 5, 6, 8 bits",
+    ):
+        scheme.check_widths([7])
+    with pytest.raises(ValueError, match="^quant.scheme: pca stores keys and values against transforms"):
+        scheme.new_store([2], D, 1, torch.float32, "cpu", "value")
+    with pytest.raises(ValueError, match="multiple of 8"):
+        scheme.check_head_dim([2], 36, "value")
+
+
+def test_the_frame_round_trips_every_fitted_number():
+    _, _, cal = calibration()
+    back = PcaCalibration.from_frame(PcaCalibration((None, *cal.layers)).to_frame(), 2)
+    assert back.layers[0] is None and back.digest() == PcaCalibration((None, *cal.layers)).digest()
+    layer, again = cal.layer(0), back.layer(1)
+    assert torch.equal(layer.turn, again.turn)
+    for role in ("key", "value"):
+        a, b = layer.role(role), again.role(role)
+        assert torch.equal(a.mean, b.mean) and torch.equal(a.basis, b.basis)
+        for w in PCA_WIDTHS:
+            assert torch.equal(a.plans[w], b.plans[w]) and torch.equal(a.scales[w], b.scales[w])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models
+
+
+def chunked_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
+    out, start = [], 0
+    for n in chunks:
+        out.append(model(input_ids=ids[:, start : start + n], past_key_values=cache, use_cache=True).logits)
+        start += n
+    return torch.cat(out, 1).float()
+
+
+class OracleCache(DynamicCache):
+    """A DynamicCache that holds the oracle's keys and values (each layer's transforms, every head at `bits`),
+    token 0 exact (one sink token)."""
+
+    def __init__(self, config, bits: int, cal: PcaCalibration):
+        super().__init__(config=config)
+        self.bits, self.cal, self.seen = bits, cal, {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        start = self.seen.get(layer_idx, 0)
+        positions = torch.arange(start, start + key_states.shape[2])
+        self.seen[layer_idx] = start + key_states.shape[2]
+        layer, heads = self.cal.layer(layer_idx), [self.bits] * key_states.shape[1]
+        keys = oracle(key_states, positions, heads, layer, "key")
+        values = oracle(value_states, positions, heads, layer, "value")
+        sink = positions == 0
+        keys[:, :, sink], values[:, :, sink] = (
+            key_states[:, :, sink].double(),
+            value_states[:, :, sink].double(),
+        )
+        return super().update(
+            keys.to(key_states.dtype), values.to(value_states.dtype), layer_idx, *args, **kwargs
+        )
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@torch.no_grad()
+def test_tiny_model_through_the_cache_is_the_oracle(name):
+    model = load_model(name)[0]
+    g = torch.Generator().manual_seed(12)
+    cal = fit_pca_calibration(model, torch.randint(0, 256, (16, 48), generator=g))
+    ids = torch.randint(0, 256, (2, 29), generator=g)  # past tiny-gemma3's sliding window of 16
+    chunks = [12, 9, 1, 1, 6]
+    exact = chunked_logits(model, ids, DynamicCache(config=model.config), chunks)
+    options = dict(scheme="pca", prefill="quantized", key_calibration=cal, sink_tokens=1)
+    with installed(model, PACKED):
+        packed = chunked_logits(model, ids, QuantizedKVCache(model.config, 4, **options), chunks)
+        cache = QuantizedKVCache(model.config, 4, simulate=True, **options)
+        simulated = chunked_logits(model, ids, cache, chunks)
+    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal), chunks)
+    assert (packed - simulated).abs().amax() <= 0.01 * exact.abs().amax()
+    assert (simulated - want).abs().amax() <= 5e-3 * exact.abs().amax()
+    assert (simulated - exact).abs().amax() > 0  # the quantization is felt
+    # the fitted tables (held once: more than these few tokens' fp16 bytes) aside, fewer bytes than fp16
+    layers = cache.quantized_layers()
+    tables = sum(
+        len(layer.key_bits)
+        * (cache.scheme.table_bytes(4, 32, "key") + cache.scheme.table_bytes(4, 32, "value"))
+        for layer in layers
+    )
+    assert 0 < cache.nbytes() - tables < cache.nbytes_fp16()
+
+
+@torch.no_grad()
+def test_the_fit_is_each_layers_keys_before_rope_and_values_from_the_calibration_windows_only(
+    tmp_path, monkeypatch
+):
+    model, _ = load_model("tiny-llama")
+    g = torch.Generator().manual_seed(15)
+    calib = torch.randint(0, 256, (2, 24), generator=g)
+    point = base_point(compose_point(["model=tiny-llama", "quant=pca", "eval=tiny", "policy.widths=[2,4]"]))
+
+    def context(calib_ids, sequences):
+        return SimpleNamespace(
+            model=model, name="tiny-llama", calib_ids=calib_ids, sequences=sequences, key_calibration={},
+            calibration_source=None,
+        )  # fmt: skip
+
+    first = context(calib, torch.randint(0, 256, (2, 24), generator=g))
+    other_eval = context(calib, torch.randint(0, 256, (2, 24), generator=g))
+    other_calib = context(torch.randint(0, 256, (2, 24), generator=g), first.sequences)
+    fits = []
+    for ctx in (first, other_eval, other_calib):
+        monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / str(len(fits))))  # no disk cache between them
+        fits.append(key_calibration(ctx, point))
+    assert fits[0].digest() == fits[1].digest() != fits[2].digest()
+    keys, values, positions = calibration_vectors(model, calib)[1]
+    before_rope = unturn(keys, positions, rotary_frequencies(model, "full_attention"))
+    want = PcaLayer(fit_table(before_rope), fit_table(values), fits[0].layer(1).turn)
+    assert PcaCalibration((want,)).digest() == PcaCalibration((fits[0].layer(1),)).digest()
+    again = cached_pca_calibration(model, "tiny-llama", calib)  # written to disk above, read back here
+    assert again.digest() == cached_pca_calibration(model, "tiny-llama", calib).digest()
+
+
+def test_a_tiny_run_through_the_runner(tmp_path):
+    from harness.validate import validate_config
+
+    cfg = compose_point(["model=tiny-llama", "eval=tiny", "quant=pca", "policy=uniform", "policy.budget=3",
+                         "policy.widths=[1,3,5]", "quant.sink_tokens=0"])  # fmt: skip
+    (point,) = [p for p in validate_config(cfg) if p.policy == "uniform"]
+    row = runner.run([point], tmp_path, batch_size=4).set_index("policy").loc["uniform"]
+    assert row["status"] == "ok" and row["mean_bits"] == 3
+    # 3 bits per element, no per-token bytes beside the codes; the fitted tables of 2 roles x 3 KV heads x 3
+    # layers (head_dim 32: 2 * 32 * 32 + 5 * 32 bytes each) are held once by the one generation cache (4 prompts),
+    # which holds each prompt and all but the last new token
+    heads, dim, layers, caches = 3, 32, 3, 1
+    tokens = point.num_prompts * (point.prompt_tokens + point.new_tokens - 1)
+    fp16 = tokens * layers * heads * 2 * dim * 2
+    stored = tokens * layers * heads * 2 * dim * 3 / 8 + caches * layers * heads * 2 * (
+        2 * dim * dim + 5 * dim
+    )
+    assert row["compression_true"] == pytest.approx(fp16 / stored)

@@ -1,0 +1,251 @@
+"""The xlayer schemes (cross-layer prediction): the least-squares and reduced-rank fits against numpy's solutions,
+the predictors' frame, tiny models through QuantizedKVCache against a float64 oracle written from the format's
+contract (each layer predicted from the oracle's own reconstruction of the layer below, the residual in codebook's
+format), the chain's order, bytes (predictors counted), the fit read from the calibration windows only, the
+simulated-only and no-eviction refusals, and a tiny run whose rows say how they were measured."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from harness.cache import QuantizedKVCache
+from harness.config import compose as compose_point
+from harness.key_calibration import rotary_frequencies
+from harness.models import load_model
+from harness.run import runner
+from harness.schemes import codebook, get_scheme
+from harness.schemes.xlayer_table import CrossLayerCalibration, Predictor, fit_predictor, predictor
+from harness.validate import ConfigError, validate_config
+from harness.xlayer_calibration import cached_xlayer_calibration, fit_xlayer_calibration
+
+
+def test_the_fit_is_ridge_least_squares_and_its_reduced_rank():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 12, generator=g, dtype=torch.float64) @ torch.randn(
+        12, 12, generator=g, dtype=torch.float64
+    )
+    w = torch.randn(12, 5, generator=g, dtype=torch.float64)
+    y = (
+        x @ w
+        + torch.tensor([1.0, -2.0, 0.5, 0.0, 3.0])
+        + 0.01 * torch.randn(500, 5, generator=g, dtype=torch.float64)
+    )
+    weight, bias = fit_predictor(x, y)
+    xc, yc = (x - x.mean(0)).numpy(), (y - y.mean(0)).numpy()
+    gram = xc.T @ xc
+    want = np.linalg.solve(gram + 1e-4 * np.trace(gram) / 12 * np.eye(12), xc.T @ yc)
+    np.testing.assert_allclose(weight.numpy(), want, rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(
+        bias.numpy(), y.mean(0).numpy() - x.mean(0).numpy() @ want, rtol=1e-8, atol=1e-10
+    )
+    assert (weight - w).abs().max() < 0.01
+    down, up, bias2 = fit_predictor(x, y, rank=2)
+    assert down.shape == (12, 2) and up.shape == (2, 5) and torch.equal(bias2, bias)
+    # reduced rank: the fitted values projected on their top 2 right singular vectors
+    fitted = xc @ want
+    _, _, vh = np.linalg.svd(fitted, full_matrices=False)
+    np.testing.assert_allclose((down @ up).numpy(), want @ vh[:2].T @ vh[:2], rtol=1e-7, atol=1e-9)
+    # and no rank-2 map of these inputs fits better than it does (Eckart-Young on the fitted values)
+    error = ((xc @ (down @ up).numpy() - yc) ** 2).sum()
+    for seed in range(20):  # the least-squares map projected on random 2-dimensional output subspaces
+        q = np.linalg.qr(np.random.default_rng(seed).normal(size=(5, 2)))[0]
+        assert error <= ((xc @ (want @ q @ q.T) - yc) ** 2).sum() + 1e-9
+
+
+def test_a_predictor_applies_its_map_and_counts_its_bytes():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(300, 10, generator=g), torch.randn(300, 3, 4, generator=g)
+    full, low = predictor(x, y, None), predictor(x, y, 2)
+    inputs = torch.randn(2, 7, 10, generator=g)
+    want = torch.einsum("bti,hio->bhto", inputs, full.weight.float()) + full.bias.float()[None, :, None]
+    torch.testing.assert_close(full.apply(inputs), want)
+    want = torch.stack(
+        [inputs @ low.down[h].float() @ low.up[h].float() + low.bias[h].float() for h in range(3)], 1
+    )
+    torch.testing.assert_close(low.apply(inputs), want, rtol=1e-5, atol=1e-5)
+    assert full.head_nbytes() == (10 * 4 + 4) * 2 and low.head_nbytes() == (10 * 2 + 2 * 4 + 4) * 2
+    empty = Predictor(torch.ones(3, 4).half(), weight=torch.zeros(3, 0, 4).half())
+    assert torch.equal(empty.apply(torch.zeros(2, 5, 0)), torch.ones(2, 3, 5, 4)) and empty.head_nbytes() == 8
+
+
+@pytest.mark.parametrize("rank", [None, 8])
+def test_the_frame_round_trips_every_predictor(rank):
+    model, _ = load_model("tiny-gemma3")
+    cal = fit_xlayer_calibration(
+        model, torch.randint(0, 256, (4, 40), generator=torch.Generator().manual_seed(2)), rank
+    )
+    back = CrossLayerCalibration.from_frame(cal.to_frame(), len(cal.layers), rank)
+    assert back.digest() == cal.digest() and [layer.previous for layer in back.layers] == [None, 0, 1, 2]
+    for a, b in zip(cal.layers, back.layers):
+        for role in ("key", "value"):
+            for part in ("bias", "weight", "down", "up"):
+                ta, tb = getattr(a.role(role), part), getattr(b.role(role), part)
+                assert (ta is None and tb is None) or torch.equal(ta, tb)
+        assert torch.equal(a.turn, b.turn)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# models
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sign: float) -> torch.Tensor:
+    """x (..., T, D) float64 with pairs (i, i + R / 2) turned by sign * positions * inv_freq in complex float64."""
+    half = len(inv_freq)
+    z = torch.complex(x[..., :half], x[..., half : 2 * half]) * torch.polar(
+        torch.ones(len(positions), half, dtype=torch.float64),
+        sign * positions.double()[:, None] * inv_freq.double(),
+    )
+    return torch.cat([z.real, z.imag, x[..., 2 * half :]], -1)
+
+
+class OracleCache(DynamicCache):
+    """A DynamicCache holding the format's reconstruction of every layer (all heads at `bits`), in float64 for the
+    prediction: keys turned back, predicted from the oracle's own reconstruction of the layer below, the residual
+    through codebook's quantizer, restored and turned forward; token 0 exact (one sink token)."""
+
+    def __init__(self, config, bits: int, cal: CrossLayerCalibration, inv_freq: list[torch.Tensor]):
+        super().__init__(config=config)
+        self.bits, self.cal, self.inv_freq, self.seen, self.last = bits, cal, inv_freq, {}, {}
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        start = self.seen.get(layer_idx, 0)
+        positions = torch.arange(start, start + key_states.shape[2])
+        self.seen[layer_idx] = start + key_states.shape[2]
+        layer = self.cal.layer(layer_idx)
+        sink = positions == 0
+        rest = ~sink
+        restored = {}
+        y = {
+            "key": rope(key_states.double(), positions, self.inv_freq[layer_idx], -1.0),
+            "value": value_states.double(),
+        }
+        for role in ("key", "value"):
+            p = layer.role(role)
+            sources = [] if layer.previous is None else [(layer.previous, "key")]
+            if role == "value":
+                sources = [(layer_idx, "key")] + (
+                    [] if layer.previous is None else [(layer.previous, "value")]
+                )
+            inputs = (
+                torch.cat([self.last[s].transpose(1, 2).flatten(2) for s in sources], -1)
+                if p.inputs
+                else None
+            )
+            bias = p.bias.double()[None, :, None]
+            target = y[role][:, :, rest]  # the tokens past the sink: (B, H, n, D)
+            if inputs is None:
+                pred = bias.expand(target.shape)
+            elif p.weight is not None:
+                pred = torch.einsum("bti,hio->bhto", inputs, p.weight.double()) + bias
+            else:
+                low = torch.einsum("bti,hir->bhtr", inputs, p.down.double())
+                pred = torch.einsum("bhtr,hro->bhto", low, p.up.double()) + bias
+            out = y[role].clone()
+            residual = codebook.quantize((target - pred).float(), self.bits, torch.float32)[2]
+            out[:, :, rest] = pred + residual.double()
+            self.last[(layer_idx, role)] = out[:, :, rest]
+            restored[role] = out
+        keys = rope(restored["key"], positions, self.inv_freq[layer_idx], 1.0)
+        keys[:, :, sink], restored["value"][:, :, sink] = (
+            key_states[:, :, sink].double(),
+            value_states[:, :, sink].double(),
+        )
+        return super().update(keys.float(), restored["value"].float(), layer_idx, *args, **kwargs)
+
+
+def chunked_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
+    out, start = [], 0
+    for n in chunks:
+        out.append(model(input_ids=ids[:, start : start + n], past_key_values=cache, use_cache=True).logits)
+        start += n
+    return torch.cat(out, 1).float()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("scheme", ["xlayer", "xlayer_r8"])
+@torch.no_grad()
+def test_tiny_model_through_the_cache_is_the_oracle(name, scheme):
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    model = load_model(name)[0]
+    g = torch.Generator().manual_seed(12)
+    rank = get_scheme(scheme).rank
+    cal = fit_xlayer_calibration(model, torch.randint(0, 256, (16, 48), generator=g), rank)
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    inv_freq = [rotary_frequencies(model, t) for t in types]
+    ids = torch.randint(0, 256, (2, 15), generator=g)  # inside tiny-gemma3's sliding window of 16
+    chunks = [6, 5, 1, 1, 2]
+    exact = chunked_logits(model, ids, DynamicCache(config=model.config), chunks)
+    cache = QuantizedKVCache(
+        model.config, 4, scheme=scheme, prefill="quantized", key_calibration=cal, sink_tokens=1, simulate=True
+    )
+    got = chunked_logits(model, ids, cache, chunks)
+    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal, inv_freq), chunks)
+    # The oracle predicts in float64, the store in float32: a residual on a level boundary can take the other level.
+    assert (got - want).abs().amax() <= 5e-3 * exact.abs().amax()
+    assert (got - exact).abs().amax() > 0  # the quantization is felt
+    layers = cache.quantized_layers()
+    tokens = ids.shape[1] - 1  # the sink token is kept in fp16
+    heads = [len(layer.key_bits) for layer in layers]
+    codes = sum(
+        2 * 2 * h * tokens * (16 + 2) for h in heads
+    )  # keys and values, batch 2, head_dim 32 at 4 bits
+    tables = sum(
+        h * (cal.layer(i).key.head_nbytes() + cal.layer(i).value.head_nbytes()) for i, h in enumerate(heads)
+    )
+    sinks = sum(2 * 2 * h * 32 * 2 for h in heads)
+    assert cache.nbytes() == codes + tables + sinks
+
+
+@torch.no_grad()
+def test_a_layer_stores_only_after_the_layer_below_and_only_simulated():
+    model = load_model("tiny-llama")[0]
+    cal = fit_xlayer_calibration(
+        model, torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(3))
+    )
+    cache = QuantizedKVCache(model.config, 4, scheme="xlayer", key_calibration=cal, simulate=True)
+    x = torch.randn(1, 3, 2, 32)
+    with pytest.raises(RuntimeError, match="^xlayer: layer 1 stores keys before layer 0 stored its keys"):
+        cache.layers[1].append(x, x)
+    cache = QuantizedKVCache(model.config, 4, scheme="xlayer", key_calibration=cal)
+    with pytest.raises(ValueError, match="^quant.simulate: xlayer reconstructs each layer"):
+        cache.layers[0].append(x, x)
+    with pytest.raises(ValueError, match="^quant.scheme: xlayer_r8 predicts each layer"):
+        QuantizedKVCache(
+            model.config, 4, scheme="xlayer_r8", key_calibration=cal, simulate=True
+        )  # a full-rank fit
+
+
+def test_the_config_asks_for_a_simulated_cache_and_no_eviction():
+    base = ["model=tiny-llama", "eval=tiny", "quant.scheme=xlayer", "quant.group_size=32", "policy=uniform"]
+    with pytest.raises(ConfigError, match="^quant.simulate: xlayer reconstructs each layer"):
+        validate_config(compose_point(base))
+    with pytest.raises(ConfigError, match="^eviction: streaming cannot evict from a cross-layer"):
+        validate_config(compose_point([*base, "quant.simulate=true", "eviction=streaming"]))
+    assert validate_config(compose_point([*base, "quant.simulate=true"]))
+
+
+@torch.no_grad()
+def test_the_fit_reads_the_calibration_windows_and_the_disk_cache_keys_rank_and_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    model, _ = load_model("tiny-llama")
+    calib = torch.randint(0, 256, (3, 24), generator=torch.Generator().manual_seed(4))
+    full = cached_xlayer_calibration(model, "tiny-llama", calib)
+    assert full.digest() == fit_xlayer_calibration(model, calib).digest()
+    assert cached_xlayer_calibration(model, "tiny-llama", calib).digest() == full.digest()  # from disk
+    low = cached_xlayer_calibration(model, "tiny-llama", calib, rank=8)
+    other = cached_xlayer_calibration(model, "tiny-llama", calib, source="stdlib_docstrings")
+    assert low.digest() != full.digest() and other.digest() == full.digest()
+    assert len(list((tmp_path / "calibration").glob("tiny-llama-xlayer-*.parquet"))) == 3  # keyed apart
+
+
+def test_a_tiny_run_says_how_it_was_measured(tmp_path):
+    overrides = ["model=tiny-llama", "eval=tiny", "quant.scheme=xlayer_r8", "quant.sink_tokens=1", "policy=uniform",
+                 "policy.budget=4", "quant.simulate=true"]  # fmt: skip
+    (point,) = [p for p in validate_config(compose_point(overrides)) if p.policy == "uniform"]
+    row = runner.run([point], tmp_path, batch_size=4, simulate=True).set_index("policy").loc["uniform"]
+    assert row["status"] == "ok" and row["simulate"] and row["reads_previous_layer"]
+    assert 1 < row["compression_true"] < 16 / 4.5
