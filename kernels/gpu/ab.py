@@ -10,7 +10,7 @@ reads `store.payload` as (B, cap, row bytes) and `store.byte_offset`) is given t
 into that layout (`TokenMajorStore`), so both read the same bytes. Rows have kernels/gpu/bench.py's
 columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized stores, where that fits), so
 decode.csv and these tables read alike. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
-a check that the code runs, no figure. Its file checks and module loading also serve harness/perf_ab.py (the
+a check that the code runs, no figure. Its file checks and module loading also serve harness/bench/perf_ab.py (the
 CPU read path's comparison).
 """
 

@@ -43,7 +43,7 @@ def test_importing_the_package_and_its_users_registers_nothing():
         "from transformers.masking_utils import AttentionMaskInterface\n"
         "before = set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)\n"
         "import harness.attention, harness.cache, harness.cache.eviction, harness.calibrate, harness.sensitivity\n"
-        "import harness.protocols.claim, harness.run.runner, harness.protocols.passkey, harness.perf\n"
+        "import harness.protocols.claim, harness.run.runner, harness.protocols.passkey, harness.bench.perf\n"
         "after = set(AttentionInterface._global_mapping), set(AttentionMaskInterface._global_mapping)\n"
         "assert after == before, (after[0] - before[0], after[1] - before[1])\n"
     )

@@ -1,4 +1,4 @@
-"""harness.attention_memory: bad arguments stop before any child runs (exit 2), and the measurement sees what it
+"""harness.bench.attention_memory: bad arguments stop before any child runs (exit 2), and the measurement sees what it
 claims to: the packed path's peak holds one block of dequantized keys and values (MAX_BLOCK tokens at 2048) and
 no more than that and four outputs' worth besides (no scores of the block, nothing of the whole context), while
 sdpa over float32 K/V needs less."""
@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from harness import attention_memory
+from harness.bench import attention_memory
 from kernels.packed_attention import MAX_BLOCK
 
 

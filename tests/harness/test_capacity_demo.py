@@ -1,4 +1,4 @@
-"""harness.capacity_demo: the context search, the prediction beside it, and one capped trial end to end."""
+"""harness.bench.capacity_demo: the context search, the prediction beside it, and one capped trial end to end."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from harness import capacity_demo
+from harness.bench import capacity_demo
 
 
 def args_for(*extra: str):
@@ -88,7 +88,7 @@ def test_the_prediction_grows_as_the_widths_shrink():
 
 
 def test_bad_arguments_exit_2_with_one_line(cli):
-    proc = cli("harness.capacity_demo", "--bits", "5")
+    proc = cli("harness.bench.capacity_demo", "--bits", "5")
     assert proc.returncode == 2 and proc.stderr.strip() == "error: --bits: 5; allowed: 2, 3, 4, 8, 16"
 
 

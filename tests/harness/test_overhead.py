@@ -1,4 +1,4 @@
-"""harness.overhead at a tiny size (the real run is smollm2-135m at default sizes), its ratios against hand-computed
+"""harness.bench.overhead at a tiny size (the real run is smollm2-135m at default sizes), its ratios against hand-computed
 values, its bad-input errors, and the stage clocks of harness.evaluate it reads."""
 
 from __future__ import annotations
@@ -8,7 +8,8 @@ import csv
 import pytest
 import torch
 
-from harness import evaluate, overhead
+from harness import evaluate
+from harness.bench import overhead
 from harness.models import load_model
 
 
@@ -19,7 +20,7 @@ def test_the_benchmark_writes_every_contender_and_stage(tmp_path, capsys):
          "--out", str(out), "model=tiny-llama", "eval=tiny"]
     )  # fmt: skip
     lines = out.read_text().splitlines()
-    assert lines[0].startswith("# command: python -m harness.overhead --schemes asym_token kivi")
+    assert lines[0].startswith("# command: python -m harness.bench.overhead --schemes asym_token kivi")
     assert "commit " in lines[1] and "1 threads" in lines[1]
     assert "model tiny-llama (torch.float32)" in lines[2] and "2 round(s)" in lines[2]
     rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))

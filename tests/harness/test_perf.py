@@ -1,10 +1,10 @@
-"""harness.perf end to end at a tiny size (the real run is smollm2-135m at 2K and 8K, on a quiet machine)."""
+"""harness.bench.perf end to end at a tiny size (the real run is smollm2-135m at 2K and 8K, on a quiet machine)."""
 
 from __future__ import annotations
 
 import csv
 
-from harness import perf
+from harness.bench import perf
 
 
 def test_perf_writes_every_cache_with_its_resident_bytes(tmp_path):
@@ -14,7 +14,7 @@ def test_perf_writes_every_cache_with_its_resident_bytes(tmp_path):
          "--warmup", "0", "--without", "quanto", "hqq", "--out", str(out)]
     )  # fmt: skip
     lines = out.read_text().splitlines()
-    assert lines[0].startswith("# command: python -m harness.perf --model tiny-llama")
+    assert lines[0].startswith("# command: python -m harness.bench.perf --model tiny-llama")
     rows = list(csv.DictReader(lines[2:]))
     names = [r["cache"] for r in rows]
     assert names[:2] == ["DynamicCache", "StaticCache"] and len(names) == 6  # packed and simulated per width

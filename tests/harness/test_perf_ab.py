@@ -1,4 +1,4 @@
-"""harness/perf_ab.py: versions of the CPU read path timed side by side in one process."""
+"""harness/bench/perf_ab.py: versions of the CPU read path timed side by side in one process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ KERNEL = ROOT / "kernels" / "packed_attention.py"
 def test_every_version_is_timed_per_call_and_per_step(tmp_path, cli):
     other = tmp_path / "candidate.py"
     shutil.copy(KERNEL, other)
-    proc = cli("harness.perf_ab", str(KERNEL), str(other), "--model", "tiny-llama", "--batch", "2",
+    proc = cli("harness.bench.perf_ab", str(KERNEL), str(other), "--model", "tiny-llama", "--batch", "2",
                "--contexts", "40", "--steps", "2", "--repeats", "3", "--threads", "1", timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if re.match(r"\s+40 (call|step) ", line)]
@@ -28,13 +28,13 @@ def test_a_version_that_computes_another_attention_is_refused(tmp_path, cli):
     wrong = tmp_path / "wrong.py"
     wrong.write_text(KERNEL.read_text() + "\n_right = packed_attention\n\n\ndef packed_attention(*a, **k):\n"
                      "    return _right(*a, **k) * 2\n")  # fmt: skip
-    proc = cli("harness.perf_ab", str(KERNEL), str(wrong), "--model", "tiny-llama", "--batch", "2",
+    proc = cli("harness.bench.perf_ab", str(KERNEL), str(wrong), "--model", "tiny-llama", "--batch", "2",
                "--contexts", "40", "--steps", "1", "--repeats", "1", "--threads", "1", timeout=600)  # fmt: skip
     assert proc.returncode == 1 and "wrong computes another attention than packed_attention" in proc.stderr
 
 
 def test_bad_arguments_stop_before_the_model_loads(tmp_path, cli):
-    proc = cli("harness.perf_ab", str(KERNEL), str(KERNEL), "--model", "tiny-llama")
+    proc = cli("harness.bench.perf_ab", str(KERNEL), str(KERNEL), "--model", "tiny-llama")
     assert proc.returncode == 2 and "files: two files share a name" in proc.stderr
-    proc = cli("harness.perf_ab", str(KERNEL), "--steps", "0", "--model", "tiny-llama")
+    proc = cli("harness.bench.perf_ab", str(KERNEL), "--steps", "0", "--model", "tiny-llama")
     assert proc.returncode == 2 and "--steps: 0 is not allowed" in proc.stderr

@@ -1,6 +1,6 @@
 """Capacity, demonstrated: the longest context a model can prefill and decode under a memory cap, per cache.
 
-`python -m harness.capacity_demo --model smollm2-135m --memory-gib 6 --batch 8 --bits 16 8 4 2` runs each
+`python -m harness.bench.capacity_demo --model smollm2-135m --memory-gib 6 --batch 8 --bits 16 8 4 2` runs each
 trial in a child process whose address space is capped with resource.setrlimit(RLIMIT_AS) (the cap covers the
 whole process: Python, torch, the weights and the cache). A trial loads the model in `--dtype`, prefills
 `context` random tokens through the cache in chunks of `--chunk` and decodes `--new-tokens` greedy tokens; it
@@ -34,12 +34,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from harness import io, precision, procmem
+from harness import io, precision
 from harness.attention import PACKED, installed
+from harness.bench import procmem
+from harness.bench.procmem import MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES
 from harness.cache import QuantizedKVCache
 from harness.capacity import cache_bytes, max_context, shape_from_registry
 from harness.models import load_model, model_spec
-from harness.procmem import MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES
 from harness.schemes import get_scheme
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS as PACKED_WIDTHS
@@ -93,7 +94,7 @@ def trial_environment(args) -> dict[str, str]:
 def fits(args, bits: int, context: int) -> tuple[bool, int | None]:
     """(whether a capped child prefilled `context` tokens and decoded, its peak virtual memory or None)."""
     command = [
-        sys.executable, "-m", "harness.capacity_demo", "--trial", "--model", args.model, "--batch", str(args.batch),
+        sys.executable, "-m", "harness.bench.capacity_demo", "--trial", "--model", args.model, "--batch", str(args.batch),
         "--context", str(context), "--bits", str(bits), "--new-tokens", str(args.new_tokens),
         "--chunk", str(args.chunk), "--memory-gib", str(args.memory_gib), "--threads", str(torch.get_num_threads()),
         *(["--dtype", args.dtype] if args.dtype else []),
@@ -171,7 +172,9 @@ def predicted(args, bits: int, overhead: int) -> int | None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.capacity_demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="python -m harness.bench.capacity_demo", description=__doc__.splitlines()[0]
+    )
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--memory-gib", type=float, default=6.0)
     p.add_argument("--batch", type=int, default=8)
@@ -271,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    command = io.command_line("python -m harness.capacity_demo", argv)
+    command = io.command_line("python -m harness.bench.capacity_demo", argv)
     io.start_record(
         out.parent, command, "cpu", args.allow_dirty, args.dtype, name=out.with_suffix(".env.json").name
     )

@@ -1,5 +1,5 @@
 """What this process holds, as Linux reports it (/proc/self/status), and the glibc setting that the memory
-measurements (harness.capacity_demo, harness.attention_memory) run their child processes under.
+measurements (harness.bench.capacity_demo, harness.bench.attention_memory) run their child processes under.
 
 glibc's MALLOC_MMAP_THRESHOLD_: buffers at least this large are mapped on their own, so a freed one goes back to
 the system at once instead of staying in the heap (measured in results/capacity/README.md).

@@ -1,4 +1,4 @@
-"""`python -m harness.perf_ab FILE... [--contexts 2048 8192]`: versions of kernels/packed_attention.py (the CPU
+"""`python -m harness.bench.perf_ab FILE... [--contexts 2048 8192]`: versions of kernels/packed_attention.py (the CPU
 read path) timed against each other in one process.
 
 This module owns that comparison. Each FILE is a copy of kernels/packed_attention.py (an older revision, a
@@ -6,10 +6,10 @@ candidate), loaded as its own module. At each context the model prefills one bat
 version, alternating version by version so that the machine's drift falls on all of them alike:
 - `call`: one decode attention call, packed_attention over a layer's 4-bit stores (the packed-only cache's,
   asym_token g32) with the query heads of one new token;
-- `step`: a whole packed-only 4-bit decode step of the model (harness.perf's step), each version with a cache
+- `step`: a whole packed-only 4-bit decode step of the model (harness.bench.perf's step), each version with a cache
   of its own built from the same prefill, harness/attention/packed.py pointed at the version's packed_attention.
 Medians and minima over `--repeats` (calls) and `--steps` (steps, after 2 warm-up steps); every version's call
-output is checked against the first version's. A speed comparison across runs of harness.perf moves with the
+output is checked against the first version's. A speed comparison across runs of harness.bench.perf moves with the
 machine; this one does not.
 """
 
@@ -27,9 +27,9 @@ from transformers import DynamicCache
 import harness.attention.packed as packed_path
 from harness import io
 from harness.attention import PACKED, installed
+from harness.bench.perf import SCHEME
 from harness.cache import QuantizedKVCache
 from harness.models import load_model
-from harness.perf import SCHEME
 from kernels.gpu.ab import check_version_files, load_versions
 
 
@@ -100,7 +100,7 @@ def compare(model, versions: dict, context: int, batch: int, steps: int, repeats
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m harness.perf_ab", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m harness.bench.perf_ab", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path, help="copies of kernels/packed_attention.py")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=8)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     versions = load_versions(args.files)
     model, _ = load_model(args.model, dtype=torch.float32)
     print(
-        f"# {io.command_line('python -m harness.perf_ab', argv)}; batch {args.batch}, {args.threads} threads"
+        f"# {io.command_line('python -m harness.bench.perf_ab', argv)}; batch {args.batch}, {args.threads} threads"
     )
     with installed(model, PACKED):
         for context in args.contexts:

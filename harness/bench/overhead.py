@@ -1,4 +1,4 @@
-"""`python -m harness.overhead [--schemes S...] [--bits B...] [--repeats N] [--threads N] [--out CSV] [overrides]`:
+"""`python -m harness.bench.overhead [--schemes S...] [--bits B...] [--repeats N] [--threads N] [--out CSV] [overrides]`:
 what one grid point costs beyond the model's own forward, every contender in one process.
 
 This module owns that benchmark. A grid point's work is a generation (greedy decode from the shared
@@ -80,7 +80,7 @@ class Contender:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.overhead", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m harness.bench.overhead", description=__doc__.split("\n\n")[0])
     p.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES), help="conf/quant options")
     p.add_argument("--bits", type=int, nargs="+", default=[4, 2], help="uniform widths, every scheme at each")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every contender")
@@ -240,7 +240,7 @@ def _table(summary: list[dict], names: list[str], dtype: str) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_intermixed_args(argv)  # overrides may stand between options
-    command = io.command_line("python -m harness.overhead", argv)
+    command = io.command_line("python -m harness.bench.overhead", argv)
     try:  # before the model loads: the points, threads, a writable and clean output folder, the start record
         point, points, batch = _check(args)
         out = args.out or Path("results/perf") / f"overhead-{point.dtype}.csv"

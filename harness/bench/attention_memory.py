@@ -1,10 +1,10 @@
-"""Peak memory of one prefill chunk's attention: `python -m harness.attention_memory [--help]`.
+"""Peak memory of one prefill chunk's attention: `python -m harness.bench.attention_memory [--help]`.
 
-What the packed-only path needs beside its cache while it prefills (harness.capacity_demo's "fixed extra"): one
+What the packed-only path needs beside its cache while it prefills (harness.bench.capacity_demo's "fixed extra"): one
 chunk of queries attends over a context stored packed (kernels.packed_attention, blockwise from the stored form)
 or over full-precision K/V with torch's scaled_dot_product_attention (what a DynamicCache prefill runs). Each
 measurement runs in a fresh child process, with glibc's mmap threshold as capacity_demo sets it
-(harness.procmem): the K/V are built, one warm-up call runs (a prefill's later chunks are its steady state), the
+(harness.bench.procmem): the K/V are built, one warm-up call runs (a prefill's later chunks are its steady state), the
 peak resident set is reset, one attention call runs, and its peak above the resident set before it is reported
 (VmHWM - VmRSS, Linux only); the call's output is counted, as a model holds it. Shapes are smollm2-135m's
 attention (9 query heads on 3 KV heads of 64) unless given.
@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from harness import io, procmem
+from harness import io
+from harness.bench import procmem
 
 MIB = 1 << 20
 MODES = ("packed", "sdpa")
@@ -64,7 +65,7 @@ def measure(
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m harness.attention_memory", description=__doc__.splitlines()[0]
+        prog="python -m harness.bench.attention_memory", description=__doc__.splitlines()[0]
     )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--q-heads", type=int, default=9)
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
             io.check_clean(args.out.parent, args.allow_dirty, key="--allow-dirty")
         except ValueError as err:
             p.error(str(err))
-    command = io.command_line("python -m harness.attention_memory", argv)
+    command = io.command_line("python -m harness.bench.attention_memory", argv)
     if args.out is not None:
         io.start_record(args.out.parent, command, "cpu", args.allow_dirty, name=args.out.stem + ".env.json")
     env = {
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
                 "bits": args.bits,
                 "threads": args.threads,
             }
-            child = [sys.executable, "-m", "harness.attention_memory", "--child", mode]
+            child = [sys.executable, "-m", "harness.bench.attention_memory", "--child", mode]
             child += [f"--{key}={value}" for key, value in options.items()]
             proc = subprocess.run(child, capture_output=True, text=True, env=env, check=True)
             peaks.append(int(proc.stdout.split()[-1]) / MIB)

@@ -1,6 +1,6 @@
 """Decode-step cost and resident memory of the quantized cache against transformers' caches.
 
-`python -m harness.perf [--model smollm2-135m --batch 8 --contexts 2048 8192 --bits 4 2 --steps 12]` prefills
+`python -m harness.bench.perf [--model smollm2-135m --batch 8 --contexts 2048 8192 --bits 4 2 --steps 12]` prefills
 each context once (a full-precision DynamicCache), gives every cache the same K/V (each through its own update
 path, as a prefill would), then times single-token decode steps (median after warm-up; each step appends one
 token) and measures the cache's resident bytes (the storage of every tensor it keeps, shared storage counted
@@ -96,7 +96,7 @@ def peak_rss_bytes() -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m harness.perf", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m harness.bench.perf", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192])
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    command = io.command_line("python -m harness.perf", argv)
+    command = io.command_line("python -m harness.bench.perf", argv)
     io.start_record(
         out.parent, command, "cpu", args.allow_dirty, dtype, name=out.with_suffix(".env.json").name
     )
@@ -203,7 +203,9 @@ def main(argv: list[str] | None = None) -> None:
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
-        f.write(f"# command: python -m harness.perf {' '.join(sys.argv[1:] if argv is None else argv)}\n")
+        f.write(
+            f"# command: python -m harness.bench.perf {' '.join(sys.argv[1:] if argv is None else argv)}\n"
+        )
         f.write(
             f"# model {args.model} ({model.dtype}), batch {args.batch}, {args.steps} timed steps "
             f"({args.quantized_steps} for QuantizedCache) after {args.warmup} warm-up; "
