@@ -7,9 +7,8 @@ unquantized for every scheme. A new scheme is one file here that registers a Sch
 one YAML file in conf/quant.
 """
 
-# The import order is the registration order (the order of the allowed names in errors); rotate wraps every scheme
-# registered before it, so only codebook, which rotates itself, and calkey, nuqkey, nuqkey_codebook and pca, whose
-# fitted tables rely on the rotary pairs a rotation would mix (and pca on its own basis), come after it.
+# The import order is the order of the allowed names in errors, nothing more: rotate registers rotate+<name> for
+# its explicit list (rotate.ROTATABLE), whichever families are imported before it.
 # isort: off
 from harness.schemes.base import (
     ROLES,
@@ -28,7 +27,7 @@ from harness.schemes.asym_token import AsymToken
 from harness.schemes.sym_token import SymToken
 from harness.schemes.kivi import ChannelStore, Kivi
 from harness.schemes.fp8 import Fp8, Fp8Store
-from harness.schemes.rotate import ROTATE, Rotated, RotatedStore
+from harness.schemes.rotate import ROTATABLE, ROTATE, Rotated, RotatedStore, rotate
 from harness.schemes.codebook import Codebook, CodebookStore
 from harness.schemes.calkey import CalKey, CalKeyStore
 from harness.schemes.nuqkey import NuqKey, NuqKeyStore
@@ -55,6 +54,7 @@ __all__ = [
     "KEY_LEVELS",
     "KMEANS",
     "ROLES",
+    "ROTATABLE",
     "ROTATE",
     "SCHEME_OPTIONS",
     "SCHEMES",
@@ -83,6 +83,7 @@ __all__ = [
     "XlayerStore",
     "ResidualStore",
     "Rotated",
+    "rotate",
     "RotatedStore",
     "Scheme",
     "SinkStore",

@@ -1,7 +1,8 @@
 """`rotate+<scheme>`: an orthonormal Hadamard rotation of head_dim before another scheme quantizes (QuaRot-style),
 undone after (RotatedStore); head_dim must be a power of two. Rotated is a wrapper scheme: it stores and costs
-what its base stores, in float32 inside (rotated values can exceed the fp16 range). Importing this module
-registers rotate+<name> for every scheme registered before it."""
+what its base stores, in float32 inside (rotated values can exceed the fp16 range). `rotate(inner)` wraps a
+scheme object; the registry holds rotate+<name> for each name of ROTATABLE, whatever the order the families are
+imported in (the base is looked up when a rotated scheme is built)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,16 @@ from typing import ClassVar
 
 import torch
 
-from harness.schemes.base import SCHEMES, Scheme, Store, get_scheme
+from harness.schemes.base import SCHEME_OPTIONS, SCHEMES, Scheme, Store, get_scheme
 from harness.schemes.wrappers import head_index, take_tokens
 from kernels import reference
 from kernels.packed_attention import values
 
 ROTATE = "rotate+"
+# The schemes a rotation may wrap. Not codebook, vq, xlayer and nuqkey_codebook, which rotate already, nor calkey,
+# nuqkey, pca and cq, whose parts are fitted on the unrotated channels (a rotation would mix the rotary pairs and
+# the bases they rely on).
+ROTATABLE = ("asym_token", "sym_token", "kivi", "fp8")
 
 
 @dataclass(frozen=True)
@@ -27,13 +32,8 @@ class Rotated(Scheme):
     rotated: ClassVar[bool] = True
 
     def __post_init__(self):
-        inner = get_scheme(
-            self.name.removeprefix(ROTATE),
-            self.group_size,
-            sink_tokens=0,
-            residual=0,
-            key_group_size=self.key_group_size,
-        )
+        options = {key: getattr(self, key) for key in SCHEME_OPTIONS}
+        inner = get_scheme(self.name.removeprefix(ROTATE), **{**options, "sink_tokens": 0, "residual": 0})
         object.__setattr__(self, "inner", inner)
         super().__post_init__()
 
@@ -77,7 +77,17 @@ class Rotated(Scheme):
         return RotatedStore(inner, bits, head_dim, batch, dtype, device, simulate)
 
 
-for _name in SCHEMES.names():
+def rotate(inner: Scheme) -> Rotated:
+    """rotate+<inner's name> around the scheme object `inner`, with every option of it; its sink and residual
+    tokens are kept by the wrapper, unrotated. ValueError naming quant.scheme for a scheme not in ROTATABLE."""
+    if inner.name not in ROTATABLE:
+        raise ValueError(
+            f"quant.scheme: {ROTATE}{inner.name} is not a scheme; allowed: {', '.join(ROTATE + n for n in ROTATABLE)}"
+        )
+    return Rotated(ROTATE + inner.name, **{key: getattr(inner, key) for key in SCHEME_OPTIONS})
+
+
+for _name in ROTATABLE:
     SCHEMES.register(ROTATE + _name)(functools.partial(Rotated, ROTATE + _name))
 
 

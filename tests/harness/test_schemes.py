@@ -558,3 +558,19 @@ def test_per_token_keys_are_stored_in_their_own_groups():
         ValueError, match=r"^quant.key_group_size: 48 does not divide the model's head_dim 64"
     ):
         get_scheme("asym_token", 32, key_group_size=48).new_store([4], 64, 1, torch.float32, "cpu", "key")
+
+
+def test_rotate_wraps_a_scheme_object_and_the_registry_holds_its_explicit_list():
+    from harness.schemes import ROTATABLE, SCHEMES, rotate
+
+    inner = get_scheme("kivi", 16, key_group_size=64, residual=8, sink_tokens=2)
+    wrapped = rotate(inner)
+    assert wrapped == get_scheme("rotate+kivi", 16, key_group_size=64, residual=8, sink_tokens=2)
+    # the wrapper keeps the sink and residual tokens; the inner scheme gets every other option
+    assert (wrapped.inner.group_size, wrapped.inner.key_group_size) == (16, 64)
+    assert (wrapped.inner.sink_tokens, wrapped.inner.residual) == (0, 0)
+    assert [n for n in SCHEMES if n.startswith("rotate+")] == [f"rotate+{n}" for n in ROTATABLE]
+    with pytest.raises(
+        ValueError, match=r"^quant.scheme: rotate\+codebook is not a scheme; allowed: rotate\+asym"
+    ):
+        rotate(get_scheme("codebook"))
