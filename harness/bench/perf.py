@@ -135,29 +135,11 @@ def check(args) -> None:
 
 
 @torch.no_grad()
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    out = Path(args.out)
-    try:
-        check(args)
-    except SystemExit as err:
-        print(err, file=sys.stderr)
-        raise SystemExit(2) from None
-    try:  # before the model loads: threads applied, a clean tree for results/, <out>.env.json written
-        dtype = precision.resolve(args.dtype, "cpu")
-        io.set_threads(args.threads, key="--threads")
-        io.check_writable(out.parent, key="--out")
-        io.check_clean(out.parent, args.allow_dirty, key="--allow-dirty")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    command = io.command_line("python -m harness.bench.perf", argv)
-    io.start_record(
-        out.parent, command, "cpu", args.allow_dirty, dtype, name=out.with_suffix(".env.json").name
-    )
-    model, _ = load_model(args.model, dtype=dtype)
+def measure(model, args) -> list[dict]:
+    """Every cache's decode step at every context of args: its median and fastest step and the bytes it held,
+    with ratios to DynamicCache at the same context."""
+    rows = []
     with installed(model, PACKED):  # our caches are attended from their packed form; the others through SDPA
-        rows = []
         for context in args.contexts:
             torch.manual_seed(0)
             ids = torch.randint(0, model.config.vocab_size, (args.batch, context))
@@ -200,7 +182,11 @@ def main(argv: list[str] | None = None) -> None:
         row["resident_ratio_to_fp16_dynamic"] = row["resident_bytes"] / (
             base["resident_bytes"] * 2 / model.dtype.itemsize
         )
+    return rows
 
+
+def write_csv(out: Path, rows: list[dict], model, args, argv: list[str] | None) -> None:
+    """The rows as CSV under two comment lines: the command, and the model, sizes and machine."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "w", newline="") as f:
         f.write(
@@ -215,6 +201,31 @@ def main(argv: list[str] | None = None) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    out = Path(args.out)
+    try:
+        check(args)
+    except SystemExit as err:
+        print(err, file=sys.stderr)
+        raise SystemExit(2) from None
+    try:  # before the model loads: threads applied, a clean tree for results/, <out>.env.json written
+        dtype = precision.resolve(args.dtype, "cpu")
+        io.set_threads(args.threads, key="--threads")
+        io.check_writable(out.parent, key="--out")
+        io.check_clean(out.parent, args.allow_dirty, key="--allow-dirty")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    command = io.command_line("python -m harness.bench.perf", argv)
+    io.start_record(
+        out.parent, command, "cpu", args.allow_dirty, dtype, name=out.with_suffix(".env.json").name
+    )
+    model, _ = load_model(args.model, dtype=dtype)
+    rows = measure(model, args)
+    write_csv(out, rows, model, args, argv)
     for row in rows:
         print(
             f"{row['context']:6d} {row['cache']:55s} {row['step_ratio_to_dynamic']:5.2f}x step  "

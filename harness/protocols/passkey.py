@@ -157,19 +157,17 @@ def answer(model, cache, question: torch.Tensor, start: int, new_tokens: int) ->
 
 
 def answer_from_prefilled(
-    model, document_cache, question: torch.Tensor, start: int, new_tokens: int, bits=None, **cache_options
+    model, document_cache, question: torch.Tensor, start: int, new_tokens: int, bits=None, scheme="asym_token"
 ):
     """prefill=exact: answer tokens (B, M) and the cache read, from a full-precision DynamicCache of the document.
 
-    bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits` (the
-    keys' widths; cache_options may give value_bits).
+    bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits` (an
+    Allocation, or the widths QuantizedKVCache takes) in `scheme` (a Scheme or its name).
     """
     if bits is None:
         cache = copy.deepcopy(document_cache)
     else:
-        cache = QuantizedKVCache.from_prefilled(
-            document_cache, model.config, bits, prefill="exact", **cache_options
-        )
+        cache = QuantizedKVCache.from_prefilled(document_cache, model.config, bits, scheme, prefill="exact")
     return answer(model, cache, question, start, new_tokens), cache
 
 
@@ -291,6 +289,94 @@ def _pending(job: Job, log: PointLog, context: int, depth: float) -> list[tuple[
     return [pb for pb in wanted if not log.done(point_name(job.model, context, depth, *pb, job.settings))]
 
 
+@dataclass
+class _Answers:
+    """What one (context, depth) gave each pending (policy, budget): answer tokens per batch of trials (B, M),
+    true and fp16 bytes of the caches read, seconds answering; and the shared document prefill's seconds."""
+
+    tokens: dict
+    held: dict  # (policy, budget) -> [true bytes, fp16 bytes]
+    seconds: dict
+    prefill_s: float = 0.0
+
+
+def _answer_all(model, job: Job, prompts: list, pending: list, allocs: dict, scheme) -> _Answers:
+    """Every pending (policy, budget) answers every prompt, batch by batch, from one full-precision prefill of
+    each batch's document (prefill=exact) or through its own quantized prefill (prefill=quantized)."""
+    s = job.settings
+    out = _Answers({pb: [] for pb in pending}, {pb: [0, 0] for pb in pending}, {pb: 0.0 for pb in pending})
+    context = prompts[0].ids.shape[-1]
+    for first in range(0, s.trials, job.batch_size):
+        batch = prompts[first : first + job.batch_size]
+        ids = torch.stack([p.ids for p in batch])  # (B, context)
+        q = batch[0].question_tokens
+        document, question = ids[:, : context - q], ids[:, context - q :]
+        t0 = time.perf_counter()
+        document_cache = DynamicCache(config=model.config)
+        prefill(model, document, document_cache, s.chunk)
+        out.prefill_s += time.perf_counter() - t0
+        for pb in pending:
+            alloc = None if pb[0] == BASELINE else allocs[pb]
+            if isinstance(alloc, str):
+                continue  # infeasible: recorded by the caller
+            t0 = time.perf_counter()
+            if alloc is None:
+                tokens, cache = answer_from_prefilled(
+                    model, document_cache, question, context - q, s.new_tokens
+                )
+            elif s.prefill == "exact":
+                tokens, cache = answer_from_prefilled(
+                    model, document_cache, question, context - q, s.new_tokens, alloc, scheme
+                )
+            else:
+                cache = QuantizedKVCache(model.config, alloc, scheme, prefill="quantized")
+                prefill(model, document, cache, s.chunk)
+                tokens = answer(model, cache, question, context - q, s.new_tokens)
+            out.seconds[pb] += time.perf_counter() - t0
+            out.tokens[pb].append(tokens)
+            if alloc is not None:
+                out.held[pb][0] += cache.nbytes()
+                out.held[pb][1] += cache.nbytes_fp16()
+    return out
+
+
+def _record(
+    job: Job,
+    where: tuple[int, float],
+    pb: tuple,
+    alloc,
+    prompts: list,
+    answers: _Answers,
+    tokenizer,
+    provenance,
+) -> dict:
+    """One point's record at (context, depth) `where`: its configuration and provenance, and its accuracy with
+    every answer, or why it is infeasible."""
+    s = job.settings
+    context, depth = where
+    config = dict(model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__)
+    record = {"key": point_name(job.model, context, depth, *pb, s), "config": config, **provenance}
+    if isinstance(alloc, str):
+        return {**record, "status": "infeasible", "error": alloc}
+    texts = [tokenizer.decode(row) for row in torch.cat(answers.tokens[pb]).tolist()]
+    correct = [score(text, p.key) for text, p in zip(texts, prompts)]
+    held = answers.held[pb]
+    return {
+        **record,
+        "status": "ok",
+        "accuracy": sum(correct) / len(correct),
+        "correct": correct,
+        "keys": [p.key for p in prompts],
+        "answers": texts,
+        "needle_starts": [p.needle_start for p in prompts],
+        "mean_bits": float(FULL_WIDTH) if alloc is None else alloc.mean_bits,
+        "compression_nominal": 1.0 if alloc is None else FULL_WIDTH / alloc.mean_bits,
+        "compression_true": 1.0 if alloc is None else held[1] / held[0],
+        "answer_s": answers.seconds[pb],
+        "shared_prefill_s": answers.prefill_s,
+    }
+
+
 def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None = None) -> int:
     """Evaluate every missing point of `job` into run_dir/points; returns the number of points written.
 
@@ -303,10 +389,10 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
     s = job.settings
     builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
-    price = element_price(shape_from_config(model.config, job.model), get_scheme(s.scheme, s.group_size))
+    scheme = get_scheme(s.scheme, s.group_size)
+    price = element_price(shape_from_config(model.config, job.model), scheme)
     entropy = calibration_entropy(model, tokenizer, job.model, s)
     allocs = allocations(entropy, job.policies, job.budgets, s.seed, s.budget_unit, price)
-    cache_options = dict(scheme=s.scheme, group_size=s.group_size)
     written = 0
     with installed(model, PACKED):  # the quantized caches are attended from their packed form
         for context, depth in todo:
@@ -315,70 +401,16 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
                 builder.build(context, depth, trial_key(s.seed, job.model, context, depth, t))
                 for t in range(s.trials)
             ]
-            tokens = {pb: [] for pb in pending}  # (policy, budget) -> list of (B, M) answer tokens
-            held = {pb: [0, 0] for pb in pending}  # true bytes, fp16 bytes of the caches read
-            seconds = {pb: 0.0 for pb in pending}
-            prefill_s = 0.0
-            for first in range(0, s.trials, job.batch_size):
-                batch = prompts[first : first + job.batch_size]
-                ids = torch.stack([p.ids for p in batch])  # (B, context)
-                q = batch[0].question_tokens
-                document, question = ids[:, : context - q], ids[:, context - q :]
-                t0 = time.perf_counter()
-                document_cache = DynamicCache(config=model.config)
-                prefill(model, document, document_cache, s.chunk)
-                prefill_s += time.perf_counter() - t0
-                for pb in pending:
-                    alloc = None if pb[0] == BASELINE else allocs[pb]
-                    if isinstance(alloc, str):
-                        continue  # infeasible: recorded below
-                    t0 = time.perf_counter()
-                    bits = None if alloc is None else alloc.key_bits
-                    options = (
-                        cache_options if alloc is None else {**cache_options, "value_bits": alloc.value_bits}
-                    )
-                    if s.prefill == "exact" or bits is None:
-                        out, cache = answer_from_prefilled(
-                            model, document_cache, question, context - q, s.new_tokens, bits, **options
-                        )
-                    else:
-                        cache = QuantizedKVCache(model.config, bits, prefill="quantized", **options)
-                        prefill(model, document, cache, s.chunk)
-                        out = answer(model, cache, question, context - q, s.new_tokens)
-                    seconds[pb] += time.perf_counter() - t0
-                    tokens[pb].append(out)
-                    if bits is not None:
-                        held[pb][0] += cache.nbytes()
-                        held[pb][1] += cache.nbytes_fp16()
+            answers = _answer_all(model, job, prompts, pending, allocs, scheme)
             for pb in pending:
-                name = point_name(job.model, context, depth, *pb, s)
-                config = dict(
-                    model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__
-                )
-                record = {"key": name, "config": config, **(provenance or {})}
                 alloc = None if pb[0] == BASELINE else allocs[pb]
-                if isinstance(alloc, str):
-                    record.update(status="infeasible", error=alloc)
-                else:
-                    texts = [tokenizer.decode(row) for row in torch.cat(tokens[pb]).tolist()]
-                    correct = [score(text, p.key) for text, p in zip(texts, prompts)]
-                    record.update(
-                        status="ok",
-                        accuracy=sum(correct) / len(correct),
-                        correct=correct,
-                        keys=[p.key for p in prompts],
-                        answers=texts,
-                        needle_starts=[p.needle_start for p in prompts],
-                        mean_bits=float(FULL_WIDTH) if alloc is None else alloc.mean_bits,
-                        compression_nominal=1.0 if alloc is None else FULL_WIDTH / alloc.mean_bits,
-                        compression_true=1.0 if alloc is None else held[pb][1] / held[pb][0],
-                        answer_s=seconds[pb],
-                        shared_prefill_s=prefill_s,
-                    )
-                log.write(name, record)
+                where = (context, depth)
+                record = _record(job, where, pb, alloc, prompts, answers, tokenizer, provenance or {})
+                log.write(record["key"], record)
                 written += 1
             progress(
-                f"{job.model} context {context} depth {depth:g}: {len(pending)} points, prefill {prefill_s:.1f} s"
+                f"{job.model} context {context} depth {depth:g}: {len(pending)} points, "
+                f"prefill {answers.prefill_s:.1f} s"
             )
     return written
 

@@ -25,6 +25,31 @@ from harness.run.records import PointLog
 from kernels.layout import FULL_WIDTH
 
 
+def _write_baseline(log: PointLog, ctx: ModelContext, point: Point, provenance: dict) -> None:
+    """The baseline row of `point`'s context (its unquantized model on the same windows), once per run directory."""
+    base_point = point.without_peer_fields().replace(
+        policy="baseline",
+        budget=FULL_WIDTH,
+        alpha=0.0,
+        sink_threshold=None,
+        sink_fraction=None,
+        scheme="none",
+        **NO_EVICTION,
+    )
+    if log.done(base_point.key()):
+        return
+    record = {
+        "key": base_point.key(),
+        "status": "ok",
+        "config": base_point.to_dict(),
+        "resolved": resolved(ctx),
+        **provenance,
+        "metrics": baseline_record(ctx),
+        "tokens": ctx.base_tokens.tolist(),
+    }
+    log.write(base_point.key(), record)
+
+
 def run(
     points: list[Point],
     run_dir: Path,
@@ -70,28 +95,7 @@ def run(
             bar.set_postfix_str(f"{point.model}: loading, calibrating, baseline")
             contexts[ckey] = ctx = build_context(point, batch_size, device, run_dir, backend, simulate)
             timings["models"][point.model] = ctx.timings
-            base_point = point.without_peer_fields().replace(
-                policy="baseline",
-                budget=FULL_WIDTH,
-                alpha=0.0,
-                sink_threshold=None,
-                sink_fraction=None,
-                scheme="none",
-                **NO_EVICTION,
-            )
-            if not log.done(base_point.key()):
-                log.write(
-                    base_point.key(),
-                    {
-                        "key": base_point.key(),
-                        "status": "ok",
-                        "config": base_point.to_dict(),
-                        "resolved": resolved(ctx),
-                        **provenance,
-                        "metrics": baseline_record(ctx),
-                        "tokens": ctx.base_tokens.tolist(),
-                    },
-                )
+            _write_baseline(log, ctx, point, provenance)
         ctx = contexts[ckey]
         bar.set_postfix_str(f"{point.model} {point.policy} b={point.budget} {point.scheme}")
         t = time.perf_counter()
