@@ -155,3 +155,17 @@ def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp
         proc = cli("harness.compare_runs", *args)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert message in proc.stderr
+
+
+def test_a_point_recorded_before_a_field_existed_matches_it_at_its_default_and_not_away_from_it():
+    old = config("float32", "uniform")  # made before key_levels, outliers, key_group_size, key_offset existed
+    new = {**old, "key_levels": "kmeans", "outliers": 0.0, "key_group_size": None, "key_offset": 0.0}
+    assert compare.identity(old) == compare.identity(new)
+    assert compare.identity(old) == compare.identity({**new, "dtype": "bfloat16"})  # dtype may differ
+    for field, value in (
+        ("key_levels", "fisher"),
+        ("outliers", 0.01),
+        ("key_group_size", 64),
+        ("key_offset", 1.0),
+    ):
+        assert compare.identity(old) != compare.identity({**new, field: value}), field
