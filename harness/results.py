@@ -85,7 +85,9 @@ def table(records: list[dict]) -> pd.DataFrame:
     frame = pd.DataFrame([flatten(r) for r in records])
     extra = [c for c in frame.columns if c not in COLUMNS]
     frame = frame.reindex(columns=[*COLUMNS, *extra])
-    frame["simulate"] = frame["simulate"].astype("boolean")  # nullable: infeasible points have no value
+    for flag in ("simulate", "reads_previous_layer"):  # nullable: infeasible points have no value
+        if flag in frame:  # reads_previous_layer: in runs made since the xlayer schemes exist
+            frame[flag] = frame[flag].astype("boolean")
     return frame
 
 

@@ -224,6 +224,7 @@ def baseline_record(ctx: ModelContext) -> dict:
         "compression_true": 1.0,
         "tokens_kept_fraction": 1.0,
         "simulate": False,  # a DynamicCache: no working copy beside a stored form
+        "reads_previous_layer": False,
     }
 
 

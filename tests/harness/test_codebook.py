@@ -402,12 +402,12 @@ def test_quant_codebook_validates_and_ignores_group_size():
         CODEBOOK.label() == "codebook"
         and get_scheme("codebook", sink_tokens=4).label() == "codebook sink_tokens=4"
     )
-    inputs = ModelInputs("tiny-llama", get_scheme("codebook", 48), (4, 16), None, ())
+    inputs = ModelInputs("tiny-llama", get_scheme("codebook", 48), (4, 16), ())
     _check_head_dims(inputs, {64, 128})  # a group size that divides no head_dim is not an error
     with pytest.raises(
         ConfigError,
         match=r"^quant.scheme: codebook needs a power-of-two head_dim; .*96; "
-        r"allowed: a scheme without rotation \(asym_token, sym_token, kivi, fp8, calkey, nuqkey\)$",
+        r"allowed: a scheme without rotation \(asym_token, sym_token, kivi, fp8, calkey, nuqkey, pca, cq2, cq4\)$",
     ):
         _check_head_dims(inputs, {96})
 

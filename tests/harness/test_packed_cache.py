@@ -16,7 +16,9 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from harness import evaluate, metrics
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resident_bytes
+from harness.cq_calibration import fit_cq_calibration
 from harness.models import load_model
+from harness.pca_calibration import fit_pca_calibration
 from harness.schemes import SCHEMES, KeyCalibration, Rotated, get_scheme
 from harness.schemes.key_table import fit_table
 
@@ -32,18 +34,38 @@ CASES = [
     for scheme in SCHEMES
     for width in widths(scheme)
     if not (isinstance(get_scheme(scheme), Rotated) and width == 16)  # rotate+ keeps 16-bit heads in float32
+    and not get_scheme(
+        scheme
+    ).reads_previous_layer  # xlayer runs only simulated (tests/harness/test_xlayer.py)
 ]
+
+
+def fitted_parts(config, scheme: str):
+    """What `scheme` reads fitted on calibration text (harness.fitted), fitted here on random data: calkey's and
+    nuqkey's key tables on keys like the ones fed below (every rotary pair turning a full circle), pca's and vq's
+    transforms and cq's codebooks on a random model of `config` over random tokens; None for other schemes."""
+    bound = get_scheme(scheme)
+    if not bound.key_tables:
+        return None
+    heads, dim = config.num_key_value_heads, config.head_dim
+    if bound.fit == "key_tables":
+        table = fit_table(torch.randn(64, heads, dim), torch.arange(64), torch.ones(dim // 2), span=8)
+        return KeyCalibration((table,) * config.num_hidden_layers)
+    torch.manual_seed(0)
+    model, ids = LlamaForCausalLM(config), torch.randint(0, config.vocab_size, (2, 64))
+    if bound.fit == "pca":
+        return fit_pca_calibration(model, ids)
+    assert bound.fit == "cq", bound.fit  # a new kind of fitted part: fit it here
+    return fit_cq_calibration(model, ids, bound.channels)
 
 
 def filled_cache(config, scheme: str, width: int, simulate: bool) -> QuantizedKVCache:
     """A cache of `config` after a PREFILL-token update and DECODE one-token updates of fp16 K/V (2 bytes per
     element, the format's convention for 16-bit parts), each update attended as a model would."""
     heads, dim = config.num_key_value_heads, config.head_dim
-    # calkey's keys: a table fitted on keys like the ones fed below (every rotary pair turning a full circle)
-    table = fit_table(torch.randn(64, heads, dim), torch.arange(64), torch.ones(dim // 2), span=8)
     cache = QuantizedKVCache(
         config, width, scheme=scheme, group_size=16, prefill="quantized", simulate=simulate,
-        key_calibration=KeyCalibration((table,) * config.num_hidden_layers),
+        key_calibration=fitted_parts(config, scheme),
     )  # fmt: skip
     torch.manual_seed(width)
     with installed(LlamaForCausalLM(config), PACKED) as steps:
@@ -71,7 +93,10 @@ ONE_LAYER = LlamaConfig(  # one full-attention layer with GQA, tiny-llama's head
 @pytest.mark.parametrize("scheme, width", CASES, ids=[f"{s}-{w}" for s, w in CASES])
 def test_resident_bytes_are_the_formats_bytes(scheme, width):
     cache = filled_cache(ONE_LAYER, scheme, width, simulate=False)
-    stored, resident = cache.nbytes(), cache.resident_bytes()
+    # the fitted parts the caller passed (one per model, shared by its caches; each store keeps and counts its
+    # own copy of its heads') are the caller's memory: what the cache holds beyond them
+    fitted = cache.key_calibration
+    stored, resident = cache.nbytes(), resident_bytes([cache.layers, fitted]) - resident_bytes([fitted])
     assert 0 < stored <= resident <= 1.3 * stored, (scheme, width, resident / stored)
 
 
