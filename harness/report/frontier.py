@@ -14,7 +14,8 @@ of the run compete; peer engines are left to tables.md):
 - peer engines (harness/peers, e.g. llama.cpp's KV cache types) on the same windows: each beside the harness
   point of lowest ppl_ratio that holds no more true bytes, paired (a peer's ppl_ratio and kl_mean are against its
   own unquantized cache, the harness's against the harness's baseline);
-- the ablation (`INGREDIENTS`): what each ingredient adds near 3.5x, as the paired difference between two named
+- the ablation (`INGREDIENTS`): what each ingredient adds near 3.5x (or at the compression it names: the new
+  units at 4.5x and 6x), as the paired difference between two named
   configurations that differ by it (the point with it minus the point without), with their bytes ratio;
 - judged on other text: where a run holds points evaluated on more than one text (eval.data.path), the tables
   above read the default text's points (or, without any, the first text's), and each other text gets the best
@@ -165,6 +166,50 @@ INGREDIENTS = (
         "calkey: the measured knapsack against K4V3, same budget",
         {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": 1},
         {"scheme": "calkey", "sink_tokens": 1, "policy": "measured", "budget": 3.5},
+    ),
+    (
+        "3.5x: a PCA basis per (layer, KV head), bits per component (pca's knapsack at 4.4 bits) against "
+        "nuqkey_codebook 4-bit with 2% of each key in fp16",
+        {**NUQKEY_CODEBOOK_4, "group_size": 32, "outliers": 0.02},
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 4.4},
+    ),
+    (
+        "4.5x: the same, pca's knapsack at 3.3 bits against nuqkey_codebook's at 3.18 (1% of each key in fp16)",
+        {
+            "scheme": "nuqkey_codebook",
+            "sink_tokens": 1,
+            "outliers": 0.01,
+            "policy": "measured",
+            "budget": 3.18,
+        },
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 3.3},
+    ),
+    (
+        "6x: the same, pca's knapsack at 2.4 bits against nuqkey_codebook's at 2.3",
+        {
+            "scheme": "nuqkey_codebook",
+            "sink_tokens": 1,
+            "outliers": 0.01,
+            "policy": "measured",
+            "budget": 2.3,
+        },
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 2.4},
+    ),
+    (
+        "cross-layer prediction (xlayer: codebook's format for the residual of the layer below's prediction), "
+        "3 bits",
+        {"scheme": "codebook", "policy": "uniform", "budget": 3},
+        {"scheme": "xlayer", "sink_tokens": 1, "policy": "uniform", "budget": 3},
+    ),
+    (
+        "2-D grids after rotation, keys before RoPE, calibration mean off (vq2) against codebook, 3 bits",
+        {"scheme": "codebook", "policy": "uniform", "budget": 3},
+        {"scheme": "vq2", "sink_tokens": 1, "policy": "uniform", "budget": 3},
+    ),
+    (
+        "channel pairs against fitted codebooks (cq2) against pca's transform coding, 3 bits",
+        {"scheme": "pca", "sink_tokens": 1, "policy": "uniform", "budget": 3},
+        {"scheme": "cq2", "sink_tokens": 1, "policy": "uniform", "budget": 3},
     ),
 )
 # The points every judged-on-other-text row is set against, on the same windows: (column, configuration).
@@ -488,7 +533,8 @@ def frontier_text(run_dir: Path, records: list[dict], n_boot: int | None = None,
             markdown_table(goals_table(records, model)),
             "\n## Each allocation against the best uniform storage at no more true bytes\n",
             markdown_table(head_to_head(records, model, n_boot, seed)),
-            "\n## Ablation near 3.5x: what each ingredient adds (with it minus without it, paired)\n",
+            "\n## Ablation: what each ingredient adds, near 3.5x unless it names another compression (with it minus "
+            "without it, paired)\n",
             markdown_table(ablation_table(records, model, n_boot, seed)),
         ]
         peers = peer_rows(records, model, n_boot, seed)
