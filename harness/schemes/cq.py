@@ -26,7 +26,7 @@ from harness.schemes.bitstream import layout, pack, unpack
 from harness.schemes.calkey import saturating_cast
 from harness.schemes.cq_table import CQ_WIDTHS, CqCalibration, CqLayer, CqTable, nearest_centroid
 from harness.schemes.rotary import TokenPositions, turn
-from harness.schemes.wrappers import BlockStore, head_index, take_tokens
+from harness.schemes.wrappers import PositionedBlockStore, head_index
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
@@ -100,7 +100,7 @@ for _name in CHANNELS:
     SCHEMES.register(_name)(functools.partial(Cq, _name))
 
 
-class CqStore(BlockStore):
+class CqStore(PositionedBlockStore):
     """One layer's keys or values in a cq format (module docstring), each quantized head at its width; 16-bit heads
     exact. Attention reads blocks of dequantized tokens (BlockStore)."""
 
@@ -214,17 +214,6 @@ class CqStore(BlockStore):
             code = unpack(self.codes[w][:, :, start:end], self.layout[w])
             out.index_copy_(1, self.heads[w], self._restore(code, w, angle))
         return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
-
-    def keep_last(self, n: int) -> None:
-        start = max(self.length - n, 0)
-        self.positions.keep_last(n, self.length)
-        self._each(lambda t: t[:, :, start:].clone())
-        self.length -= start
-
-    def select(self, index: torch.Tensor) -> None:
-        self.positions.select(index, self.length)
-        self._each(lambda t: take_tokens(t, index, 2))
-        self.length = index.shape[1]
 
     def nbytes(self) -> int:
         codes = sum(t.numel() for t in self.codes.values())

@@ -43,7 +43,7 @@ from harness.schemes.pca_table import (
     quantize_components,
 )
 from harness.schemes.rotary import TokenPositions, turn
-from harness.schemes.wrappers import BlockStore, head_index, take_tokens
+from harness.schemes.wrappers import PositionedBlockStore, head_index
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
@@ -108,7 +108,7 @@ class Pca(Scheme):
         return PcaStore(bits, head_dim, batch, dtype, device, self.fitted.role(role), theta, first, simulate)
 
 
-class PcaStore(BlockStore):
+class PcaStore(PositionedBlockStore):
     """One layer's keys or values in the pca format (module docstring), each quantized head at its width against
     its fitted transform; 16-bit heads exact. Attention reads blocks of dequantized tokens (BlockStore)."""
 
@@ -207,17 +207,6 @@ class PcaStore(BlockStore):
             zq = component_values(code, self.plan[w], self.scale[w].float())
             out.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
         return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
-
-    def keep_last(self, n: int) -> None:
-        start = max(self.length - n, 0)
-        self.positions.keep_last(n, self.length)
-        self._each(lambda t: t[:, :, start:].clone())
-        self.length -= start
-
-    def select(self, index: torch.Tensor) -> None:
-        self.positions.select(index, self.length)
-        self._each(lambda t: take_tokens(t, index, 2))
-        self.length = index.shape[1]
 
     def table_nbytes(self) -> int:
         """Bytes of the fitted transforms the quantized heads read (held once)."""

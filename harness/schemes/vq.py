@@ -40,7 +40,7 @@ from harness.schemes.grids import (
 )
 from harness.schemes.pca_table import PcaCalibration, PcaLayer
 from harness.schemes.rotary import TokenPositions, turn
-from harness.schemes.wrappers import BlockStore, head_index, take_tokens
+from harness.schemes.wrappers import PositionedBlockStore, head_index
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
@@ -141,7 +141,7 @@ def vq_points(code: torch.Tensor, p: int, b: int) -> torch.Tensor:
     return e8_decode(code.unflatten(-1, (-1, 8)), b).float().flatten(-2)
 
 
-class VqStore(BlockStore):
+class VqStore(PositionedBlockStore):
     """One layer's keys or values in a vq format (module docstring), each quantized head at its width; 16-bit heads
     exact. Attention reads blocks of dequantized tokens (BlockStore)."""
 
@@ -243,17 +243,6 @@ class VqStore(BlockStore):
             c = vq_points(code, self.dim, w)
             out.index_copy_(1, self.heads[w], self._restore(c, self.scale[w][:, :, start:end], w, angle))
         return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
-
-    def keep_last(self, n: int) -> None:
-        start = max(self.length - n, 0)
-        self.positions.keep_last(n, self.length)
-        self._each(lambda t: t[:, :, start:].clone())
-        self.length -= start
-
-    def select(self, index: torch.Tensor) -> None:
-        self.positions.select(index, self.length)
-        self._each(lambda t: take_tokens(t, index, 2))
-        self.length = index.shape[1]
 
     def nbytes(self) -> int:
         codes = sum(t.numel() for t in self.codes.values())

@@ -57,6 +57,23 @@ class BlockStore:
         return self.block(0, self.length)
 
 
+class PositionedBlockStore(BlockStore):
+    """A BlockStore whose per-token tensors (token axis 2) are all visited by `_each(change)` and whose tokens'
+    sequence positions are `positions` (schemes/rotary.py's TokenPositions), with `length` tokens held: eviction
+    for pca's, xlayer's, vq's and cq's stores."""
+
+    def keep_last(self, n: int) -> None:
+        start = max(self.length - n, 0)
+        self.positions.keep_last(n, self.length)
+        self._each(lambda t: t[:, :, start:].clone())
+        self.length -= start
+
+    def select(self, index: torch.Tensor) -> None:
+        self.positions.select(index, self.length)
+        self._each(lambda t: take_tokens(t, index, 2))
+        self.length = index.shape[1]
+
+
 class FullStore:
     """Tokens kept unquantized in the model's dtype (counted at 2 bytes per element, as an fp16 cache)."""
 

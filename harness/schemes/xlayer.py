@@ -36,7 +36,7 @@ from harness.schemes.base import SCHEMES, Scheme, Store
 from harness.schemes.calkey import saturating_cast
 from harness.schemes.codebook import quantize as codebook_quantize
 from harness.schemes.rotary import TokenPositions, turn
-from harness.schemes.wrappers import BlockStore, head_index, take_tokens
+from harness.schemes.wrappers import PositionedBlockStore, head_index
 from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -150,7 +150,7 @@ for _name in RANKS:
     SCHEMES.register(_name)(functools.partial(Xlayer, _name))
 
 
-class XlayerStore(BlockStore):
+class XlayerStore(PositionedBlockStore):
     """One layer's keys or values as residuals of the cross-layer prediction (module docstring), each quantized head
     at its width; 16-bit heads exact. Keeps its reconstruction (the working copy attention reads) and the last
     appended tokens' reconstruction before RoPE (`last`, what the layer above predicts from)."""
@@ -232,17 +232,6 @@ class XlayerStore(BlockStore):
     def block(self, start: int, end: int) -> torch.Tensor:
         """The reconstructed tokens [start, end) (the working copy: dequantizing needs the layer below's)."""
         return self._values[:, :, start:end]
-
-    def keep_last(self, n: int) -> None:
-        start = max(self.length - n, 0)
-        self.positions.keep_last(n, self.length)
-        self._each(lambda t: t[:, :, start:].clone())
-        self.length -= start
-
-    def select(self, index: torch.Tensor) -> None:
-        self.positions.select(index, self.length)
-        self._each(lambda t: take_tokens(t, index, 2))
-        self.length = index.shape[1]
 
     def nbytes(self) -> int:
         codes = sum(t.numel() for t in self.codes.values())
