@@ -9,7 +9,10 @@ token-major layout that kernels/layout.py held before the head-major one (the ke
 reads `store.payload` as (B, cap, row bytes) and `store.byte_offset`) is given the same stores rearranged
 into that layout (`TokenMajorStore`), so both read the same bytes. Rows have kernels/gpu/bench.py's
 columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized stores, where that fits), so
-decode.csv and these tables read alike. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
+decode.csv and these tables read alike. At its default splits each version is timed twice: launched from
+Python as an eager decode step runs it (`fused:`), and replayed from a CUDA graph (`graph:<file stem>`), the
+GPU's time alone: where the two differ, the host's launches (one per width bucket, and the combine) set the
+pace. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
 a check that the code runs, no figure. Its file checks and module loading also serve harness/bench/perf_ab.py (the
 CPU read path's comparison).
 """
@@ -144,6 +147,9 @@ def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: 
                     )
                     continue
                 run.add(shape, method, t, mean, ms, fetched, rel_err=err, note=f"splits={used}")
+                if n is None:  # the same call replayed from a CUDA graph: the launches' host time taken out
+                    ms = run.time_graph_ms(fn)
+                    run.add(shape, f"graph:{stem}", t, mean, ms, fetched, note=f"splits={used}")
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()

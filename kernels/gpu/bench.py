@@ -78,6 +78,15 @@ class Bench:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
+    def time_graph_ms(self, fn: Callable[[], object]) -> float:
+        """Median milliseconds of fn replayed from a CUDA graph: the GPU's time alone, without the host's
+        launches (a decode step captured once and replayed, as CUDA-graph decoding runs it)."""
+        if self.device.type == "cuda":
+            import triton.testing
+
+            return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+        return self.time_ms(fn)
+
     def copy_bandwidth(self, nbytes: int) -> float:
         """GB/s of a device-to-device copy (bytes read + bytes written per second)."""
         src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)

@@ -333,10 +333,13 @@ def kernel_table(ab: list[dict], static: list[dict], counters: list[dict]) -> li
     fresh = [r for r in static if r.get("kernel_sha") == current_kernel_sha()]  # figures of this kernel only
     per_byte = {r["key_bits"]: _num(r["instr_per_byte"]) for r in fresh if r["key_bits"] == r["value_bits"]}
     ncu = {r["widths"]: r for r in counters}
+    graph = {
+        (r["method"][6:], r["widths"]): _num(r["time_us"]) for r in ab if r["method"].startswith("graph:")
+    }
     lines = ["", "## Kernel versions (ab.csv, default splits) beside static and counter figures", "",
-             "| version | widths | us | x SDPA | share of copy bw | static instr/byte | share x instr/byte | "
+             "| version | widths | us | graph us | x SDPA | share of copy bw | static instr/byte | share x instr/byte | "
              "ncu: DRAM % of peak | ncu: thread-instr per DRAM byte | ncu: top stalls |",
-             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     seen = set()
     for r in ab:
         key = (r["method"], r["widths"])
@@ -347,7 +350,8 @@ def kernel_table(ab: list[dict], static: list[dict], counters: list[dict]) -> li
         current = r["method"] == f"fused:{KERNEL.stem}"
         ipb = per_byte.get(r["widths"], float("nan")) if current else float("nan")
         c = ncu.get(r["widths"], {}) if current else {}
-        lines.append(f"| {r['method'][6:]} | {r['widths']} | {t:.0f} | {base / t:.2f} | {share:.3f} | {ipb:.2f} | "
+        g = graph.get((r["method"][6:], r["widths"]), float("nan"))
+        lines.append(f"| {r['method'][6:]} | {r['widths']} | {t:.0f} | {g:.0f} | {base / t:.2f} | {share:.3f} | {ipb:.2f} | "
                      f"{share * ipb:.2f} | {c.get('dram_pct_of_peak', '')} | {c.get('thread_instr_per_dram_byte', '')} "
                      f"| {c.get('top_stalls', '')} |")  # fmt: skip
     return lines

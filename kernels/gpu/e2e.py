@@ -7,7 +7,8 @@ This module owns that measurement. The model is built on the GPU from Llama-3-8B
 and memory do not depend on the weights. Per cache: a chunked prefill of the prompt but its last token (so no
 full-prompt activations or logits are ever held), then `model.generate` of `--new-tokens` tokens from there,
 timed alone. Peak memory is torch.cuda.max_memory_allocated over the prefill and the generation, less the
-weights. A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a two-layer model of the same kind at a tiny
+weights. `--profile STEPS` then runs STEPS more decode steps under torch.profiler and writes where their time
+goes, by device and by host time (e2e-profile-<cache>.txt). A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a two-layer model of the same kind at a tiny
 size, to check that the code runs; its times are no figure.
 """
 
@@ -105,7 +106,31 @@ def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int,
     t2 = time.perf_counter()
     assert out.shape[1] == prompt.shape[1] + new_tokens
     peak = torch.cuda.max_memory_allocated() if cuda else 0
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "peak": peak, "kv": cache_bytes(cache)}
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "peak": peak, "kv": cache_bytes(cache), "cache": cache,
+            "out": out}  # fmt: skip
+
+
+@torch.no_grad()
+def profile_steps(model, cache, tokens: torch.Tensor, steps: int, path: Path) -> None:
+    """`steps` more greedy tokens after `tokens` (whose last one the cache does not hold yet) under
+    torch.profiler; writes the operators' table twice, by self device time and by self host time (top 30)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tokens.device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        model.generate(
+            tokens, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+            pad_token_id=0,
+        )  # fmt: skip
+        if tokens.device.type == "cuda":
+            torch.cuda.synchronize()
+    table = prof.key_averages()
+    by_device = "self_cuda_time_total" if tokens.device.type == "cuda" else "self_cpu_time_total"
+    path.write_text(
+        f"{steps} decode steps after {tokens.shape[1]} tokens, batch {tokens.shape[0]}\n\n"
+        f"by self device time:\n{table.table(sort_by=by_device, row_limit=30)}\n\n"
+        f"by self host time:\n{table.table(sort_by='self_cpu_time_total', row_limit=30)}\n"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -117,6 +142,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per sequence)")
     p.add_argument("--caches", nargs="+", default=list(CACHES), help=f"any of {', '.join(CACHES)}")
     p.add_argument("--group-size", type=int, default=32)
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after each cache's timed run, STEPS more decode steps under torch.profiler "
+                   "(e2e-profile-<cache>.txt: where a step's time goes)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny model")
     args = p.parse_args(argv)
     for c in args.caches:
@@ -157,6 +185,12 @@ def main(argv: list[str] | None = None) -> None:
                 tokens_per_s=args.batch * args.new_tokens / m["decode_s"],
                 peak_gib=max(m["peak"] - weights, 0) / 2**30 if m["peak"] else float("nan"), kv_gib=m["kv"] / 2**30,
             )  # fmt: skip
+            if args.profile:
+                with installed(model, PACKED):
+                    profile_steps(
+                        model, m["cache"], m["out"], args.profile, args.out / f"e2e-profile-{kind}.txt"
+                    )
+            del m
         except torch.OutOfMemoryError:
             row["note"] = "oom"
         rows.append(row)

@@ -149,6 +149,7 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
         _decode_row("fused:decode_attention", "4", 120.0, frac=0.7),
         _decode_row("fused:decode_attention", "4", 90.0, frac=0.9),  # another split count: not the default
         _decode_row("fused:decode_attention", "2", 75.0),
+        _decode_row("graph:decode_attention", "4", 110.0),  # the same call replayed from a CUDA graph
     ]
     got = {name: value for name, value, _, _ in gpu_check.targets(gpu_check.ab_as_decode(rows))}
     assert got["4-bit fused vs fastest 16-bit"] == pytest.approx(2.5)
@@ -167,8 +168,8 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
         {"widths": "4", "dram_pct_of_peak": "71", "thread_instr_per_dram_byte": "4.2", "top_stalls": "wait=1"}
     ]
     table = "\n".join(gpu_check.kernel_table(rows, static, counters))
-    assert "| decode_attention | 4 | 120 | 2.50 | 0.700 | 4.00 | 2.80 | 71 | 4.2 | wait=1 |" in table
-    assert "| baf9cf7 | 4 | 600 | 0.50 |" in table
+    assert "| decode_attention | 4 | 120 | 110 | 2.50 | 0.700 | 4.00 | 2.80 | 71 | 4.2 | wait=1 |" in table
+    assert "| baf9cf7 | 4 | 600 | nan | 0.50 |" in table
     assert (
-        "| decode_attention | 2 | 75 | 4.00 | 0.500 | nan |" in table
+        "| decode_attention | 2 | 75 | nan | 4.00 | 0.500 | nan |" in table
     )  # static figures of another kernel: left out
