@@ -72,7 +72,7 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
             "--batch",
             "2",
             "--new-tokens",
-            "2",
+            "3",
             "--chunk",
             "8",
             "--caches",
@@ -384,11 +384,14 @@ def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, comm
             "",
             "## End to end (e2e.csv)",
             "",
-            "| cache | tokens/s | peak GiB above weights | KV GiB | note |",
-            "|---|---|---|---|---|",
+            "| cache | tokens/s (median step) | step ms: median / max | generate() s | peak GiB above weights | "
+            "KV GiB | note |",
+            "|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {r['cache']} | {_num(r['tokens_per_s']):.4g} | {_num(r['peak_gib']):.3g} | {_num(r['kv_gib']):.3g} | {r['note']} |"
+            f"| {r['cache']} | {_num(r['tokens_per_s']):.4g} | {_num(r.get('step_ms_median')):.4g} / "
+            f"{_num(r.get('step_ms_max')):.4g} | {_num(r.get('decode_s')):.3g} | {_num(r['peak_gib']):.3g} | "
+            f"{_num(r['kv_gib']):.3g} | {r['note']} |"
             for r in e2e
         ]
     runner = read_csv(folder / "runner" / "runner.csv")

@@ -6,10 +6,12 @@ This module owns that measurement. The model is built on the GPU from Llama-3-8B
 32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocabulary 128256) in bf16 with random weights: speed
 and memory do not depend on the weights. Per cache: a chunked prefill of the prompt but its last token (so no
 full-prompt activations or logits are ever held), then `model.generate` of `--new-tokens` tokens from there,
-timed alone. Peak memory is torch.cuda.max_memory_allocated over the prefill and the generation, less the
-weights. `--profile STEPS` then runs STEPS more decode steps under torch.profiler and writes where their time
-goes, by device and by host time (e2e-profile-<cache>.txt). A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a two-layer model of the same kind at a tiny
-size, to check that the code runs; its times are no figure.
+timed alone and step by step: tokens/s is the batch over the median step (a steady decode step); decode_s is
+the whole generate() with its first steps, which also compile the Triton kernels for the shapes they meet.
+Peak memory is torch.cuda.max_memory_allocated over the prefill and the generation, less the weights.
+`--profile STEPS` then runs STEPS more decode steps under torch.profiler and writes where their time goes, by
+device and by host time (e2e-profile-<cache>.txt). A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a
+two-layer model of the same kind at a tiny size, to check that the code runs; its times are no figure.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +37,8 @@ DRY = dict(
 )  # fmt: skip
 CACHES = ("dynamic", "4", "2", "mixed", "8")  # a run cut short by its time limit still has the headline ones
 COLUMNS = [
-    "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "tokens_per_s",
+    "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "step_ms_median", "step_ms_max",
+    "tokens_per_s",
     "peak_gib", "weights_gib", "kv_gib", "note",
 ]  # fmt: skip
 
@@ -79,6 +83,24 @@ def cache_bytes(cache) -> int:
     return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
 
 
+class StepClock:
+    """A logits processor that only notes when each decode step's logits are ready (the device synchronized),
+    so the steps of one generate() can be timed apart: the first steps also compile the Triton kernels for
+    their shapes, which a steady decode does not repeat."""
+
+    def __init__(self, sync):
+        self.sync, self.stamps = sync, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.sync()
+        self.stamps.append(time.perf_counter())
+        return scores
+
+    def step_seconds(self) -> list[float]:
+        """Seconds between consecutive steps' logits: one per step after the first."""
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
+
+
 @torch.no_grad()
 def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int, group_size: int) -> dict:
     """Chunked prefill of prompt[:, :-1], then generate() of new_tokens greedy tokens; times and memory."""
@@ -98,16 +120,19 @@ def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int,
         )
     sync()
     t1 = time.perf_counter()
+    from transformers import LogitsProcessorList
+
+    clock = StepClock(sync)
     out = model.generate(
         prompt, past_key_values=cache, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=0,
+        do_sample=False, pad_token_id=0, logits_processor=LogitsProcessorList([clock]),
     )  # fmt: skip
     sync()
     t2 = time.perf_counter()
     assert out.shape[1] == prompt.shape[1] + new_tokens
     peak = torch.cuda.max_memory_allocated() if cuda else 0
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "peak": peak, "kv": cache_bytes(cache), "cache": cache,
-            "out": out}  # fmt: skip
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": clock.step_seconds(), "peak": peak,
+            "kv": cache_bytes(cache), "cache": cache, "out": out}  # fmt: skip
 
 
 @torch.no_grad()
@@ -138,7 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder for e2e.csv and e2e.png")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=32, help="tokens generated per cache (at least 3)")
     p.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens per sequence)")
     p.add_argument("--caches", nargs="+", default=list(CACHES), help=f"any of {', '.join(CACHES)}")
     p.add_argument("--group-size", type=int, default=32)
@@ -147,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
                    "(e2e-profile-<cache>.txt: where a step's time goes)")  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny model")
     args = p.parse_args(argv)
+    if args.new_tokens < 3:
+        p.error(f"--new-tokens: {args.new_tokens} is too few; allowed: 3 or more (steps are timed apart)")
     for c in args.caches:
         if c not in CACHES:
             p.error(f"--caches: {c!r} is not allowed; allowed: {', '.join(CACHES)}")
@@ -182,7 +209,8 @@ def main(argv: list[str] | None = None) -> None:
                 m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
             row.update(
                 prefill_s=m["prefill_s"], decode_s=m["decode_s"],
-                tokens_per_s=args.batch * args.new_tokens / m["decode_s"],
+                step_ms_median=statistics.median(m["steps"]) * 1e3, step_ms_max=max(m["steps"]) * 1e3,
+                tokens_per_s=args.batch / statistics.median(m["steps"]),
                 peak_gib=max(m["peak"] - weights, 0) / 2**30 if m["peak"] else float("nan"), kv_gib=m["kv"] / 2**30,
             )  # fmt: skip
             if args.profile:

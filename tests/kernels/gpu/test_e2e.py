@@ -5,17 +5,28 @@ from __future__ import annotations
 import csv
 import os
 
+import pytest
+
 
 def test_profile_writes_where_the_decode_steps_time_goes(tmp_path, cli):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = cli("kernels.gpu.e2e", "--dry-run", "--batch", "1", "--context", "24", "--new-tokens", "2",
+    proc = cli("kernels.gpu.e2e", "--dry-run", "--batch", "1", "--context", "24", "--new-tokens", "3",
                "--caches", "4", "--profile", "2", "--out", str(tmp_path), env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(tmp_path / "e2e.csv") as f:
-        assert [r["cache"] for r in csv.DictReader(f)] == ["4"]
+        (row,) = csv.DictReader(f)
+    # 3 steps, 2 intervals between their logits: tokens/s is the batch over their median
+    assert row["cache"] == "4" and 0 < float(row["step_ms_median"]) <= float(row["step_ms_max"])
+    assert float(row["tokens_per_s"]) == pytest.approx(1e3 / float(row["step_ms_median"]), rel=1e-3)
     text = (tmp_path / "e2e-profile-4.txt").read_text()
-    assert text.startswith("2 decode steps after 26 tokens, batch 1")  # 24 prompt tokens + 2 timed
+    assert text.startswith("2 decode steps after 27 tokens, batch 1")  # 24 prompt tokens + 3 timed
     device, host = text.split("by self host time:")
     assert "by self device time:" in device
     # the operators of the two profiled steps, with their host times
     assert "aten::" in host and "Self CPU" in host
+
+
+def test_too_few_new_tokens_are_refused(tmp_path, cli):
+    proc = cli("kernels.gpu.e2e", "--dry-run", "--new-tokens", "2", "--out", str(tmp_path))
+    assert proc.returncode == 2 and "--new-tokens: 2 is too few" in proc.stderr
+    assert not (tmp_path / "e2e.csv").exists()
