@@ -12,7 +12,8 @@ columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized s
 decode.csv and these tables read alike. At its default splits each version is timed twice: launched from
 Python as an eager decode step runs it (`fused:`), and replayed from a CUDA graph (`graph:<file stem>`), the
 GPU's time alone: where the two differ, the host's launches (one per width bucket, and the combine) set the
-pace. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
+pace. On CUDA each default call's launches are also profiled apart (ab-launches.csv beside the CSV: each
+launch's kernel and median device time), to show which width bucket takes a mixed map's time. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
 a check that the code runs, no figure. Its file checks and module loading also serve harness/bench/perf_ab.py (the
 CPU read path's comparison).
 """
@@ -20,8 +21,10 @@ CPU read path's comparison).
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib.util
 import os
+import statistics
 import sys
 from functools import partial
 from pathlib import Path
@@ -150,9 +153,60 @@ def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: 
                 if n is None:  # the same call replayed from a CUDA graph: the launches' host time taken out
                     ms = run.time_graph_ms(fn)
                     run.add(shape, f"graph:{stem}", t, mean, ms, fetched, note=f"splits={used}")
+                    if dev.type == "cuda":
+                        write_launches(run.csv_path, shape, stem, t, launch_times(fn, LAUNCH_REPS))
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+
+
+LAUNCH_REPS = 10  # calls profiled for the per-launch device times
+LAUNCH_COLUMNS = ["config", "batch", "context", "version", "widths", "launch", "kernel", "device_us"]
+
+
+def launch_times(fn, reps: int) -> list[tuple[str, float]]:
+    """(kernel name, median device microseconds) of each launch that one call of fn makes, in launch order,
+    from `reps` calls under torch.profiler (CUDA): which of a call's launches (one per width bucket, then the
+    combine) takes its time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    device = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start
+    )
+    return per_launch([(e.name, e.time_range.elapsed_us()) for e in device], reps)
+
+
+def per_launch(kernels: list[tuple[str, float]], reps: int) -> list[tuple[str, float]]:
+    """[(name, us)] of `reps` identical calls in time order -> per launch of one call: (name, median us)."""
+    n = len(kernels) // reps
+    if (
+        n == 0
+        or n * reps != len(kernels)
+        or any(kernels[i][0] != kernels[i % n][0] for i in range(len(kernels)))
+    ):
+        raise ValueError(f"{len(kernels)} device events are not {reps} repeats of one call's launches")
+    return [(kernels[i][0], statistics.median(kernels[r * n + i][1] for r in range(reps))) for i in range(n)]
+
+
+def write_launches(ab_csv: Path, shape: dict, version: str, widths: str, launches: list[tuple[str, float]]):
+    """Append one call's launches to <ab.csv's stem>-launches.csv beside it (LAUNCH_COLUMNS)."""
+    path = ab_csv.with_name(f"{ab_csv.stem}-launches.csv")
+    new = not path.exists()
+    with open(path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=LAUNCH_COLUMNS)
+        if new:
+            w.writeheader()
+        for i, (kernel, us) in enumerate(launches):
+            w.writerow({"config": shape["config"], "batch": shape["batch"], "context": shape["context"],
+                        "version": version, "widths": widths, "launch": i, "kernel": kernel,
+                        "device_us": round(us, 2)})  # fmt: skip
 
 
 def _splits_used(mod, k_store, v_store, L: int, dev, n: int | None, dtype) -> int:

@@ -357,6 +357,18 @@ def kernel_table(ab: list[dict], static: list[dict], counters: list[dict]) -> li
     return lines
 
 
+def launch_table(launches: list[dict]) -> list[str]:
+    """ab-launches.csv as one line per version and width map: each launch's kernel and device microseconds."""
+    calls: dict[tuple[str, str], list[str]] = {}
+    for r in launches:
+        calls.setdefault((r["version"], r["widths"]), []).append(f"{r['kernel']} {_num(r['device_us']):.0f}")
+    if not calls:
+        return []
+    lines = ["", "## Launches of one call (ab-launches.csv: kernel and device us, in launch order)", "",
+             "| version | widths | launches |", "|---|---|---|"]  # fmt: skip
+    return lines + [f"| {v} | {w} | {', '.join(ks)} |" for (v, w), ks in calls.items()]
+
+
 def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, command: str) -> None:
     lines = [f"# GPU check on {meta.get('gpu', 'unknown')}", ""]
     if dry:
@@ -378,6 +390,7 @@ def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, comm
     else:
         lines += ["Not measured in this run (decode.csv has no fused and 16-bit rows at that shape)."]
     lines += kernel_table(ab, read_csv(INSPECT_CSV), read_csv(folder / "ncu.csv"))
+    lines += launch_table(read_csv(folder / "ab-launches.csv"))
     e2e = read_csv(folder / "e2e.csv")
     if e2e:
         lines += [

@@ -7,6 +7,8 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[3]
 KERNEL = ROOT / "kernels" / "decode_attention.py"
 
@@ -74,3 +76,21 @@ def test_token_major_store_holds_the_same_bytes_as_the_head_major_one():
             old.zero[:, old.slot[h], :21], p.zero
         )
     assert old.nbytes() == st.nbytes()
+
+
+def test_per_launch_takes_the_median_of_each_launch_over_the_calls():
+    from kernels.gpu.ab import per_launch
+
+    calls = [[("stage1", 5.0), ("stage1", 9.0), ("combine", 1.0)], [("stage1", 7.0), ("stage1", 3.0), ("combine", 2.0)],
+             [("stage1", 6.0), ("stage1", 4.0), ("combine", 4.0)]]  # fmt: skip
+    got = per_launch([k for call in calls for k in call], reps=3)
+    assert got == [("stage1", 6.0), ("stage1", 4.0), ("combine", 2.0)]
+
+
+def test_per_launch_refuses_events_that_are_not_repeats_of_one_call():
+    from kernels.gpu.ab import per_launch
+
+    with pytest.raises(ValueError, match="not 2 repeats"):
+        per_launch([("stage1", 1.0), ("combine", 1.0), ("stage1", 1.0)], reps=2)
+    with pytest.raises(ValueError, match="not 2 repeats"):
+        per_launch([("stage1", 1.0), ("combine", 1.0), ("combine", 1.0), ("stage1", 1.0)], reps=2)

@@ -173,3 +173,19 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
     assert (
         "| decode_attention | 2 | 75 | nan | 4.00 | 0.500 | nan |" in table
     )  # static figures of another kernel: left out
+
+
+def test_launch_table_lists_each_calls_launches_in_order():
+    rows = [
+        {"version": "decode_attention", "widths": "2,4", "launch": "0", "kernel": "_decode_packed_kernel",
+         "device_us": "80.4"},
+        {"version": "decode_attention", "widths": "2,4", "launch": "1", "kernel": "_decode_packed_kernel",
+         "device_us": "51.0"},
+        {"version": "decode_attention", "widths": "2,4", "launch": "2", "kernel": "_combine_kernel",
+         "device_us": "4.6"},
+    ]  # fmt: skip
+    table = gpu_check.launch_table(rows)
+    assert table[-1] == (
+        "| decode_attention | 2,4 | _decode_packed_kernel 80, _decode_packed_kernel 51, _combine_kernel 5 |"
+    )
+    assert gpu_check.launch_table([]) == []
