@@ -154,7 +154,10 @@ def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: 
                     ms = run.time_graph_ms(fn)
                     run.add(shape, f"graph:{stem}", t, mean, ms, fetched, note=f"splits={used}")
                     if dev.type == "cuda":
-                        write_launches(run.csv_path, shape, stem, t, launch_times(fn, LAUNCH_REPS))
+                        try:
+                            write_launches(run.csv_path, shape, stem, t, launch_times(fn, LAUNCH_REPS))
+                        except Exception as e:  # noqa: BLE001 - a diagnostic that fails is said, not fatal
+                            print(f"warning: {stem} {t}: no launch profile ({type(e).__name__}: {e})"[:300])
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
