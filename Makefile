@@ -58,11 +58,13 @@ gpu-wheels:
 	du -sh .whl
 
 # Older decode kernels for the GPU check's A/B stage (kernels.gpu.ab), into the ignored .ab/: the kernel of baf9cf7,
-# the last one before the head-major layout and the fast packed path.
-AB_BASELINES := baf9cf7
+# the last one before the head-major layout and the fast packed path, and that of e715a9f, the last one measured
+# before the register-resident q (check-e715a9f), each with the kernels/unpack.py it was written against.
+AB_BASELINES := baf9cf7 e715a9f
 gpu-ab-baseline:
 	rm -rf .ab && mkdir -p .ab
-	for c in $(AB_BASELINES); do git show $$c:kernels/decode_attention.py > .ab/$$c.py; done
+	for c in $(AB_BASELINES); do git show $$c:kernels/decode_attention.py > .ab/$$c.py && mkdir .ab/$$c && \
+		{ git show $$c:kernels/unpack.py > .ab/$$c/unpack.py 2>/dev/null || rm .ab/$$c/unpack.py; }; done
 
 # The static inspection of the decode kernel compiled for Hopper (no GPU needed), with the Triton the GPU machines
 # run (3.6.0) in an environment of its own: registers, spills, the main loop's instructions per KV byte.

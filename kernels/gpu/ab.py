@@ -55,13 +55,33 @@ def check_version_files(p: argparse.ArgumentParser, files: list[Path], original:
         p.error("files: two files share a name; allowed: files with distinct names (the rows carry the name)")
 
 
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_versions(files: list[Path]) -> dict:
-    """name -> the module each file defines, under a name of its own (so its kernels compile from its source)."""
+    """name -> the module each file defines, under a name of its own (so its kernels compile from its source).
+
+    A folder beside FILE named after its stem may hold that revision's own copies of the kernels modules it
+    imports (`.ab/e715a9f/unpack.py`): while FILE is loaded they stand in for kernels.<module>, so an older
+    kernel compiles with the helpers it was written against, not today's."""
     versions = {}
     for i, path in enumerate(files):
-        spec = importlib.util.spec_from_file_location(f"kernels._ab{i}_{path.stem}", path)
-        versions[path.stem] = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(versions[path.stem])
+        companions = sorted(path.with_suffix("").glob("*.py"))
+        saved = {f"kernels.{c.stem}": sys.modules.get(f"kernels.{c.stem}") for c in companions}
+        try:
+            for c in companions:
+                sys.modules[f"kernels.{c.stem}"] = _load(f"kernels._ab{i}_{path.stem}_{c.stem}", c)
+            versions[path.stem] = _load(f"kernels._ab{i}_{path.stem}", path)
+        finally:
+            for name, module in saved.items():
+                if module is None:
+                    sys.modules.pop(name, None)
+                else:
+                    sys.modules[name] = module
     return versions
 
 

@@ -94,3 +94,19 @@ def test_per_launch_refuses_events_that_are_not_repeats_of_one_call():
         per_launch([("stage1", 1.0), ("combine", 1.0), ("stage1", 1.0)], reps=2)
     with pytest.raises(ValueError, match="not 2 repeats"):
         per_launch([("stage1", 1.0), ("combine", 1.0), ("combine", 1.0), ("stage1", 1.0)], reps=2)
+
+
+def test_a_version_loads_with_its_own_copies_of_the_kernels_modules(tmp_path):
+    import sys
+
+    import kernels.unpack
+    from kernels.gpu.ab import load_versions
+
+    (tmp_path / "old.py").write_text("from kernels.unpack import code_of_column\n")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "unpack.py").write_text("def code_of_column(*args):\n    return 'old'\n")
+    (tmp_path / "new.py").write_text("from kernels.unpack import code_of_column\n")
+    versions = load_versions([tmp_path / "old.py", tmp_path / "new.py"])
+    assert versions["old"].code_of_column() == "old"
+    assert versions["new"].code_of_column is kernels.unpack.code_of_column  # today's, once old is loaded
+    assert sys.modules["kernels.unpack"] is kernels.unpack
