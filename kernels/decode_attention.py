@@ -22,7 +22,14 @@ import triton
 import triton.language as tl
 
 from kernels.quantize import check_group_size, check_widths
-from kernels.unpack import code_of_column_jit, dequant_tile, fast_path_fits, group_constants
+from kernels.unpack import (
+    code_of_column_jit,
+    code_of_columns_jit,
+    dequant_tile,
+    fast_path_fits,
+    group_constants,
+    pack_f16x2,
+)
 
 LOG2E = math.log2(math.e)
 # The generic kernel's tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not.
@@ -305,6 +312,52 @@ def _load_fp16(ptr, offsets, mask):
 
 
 @triton.jit
+def _q_half(row_ptr, cols, mask):
+    """q at columns `cols` (n,) of each row (QG_B, 1) as float32 (QG_B, n), clamped to fp16's finite range."""
+    x = tl.load(row_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+
+
+@triton.jit
+def _q_piece(row_ptr, mask, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
+    """The column pairs m = 8 j + REV (j < D / 16) of the scores operand, as int32 (QG_B, D / 16) of two fp16
+    lanes: column 2m in the low, 2m + 1 (the channel P = 16 / W above) in the high half."""
+    m = 8 * tl.arange(0, D // 16) + REV
+    c_lo = code_of_columns_jit(2 * m, W, D, True)
+    lo = _q_half(row_ptr, c_lo, mask)
+    hi = _q_half(row_ptr, c_lo + 16 // W, mask)
+    return pack_f16x2(lo, hi, ASM)
+
+
+@triton.jit
+def _load_q_pairs(row_ptr, mask, W: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """The queries as the scores mma's operand qT (D, QG_B) fp16 in kernels.unpack's lane order for width W,
+    clamped to fp16's finite range: row_ptr (QG_B, 1) each query's row, mask (QG_B, 1).
+
+    Each pair of logical columns (2m, 2m + 1) is made as one int32 of two fp16 lanes and split by bitcasts, a
+    chain that Triton lays out as the mma operand itself, so q stays in registers across the loop, each pair
+    where the mma reads it, instead of coming back from shared memory (and being copied into register pairs)
+    every tile. The loads are 8 small pieces (fewer elements than threads at QG_B 8) so that Triton does not
+    pin their layout and the chain's keeps no layout conversion."""
+    QG_B: tl.constexpr = row_ptr.shape[0]
+    # join^3 puts piece 4 s2 + 2 s1 + s0 at pair column 8 j + 4 s0 + 2 s1 + s2: piece p holds REV = bitreverse(p)
+    x = tl.join(
+        tl.join(
+            tl.join(_q_piece(row_ptr, mask, W, D, 0, ASM), _q_piece(row_ptr, mask, W, D, 4, ASM)),
+            tl.join(_q_piece(row_ptr, mask, W, D, 2, ASM), _q_piece(row_ptr, mask, W, D, 6, ASM)),
+        ),
+        tl.join(
+            tl.join(_q_piece(row_ptr, mask, W, D, 1, ASM), _q_piece(row_ptr, mask, W, D, 5, ASM)),
+            tl.join(_q_piece(row_ptr, mask, W, D, 3, ASM), _q_piece(row_ptr, mask, W, D, 7, ASM)),
+        ),
+    )  # (QG_B, D / 16, 2, 2, 2)
+    pairs = tl.reshape(x, (QG_B, D // 2))
+    q_lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+    q_hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.trans(tl.reshape(tl.join(q_lo, q_hi), (QG_B, D)))  # (D, QG_B)
+
+
+@triton.jit
 def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                  SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
@@ -407,9 +460,9 @@ def _decode_packed_kernel(
     # (word order: 16-byte stores).
     kcol = code_of_column_jit(KW, D, True)
     vcol = code_of_column_jit(VW, D, False)
-    qT = _load_fp16(
-        q_ptr + b64 * stride_qb, (h * QG + i)[None, :] * stride_qh + kcol[:, None], (i < QG)[None, :]
-    )  # (D, QG_B) fmt: skip
+    qT = _load_q_pairs(
+        q_ptr + b64 * stride_qb + (h * QG + i)[:, None] * stride_qh, (i < QG)[:, None], KW, D, ASM
+    )
 
     m_i = tl.full((QG_B,), float("-inf"), tl.float32)
     l_i = tl.zeros((QG_B,), tl.float32)

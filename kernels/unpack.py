@@ -61,9 +61,14 @@ def code_of_column(width: int, head_dim: int, lanes: bool = True) -> list[int]:
 @triton.jit
 def code_of_column_jit(W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
     """`code_of_column` as a (D,) int32 tensor, in the kernel."""
+    return code_of_columns_jit(tl.arange(0, D), W, D, LANES)
+
+
+@triton.jit
+def code_of_columns_jit(k, W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
+    """`code_of_column` at the logical columns k (an int32 tensor), in the kernel."""
     P: tl.constexpr = 16 // W
     WL: tl.constexpr = D * W // 128
-    k = tl.arange(0, D)
     h = k % 2
     if LANES:
         i_lo = (k // 2) % 2
@@ -140,6 +145,18 @@ def _bits(lo, hi):
     lo_b = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi_b = hi.to(tl.int16, bitcast=True).to(tl.int32)
     return lo_b | (hi_b << 16)
+
+
+@triton.jit
+def pack_f16x2(lo, hi, ASM: tl.constexpr):
+    """Two float32 tensors -> int32 of two fp16 lanes, lo in the low and hi in the high half, each rounded to
+    nearest (one cvt.rn.f16x2.f32 with ASM)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], tl.int32, True, 1
+        )
+    else:
+        return _bits(lo.to(tl.float16), hi.to(tl.float16))
 
 
 @triton.jit
