@@ -358,6 +358,17 @@ def _load_q_pairs(row_ptr, mask, W: tl.constexpr, D: tl.constexpr, ASM: tl.const
 
 
 @triton.jit
+def _opaque(x):
+    """x (fp16) unchanged, through an inline mov that ptxas removes. Triton picks an mma operand's register
+    layout from the narrowest type it can trace back to a load, halving it behind a join: past the joins of
+    kernels.unpack the V tile would make the output mma's operands kWidth 4, whose shared-memory loads
+    (ldmatrix) land in registers that ptxas then copies into the HMMA's register quads (about 90 moves a
+    tile at 4 bits). A side-effecting asm stops that trace, so the operands are kWidth 2 and ldmatrix fills
+    the quads directly."""
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], tl.float16, False, 1)
+
+
+@triton.jit
 def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                  SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
     """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
@@ -491,6 +502,8 @@ def _decode_packed_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
         v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False)
+        if ASM:  # an identity Triton cannot look through: see _opaque
+            v = _opaque(v)
         acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
 
     if HAS_EXTRA:
