@@ -387,7 +387,7 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
         z = s  # unused
     else:
         z = tl.load(z_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)
-    s2, z2 = group_constants(s, z, W, SYM)  # (BLOCK_N, NG) int32 each
+    s2, z2 = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
     # each word's group constants, broadcast over the G * W / 32 words of a group
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
