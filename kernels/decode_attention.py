@@ -476,7 +476,9 @@ def _decode_packed_kernel(
     )
 
     m_i = tl.full((QG_B,), float("-inf"), tl.float32)
-    l_i = tl.zeros((QG_B,), tl.float32)
+    # the softmax denominators, kept per token row of the tile and summed over rows once after the loops (a sum
+    # over the tile's rows each iteration crosses warps: shuffles, shared memory and barriers every tile)
+    l_rows = tl.zeros((BLOCK_N, QG_B), tl.float32)
     acc = tl.zeros((D, QG_B), tl.float32)
 
     kslot = tl.load(kslot_ptr + h).to(tl.int64)
@@ -499,7 +501,7 @@ def _decode_packed_kernel(
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         p = tl.exp2(s - m_new[None, :])
         alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
+        l_rows = l_rows * alpha[None, :] + p
         m_i = m_new
         v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False)
         if ASM:  # an identity Triton cannot look through: see _opaque
@@ -518,10 +520,11 @@ def _decode_packed_kernel(
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             p = tl.exp2(s - m_new[None, :])
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
+            l_rows = l_rows * alpha[None, :] + p
             m_i = m_new
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
 
+    l_i = tl.sum(l_rows, axis=0)
     # partials as _decode_split_kernel writes them: m, l (B, Hq, S); o (B, Hq, S, D_B)
     S = num_splits + HAS_EXTRA
     row = (b64 * HKV * QG + h * QG + i) * S + sp  # (QG_B,)
