@@ -312,27 +312,28 @@ def _load_fp16(ptr, offsets, mask):
 
 
 @triton.jit
-def _q_half(row_ptr, cols, mask):
-    """q at columns `cols` (n,) of each row (QG_B, 1) as float32 (QG_B, n), clamped to fp16's finite range."""
-    x = tl.load(row_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+def _q_half(row_ptr, cols, mask, scale):
+    """q at columns `cols` (n,) of each row (QG_B, 1) times `scale` as float32 (QG_B, n), clamped to fp16's
+    finite range."""
+    x = tl.load(row_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32) * scale
     return tl.minimum(tl.maximum(x, -65504.0), 65504.0)
 
 
 @triton.jit
-def _q_piece(row_ptr, mask, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
+def _q_piece(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
     """The column pairs m = 8 j + REV (j < D / 16) of the scores operand, as int32 (QG_B, D / 16) of two fp16
     lanes: column 2m in the low, 2m + 1 (the channel P = 16 / W above) in the high half."""
     m = 8 * tl.arange(0, D // 16) + REV
     c_lo = code_of_columns_jit(2 * m, W, D, True)
-    lo = _q_half(row_ptr, c_lo, mask)
-    hi = _q_half(row_ptr, c_lo + 16 // W, mask)
+    lo = _q_half(row_ptr, c_lo, mask, scale)
+    hi = _q_half(row_ptr, c_lo + 16 // W, mask, scale)
     return pack_f16x2(lo, hi, ASM)
 
 
 @triton.jit
-def _load_q_pairs(row_ptr, mask, W: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
-    """The queries as the scores mma's operand qT (D, QG_B) fp16 in kernels.unpack's lane order for width W,
-    clamped to fp16's finite range: row_ptr (QG_B, 1) each query's row, mask (QG_B, 1).
+def _load_q_pairs(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """The queries times `scale` as the scores mma's operand qT (D, QG_B) fp16 in kernels.unpack's lane order for
+    width W, clamped to fp16's finite range: row_ptr (QG_B, 1) each query's row, mask (QG_B, 1).
 
     Each pair of logical columns (2m, 2m + 1) is made as one int32 of two fp16 lanes and split by bitcasts, a
     chain that Triton lays out as the mma operand itself, so q stays in registers across the loop, each pair
@@ -343,12 +344,20 @@ def _load_q_pairs(row_ptr, mask, W: tl.constexpr, D: tl.constexpr, ASM: tl.const
     # join^3 puts piece 4 s2 + 2 s1 + s0 at pair column 8 j + 4 s0 + 2 s1 + s2: piece p holds REV = bitreverse(p)
     x = tl.join(
         tl.join(
-            tl.join(_q_piece(row_ptr, mask, W, D, 0, ASM), _q_piece(row_ptr, mask, W, D, 4, ASM)),
-            tl.join(_q_piece(row_ptr, mask, W, D, 2, ASM), _q_piece(row_ptr, mask, W, D, 6, ASM)),
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 0, ASM), _q_piece(row_ptr, mask, scale, W, D, 4, ASM)
+            ),
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 2, ASM), _q_piece(row_ptr, mask, scale, W, D, 6, ASM)
+            ),
         ),
         tl.join(
-            tl.join(_q_piece(row_ptr, mask, W, D, 1, ASM), _q_piece(row_ptr, mask, W, D, 5, ASM)),
-            tl.join(_q_piece(row_ptr, mask, W, D, 3, ASM), _q_piece(row_ptr, mask, W, D, 7, ASM)),
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 1, ASM), _q_piece(row_ptr, mask, scale, W, D, 5, ASM)
+            ),
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 3, ASM), _q_piece(row_ptr, mask, scale, W, D, 7, ASM)
+            ),
         ),
     )  # (QG_B, D / 16, 2, 2, 2)
     pairs = tl.reshape(x, (QG_B, D // 2))
@@ -472,7 +481,7 @@ def _decode_packed_kernel(
     kcol = code_of_column_jit(KW, D, True)
     vcol = code_of_column_jit(VW, D, False)
     qT = _load_q_pairs(
-        q_ptr + b64 * stride_qb + (h * QG + i)[:, None] * stride_qh, (i < QG)[:, None], KW, D, ASM
+        q_ptr + b64 * stride_qb + (h * QG + i)[:, None] * stride_qh, (i < QG)[:, None], qk_scale, KW, D, ASM
     )
 
     m_i = tl.full((QG_B,), float("-inf"), tl.float32)
@@ -496,7 +505,7 @@ def _decode_packed_kernel(
         rows = n0 + tl.arange(0, BLOCK_N)
         mask_n = rows < end
         k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM, True)  # (BLOCK_N, D) fp16
-        s = tl.dot(k, qT) * qk_scale  # (BLOCK_N, QG_B), log2 units
+        s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units (qT holds q * qk_scale)
         s = tl.where(mask_n[:, None], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0))
         p = tl.exp2(s - m_new[None, :])
@@ -516,7 +525,7 @@ def _decode_packed_kernel(
             n64 = n.to(tl.int64)[:, None]
             k = _load_fp16(kx_ptr + b64 * kx_sb + h * kx_sh, n64 * kx_st + kcol[None, :], mask_n[:, None])
             v = _load_fp16(vx_ptr + b64 * vx_sb + h * vx_sh, n64 * vx_st + vcol[None, :], mask_n[:, None])
-            s = tl.where(mask_n[:, None], tl.dot(k, qT) * qk_scale, float("-inf"))
+            s = tl.where(mask_n[:, None], tl.dot(k, qT), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             p = tl.exp2(s - m_new[None, :])
             alpha = tl.exp2(m_i - m_new)
