@@ -379,28 +379,58 @@ def _opaque(x):
 
 @triton.jit
 def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
 
     p_ptr: the head's payload as int32 words, rows of NW = D * W / 32 words; s_ptr, z_ptr: its fp16 scales
-    and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored.
+    and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored (read
+    only when MASKED; a tile without it loads every row).
     """
     NW: tl.constexpr = D * W // 32
     NG: tl.constexpr = D // G
     BLOCK_N: tl.constexpr = rows.shape[0]
     r64 = rows.to(tl.int64)
-    words = tl.load(p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :], mask=mask_n[:, None], other=0)
     g = tl.arange(0, NG)
-    s = tl.load(s_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)  # (BLOCK_N, NG)
-    if SYM:
-        z = s  # unused
+    w_ptr = p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :]
+    sc_ptr = s_ptr + r64[:, None] * NG + g[None, :]  # (BLOCK_N, NG)
+    zc_ptr = z_ptr + r64[:, None] * NG + g[None, :]
+    if MASKED:
+        words = tl.load(w_ptr, mask=mask_n[:, None], other=0)
+        s = tl.load(sc_ptr, mask=mask_n[:, None], other=0.0)
+        z = s if SYM else tl.load(zc_ptr, mask=mask_n[:, None], other=0.0)  # symmetric: unused
     else:
-        z = tl.load(z_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)
+        words = tl.load(w_ptr)
+        s = tl.load(sc_ptr)
+        z = s if SYM else tl.load(zc_ptr)
     s2, z2 = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
     # each word's group constants, broadcast over the G * W / 32 words of a group
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     return dequant_tile(words, s2, z2, W, SYM, ASM, LANES)
+
+
+@triton.jit
+def _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW: tl.constexpr, VW: tl.constexpr,
+                 D: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
+                 ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One tile of _decode_packed_kernel's online softmax: tokens n0 .. n0 + BLOCK_N (those from `end` on
+    masked out when MASKED; without it every token is below `end`) -> the updated (m_i, l_rows, acc)."""
+    BLOCK_N: tl.constexpr = l_rows.shape[0]
+    rows = n0 + tl.arange(0, BLOCK_N)
+    mask_n = rows < end
+    k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM, True, MASKED)  # (BLOCK_N, D) fp16
+    s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units (qT holds q * qk_scale)
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    p = tl.exp2(s - m_new[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    l_rows = l_rows * alpha[None, :] + p
+    v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False, MASKED)
+    if ASM:  # an identity Triton cannot look through: see _opaque
+        v = _opaque(v)
+    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+    return m_new, l_rows, acc
 
 
 @triton.jit
@@ -501,21 +531,14 @@ def _decode_packed_kernel(
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
-    for n0 in range(start, end, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        mask_n = rows < end
-        k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM, True)  # (BLOCK_N, D) fp16
-        s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units (qT holds q * qk_scale)
-        s = tl.where(mask_n[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.exp2(s - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        l_rows = l_rows * alpha[None, :] + p
-        m_i = m_new
-        v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False)
-        if ASM:  # an identity Triton cannot look through: see _opaque
-            v = _opaque(v)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+    # whole tiles without masks, then the split's last partial tile (if any) with them
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_rows, acc = _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW, VW, D, KG, VG,
+                                        K_SYM, V_SYM, ASM, False)  # fmt: skip
+    if full_end < end:
+        m_i, l_rows, acc = _packed_step(qT, kp, ks, kz, vp, vs, vz, full_end, end, m_i, l_rows, acc, KW, VW, D, KG,
+                                        VG, K_SYM, V_SYM, ASM, True)  # fmt: skip
 
     if HAS_EXTRA:
         x_end = tl.where(sp == num_splits, Tx, 0)
