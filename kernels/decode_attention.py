@@ -312,10 +312,11 @@ def _load_fp16(ptr, offsets, mask):
 
 
 @triton.jit
-def _q_half(row_ptr, cols, mask, scale):
-    """q at columns `cols` (n,) of each row (QG_B, 1) times `scale` as float32 (QG_B, n), clamped to fp16's
-    finite range."""
-    x = tl.load(row_ptr + cols[None, :], mask=mask, other=0.0).to(tl.float32) * scale
+def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
+    """q at columns `cols` (n,) of each row times `scale` as float32, clamped to fp16's finite range: rows
+    row_ptr (QG_B, 1) -> (QG_B, n), or with ROWS=False row_ptr (1, QG_B) -> (n, QG_B)."""
+    c = cols[None, :] if ROWS else cols[:, None]
+    x = tl.load(row_ptr + c, mask=mask, other=0.0).to(tl.float32) * scale
     return tl.minimum(tl.maximum(x, -65504.0), 65504.0)
 
 
@@ -510,9 +511,18 @@ def _decode_packed_kernel(
     # (word order: 16-byte stores).
     kcol = code_of_column_jit(KW, D, True)
     vcol = code_of_column_jit(VW, D, False)
-    qT = _load_q_pairs(
-        q_ptr + b64 * stride_qb + (h * QG + i)[:, None] * stride_qh, (i < QG)[:, None], qk_scale, KW, D, ASM
-    )
+    if QG_B * D <= 1024:  # _load_q_pairs' pieces have at most 64 elements: the operand stays in registers
+        qT = _load_q_pairs(
+            q_ptr + b64 * stride_qb + (h * QG + i)[:, None] * stride_qh,
+            (i < QG)[:, None],
+            qk_scale,
+            KW,
+            D,
+            ASM,
+        )
+    else:  # larger query groups: q through shared memory (the pairs' chain fails Triton's shared layout there)
+        q_rows = q_ptr + b64 * stride_qb + (h * QG + i)[None, :] * stride_qh
+        qT = _q_half(q_rows, kcol, (i < QG)[None, :], qk_scale, False).to(tl.float16)  # (D, QG_B)
 
     m_i = tl.full((QG_B,), float("-inf"), tl.float32)
     # the softmax denominators, kept per token row of the tile and summed over rows once after the loops (a sum
