@@ -22,7 +22,14 @@ import triton
 import triton.language as tl
 
 from kernels.quantize import check_group_size, check_widths
-from kernels.unpack import code_of_column_jit, dequant_tile, fast_path_fits, group_constants
+from kernels.unpack import (
+    code_of_column_jit,
+    code_of_columns_jit,
+    dequant_tile,
+    fast_path_fits,
+    group_constants,
+    pack_f16x2,
+)
 
 LOG2E = math.log2(math.e)
 # The generic kernel's tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not.
@@ -305,29 +312,126 @@ def _load_fp16(ptr, offsets, mask):
 
 
 @triton.jit
+def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
+    """q at columns `cols` (n,) of each row times `scale` as float32, clamped to fp16's finite range: rows
+    row_ptr (QG_B, 1) -> (QG_B, n), or with ROWS=False row_ptr (1, QG_B) -> (n, QG_B)."""
+    c = cols[None, :] if ROWS else cols[:, None]
+    x = tl.load(row_ptr + c, mask=mask, other=0.0).to(tl.float32) * scale
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+
+
+@triton.jit
+def _q_piece(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
+    """The column pairs m = 8 j + REV (j < D / 16) of the scores operand, as int32 (QG_B, D / 16) of two fp16
+    lanes: column 2m in the low, 2m + 1 (the channel P = 16 / W above) in the high half."""
+    m = 8 * tl.arange(0, D // 16) + REV
+    c_lo = code_of_columns_jit(2 * m, W, D, True)
+    lo = _q_half(row_ptr, c_lo, mask, scale)
+    hi = _q_half(row_ptr, c_lo + 16 // W, mask, scale)
+    return pack_f16x2(lo, hi, ASM)
+
+
+@triton.jit
+def _load_q_pairs(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """The queries times `scale` as the scores mma's operand qT (D, QG_B) fp16 in kernels.unpack's lane order for
+    width W, clamped to fp16's finite range: row_ptr (QG_B, 1) each query's row, mask (QG_B, 1).
+
+    Each pair of logical columns (2m, 2m + 1) is made as one int32 of two fp16 lanes and split by bitcasts, a
+    chain that Triton lays out as the mma operand itself, so q stays in registers across the loop, each pair
+    where the mma reads it, instead of coming back from shared memory (and being copied into register pairs)
+    every tile. The loads are 8 small pieces (fewer elements than threads at QG_B 8) so that Triton does not
+    pin their layout and the chain's keeps no layout conversion."""
+    QG_B: tl.constexpr = row_ptr.shape[0]
+    # join^3 puts piece 4 s2 + 2 s1 + s0 at pair column 8 j + 4 s0 + 2 s1 + s2: piece p holds REV = bitreverse(p)
+    x = tl.join(
+        tl.join(
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 0, ASM), _q_piece(row_ptr, mask, scale, W, D, 4, ASM)
+            ),
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 2, ASM), _q_piece(row_ptr, mask, scale, W, D, 6, ASM)
+            ),
+        ),
+        tl.join(
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 1, ASM), _q_piece(row_ptr, mask, scale, W, D, 5, ASM)
+            ),
+            tl.join(
+                _q_piece(row_ptr, mask, scale, W, D, 3, ASM), _q_piece(row_ptr, mask, scale, W, D, 7, ASM)
+            ),
+        ),
+    )  # (QG_B, D / 16, 2, 2, 2)
+    pairs = tl.reshape(x, (QG_B, D // 2))
+    q_lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+    q_hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.trans(tl.reshape(tl.join(q_lo, q_hi), (QG_B, D)))  # (D, QG_B)
+
+
+@triton.jit
+def _opaque(x):
+    """x (fp16) unchanged, through an inline mov that ptxas removes. Triton picks an mma operand's register
+    layout from the narrowest type it can trace back to a load, halving it behind a join: past the joins of
+    kernels.unpack the V tile would make the output mma's operands kWidth 4, whose shared-memory loads
+    (ldmatrix) land in registers that ptxas then copies into the HMMA's register quads (about 90 moves a
+    tile at 4 bits). A side-effecting asm stops that trace, so the operands are kWidth 2 and ldmatrix fills
+    the quads directly."""
+    return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], tl.float16, False, 1)
+
+
+@triton.jit
 def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
 
     p_ptr: the head's payload as int32 words, rows of NW = D * W / 32 words; s_ptr, z_ptr: its fp16 scales
-    and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored.
+    and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored (read
+    only when MASKED; a tile without it loads every row).
     """
     NW: tl.constexpr = D * W // 32
     NG: tl.constexpr = D // G
     BLOCK_N: tl.constexpr = rows.shape[0]
     r64 = rows.to(tl.int64)
-    words = tl.load(p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :], mask=mask_n[:, None], other=0)
     g = tl.arange(0, NG)
-    s = tl.load(s_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)  # (BLOCK_N, NG)
-    if SYM:
-        z = s  # unused
+    w_ptr = p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :]
+    sc_ptr = s_ptr + r64[:, None] * NG + g[None, :]  # (BLOCK_N, NG)
+    zc_ptr = z_ptr + r64[:, None] * NG + g[None, :]
+    if MASKED:
+        words = tl.load(w_ptr, mask=mask_n[:, None], other=0)
+        s = tl.load(sc_ptr, mask=mask_n[:, None], other=0.0)
+        z = s if SYM else tl.load(zc_ptr, mask=mask_n[:, None], other=0.0)  # symmetric: unused
     else:
-        z = tl.load(z_ptr + r64[:, None] * NG + g[None, :], mask=mask_n[:, None], other=0.0)
-    s2, z2 = group_constants(s, z, W, SYM)  # (BLOCK_N, NG) int32 each
+        words = tl.load(w_ptr)
+        s = tl.load(sc_ptr)
+        z = s if SYM else tl.load(zc_ptr)
+    s2, z2 = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
     # each word's group constants, broadcast over the G * W / 32 words of a group
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
     return dequant_tile(words, s2, z2, W, SYM, ASM, LANES)
+
+
+@triton.jit
+def _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW: tl.constexpr, VW: tl.constexpr,
+                 D: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
+                 ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One tile of _decode_packed_kernel's online softmax: tokens n0 .. n0 + BLOCK_N (those from `end` on
+    masked out when MASKED; without it every token is below `end`) -> the updated (m_i, l_rows, acc)."""
+    BLOCK_N: tl.constexpr = l_rows.shape[0]
+    rows = n0 + tl.arange(0, BLOCK_N)
+    mask_n = rows < end
+    k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM, True, MASKED)  # (BLOCK_N, D) fp16
+    s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units (qT holds q * qk_scale)
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0))
+    p = tl.exp2(s - m_new[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    l_rows = l_rows * alpha[None, :] + p
+    v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False, MASKED)
+    if ASM:  # an identity Triton cannot look through: see _opaque
+        v = _opaque(v)
+    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+    return m_new, l_rows, acc
 
 
 @triton.jit
@@ -407,12 +511,23 @@ def _decode_packed_kernel(
     # (word order: 16-byte stores).
     kcol = code_of_column_jit(KW, D, True)
     vcol = code_of_column_jit(VW, D, False)
-    qT = _load_fp16(
-        q_ptr + b64 * stride_qb, (h * QG + i)[None, :] * stride_qh + kcol[:, None], (i < QG)[None, :]
-    )  # (D, QG_B) fmt: skip
+    if QG_B * D <= 1024:  # _load_q_pairs' pieces have at most 64 elements: the operand stays in registers
+        qT = _load_q_pairs(
+            q_ptr + b64 * stride_qb + (h * QG + i)[:, None] * stride_qh,
+            (i < QG)[:, None],
+            qk_scale,
+            KW,
+            D,
+            ASM,
+        )
+    else:  # larger query groups: q through shared memory (the pairs' chain fails Triton's shared layout there)
+        q_rows = q_ptr + b64 * stride_qb + (h * QG + i)[None, :] * stride_qh
+        qT = _q_half(q_rows, kcol, (i < QG)[None, :], qk_scale, False).to(tl.float16)  # (D, QG_B)
 
     m_i = tl.full((QG_B,), float("-inf"), tl.float32)
-    l_i = tl.zeros((QG_B,), tl.float32)
+    # the softmax denominators, kept per token row of the tile and summed over rows once after the loops (a sum
+    # over the tile's rows each iteration crosses warps: shuffles, shared memory and barriers every tile)
+    l_rows = tl.zeros((BLOCK_N, QG_B), tl.float32)
     acc = tl.zeros((D, QG_B), tl.float32)
 
     kslot = tl.load(kslot_ptr + h).to(tl.int64)
@@ -426,19 +541,14 @@ def _decode_packed_kernel(
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
-    for n0 in range(start, end, BLOCK_N):
-        rows = n0 + tl.arange(0, BLOCK_N)
-        mask_n = rows < end
-        k = _packed_tile(kp, ks, kz, rows, mask_n, KW, D, KG, K_SYM, ASM, True)  # (BLOCK_N, D) fp16
-        s = tl.dot(k, qT) * qk_scale  # (BLOCK_N, QG_B), log2 units
-        s = tl.where(mask_n[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        p = tl.exp2(s - m_new[None, :])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-        v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False)
-        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+    # whole tiles without masks, then the split's last partial tile (if any) with them
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):
+        m_i, l_rows, acc = _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW, VW, D, KG, VG,
+                                        K_SYM, V_SYM, ASM, False)  # fmt: skip
+    if full_end < end:
+        m_i, l_rows, acc = _packed_step(qT, kp, ks, kz, vp, vs, vz, full_end, end, m_i, l_rows, acc, KW, VW, D, KG,
+                                        VG, K_SYM, V_SYM, ASM, True)  # fmt: skip
 
     if HAS_EXTRA:
         x_end = tl.where(sp == num_splits, Tx, 0)
@@ -448,14 +558,15 @@ def _decode_packed_kernel(
             n64 = n.to(tl.int64)[:, None]
             k = _load_fp16(kx_ptr + b64 * kx_sb + h * kx_sh, n64 * kx_st + kcol[None, :], mask_n[:, None])
             v = _load_fp16(vx_ptr + b64 * vx_sb + h * vx_sh, n64 * vx_st + vcol[None, :], mask_n[:, None])
-            s = tl.where(mask_n[:, None], tl.dot(k, qT) * qk_scale, float("-inf"))
+            s = tl.where(mask_n[:, None], tl.dot(k, qT), float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             p = tl.exp2(s - m_new[None, :])
             alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
+            l_rows = l_rows * alpha[None, :] + p
             m_i = m_new
             acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
 
+    l_i = tl.sum(l_rows, axis=0)
     # partials as _decode_split_kernel writes them: m, l (B, Hq, S); o (B, Hq, S, D_B)
     S = num_splits + HAS_EXTRA
     row = (b64 * HKV * QG + h * QG + i) * S + sp  # (QG_B,)

@@ -61,9 +61,14 @@ def code_of_column(width: int, head_dim: int, lanes: bool = True) -> list[int]:
 @triton.jit
 def code_of_column_jit(W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
     """`code_of_column` as a (D,) int32 tensor, in the kernel."""
+    return code_of_columns_jit(tl.arange(0, D), W, D, LANES)
+
+
+@triton.jit
+def code_of_columns_jit(k, W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
+    """`code_of_column` at the logical columns k (an int32 tensor), in the kernel."""
     P: tl.constexpr = 16 // W
     WL: tl.constexpr = D * W // 128
-    k = tl.arange(0, D)
     h = k % 2
     if LANES:
         i_lo = (k // 2) % 2
@@ -113,16 +118,46 @@ def _pair(words, PAIR: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr):
+def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
     """Per token and group, fp16 scale s and zero z (R, NG) -> the `dequant_tile` operands s2, z2 (R, NG) int32:
     s in both lanes, and in both lanes the constant the fma adds: at 2 and 4 bits zero - 2**W * s (symmetric:
-    -(2**W + 2**(W-1)) * s), rounded to fp16 once; at 8 bits the zero itself (symmetric: unused)."""
+    -(2**W + 2**(W-1)) * s), rounded to fp16 once (exact before rounding: with ASM one fma.rn.f16, without it
+    float64); at 8 bits the zero itself (symmetric: unused)."""
+    if ASM:
+        s2 = tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [s], tl.int32, True, 1)
+        if W == 8:
+            z2 = tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [z], tl.int32, True, 1)
+        elif SYM:  # fp16 bits of -(2**W + 2**(W-1)): -6 (2 bits), -24 (4 bits)
+            z2 = tl.inline_asm_elementwise(
+                "{.reg .b16 c, k; mov.b16 k, "
+                + ("0xC600" if W == 2 else "0xCE00")
+                + "; mul.rn.f16 c, $1, k; "
+                "mov.b32 $0, {c, c};}",
+                "=r,h",
+                [s],
+                tl.int32,
+                True,
+                1,
+            )
+        else:  # fp16 bits of -2**W: -4 (2 bits), -16 (4 bits)
+            z2 = tl.inline_asm_elementwise(
+                "{.reg .b16 c, k; mov.b16 k, "
+                + ("0xC400" if W == 2 else "0xCC00")
+                + "; fma.rn.f16 c, $1, k, $2; "
+                "mov.b32 $0, {c, c};}",
+                "=r,h,h",
+                [s, z],
+                tl.int32,
+                True,
+                1,
+            )
+        return s2, z2
     if W == 8:
         z2 = splat2(z)
     else:
         offset = (1 << W) + ((1 << (W - 1)) if SYM else 0)
-        base = 0.0 if SYM else z.to(tl.float32)
-        z2 = splat2((base - offset * s.to(tl.float32)).to(tl.float16))
+        base = 0.0 if SYM else z.to(tl.float64)
+        z2 = splat2((base - offset * s.to(tl.float64)).to(tl.float16))
     return splat2(s), z2
 
 
@@ -140,6 +175,18 @@ def _bits(lo, hi):
     lo_b = lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
     hi_b = hi.to(tl.int16, bitcast=True).to(tl.int32)
     return lo_b | (hi_b << 16)
+
+
+@triton.jit
+def pack_f16x2(lo, hi, ASM: tl.constexpr):
+    """Two float32 tensors -> int32 of two fp16 lanes, lo in the low and hi in the high half, each rounded to
+    nearest (one cvt.rn.f16x2.f32 with ASM)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "cvt.rn.f16x2.f32 $0, $2, $1;", "=r,f,f", [lo, hi], tl.int32, True, 1
+        )
+    else:
+        return _bits(lo.to(tl.float16), hi.to(tl.float16))
 
 
 @triton.jit

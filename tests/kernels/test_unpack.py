@@ -32,7 +32,11 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
     words = tl.load(p_ptr + r[:, None] * NW + tl.arange(0, NW)[None, :])
     g = tl.arange(0, NG)
     s2, z2 = group_constants(
-        tl.load(s_ptr + r[:, None] * NG + g[None, :]), tl.load(z_ptr + r[:, None] * NG + g[None, :]), W, SYM
+        tl.load(s_ptr + r[:, None] * NG + g[None, :]),
+        tl.load(z_ptr + r[:, None] * NG + g[None, :]),
+        W,
+        SYM,
+        ASM,
     )
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, NG, NW // NG)), (R, NW))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (R, NG, NW // NG)), (R, NW))
