@@ -238,6 +238,8 @@ def environment(
         "git_dirty": bool(dirty),
         "dirty_paths": dirty[:DIRTY_PATHS_SHOWN],
         "allow_dirty": allow_dirty,
+        # a copied tree's commit as its sender named it (the GPU check's HARNESS_COMMIT; its .git may be stale)
+        "named_commit": os.environ.get("HARNESS_COMMIT"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "device": device,

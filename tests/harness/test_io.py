@@ -152,3 +152,11 @@ def test_atomic_folder_appears_whole_and_a_folder_saved_first_stays(tmp_path):
     io.write_dir_atomic(target, save("x y"))  # another process saved it first: its folder stays whole
     assert sorted(p.read_text() for p in target.iterdir()) == ["a", "b", "c"]
     assert [p.name for p in target.parent.iterdir()] == ["tokenizer"]  # no temporary folder left
+
+
+def test_environment_records_the_commit_a_copied_tree_was_named(monkeypatch):
+    monkeypatch.delenv("HARNESS_COMMIT", raising=False)
+    assert io.environment("cmd", allow_dirty=True)["named_commit"] is None
+    monkeypatch.setenv("HARNESS_COMMIT", "5317e84")
+    env = io.environment("cmd", allow_dirty=True)
+    assert env["named_commit"] == "5317e84" and "git_commit" in env  # beside what the tree's .git says
