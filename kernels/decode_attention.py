@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import cdiv, next_power_of_2, sm_count
 from kernels.quantize import check_group_size, check_widths
 from kernels.unpack import (
     code_of_column_jit,
@@ -617,9 +618,9 @@ def _combine_kernel(
 def _default_splits(length: int, n_programs: int, block_n: int, device: torch.device) -> int:
     """Splits of `length` tokens for PROGRAMS_PER_SM programs per SM over n_programs (batch x KV heads),
     no split shorter than one tile, at most MAX_SPLITS."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else CPU_SMS
-    want = triton.cdiv(PROGRAMS_PER_SM * sms, n_programs)
-    return max(1, min(triton.cdiv(max(length, 1), block_n), want, MAX_SPLITS))
+    sms = sm_count(device) if device.type == "cuda" else CPU_SMS
+    want = cdiv(PROGRAMS_PER_SM * sms, n_programs)
+    return max(1, min(cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
 def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
@@ -654,8 +655,8 @@ def plan_splits(
         tile = block_n or (FAST_BLOCK_N if fast else BLOCK_N)
         programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
         n = num_splits or _default_splits(span, programs, tile, device)
-        plans.append((tile, triton.cdiv(triton.cdiv(max(span, 1), n), tile) * tile))  # whole tiles
-    return buckets, plans, max(triton.cdiv(max(span, 1), chunk) for _, chunk in plans)
+        plans.append((tile, cdiv(cdiv(max(span, 1), n), tile) * tile))  # whole tiles
+    return buckets, plans, max(cdiv(max(span, 1), chunk) for _, chunk in plans)
 
 
 def _bucket_args(st, width: int) -> list:
@@ -776,7 +777,7 @@ def decode_attention(
     if span == 0 and not has_extra:
         raise ValueError("nothing to attend to: the stores are empty and there is no extra segment")
 
-    d_b = triton.next_power_of_2(D)
+    d_b = next_power_of_2(D)
     qg = Hq // Hkv
     buckets, plans, splits = plan_splits(k_store, v_store, span, block_n, q.device, num_splits, q.dtype)
     n_cols = splits + int(has_extra)
@@ -795,14 +796,14 @@ def decode_attention(
         if fast_bucket(kw, vw, q.dtype, D, k_store.group_size, v_store.group_size):
             _decode_packed_kernel[(B * len(heads), n_cols)](
                 q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,
-                QG_B=max(8, triton.next_power_of_2(qg)),  # the N of an mma: at least 8
+                QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                 ASM=os.environ.get("TRITON_INTERPRET") != "1",
                 **common,
             )  # fmt: skip
         else:
             _decode_split_kernel[(B * len(heads), n_cols)](
                 q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra, *tail,
-                QG_B=max(16, triton.next_power_of_2(qg)),  # tl.dot needs at least 16 rows
+                QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
                 INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
                 PREFETCH=(kw, vw) != (16, 16),
                 **common,
@@ -819,8 +820,8 @@ def decode_attention(
         out.stride(1),
         n_cols,
         HQ=Hq,
-        S_B=triton.next_power_of_2(n_cols),
-        SC=min(COMBINE_BLOCK, triton.next_power_of_2(n_cols)),
+        S_B=next_power_of_2(n_cols),
+        SC=min(COMBINE_BLOCK, next_power_of_2(n_cols)),
         D=D,
         D_B=d_b,
     )

@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.host import cdiv, next_power_of_2
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS
 
@@ -204,15 +205,15 @@ def quantize_into(store, x: torch.Tensor, pos: int | torch.Tensor, block_t: int 
         raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
     if Tn == 0:
         return
-    bt = block_t or min(16, triton.next_power_of_2(Tn))
+    bt = block_t or min(16, next_power_of_2(Tn))
     quantized = any(w != FULL_WIDTH for w in store.bits)
-    g = store.group_size if quantized else triton.next_power_of_2(D)
+    g = store.group_size if quantized else next_power_of_2(D)
     for bk in store.buckets:
         out = bk.values if bk.width == FULL_WIDTH else bk.payload
         scale = out if bk.scale is None else bk.scale  # placeholders at 16 bits
         zero = scale if bk.zero is None else bk.zero
         assert out.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride()
-        _quantize_kernel[(triton.cdiv(Tn, bt), B, len(bk.heads))](
+        _quantize_kernel[(cdiv(Tn, bt), B, len(bk.heads))](
             x,
             *x.stride(),
             out,
@@ -227,7 +228,7 @@ def quantize_into(store, x: torch.Tensor, pos: int | torch.Tensor, block_t: int 
             W=bk.width,
             D=D,
             G=g,
-            NG_B=triton.next_power_of_2(D // g),
+            NG_B=next_power_of_2(D // g),
             BLOCK_T=bt,
             SYM=bk.zero is None,
             POS_FROM_PTR=pos_from_ptr,
