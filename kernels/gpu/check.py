@@ -298,10 +298,11 @@ def targets(rows: list[dict]) -> list[tuple[str, float, str, str]]:
     return [(n, v, t, "yes" if met(v, t) else "no") for n, v, t in out]
 
 
-def ab_as_decode(rows: list[dict]) -> list[dict]:
-    """ab.csv's rows of the current kernel (method fused:<KERNEL stem>, default splits) as decode.csv's fused
-    rows, beside its SDPA rows, so that `targets` reads either file."""
-    current, out = f"fused:{KERNEL.stem}", []
+def ab_as_decode(rows: list[dict], kind: str = "fused") -> list[dict]:
+    """ab.csv's rows of the current kernel (method <kind>:<KERNEL stem>, default splits; kind "fused" as launched
+    from Python, "graph" as replayed from a CUDA graph) as decode.csv's fused rows, beside its SDPA rows, so that
+    `targets` reads either file."""
+    current, out = f"{kind}:{KERNEL.stem}", []
     by_widths: dict[str, dict] = {}
     for r in rows:
         if r["method"].startswith("sdpa_"):
@@ -389,6 +390,11 @@ def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, comm
         lines += [f"| {n} | {v:.3g} | {t} | {m} |" for n, v, t, m in found]
     else:
         lines += ["Not measured in this run (decode.csv has no fused and 16-bit rows at that shape)."]
+    replayed = targets(ab_as_decode(ab, "graph"))
+    if replayed:
+        lines += ["", "The same targets read off the A/B's CUDA-graph replays (the GPU's own time, without the host's "
+                  "launches; SDPA as launched):", "", "| target | measured | wanted | met |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {n} | {v:.3g} | {t} | {m} |" for n, v, t, m in replayed]
     lines += kernel_table(ab, read_csv(INSPECT_CSV), read_csv(folder / "ncu.csv"))
     lines += launch_table(read_csv(folder / "ab-launches.csv"))
     e2e = read_csv(folder / "e2e.csv")

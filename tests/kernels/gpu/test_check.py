@@ -153,6 +153,10 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
     ]
     got = {name: value for name, value, _, _ in gpu_check.targets(gpu_check.ab_as_decode(rows))}
     assert got["4-bit fused vs fastest 16-bit"] == pytest.approx(2.5)
+    replayed = {name: value for name, value, _, _ in gpu_check.targets(gpu_check.ab_as_decode(rows, "graph"))}
+    assert replayed["4-bit fused vs fastest 16-bit"] == pytest.approx(
+        300 / 110
+    )  # the graph row, not the launched
     assert got["4-bit fused: fraction of copy bandwidth"] == pytest.approx(0.7)
     assert got["2-bit fused vs fastest 16-bit"] == pytest.approx(4.0)
     static = [
