@@ -60,7 +60,7 @@ gpu-wheels:
 # Older decode kernels for the GPU check's A/B stage (kernels.gpu.ab), into the ignored .ab/: the kernel of baf9cf7,
 # the last one before the head-major layout and the fast packed path, and that of e715a9f, the last one measured
 # before the register-resident q (check-e715a9f), each with the kernels/unpack.py it was written against.
-AB_BASELINES := baf9cf7 e715a9f
+AB_BASELINES := baf9cf7 e715a9f 5317e84
 gpu-ab-baseline:
 	rm -rf .ab && mkdir -p .ab
 	for c in $(AB_BASELINES); do git show $$c:kernels/decode_attention.py > .ab/$$c.py && mkdir .ab/$$c && \
