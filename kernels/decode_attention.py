@@ -35,9 +35,16 @@ from kernels.unpack import (
 LOG2E = math.log2(math.e)
 # The generic kernel's tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not.
 BLOCK_N = 32
-# The fast packed kernel's tokens per tile (the M of its score mma). On the H100 (32 query / 8 KV heads, batch 8,
-# 32K, 4 warps, 3 stages) 128 beat 64 by 7% at 4 bits and 8% at 2, and 64 beat 32 by 1.8x (results/kernels).
-FAST_BLOCK_N = 128
+# The fast packed kernel's tokens per tile (the M of its score mma), by the wider of a bucket's two widths. On the
+# H100 with 5317e84's loop (32 query / 8 KV heads, batch 8, 32K, 4 warps, 3 stages, 33 splits; results/kernels/
+# NVIDIA_H100_80GB_HBM3/check-6e86fcf/tune): 4 bits 154 us at 64 against 164 at 128 (126 registers against 168);
+# 2 bits 130 us at 128 against 141 at 64. 32-token tiles were slower at every width; 8 bits keeps 128, where it
+# reads at 0.9 of copy bandwidth.
+FAST_BLOCK_N = {2: 128, 4: 64, 8: 128}
+# A mixed map's width buckets run concurrently, one CUDA stream each, so that one launch fills the SMs that
+# another's last wave leaves idle (on the H100 the three buckets of 2,2,2,2,4,4,8,8 took 62 + 42 + 63 us one after
+# another against 149 us for uniform 4 bits).
+CONCURRENT_BUCKETS = True
 # split-KV target: enough programs in flight per SM to keep memory requests queued. On the H200 (32 query / 8
 # KV heads, batch 8, 32K and 128K tokens) 16 made the prefetching kernel 15-19% faster than 4 at 2, 4 and 8 bits
 # (results/kernels/README.md).
@@ -623,6 +630,11 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
     return max(1, min(cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
+def fast_block_n(kw: int, vw: int) -> int:
+    """The fast kernel's default tokens per tile for a bucket of keys at kw bits and values at vw."""
+    return FAST_BLOCK_N[max(kw, vw)]
+
+
 def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
     """Whether a (key width, value width) bucket takes the fast packed kernel: fp16 or bf16 queries, both widths
     2, 4 or 8 with rows that kernels.unpack splits into lanes."""
@@ -640,7 +652,7 @@ def plan_splits(
     """(width buckets, (tokens per tile, tokens per split) of each bucket's launch, split columns of the
     partials table).
 
-    A bucket's tile is `block_n`, or its kernel's default (FAST_BLOCK_N for the fast kernel, BLOCK_N else).
+    A bucket's tile is `block_n`, or its kernel's default (fast_block_n for the fast kernel, BLOCK_N else).
     A generic bucket's launch is split for its own program count (a bucket of few heads gets more splits, so
     that it fills the GPU alone). A fast bucket's is split as if it held every head, so its splits are as long as
     a uniform map's: on the H100 the fast kernel ran slower with every split count above the default at 32K
@@ -652,7 +664,7 @@ def plan_splits(
     plans = []
     for kw, vw, heads in buckets:
         fast = fast_bucket(kw, vw, q_dtype, k_store.head_dim, k_store.group_size, v_store.group_size)
-        tile = block_n or (FAST_BLOCK_N if fast else BLOCK_N)
+        tile = block_n or (fast_block_n(kw, vw) if fast else BLOCK_N)
         programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
         n = num_splits or _default_splits(span, programs, tile, device)
         plans.append((tile, cdiv(cdiv(max(span, 1), n), tile) * tile))  # whole tiles
@@ -707,6 +719,20 @@ def width_buckets(k_bits: tuple[int, ...], v_bits: tuple[int, ...], device: torc
     )
 
 
+_SIDE_STREAMS: dict[torch.device, tuple] = {}
+
+
+def _side_streams(device: torch.device, n: int) -> tuple:
+    """(fork event, ((side stream, its join event), ...)): n streams of `device` besides the current one for the
+    width buckets after the first, made once per device and reused (an event re-recorded only moves forward)."""
+    fork, sides = _SIDE_STREAMS.get(device, (None, ()))
+    if len(sides) < n:
+        fork = torch.cuda.Event()
+        sides = tuple((torch.cuda.Stream(device), torch.cuda.Event()) for _ in range(n))
+        _SIDE_STREAMS[device] = (fork, sides)
+    return fork, sides[:n]
+
+
 _WORKSPACE: dict[tuple, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
@@ -750,7 +776,7 @@ def decode_attention(
         num_splits: KV splits of the stored tokens (default: PROGRAMS_PER_SM programs per SM in each width
             bucket's launch).
         out: optional (B, Hq, D) output tensor, last dim contiguous; default a new tensor of q's dtype.
-        block_n: tokens per tile, a power of two >= 16 (default: each kernel's own, FAST_BLOCK_N or BLOCK_N); a
+        block_n: tokens per tile, a power of two >= 16 (default: each kernel's own, fast_block_n or BLOCK_N); a
             split holds a whole number of tiles.
         length: None (L = the stores' length), or an int32 tensor of one element on q's device holding L, read
             by the kernels: the splits then cover the stores' capacity, so the launches stay the same while L
@@ -786,28 +812,44 @@ def decode_attention(
     kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
-    for (kw, vw, heads), (tile, chunk) in zip(buckets, plans):
-        kg, vg = _kernel_group(k_store, d_b), _kernel_group(v_store, d_b)
-        common = dict(NH=len(heads), HKV=Hkv, QG=qg, D=D, D_B=d_b, KW=kw, VW=vw, KG=kg, VG=vg,
-                      K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
-                      L_FROM_PTR=length is not None, BLOCK_N=tile, **launch)  # fmt: skip
-        tail = [heads, m_part, l_part, o_part, k_store.length, heads if length is None else length, chunk,
-                sm_scale * LOG2E, splits]  # fmt: skip
-        if fast_bucket(kw, vw, q.dtype, D, k_store.group_size, v_store.group_size):
-            _decode_packed_kernel[(B * len(heads), n_cols)](
-                q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,
-                QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
-                ASM=os.environ.get("TRITON_INTERPRET") != "1",
-                **common,
-            )  # fmt: skip
-        else:
-            _decode_split_kernel[(B * len(heads), n_cols)](
-                q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra, *tail,
-                QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
-                INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-                PREFETCH=(kw, vw) != (16, 16),
-                **common,
-            )  # fmt: skip
+    concurrent = CONCURRENT_BUCKETS and len(buckets) > 1 and q.is_cuda
+    if concurrent:  # the buckets after the first on side streams, which wait for the current stream's work
+        main = torch.cuda.current_stream(q.device)
+        fork, sides = _side_streams(q.device, len(buckets) - 1)
+        fork.record(main)
+        for side, _ in sides:
+            side.wait_event(fork)
+    try:
+        for i, ((kw, vw, heads), (tile, chunk)) in enumerate(zip(buckets, plans)):
+            if concurrent and i:
+                torch.cuda.set_stream(sides[i - 1][0])
+            kg, vg = _kernel_group(k_store, d_b), _kernel_group(v_store, d_b)
+            common = dict(NH=len(heads), HKV=Hkv, QG=qg, D=D, D_B=d_b, KW=kw, VW=vw, KG=kg, VG=vg,
+                          K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
+                          L_FROM_PTR=length is not None, BLOCK_N=tile, **launch)  # fmt: skip
+            tail = [heads, m_part, l_part, o_part, k_store.length, heads if length is None else length,
+                    chunk, sm_scale * LOG2E, splits]  # fmt: skip
+            if fast_bucket(kw, vw, q.dtype, D, k_store.group_size, v_store.group_size):
+                _decode_packed_kernel[(B * len(heads), n_cols)](
+                    q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,
+                    QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
+                    ASM=os.environ.get("TRITON_INTERPRET") != "1",
+                    **common,
+                )  # fmt: skip
+            else:
+                _decode_split_kernel[(B * len(heads), n_cols)](
+                    q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra, *tail,
+                    QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
+                    INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+                    PREFETCH=(kw, vw) != (16, 16),
+                    **common,
+                )  # fmt: skip
+    finally:
+        if concurrent:  # the combine waits for every bucket
+            torch.cuda.set_stream(main)
+            for side, done in sides:
+                done.record(side)
+                main.wait_event(done)
     if out is None:
         out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     assert out.shape == (B, Hq, D) and out.stride(-1) == 1

@@ -309,6 +309,40 @@ def test_decode_step_replays_in_a_cuda_graph(dtype):
     assert int(pos) == prefix + steps
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton")
+def test_mixed_map_buckets_run_concurrently_on_the_callers_stream(monkeypatch):
+    """A mixed map's buckets on side streams: on a caller's own stream, right after the stores were written there
+    (no synchronization), the output is bit for bit the one with the buckets in turn on one stream, it matches
+    the oracle, and the caller's stream is current again afterwards."""
+    from kernels import decode_attention as da
+
+    bits, D, hq, batch, tokens = (2, 2, 4, 8, 4, 16), 128, 12, 3, 3000
+    gen = torch.Generator().manual_seed(11)
+    keys, values = (torch.randn(batch, len(bits), tokens, D, generator=gen) for _ in "kv")
+    q = torch.randn(batch, hq, D, generator=gen)
+    caller = torch.cuda.Stream()
+    outs = {}
+    for concurrent in (True, False):
+        monkeypatch.setattr(da, "CONCURRENT_BUCKETS", concurrent)
+        with torch.cuda.stream(caller):  # everything from the copies on runs on the caller's stream
+            ks, vs = (
+                PackedStore(
+                    bits, D, batch, group_size=32, dtype=torch.bfloat16, device="cuda", capacity=tokens
+                )
+                for _ in "kv"
+            )
+            for st, x in ((ks, keys), (vs, values)):
+                quantize_into(st, x.to("cuda", torch.bfloat16), 0)
+                st.length = tokens
+            outs[concurrent] = decode_attention(q.to("cuda", torch.bfloat16), ks, vs, D**-0.5)
+            assert torch.cuda.current_stream() == caller
+    caller.synchronize()
+    assert torch.equal(outs[True], outs[False])
+    ref = reference.attention_reference(q[:, :, None], ks.dequantize(), vs.dequantize(), D**-0.5)[:, :, 0]
+    assert ((outs[True].double() - ref).norm() / ref.norm()).item() < 2e-2
+
+
 class _LaunchSpy:
     """Counts the launches of a Triton kernel and forwards them."""
 
@@ -356,8 +390,8 @@ def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size
 
 
 def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
-    """Without block_n the fast kernel runs FAST_BLOCK_N-token tiles and the generic one BLOCK_N (a 4-bit
-    bucket and a 16-bit one in the same call)."""
+    """Without block_n the fast kernel runs its width's tiles (fast_block_n) and the generic one BLOCK_N (a
+    4-bit bucket and a 16-bit one in the same call)."""
     from kernels import decode_attention as da
 
     tiles = {}
@@ -378,19 +412,23 @@ def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
     ks, vs = _stores((4, 16, 4), (4, 16, 4), 64, 32, False, device, seed=5)
     q = torch.randn(B, HQ, 64).to(device=device, dtype=torch.float16)
     decode_attention(q, ks, vs, 0.125)
-    assert tiles == {"fast": da.FAST_BLOCK_N, "generic": da.BLOCK_N}
+    assert tiles == {"fast": da.fast_block_n(4, 4), "generic": da.BLOCK_N}
+    assert da.fast_block_n(4, 4) == 64 and da.fast_block_n(2, 2) == 128 and da.fast_block_n(2, 4) == 64
 
 
 def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():
-    """A fast bucket of few heads is split as if it held every head (the generic ones for their own count)."""
-    from kernels.decode_attention import FAST_BLOCK_N, plan_splits
+    """A fast bucket of few heads is split as if it held every head (the generic ones for their own count),
+    each at its own width's tile."""
+    from kernels.decode_attention import fast_block_n, plan_splits
 
     uniform = [PackedStore([4] * 8, 64, 2) for _ in range(2)]
     mixed = [PackedStore([2, 2, 2, 2, 4, 4, 8, 3], 64, 2) for _ in range(2)]
     _, (plan,), _ = plan_splits(*uniform, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
     _, plans, _ = plan_splits(*mixed, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
-    assert plan[0] == FAST_BLOCK_N
-    fast = [plans[0], plans[2], plans[3]]  # buckets in width order: (2, 2), (3, 3), (4, 4), (8, 8)
-    assert fast == [plan] * 3  # fast buckets: splits as long as the uniform map's
+    assert plan[0] == fast_block_n(4, 4)
+    fast = {w: plans[i] for i, w in ((0, 2), (2, 4), (3, 8))}  # buckets in width order: 2, 3, 4, 8 bits
+    assert {w: tile for w, (tile, _) in fast.items()} == {w: fast_block_n(w, w) for w in fast}
+    # fast buckets: splits as long as the uniform map's
+    assert {chunk for _, chunk in fast.values()} == {plan[1]}
     tile, chunk = plans[1]  # (3, 3): the generic kernel, one head: more, shorter splits
     assert tile == 32 and chunk < plan[1]

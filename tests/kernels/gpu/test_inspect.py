@@ -49,17 +49,17 @@ def test_inspector_compiles_one_variant_for_hopper(cli, tmp_path):
     proc = cli("kernels.gpu.inspect", "--widths", "4", "--out", str(out), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = list(csv.DictReader(open(out)))
-    from kernels.decode_attention import FAST_BLOCK_N
+    from kernels.decode_attention import fast_block_n
 
     assert (
         row["kernel"] == "_decode_packed_kernel"
         and row["key_bits"] == "4"
-        and row["block_n"] == str(FAST_BLOCK_N)
+        and row["block_n"] == str(fast_block_n(4, 4))
     )
     assert 0 < int(row["registers"]) <= 255 and int(row["spill_bytes"]) == 0
     assert int(row["loop_instr"]) > 0 and int(row["mma"]) > 0
     assert float(row["instr_per_byte"]) == pytest.approx(
-        int(row["loop_instr"]) * 32 * 4 / (FAST_BLOCK_N * 2 * (64 + 16)), rel=1e-2
+        int(row["loop_instr"]) * 32 * 4 / (fast_block_n(4, 4) * 2 * (64 + 16)), rel=1e-2
     )
     assert "1" not in row["payload_load_bytes"].split()  # no byte-wide load in the loop
     assert int(row["i2f"]) == 0  # codes become fp16 by bit operations
