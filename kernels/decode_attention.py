@@ -38,12 +38,13 @@ BLOCK_N = 32
 # The fast packed kernel's tokens per tile (the M of its score mma), by the wider of a bucket's two widths. On the
 # H100 with 5317e84's loop (32 query / 8 KV heads, batch 8, 32K, 4 warps, 3 stages, 33 splits; results/kernels/
 # NVIDIA_H100_80GB_HBM3/check-6e86fcf/tune): 4 bits 154 us at 64 against 164 at 128 (126 registers against 168);
-# 2 bits 130 us at 128 against 141 at 64. 32-token tiles were slower at every width; 8 bits keeps 128, where it
-# reads at 0.9 of copy bandwidth.
-FAST_BLOCK_N = {2: 128, 4: 64, 8: 128}
-# A mixed map's width buckets run concurrently, one CUDA stream each, so that one launch fills the SMs that
-# another's last wave leaves idle (on the H100 the three buckets of 2,2,2,2,4,4,8,8 took 62 + 42 + 63 us one after
-# another against 149 us for uniform 4 bits).
+# 2 bits 130 us at 128 against 141 at 64; 32-token tiles slower at every width. 8 bits (check-4515883's A/B, in
+# one process): 215 us at 64 against 218 at 128 (stage 1).
+FAST_BLOCK_N = {2: 128, 4: 64, 8: 64}
+# Captured in a CUDA graph, a mixed map's width buckets run concurrently, one stream each, so that one launch
+# fills the SMs that another's last wave leaves idle: on the H100 (2,2,2,2,4,4,8,8, shape above) a replay took
+# 155 us against 170 with the buckets in turn (uniform 4 bits: 142). Launched eagerly the call waits on the host,
+# and the streams' events cost more than they save (248 against 220 us), so eager buckets run in turn.
 CONCURRENT_BUCKETS = True
 # split-KV target: enough programs in flight per SM to keep memory requests queued. On the H200 (32 query / 8
 # KV heads, batch 8, 32K and 128K tokens) 16 made the prefetching kernel 15-19% faster than 4 at 2, 4 and 8 bits
@@ -812,7 +813,9 @@ def decode_attention(
     kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
     launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
-    concurrent = CONCURRENT_BUCKETS and len(buckets) > 1 and q.is_cuda
+    concurrent = (
+        CONCURRENT_BUCKETS and len(buckets) > 1 and q.is_cuda and torch.cuda.is_current_stream_capturing()
+    )
     if concurrent:  # the buckets after the first on side streams, which wait for the current stream's work
         main = torch.cuda.current_stream(q.device)
         fork, sides = _side_streams(q.device, len(buckets) - 1)
