@@ -443,7 +443,11 @@ def _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW: tl.c
     return m_new, l_rows, acc
 
 
-@triton.jit
+# L_arg, the stored length of an eager step, is not specialized on divisibility by 16: it changes every step, and
+# so each bucket compiled twice in a generation's first 16 steps (a compiling 4-bit step took 2.2 s on the H100,
+# check-5317e84). The main loop compiles to the same instructions either way (make inspect, sm_90a); the single
+# specialization key is checked in tests/kernels/gpu/test_inspect.py.
+@triton.jit(do_not_specialize=["L_arg"])
 def _decode_packed_kernel(
     q_ptr,
     stride_qb,

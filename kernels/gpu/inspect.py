@@ -69,9 +69,11 @@ class Launch:
 
 
 def catch_stage1(
-    kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict
-) -> Launch:
-    """The stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values) at `shape`."""
+    kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict,
+    length: int | None = None,
+) -> Launch:  # fmt: skip
+    """The stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values) at `shape`,
+    stores of shape["context"] tokens' capacity holding `length` of them (default: full)."""
     from kernels import decode_attention as da
     from kernels.layout import PackedStore
 
@@ -79,7 +81,7 @@ def catch_stage1(
     dev = torch.device("meta")
     stores = [PackedStore([w] * hkv, D, B, dtype=torch.bfloat16, device=dev, capacity=L) for w in (kw, vw)]
     for st in stores:
-        st.length = L
+        st.length = L if length is None else length
     caught: list[Launch] = []
 
     def catcher(kernel):

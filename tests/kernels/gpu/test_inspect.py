@@ -4,10 +4,15 @@ from __future__ import annotations
 
 import csv
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from kernels.gpu import inspect as insp
+
+ROOT = Path(__file__).resolve().parents[3]
 
 SASS = """
         /*0100*/                   MOV R1, c[0x0][0x28] ;
@@ -63,6 +68,37 @@ def test_inspector_compiles_one_variant_for_hopper(cli, tmp_path):
     )
     assert "1" not in row["payload_load_bytes"].split()  # no byte-wide load in the loop
     assert int(row["i2f"]) == 0  # codes become fp16 by bit operations
+
+
+SPECIALIZATIONS = """
+import sys
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+from kernels.gpu import inspect as insp
+
+backend = make_backend(GPUTarget("cuda", insp.TARGET_ARCH, 32))
+keys = set()
+for length in map(int, sys.argv[1:]):
+    launch = insp.catch_stage1(4, 4, None, 4, None, insp.SHAPE, length=length)
+    bind = create_function_from_signature(launch.fn.signature, launch.fn.params, backend)
+    keys.add(repr(bind(*launch.args, **launch.kwargs)[1]))
+print(len(keys))
+"""
+
+
+def test_a_growing_cache_reuses_one_compiled_fast_kernel(tmp_path):
+    """The fast kernel is specialized on nothing that changes from one eager decode step to the next: the stored
+    length (a multiple of 16 or not) gives the JIT one specialization key, so a bucket compiles once."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "keys.py"
+    script.write_text(SPECIALIZATIONS)
+    proc = subprocess.run(
+        [sys.executable, str(script), "32768", "32767", "32753", "32001"],
+        env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1"]
 
 
 def test_inspector_refuses_interpreter_mode(cli):
