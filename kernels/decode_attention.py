@@ -27,6 +27,7 @@ from kernels.unpack import (
     code_of_column_jit,
     code_of_columns_jit,
     dequant_tile,
+    dequant_tile3,
     fast_path_fits,
     group_constants,
     pack_f16x2,
@@ -39,8 +40,10 @@ BLOCK_N = 32
 # H100 with 5317e84's loop (32 query / 8 KV heads, batch 8, 32K, 4 warps, 3 stages, 33 splits; results/kernels/
 # NVIDIA_H100_80GB_HBM3/check-6e86fcf/tune): 4 bits 154 us at 64 against 164 at 128 (126 registers against 168);
 # 2 bits 130 us at 128 against 141 at 64; 32-token tiles slower at every width. 8 bits (check-4515883's A/B, in
-# one process): 215 us at 64 against 218 at 128 (stage 1).
-FAST_BLOCK_N = {2: 128, 4: 64, 8: 64}
+# one process): 215 us at 64 against 218 at 128 (stage 1). 3 bits, not yet timed on a GPU, by the static figures
+# (`python -m kernels.gpu.inspect --widths 3 --block-n 32 64 128`, sm_90a): 64 tokens 128 registers and 6.0
+# thread-instructions per KV byte, against 120 and 9.1 at 32, 168 and 5.2 at 128.
+FAST_BLOCK_N = {2: 128, 3: 64, 4: 64, 8: 64}
 # Captured in a CUDA graph, a mixed map's width buckets run concurrently, one stream each, so that one launch
 # fills the SMs that another's last wave leaves idle: on the H100 (2,2,2,2,4,4,8,8, shape above) a replay took
 # 155 us against 170 with the buckets in turn (uniform 4 bits: 142). Launched eagerly the call waits on the host,
@@ -332,11 +335,14 @@ def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
 @triton.jit
 def _q_piece(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
     """The column pairs m = 8 j + REV (j < D / 16) of the scores operand, as int32 (QG_B, D / 16) of two fp16
-    lanes: column 2m in the low, 2m + 1 (the channel P = 16 / W above) in the high half."""
+    lanes: column 2m in the low, 2m + 1 (at 2, 4 and 8 bits the channel P = 16 / W above) in the high half."""
     m = 8 * tl.arange(0, D // 16) + REV
     c_lo = code_of_columns_jit(2 * m, W, D, True)
     lo = _q_half(row_ptr, c_lo, mask, scale)
-    hi = _q_half(row_ptr, c_lo + 16 // W, mask, scale)
+    if W == 3:
+        hi = _q_half(row_ptr, code_of_columns_jit(2 * m + 1, W, D, True), mask, scale)
+    else:
+        hi = _q_half(row_ptr, c_lo + 16 // W, mask, scale)
     return pack_f16x2(lo, hi, ASM)
 
 
@@ -397,26 +403,47 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
     only when MASKED; a tile without it loads every row).
     """
     NW: tl.constexpr = D * W // 32
+    NU: tl.constexpr = D // 32 if W == 3 else NW  # units: words, or at 3 bits 3 words of 32 codes
     NG: tl.constexpr = D // G
     BLOCK_N: tl.constexpr = rows.shape[0]
     r64 = rows.to(tl.int64)
     g = tl.arange(0, NG)
-    w_ptr = p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :]
+    if W == 3:
+        # word t of each unit j as a (BLOCK_N, NU) tensor (12 words a row are no power of two), loaded as its
+        # transpose: the layout Triton picks then spreads the units over lanes, and the word-order V tile
+        # goes to shared memory in 16-byte stores (loaded as (BLOCK_N, NU), 64 16-bit stores a 64-token tile)
+        u_ptr = p_ptr + 3 * tl.arange(0, NU)[:, None] + r64[None, :] * NW  # (NU, BLOCK_N)
+        if MASKED:
+            u0 = tl.trans(tl.load(u_ptr, mask=mask_n[None, :], other=0))
+            u1 = tl.trans(tl.load(u_ptr + 1, mask=mask_n[None, :], other=0))
+            u2 = tl.trans(tl.load(u_ptr + 2, mask=mask_n[None, :], other=0))
+        else:
+            u0 = tl.trans(tl.load(u_ptr))
+            u1 = tl.trans(tl.load(u_ptr + 1))
+            u2 = tl.trans(tl.load(u_ptr + 2))
+    else:
+        w_ptr = p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :]
+        if MASKED:
+            words = tl.load(w_ptr, mask=mask_n[:, None], other=0)
+        else:
+            words = tl.load(w_ptr)
     sc_ptr = s_ptr + r64[:, None] * NG + g[None, :]  # (BLOCK_N, NG)
     zc_ptr = z_ptr + r64[:, None] * NG + g[None, :]
     if MASKED:
-        words = tl.load(w_ptr, mask=mask_n[:, None], other=0)
         s = tl.load(sc_ptr, mask=mask_n[:, None], other=0.0)
         z = s if SYM else tl.load(zc_ptr, mask=mask_n[:, None], other=0.0)  # symmetric: unused
     else:
-        words = tl.load(w_ptr)
         s = tl.load(sc_ptr)
         z = s if SYM else tl.load(zc_ptr)
     s2, z2 = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
-    # each word's group constants, broadcast over the G * W / 32 words of a group
-    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
-    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NW // NG)), (BLOCK_N, NW))
-    return dequant_tile(words, s2, z2, W, SYM, ASM, LANES)
+    # each unit's group constants, broadcast over the units of a group
+    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
+    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
+    if W == 3:
+        tile = dequant_tile3(u0, u1, u2, s2, z2, SYM, ASM, LANES)
+    else:
+        tile = dequant_tile(words, s2, z2, W, SYM, ASM, LANES)
+    return tile
 
 
 @triton.jit
@@ -504,7 +531,7 @@ def _decode_packed_kernel(
     ASM: tl.constexpr,
 ):
     # grid: (B * NH, num_splits + HAS_EXTRA), as _decode_split_kernel's, for a bucket whose keys and values are
-    # both packed at 2, 4 or 8 bits. Tokens sit on the mma's M dimension and the query group on N: scores
+    # both packed at 2, 3, 4 or 8 bits. Tokens sit on the mma's M dimension and the query group on N: scores
     # S^T = K q^T (BLOCK_N, QG_B) and output O^T = V^T P^T (D, QG_B), fp16 operands, fp32 accumulation. K and
     # V tiles are dequantized in registers by kernels.unpack, their columns in its logical order, so q is
     # loaded in K's order and O^T stored through V's.
@@ -642,7 +669,7 @@ def fast_block_n(kw: int, vw: int) -> int:
 
 def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
     """Whether a (key width, value width) bucket takes the fast packed kernel: fp16 or bf16 queries, both widths
-    2, 4 or 8 with rows that kernels.unpack splits into lanes."""
+    2, 3, 4 or 8 with rows that kernels.unpack splits into lanes."""
     return (
         q_dtype in (torch.float16, torch.bfloat16)
         and fast_path_fits(kw, head_dim, k_group)

@@ -2,22 +2,33 @@
 
 This module owns the fast path's dequantization (kernels/decode_attention.py's packed stage 1): a row of
 kernels/reference.py's format, read as 32-bit words, becomes fp16 values with no int-to-float conversion.
-A word holds CPW = 32 / W codes at W in {2, 4, 8} bits. Its P = 16 / W "pairs" are two fp16 lanes, the low one
-code CPW * word + i, the high one code CPW * word + i + P, each made exactly by shifting the code into place and
-OR-ing an exponent (one lop3 for mask and OR):
-- 2 and 4 bits: the code lands on the top W mantissa bits under exponent 2**W, so a lane is exactly 2**W + code,
-  and one fma.rn.f16x2 gives the value: lane * scale + (zero - 2**W * scale), where the per-group constant is
-  rounded to fp16 once per token and group (its rounding error, at most 2**-11 (|zero| + 2**W scale), is at most
-  about 1% of a quantization step: below bf16's resolution of the value);
-- 8 bits: the code lands on the low mantissa bits under exponent 1024 (lane 1024 + code), sub.f16x2 takes the
-  1024 off exactly and fma.rn.f16x2 applies scale and zero: the value fp16(code * scale + zero) in one rounding.
+A row splits into units: a word of CPU = 32 / W codes at W in {2, 4, 8} bits, or at 3 bits three words
+(96 bits, CPU = 32 codes). A unit's CPU / 2 "pairs" are two fp16 lanes, each made exactly by shifting the code
+into place and OR-ing an exponent (one lop3 for mask and OR):
+- 2 and 4 bits: pair i of a word is codes i and i + P (P = 16 / W); the codes land on the top W mantissa bits
+  under exponent 2**W, so a lane is exactly 2**W + code, and one fma.rn.f16x2 gives the value: lane * scale +
+  (zero - 2**W * scale), where the per-group constant is rounded to fp16 once per token and group (its
+  rounding error, at most 2**-11 (|zero| + 2**W scale), is at most about 1% of a quantization step: below
+  bf16's resolution of the value);
+- 3 bits: the low lane's code lands on mantissa bits [7, 10) under exponent 8 (lane 8 + code), the high lane's
+  on bits [6, 9) under exponent 16 (lane 16 + code): the two fields are 15 bits = 5 codes apart, so one shift
+  (a funnel shift where the pair straddles two words) and one lop3 make the pair (c, c + 5). PAIRS3 lists a
+  unit's 16 pairs: (c, c + 5) for c = 10 a + b (a < 3, b < 5), and (30, 31), which takes two shifts and two
+  lop3 (the chains c, c + 5, ... of residues 0 and 1 mod 5 have 7 codes each: one of each is left over). One
+  fma.rn.f16x2 gives both values with the constants zero - 8 scale (low lane) and zero - 16 scale (high lane;
+  symmetric: -12 scale and -20 scale), each rounded to fp16 once per token and group: their rounding error,
+  at most 2**-11 (|zero| + 16 scale), is under 1% of a quantization step;
+- 8 bits: pair i of a word is codes i and i + 2; they land on the low mantissa bits under exponent 1024 (lane
+  1024 + code), sub.f16x2 takes the 1024 off exactly and fma.rn.f16x2 applies scale and zero: the value
+  fp16(code * scale + zero) in one rounding.
 The reference computes a value in float32 and rounds it to the model's dtype (fp16 keeps 11 bits of it, bf16 8).
 
-Logical order. A tile of R tokens x NW words becomes (R, D) fp16 in a permuted channel order that makes every
-pair a register of the mma operand without moving it: with WL = NW / 4 words per lane, logical column
+Logical order. A tile of R tokens x NU units becomes (R, D) fp16 in a permuted channel order that makes every
+pair a register of the mma operand without moving it: with WL = NU / 4 units per lane and P = CPU / 2 pairs
+a unit, logical column
     k = (((wt * P/2 + i_hi) * 4 + c) * 2 + i_lo) * 2 + h
-holds code CPW * (c * WL + wt) + (2 * i_hi + i_lo) + P * h, so that lane c of a k16 block owns 4 consecutive
-logical columns (Triton's mma operand with kWidth 4) taken from its own WL words. The queries are loaded in
+holds lane h of pair 2 * i_hi + i_lo of unit c * WL + wt, so that lane c of a k16 block owns 4 consecutive
+logical columns (Triton's mma operand with kWidth 4) taken from its own WL units. The queries are loaded in
 the same order for the scores, and the output columns are stored through it (`code_of_column`).
 
 With ASM (compiled for a GPU) each step is inline PTX (lop3, sub.f16x2, fma.rn.f16x2); without it (Triton's
@@ -29,32 +40,41 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FAST_WIDTHS = (2, 4, 8)  # packed widths the fast path reads; 3 bits and 16 take the generic path
+FAST_WIDTHS = (2, 3, 4, 8)  # packed widths the fast path reads; 16 takes the generic path
+# 3 bits: the pairs (low code, high code) of a 96-bit unit (32 codes), in their order in the unit's tile
+PAIRS3 = tuple((10 * (j // 5) + j % 5, 10 * (j // 5) + j % 5 + 5) for j in range(15)) + ((30, 31),)
 
 
 def fast_path_fits(width: int, head_dim: int, group_size: int) -> bool:
-    """Whether rows of `width` split into 4 lanes of whole words, each word in one group, at a power-of-two
-    head_dim (the kernel's tile shapes)."""
+    """Whether rows of `width` split into 4 lanes of whole units (a word; at 3 bits 3 words, 32 codes), each
+    unit in one group, at a power-of-two head_dim (the kernel's tile shapes)."""
     if width not in FAST_WIDTHS or head_dim & (head_dim - 1):
         return False
+    if width == 3:
+        return head_dim % 128 == 0 and group_size % 32 == 0
     words, codes_per_word = head_dim * width // 32, 32 // width
     return head_dim * width % 32 == 0 and words % 4 == 0 and group_size % codes_per_word == 0
 
 
 def code_of_column(width: int, head_dim: int, lanes: bool = True) -> list[int]:
     """The code (channel) index each logical column holds: the lane order of the module docstring, or with
-    lanes=False the word order (column CPW * word + 2 * i + h holds code CPW * word + i + P * h)."""
-    pairs, words = 16 // width, head_dim * width // 32
-    wl, cpw = words // 4, 32 // width
+    lanes=False the unit order (column CPU * unit + 2 * i + h holds code CPU * unit + code i, h of the unit)."""
+    cpu = 32 if width == 3 else 32 // width  # codes per unit (a word; 3 words at 3 bits)
+    pairs, units = cpu // 2, head_dim // cpu
+    wl = units // 4
+
+    def code(i, h):  # the unit's code in lane h of pair i
+        return PAIRS3[i][h] if width == 3 else i + pairs * h
+
     out = []
     for k in range(head_dim):
         if not lanes:
-            word, i, h = k // cpw, (k % cpw) // 2, k % 2
-            out.append(cpw * word + i + pairs * h)
+            unit, i, h = k // cpu, (k % cpu) // 2, k % 2
+            out.append(cpu * unit + code(i, h))
             continue
         h, i_lo, c = k % 2, (k // 2) % 2, (k // 4) % 4
         i_hi, wt = (k // 16) % (pairs // 2), k // (16 * (pairs // 2))
-        out.append(cpw * (c * wl + wt) + 2 * i_hi + i_lo + pairs * h)
+        out.append(cpu * (c * wl + wt) + code(2 * i_hi + i_lo, h))
     return out
 
 
@@ -67,6 +87,8 @@ def code_of_column_jit(W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
 @triton.jit
 def code_of_columns_jit(k, W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
     """`code_of_column` at the logical columns k (an int32 tensor), in the kernel."""
+    if W == 3:
+        return _code_of_columns3(k, D, LANES)
     P: tl.constexpr = 16 // W
     WL: tl.constexpr = D * W // 128
     h = k % 2
@@ -78,6 +100,21 @@ def code_of_columns_jit(k, W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr
         return (32 // W) * (c * WL + wt) + 2 * i_hi + i_lo + P * h
     else:
         return (32 // W) * (k // (32 // W)) + (k % (32 // W)) // 2 + P * h
+
+
+@triton.jit
+def _code_of_columns3(k, D: tl.constexpr, LANES: tl.constexpr):
+    """`code_of_column` at 3 bits: pair i of a unit holds codes PAIRS3[i]."""
+    h = k % 2
+    if LANES:
+        c = (k // 4) % 4
+        i = 2 * ((k // 16) % 8) + (k // 2) % 2
+        unit = c * (D // 128) + k // 128
+    else:
+        i = (k % 32) // 2
+        unit = k // 32
+    low = 10 * (i // 5) + i % 5
+    return 32 * unit + low + tl.where(i < 15, 5, 1) * h
 
 
 @triton.jit
@@ -118,14 +155,84 @@ def _pair(words, PAIR: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def _funnel(lo, hi, N: tl.constexpr, ASM: tl.constexpr):
+    """The 32 bits from bit N of the 64-bit hi:lo (one shf.r.clamp with ASM)."""
+    if ASM:  # the shifts of PAIRS3's pairs that straddle words: codes 10, 20 and 21
+        tl.static_assert(N == 21 or N == 23 or N == 24)
+        if N == 21:
+            asm: tl.constexpr = "shf.r.clamp.b32 $0, $1, $2, 21;"
+        elif N == 23:
+            asm: tl.constexpr = "shf.r.clamp.b32 $0, $1, $2, 23;"
+        else:
+            asm: tl.constexpr = "shf.r.clamp.b32 $0, $1, $2, 24;"
+        return tl.inline_asm_elementwise(asm, "=r,r,r", [lo, hi], tl.int32, True, 1)
+    else:
+        return ((lo >> N) & ((1 << (32 - N)) - 1)) | (hi << (32 - N))
+
+
+@triton.jit
+def _pair3(u0, u1, u2, PAIR: tl.constexpr, ASM: tl.constexpr):
+    """Pair PAIR (PAIRS3) of every 3-bit unit (words u0, u1, u2): int32 of two fp16 lanes, 8 + low code and
+    16 + high code (the codes on mantissa bits [7, 10) under exponent 8 and [6, 9) under 16)."""
+    if PAIR == 15:  # codes 30, 31 (bits 26 and 29 of u2): each shifted into its own field
+        if ASM:
+            out = tl.inline_asm_elementwise(
+                "{.reg .b32 a, b, t; shr.b32 a, $1, 19; shr.b32 b, $1, 7; "
+                "lop3.b32 t, a, 896, 1275086848, 234; lop3.b32 $0, b, 29360128, t, 234;}",
+                "=r,r",
+                [u2],
+                tl.int32,
+                True,
+                1,
+            )  # 0x380, 0x4C004800; 0x01C00000
+        else:
+            out = ((u2 >> 19) & 0x380) | ((u2 >> 7) & 0x01C00000) | 0x4C004800
+    else:  # codes c and c + 5, 15 bits apart: one shift brings c to bit 7 and c + 5 to bit 22
+        C: tl.constexpr = 10 * (PAIR // 5) + PAIR % 5
+        WORD: tl.constexpr = 3 * C // 32
+        OFF: tl.constexpr = 3 * C % 32
+        if WORD == 0:
+            lo, hi = u0, u1
+        elif WORD == 1:
+            lo, hi = u1, u2
+        else:
+            lo, hi = u2, u2
+        if OFF + 18 > 32:  # the pair straddles two words
+            shifted = _funnel(lo, hi, OFF - 7, ASM)
+        elif OFF < 7:
+            shifted = lo << (7 - OFF)
+        elif OFF > 7:
+            shifted = lo >> (OFF - 7)
+        else:
+            shifted = lo
+        if ASM:
+            out = _lop3(shifted, "29361024", "1275086848")  # 0x01C00380, 0x4C004800 (8.0, 16.0)
+        else:
+            out = (shifted & 0x01C00380) | 0x4C004800
+    return out
+
+
+@triton.jit
 def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
     """Per token and group, fp16 scale s and zero z (R, NG) -> the `dequant_tile` operands s2, z2 (R, NG) int32:
-    s in both lanes, and in both lanes the constant the fma adds: at 2 and 4 bits zero - 2**W * s (symmetric:
-    -(2**W + 2**(W-1)) * s), rounded to fp16 once (exact before rounding: with ASM one fma.rn.f16, without it
-    float64); at 8 bits the zero itself (symmetric: unused)."""
+    s in both lanes, and the constant the fma adds: at 2 and 4 bits zero - 2**W * s in both lanes (symmetric:
+    -(2**W + 2**(W-1)) * s), at 3 bits zero - 8 s in the low lane and zero - 16 s in the high one (symmetric:
+    -12 s, -20 s), rounded to fp16 once (exact before rounding: with ASM one fma.rn.f16, without it float64);
+    at 8 bits the zero itself (symmetric: unused)."""
     if ASM:
         s2 = tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [s], tl.int32, True, 1)
-        if W == 8:
+        if W == 3:  # fp16 bits of -8, -16 (symmetric: -12, -20)
+            z2 = tl.inline_asm_elementwise(
+                "{.reg .b16 c, d, k, l; mov.b16 k, "
+                + ("0xCA00; mov.b16 l, 0xCD00; " if SYM else "0xC800; mov.b16 l, 0xCC00; ")
+                + "fma.rn.f16 c, $1, k, $2; fma.rn.f16 d, $1, l, $2; mov.b32 $0, {c, d};}",
+                "=r,h,h",
+                [s, tl.zeros_like(s) if SYM else z],
+                tl.int32,
+                True,
+                1,
+            )
+        elif W == 8:
             z2 = tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [z], tl.int32, True, 1)
         elif SYM:  # fp16 bits of -(2**W + 2**(W-1)): -6 (2 bits), -24 (4 bits)
             z2 = tl.inline_asm_elementwise(
@@ -154,6 +261,12 @@ def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr)
         return s2, z2
     if W == 8:
         z2 = splat2(z)
+    elif W == 3:
+        base = 0.0 if SYM else z.to(tl.float64)
+        s64 = s.to(tl.float64)
+        z_lo = (base - (12.0 if SYM else 8.0) * s64).to(tl.float16)
+        z_hi = (base - (20.0 if SYM else 16.0) * s64).to(tl.float16)
+        z2 = _bits(z_lo, z_hi)
     else:
         offset = (1 << W) + ((1 << (W - 1)) if SYM else 0)
         base = 0.0 if SYM else z.to(tl.float64)
@@ -217,8 +330,8 @@ def _sub_fma(t, s2, z2, BIAS: tl.constexpr):
 
 @triton.jit
 def _affine(t, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
-    """Both fp16 lanes of a pair t to their values, one rounding each (s2, z2 from `group_constants`): at 2 and 4
-    bits t * s + z2; at 8 bits (t - 1024) * s + z (symmetric: (t - 1024 - 128) * s)."""
+    """Both fp16 lanes of a pair t to their values, one rounding each (s2, z2 from `group_constants`): at 2, 3 and
+    4 bits t * s + z2 (lane by lane); at 8 bits (t - 1024) * s + z (symmetric: (t - 1024 - 128) * s)."""
     if ASM:
         if W != 8:
             return _fma(t, s2, z2)
@@ -232,12 +345,14 @@ def _affine(t, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
         s, _ = _halves(s2)
         s = s.to(tl.float32)
         if W == 8 and SYM:
-            z = 0.0
+            z_lo = 0.0
+            z_hi = 0.0
         else:
-            z, _ = _halves(z2)
-            z = z.to(tl.float32)
-        lo = ((t_lo.to(tl.float32) - bias) * s + z).to(tl.float16)
-        hi = ((t_hi.to(tl.float32) - bias) * s + z).to(tl.float16)
+            z_lo, z_hi = _halves(z2)  # equal but at 3 bits
+            z_lo = z_lo.to(tl.float32)
+            z_hi = z_hi.to(tl.float32)
+        lo = ((t_lo.to(tl.float32) - bias) * s + z_lo).to(tl.float16)
+        hi = ((t_hi.to(tl.float32) - bias) * s + z_hi).to(tl.float16)
         return _bits(lo, hi)
 
 
@@ -300,3 +415,49 @@ def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.cons
     y = tl.reshape(tl.join(lo, hi), (R, 4, WL, P // 2, 2, 2))
     y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)
     return tl.reshape(y, (R, NW * 2 * P))
+
+
+@triton.jit
+def _values3(u0, u1, u2, PAIR: tl.constexpr, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr):
+    """Pair PAIR of every 3-bit unit as two fp16 values (int32 bits)."""
+    return _affine(_pair3(u0, u1, u2, PAIR, ASM), s2, z2, 3, SYM, ASM)
+
+
+@triton.jit
+def dequant_tile3(u0, u1, u2, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):
+    """u0, u1, u2 int32 (R, NU): words 3 j, 3 j + 1, 3 j + 2 of each row's 3-bit unit j (32 codes); s2, z2 int32
+    (R, NU) from `group_constants` (W = 3) of each unit's group.
+
+    Returns fp16 (R, 32 * NU) in the lane order of the module docstring (LANES) or in unit order.
+    """
+    R: tl.constexpr = u0.shape[0]
+    NU: tl.constexpr = u0.shape[1]
+    x = tl.join(
+        _stack8(
+            _values3(u0, u1, u2, 0, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 2, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 4, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 6, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 8, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 10, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 12, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 14, s2, z2, SYM, ASM),
+        ),
+        _stack8(
+            _values3(u0, u1, u2, 1, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 3, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 5, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 7, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 9, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 11, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 13, s2, z2, SYM, ASM),
+            _values3(u0, u1, u2, 15, s2, z2, SYM, ASM),
+        ),
+    )  # (R, NU, 2, 2, 2, 2): pair 8 m + 4 n + 2 o + j
+    lo, hi = _halves(x)
+    if not LANES:
+        return tl.reshape(tl.join(lo, hi), (R, NU * 32))  # (R, unit, i, h)
+    # (R, c, wt, i_hi, i_lo, h): unit = c * WL + wt, pair i = 2 * i_hi + i_lo, lane h
+    y = tl.reshape(tl.join(lo, hi), (R, 4, NU // 4, 8, 2, 2))
+    y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)
+    return tl.reshape(y, (R, NU * 32))

@@ -369,11 +369,16 @@ class _LaunchSpy:
         ((4, 2, 4), (2, 2, 8), 128, 32, False, torch.bfloat16, 0),
         ((8, 8, 2), (4, 4, 4), 128, 64, True, torch.float16, 17),
         ((4, 4, 4), (2, 4, 2), 256, 32, False, torch.bfloat16, 3),
+        ((3, 3, 3), (3, 3, 3), 128, 32, False, torch.float16, 0),
+        ((3, 2, 3), (3, 3, 8), 128, 64, True, torch.bfloat16, 5),
+        ((4, 3, 3), (3, 4, 2), 128, 128, False, torch.bfloat16, 17),
+        ((3, 3, 8), (2, 3, 3), 256, 32, True, torch.float16, 3),
+        ((3, 3, 3), (4, 4, 3), 256, 64, False, torch.float16, 0),
     ],
 )
 def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra,
                                     monkeypatch):  # fmt: skip
-    """Buckets packed at 2, 4 and 8 bits with fp16/bf16 queries take the fast kernel (kernels/unpack.py's
+    """Buckets packed at 2, 3, 4 and 8 bits with fp16/bf16 queries take the fast kernel (kernels/unpack.py's
     dequantization, tokens on the mma's M): the output matches the float64 oracle over the dequantized stores
     at any split count, with and without an extra segment."""
     from kernels import decode_attention as da
@@ -421,6 +426,7 @@ def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
     decode_attention(q, ks, vs, 0.125)
     assert tiles == {"fast": da.fast_block_n(4, 4), "generic": da.BLOCK_N}
     assert da.fast_block_n(4, 4) == 64 and da.fast_block_n(2, 2) == 128 and da.fast_block_n(2, 8) == 64
+    assert da.fast_block_n(3, 3) == 64 and da.fast_block_n(2, 3) == 64
 
 
 def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():

@@ -1,10 +1,11 @@
 """kernels/unpack.py: packed rows to fp16 by bit operations, against kernels/reference.py.
 
 Under Triton's interpreter the plain-integer fallback runs (no inline assembly). At 8 bits it computes a value as
-the reference does (float32 multiply, then add) and rounds to fp16: bit for bit the reference's. At 2 and 4 bits
-the per-group constant zero - 2**W * scale is rounded to fp16 first (as on the GPU), so a value may differ from
-the reference by that rounding and its own: at most 2**-11 (|zero| + 2**W |scale|) + 2**-11 |value|, about 1% of
-a quantization step. Compiled, the PTX rounds each value once (fma).
+the reference does (float32 multiply, then add) and rounds to fp16: bit for bit the reference's. At 2, 3 and 4 bits
+the per-group constant zero - 2**W * scale (at 3 bits zero - 8 scale and zero - 16 scale, one a lane) is rounded
+to fp16 first (as on the GPU), so a value may differ from the reference by that rounding and its own: at most
+2**-11 (|zero| + 2**W |scale|) + 2**-11 |value| (2**W: 16 at 3 bits), about 1% of a quantization step.
+Compiled, the PTX rounds each value once (fma).
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.unpack import code_of_column, code_of_column_jit, dequant_tile, fast_path_fits, group_constants
+from kernels.unpack import (
+    PAIRS3,
+    code_of_column,
+    code_of_column_jit,
+    dequant_tile,
+    dequant_tile3,
+    fast_path_fits,
+    group_constants,
+)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -44,6 +53,72 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
     tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D, LANES)[None, :], tile)
 
 
+@triton.jit
+def _tile3_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                  SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
+    # One (R, D) tile at 3 bits: rows of 3 D / 32 words, units j of words 3 j .. 3 j + 2 -> out (R, D) fp16.
+    NU: tl.constexpr = D // 32
+    NG: tl.constexpr = D // G
+    r = tl.arange(0, R)
+    u = p_ptr + r[:, None] * (3 * NU) + 3 * tl.arange(0, NU)[None, :]
+    g = tl.arange(0, NG)
+    s2, z2 = group_constants(
+        tl.load(s_ptr + r[:, None] * NG + g[None, :]),
+        tl.load(z_ptr + r[:, None] * NG + g[None, :]),
+        3,
+        SYM,
+        ASM,
+    )
+    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, NG, NU // NG)), (R, NU))
+    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (R, NG, NU // NG)), (R, NU))
+    tile = dequant_tile3(tl.load(u), tl.load(u + 1), tl.load(u + 2), s2, z2, SYM, ASM, LANES)
+    tl.store(out_ptr + r[:, None] * D + code_of_column_jit(3, D, LANES)[None, :], tile)
+
+
+@triton.jit
+def _columns_kernel(out_ptr, W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr):
+    tl.store(out_ptr + tl.arange(0, D), code_of_column_jit(W, D, LANES))
+
+
+@pytest.mark.parametrize("width, head_dim", [(2, 64), (3, 128), (3, 256), (4, 128), (8, 64)])
+@pytest.mark.parametrize("lanes", [True, False])
+def test_code_of_column_jit_is_code_of_column(width, head_dim, lanes):
+    out = torch.full((head_dim,), -1, dtype=torch.int32)
+    _columns_kernel[(1,)](out, W=width, D=head_dim, LANES=lanes)
+    assert out.tolist() == code_of_column(width, head_dim, lanes)
+
+
+def test_3bit_pairs_are_five_codes_apart_but_the_last():
+    """Codes c and c + 5 (15 bits apart: the two fp16 fields' distance) pair up, all but codes 30 and 31 (the
+    chains c, c + 5, ... of residues 0 and 1 mod 5 have 7 codes each: one code of each is left over)."""
+    assert PAIRS3 == (
+        (0, 5), (1, 6), (2, 7), (3, 8), (4, 9), (10, 15), (11, 16), (12, 17), (13, 18), (14, 19),
+        (20, 25), (21, 26), (22, 27), (23, 28), (24, 29), (30, 31),
+    )  # fmt: skip
+
+
+def test_3bit_column_orders_hand_computed():
+    lanes, units = code_of_column(3, 128), code_of_column(3, 128, lanes=False)
+    # column k: h = k % 2, pair 2 (k // 16 % 8) + k // 2 % 2 of lane c = k // 4 % 4's unit
+    assert lanes[:8] == [0, 5, 1, 6, 32, 37, 33, 38]
+    assert lanes[12:20] == [96, 101, 97, 102, 2, 7, 3, 8]
+    assert lanes[124:128] == [120, 125, 126, 127]  # lane 3 (unit 3: codes 96 ..), pairs 14 and 15
+    assert units[:6] == [0, 5, 1, 6, 2, 7] and units[28:34] == [24, 29, 30, 31, 32, 37]
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_3bit_lanes_read_their_own_units(head_dim):
+    """Lane c of every k16 block reads only units c * U .. c * U + U - 1 (U = head_dim / 128), each a run of 3
+    words; in unit order a unit's 32 values are contiguous."""
+    cols = code_of_column(3, head_dim)
+    assert sorted(cols) == list(range(head_dim))
+    for k, code in enumerate(cols):
+        assert (code // 32) // (head_dim // 128) == (k // 4) % 4
+    by_unit = code_of_column(3, head_dim, lanes=False)
+    assert sorted(by_unit) == list(range(head_dim))
+    assert all(code // 32 == k // 32 for k, code in enumerate(by_unit))
+
+
 @pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_code_of_column_is_a_permutation_that_lanes_read_from_their_own_words(width, head_dim):
@@ -62,7 +137,8 @@ def test_code_of_column_is_a_permutation_that_lanes_read_from_their_own_words(wi
 @pytest.mark.parametrize(
     "width, head_dim, group_size, symmetric",
     [(2, 64, 32, False), (2, 128, 16, True), (4, 64, 32, True), (4, 128, 32, False), (4, 256, 64, False),
-     (8, 64, 16, False), (8, 128, 32, True), (8, 32, 32, False)],
+     (8, 64, 16, False), (8, 128, 32, True), (8, 32, 32, False), (3, 128, 32, False), (3, 128, 128, True),
+     (3, 256, 64, False), (3, 256, 32, True)],
 )  # fmt: skip
 @pytest.mark.skipif(
     not INTERPRET, reason="the fallback is bit-exact; the compiled path is checked by the decode tests"
@@ -77,8 +153,12 @@ def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetri
     p = reference.quantize(x, width, group_size, symmetric=symmetric)
     zero = p.scale if symmetric else p.zero  # unused when symmetric
     out = torch.full((R, head_dim), float("nan"), dtype=torch.float16)
-    _tile_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, W=width, G=group_size,
-                       SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
+    if width == 3:
+        _tile3_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, G=group_size,
+                            SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
+    else:
+        _tile_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, W=width,
+                           G=group_size, SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
     want = reference.dequantize(p, dtype=torch.float16)
     if width == 8:
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
@@ -86,7 +166,8 @@ def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetri
     # the folded constant's fp16 rounding and the value's: 2**-11 relative each, plus a subnormal's unit
     s = p.scale.float().repeat_interleave(group_size, -1)
     z = 0.0 if symmetric else p.zero.float().repeat_interleave(group_size, -1)
-    offset = (1 << width) + ((1 << (width - 1)) if symmetric else 0)
+    # the fma's offset: 2**W, at 3 bits 8 in the low lane and 16 in the high one (the larger bounds both)
+    offset = (16 if width == 3 else 1 << width) + ((1 << (width - 1)) if symmetric else 0)
     bound = 2.0**-11 * ((z - offset * s).abs() + want.float().abs()) + 2.0**-24
     err = (out.float() - want.float()).abs()
     assert (err <= bound).all(), (err - bound).max()
@@ -96,8 +177,9 @@ def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetri
 
 @pytest.mark.parametrize(
     "width, head_dim, group_size",
-    [(2, 32, 32), (2, 64, 8), (3, 64, 32), (16, 64, 32), (4, 96, 32), (8, 48, 16)],
+    [(2, 32, 32), (2, 64, 8), (3, 64, 32), (3, 128, 16), (3, 96, 32), (16, 64, 32), (4, 96, 32), (8, 48, 16)],
 )
 def test_rows_the_fast_path_cannot_split_are_refused(width, head_dim, group_size):
-    """Fewer than 4 words a row, a word spanning groups, 3 or 16 bits, a head_dim not a power of two."""
+    """Fewer than 4 units a row (a word; 3 words at 3 bits), a unit spanning groups, 16 bits, a head_dim not a
+    power of two."""
     assert not fast_path_fits(width, head_dim, group_size)
