@@ -384,10 +384,7 @@ def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.cons
     Returns fp16 (R, NW * 32 / W) in the lane order of the module docstring (LANES: an mma operand read from
     registers), or in word order (a tile that goes through shared memory: each word's values contiguous).
     """
-    R: tl.constexpr = words.shape[0]
-    NW: tl.constexpr = words.shape[1]
     P: tl.constexpr = 16 // W
-    WL: tl.constexpr = NW // 4
     if P == 2:
         x = _stack2(_values(words, 0, s2, z2, W, SYM, ASM), _values(words, 1, s2, z2, W, SYM, ASM))
     elif P == 4:
@@ -408,13 +405,22 @@ def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.cons
             _values(words, 6, s2, z2, W, SYM, ASM),
             _values(words, 7, s2, z2, W, SYM, ASM),
         )
-    lo, hi = _halves(x)  # (R, NW, pair dims...): pair i in row-major order
+    return _in_order(x, P, LANES)
+
+
+@triton.jit
+def _in_order(x, P: tl.constexpr, LANES: tl.constexpr):
+    """x int32 (R, NU, pair dims...): the P pairs of each unit in row-major order -> fp16 (R, NU * 2 P) in the
+    lane order of the module docstring (LANES) or in unit order."""
+    R: tl.constexpr = x.shape[0]
+    NU: tl.constexpr = x.shape[1]
+    lo, hi = _halves(x)
     if not LANES:
-        return tl.reshape(tl.join(lo, hi), (R, NW * 2 * P))  # (R, word, i, h)
-    # (R, c, wt, i_hi, i_lo, h): word = c * WL + wt, pair i = 2 * i_hi + i_lo, lane h
-    y = tl.reshape(tl.join(lo, hi), (R, 4, WL, P // 2, 2, 2))
+        return tl.reshape(tl.join(lo, hi), (R, NU * 2 * P))  # (R, unit, i, h)
+    # (R, c, wt, i_hi, i_lo, h): unit = c * WL + wt (WL = NU / 4), pair i = 2 * i_hi + i_lo, lane h
+    y = tl.reshape(tl.join(lo, hi), (R, 4, NU // 4, P // 2, 2, 2))
     y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)
-    return tl.reshape(y, (R, NW * 2 * P))
+    return tl.reshape(y, (R, NU * 2 * P))
 
 
 @triton.jit
@@ -424,40 +430,28 @@ def _values3(u0, u1, u2, PAIR: tl.constexpr, s2, z2, SYM: tl.constexpr, ASM: tl.
 
 
 @triton.jit
+def _every_other3(u0, u1, u2, FIRST: tl.constexpr, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr):
+    """Pairs FIRST, FIRST + 2, .., FIRST + 14 of every 3-bit unit as fp16 values, stacked (R, NU, 2, 2, 2)."""
+    return _stack8(
+        _values3(u0, u1, u2, FIRST, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST + 2, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST + 4, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST + 6, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST + 8, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST + 10, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST + 12, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST + 14, s2, z2, SYM, ASM),
+    )
+
+
+@triton.jit
 def dequant_tile3(u0, u1, u2, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):
     """u0, u1, u2 int32 (R, NU): words 3 j, 3 j + 1, 3 j + 2 of each row's 3-bit unit j (32 codes); s2, z2 int32
     (R, NU) from `group_constants` (W = 3) of each unit's group.
 
     Returns fp16 (R, 32 * NU) in the lane order of the module docstring (LANES) or in unit order.
     """
-    R: tl.constexpr = u0.shape[0]
-    NU: tl.constexpr = u0.shape[1]
     x = tl.join(
-        _stack8(
-            _values3(u0, u1, u2, 0, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 2, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 4, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 6, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 8, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 10, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 12, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 14, s2, z2, SYM, ASM),
-        ),
-        _stack8(
-            _values3(u0, u1, u2, 1, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 3, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 5, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 7, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 9, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 11, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 13, s2, z2, SYM, ASM),
-            _values3(u0, u1, u2, 15, s2, z2, SYM, ASM),
-        ),
+        _every_other3(u0, u1, u2, 0, s2, z2, SYM, ASM), _every_other3(u0, u1, u2, 1, s2, z2, SYM, ASM)
     )  # (R, NU, 2, 2, 2, 2): pair 8 m + 4 n + 2 o + j
-    lo, hi = _halves(x)
-    if not LANES:
-        return tl.reshape(tl.join(lo, hi), (R, NU * 32))  # (R, unit, i, h)
-    # (R, c, wt, i_hi, i_lo, h): unit = c * WL + wt, pair i = 2 * i_hi + i_lo, lane h
-    y = tl.reshape(tl.join(lo, hi), (R, 4, NU // 4, 8, 2, 2))
-    y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)
-    return tl.reshape(y, (R, NU * 32))
+    return _in_order(x, 16, LANES)

@@ -34,11 +34,12 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, W: tl.constexpr,
                  G: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-    # One (R, D) tile: words (R, NW) int32, scales/zeros (R, NG) fp16 -> out (R, D) fp16 in code order.
+    # One (R, D) tile: rows of D W / 32 words in units (a word; at 3 bits words 3 j .. 3 j + 2), scales/zeros
+    # (R, NG) fp16 -> out (R, D) fp16 in code order.
     NW: tl.constexpr = D * W // 32
+    NU: tl.constexpr = D // 32 if W == 3 else NW
     NG: tl.constexpr = D // G
     r = tl.arange(0, R)
-    words = tl.load(p_ptr + r[:, None] * NW + tl.arange(0, NW)[None, :])
     g = tl.arange(0, NG)
     s2, z2 = group_constants(
         tl.load(s_ptr + r[:, None] * NG + g[None, :]),
@@ -47,32 +48,15 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
         SYM,
         ASM,
     )
-    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, NG, NW // NG)), (R, NW))
-    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (R, NG, NW // NG)), (R, NW))
-    tile = dequant_tile(words, s2, z2, W, SYM, ASM, LANES)  # (R, D) in lane or word order
-    tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D, LANES)[None, :], tile)
-
-
-@triton.jit
-def _tile3_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                  SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):  # fmt: skip
-    # One (R, D) tile at 3 bits: rows of 3 D / 32 words, units j of words 3 j .. 3 j + 2 -> out (R, D) fp16.
-    NU: tl.constexpr = D // 32
-    NG: tl.constexpr = D // G
-    r = tl.arange(0, R)
-    u = p_ptr + r[:, None] * (3 * NU) + 3 * tl.arange(0, NU)[None, :]
-    g = tl.arange(0, NG)
-    s2, z2 = group_constants(
-        tl.load(s_ptr + r[:, None] * NG + g[None, :]),
-        tl.load(z_ptr + r[:, None] * NG + g[None, :]),
-        3,
-        SYM,
-        ASM,
-    )
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, NG, NU // NG)), (R, NU))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (R, NG, NU // NG)), (R, NU))
-    tile = dequant_tile3(tl.load(u), tl.load(u + 1), tl.load(u + 2), s2, z2, SYM, ASM, LANES)
-    tl.store(out_ptr + r[:, None] * D + code_of_column_jit(3, D, LANES)[None, :], tile)
+    if W == 3:
+        u = p_ptr + r[:, None] * NW + 3 * tl.arange(0, NU)[None, :]
+        tile = dequant_tile3(tl.load(u), tl.load(u + 1), tl.load(u + 2), s2, z2, SYM, ASM, LANES)
+    else:
+        words = tl.load(p_ptr + r[:, None] * NW + tl.arange(0, NW)[None, :])
+        tile = dequant_tile(words, s2, z2, W, SYM, ASM, LANES)  # (R, D) in lane or unit order
+    tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D, LANES)[None, :], tile)
 
 
 @triton.jit
@@ -153,12 +137,8 @@ def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetri
     p = reference.quantize(x, width, group_size, symmetric=symmetric)
     zero = p.scale if symmetric else p.zero  # unused when symmetric
     out = torch.full((R, head_dim), float("nan"), dtype=torch.float16)
-    if width == 3:
-        _tile3_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, G=group_size,
-                            SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
-    else:
-        _tile_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, W=width,
-                           G=group_size, SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
+    _tile_kernel[(1,)](p.payload.view(torch.int32), p.scale, zero, out, R=R, D=head_dim, W=width, G=group_size,
+                       SYM=symmetric, ASM=False, LANES=lanes)  # fmt: skip
     want = reference.dequantize(p, dtype=torch.float16)
     if width == 8:
         assert torch.equal(out.view(torch.int16), want.view(torch.int16))
