@@ -335,11 +335,11 @@ def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
 @triton.jit
 def _q_piece(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
     """The column pairs m = 8 j + REV (j < D / 16) of the scores operand, as int32 (QG_B, D / 16) of two fp16
-    lanes: column 2m in the low, 2m + 1 (at 2, 4 and 8 bits the channel P = 16 / W above) in the high half."""
+    lanes: column 2m in the low, 2m + 1 (at 4 and 8 bits the channel P = 16 / W above) in the high half."""
     m = 8 * tl.arange(0, D // 16) + REV
     c_lo = code_of_columns_jit(2 * m, W, D, True)
     lo = _q_half(row_ptr, c_lo, mask, scale)
-    if W == 3:
+    if W == 2 or W == 3:
         hi = _q_half(row_ptr, code_of_columns_jit(2 * m + 1, W, D, True), mask, scale)
     else:
         hi = _q_half(row_ptr, c_lo + 16 // W, mask, scale)
@@ -435,14 +435,18 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
     else:
         s = tl.load(sc_ptr)
         z = s if SYM else tl.load(zc_ptr)
-    s2, z2 = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
+    s2, z2, z2o = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
     # each unit's group constants, broadcast over the units of a group
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
     if W == 3:
         tile = dequant_tile3(u0, u1, u2, s2, z2, SYM, ASM, LANES)
     else:
-        tile = dequant_tile(words, s2, z2, W, SYM, ASM, LANES)
+        if W == 2:  # odd pairs' constant (else the same as z2)
+            z2o = tl.reshape(tl.broadcast_to(z2o[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
+        else:
+            z2o = z2
+        tile = dequant_tile(words, s2, z2, z2o, W, SYM, ASM, LANES)
     return tile
 
 

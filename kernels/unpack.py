@@ -5,11 +5,17 @@ kernels/reference.py's format, read as 32-bit words, becomes fp16 values with no
 A row splits into units: a word of CPU = 32 / W codes at W in {2, 4, 8} bits, or at 3 bits three words
 (96 bits, CPU = 32 codes). A unit's CPU / 2 "pairs" are two fp16 lanes, each made exactly by shifting the code
 into place and OR-ing an exponent (one lop3 for mask and OR):
-- 2 and 4 bits: pair i of a word is codes i and i + P (P = 16 / W); the codes land on the top W mantissa bits
-  under exponent 2**W, so a lane is exactly 2**W + code, and one fma.rn.f16x2 gives the value: lane * scale +
-  (zero - 2**W * scale), where the per-group constant is rounded to fp16 once per token and group (its
-  rounding error, at most 2**-11 (|zero| + 2**W scale), is at most about 1% of a quantization step: below
-  bf16's resolution of the value);
+- 4 bits: pair i of a word is codes i and i + 4; the codes land on the top 4 mantissa bits, [6, 10), under
+  exponent 16, so a lane is exactly 16 + code, and one fma.rn.f16x2 gives the value: lane * scale + (zero - 16
+  scale), where the per-group constant is rounded to fp16 once per token and group (its rounding error, at
+  most 2**-11 (|zero| + 16 scale), is at most about 1% of a quantization step: below bf16's resolution of the
+  value);
+- 2 bits: two fields a lane, so that one shift serves two pairs: even pairs land on mantissa bits [8, 10) under
+  exponent 4 (lane 4 + code), odd pairs on [6, 8) under exponent 16 (lane 16 + code). The word itself, the word
+  shifted left by 4, right by 4 and rotated left by 8 hold pairs (4, 12) and (3, 11), (2, 10) and (1, 9), (6, 14)
+  and (5, 13), (0, 8) and (15, 7) at those fields (PAIRS2): three shifts and eight lop3 a word (seven and eight
+  with one field a lane). The fma adds zero - 4 scale to even pairs and zero - 16 scale to odd ones (symmetric:
+  -6 scale, -18 scale), each rounded to fp16 once per token and group, within the 4-bit bound above;
 - 3 bits: the low lane's code lands on mantissa bits [7, 10) under exponent 8 (lane 8 + code), the high lane's
   on bits [6, 9) under exponent 16 (lane 16 + code): the two fields are 15 bits = 5 codes apart, so one shift
   (a funnel shift where the pair straddles two words) and one lop3 make the pair (c, c + 5). PAIRS3 lists a
@@ -41,6 +47,8 @@ import triton
 import triton.language as tl
 
 FAST_WIDTHS = (2, 3, 4, 8)  # packed widths the fast path reads; 16 takes the generic path
+# 2 bits: the pairs (low code, high code) of a word (16 codes), in their order in the word's tile
+PAIRS2 = tuple((i, i + 8) for i in range(7)) + ((15, 7),)
 # 3 bits: the pairs (low code, high code) of a 96-bit unit (32 codes), in their order in the unit's tile
 PAIRS3 = tuple((10 * (j // 5) + j % 5, 10 * (j // 5) + j % 5 + 5) for j in range(15)) + ((30, 31),)
 
@@ -64,7 +72,9 @@ def code_of_column(width: int, head_dim: int, lanes: bool = True) -> list[int]:
     wl = units // 4
 
     def code(i, h):  # the unit's code in lane h of pair i
-        return PAIRS3[i][h] if width == 3 else i + pairs * h
+        if width in (2, 3):
+            return (PAIRS2 if width == 2 else PAIRS3)[i][h]
+        return i + pairs * h
 
     out = []
     for k in range(head_dim):
@@ -93,13 +103,17 @@ def code_of_columns_jit(k, W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr
     WL: tl.constexpr = D * W // 128
     h = k % 2
     if LANES:
-        i_lo = (k // 2) % 2
         c = (k // 4) % 4
-        i_hi = (k // 16) % (P // 2)
-        wt = k // (16 * (P // 2))
-        return (32 // W) * (c * WL + wt) + 2 * i_hi + i_lo + P * h
+        i = 2 * ((k // 16) % (P // 2)) + (k // 2) % 2
+        word = c * WL + k // (16 * (P // 2))
     else:
-        return (32 // W) * (k // (32 // W)) + (k % (32 // W)) // 2 + P * h
+        i = (k % (32 // W)) // 2
+        word = k // (32 // W)
+    if W == 2:  # PAIRS2: pair i is codes i, i + 8, but the last: 15, 7
+        code = tl.where(i < 7, i + 8 * h, 15 - 8 * h)
+    else:
+        code = i + P * h
+    return (32 // W) * word + code
 
 
 @triton.jit
@@ -126,29 +140,52 @@ def _lop3(x, MASK: tl.constexpr, OR: tl.constexpr):
 
 
 @triton.jit
+def _rotl8(x, ASM: tl.constexpr):
+    """x rotated left by 8 bits (one shf.l.wrap with ASM)."""
+    if ASM:
+        return tl.inline_asm_elementwise("shf.l.wrap.b32 $0, $1, $1, 8;", "=r,r", [x], tl.int32, True, 1)
+    else:
+        return (x << 8) | ((x >> 24) & 0xFF)
+
+
+@triton.jit
 def _pair(words, PAIR: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
-    """Pair PAIR of every word: int32 of two fp16 lanes, 2**W + code at 2 and 4 bits, 1024 + code at 8."""
+    """Pair PAIR of every word: int32 of two fp16 lanes, 16 + code at 4 bits, 1024 + code at 8, at 2 bits
+    4 + code (even pairs) or 16 + code (odd pairs)."""
+    if W == 2:  # PAIRS2: pairs 2 j and 2 j + 1 come from one source, on bits [8, 10) and [6, 8) of each lane
+        if PAIR == 0 or PAIR == 7:
+            src = _rotl8(words, ASM)
+        elif PAIR <= 2:
+            src = words << 4
+        elif PAIR <= 4:
+            src = words
+        else:
+            src = words >> 4
+        if PAIR % 2 == 0:
+            if ASM:
+                return _lop3(src, "50332416", "1140868096")  # 0x03000300, 0x44004400 (4.0)
+            else:
+                return (src & 0x03000300) | 0x44004400
+        else:
+            if ASM:
+                return _lop3(src, "12583104", "1275087872")  # 0x00C000C0, 0x4C004C00 (16.0)
+            else:
+                return (src & 0x00C000C0) | 0x4C004C00
     if W == 8:
         shifted = words >> (W * PAIR) if PAIR > 0 else words
-    else:  # the field at bit W * PAIR moves to the top W mantissa bits, [10 - W, 10)
-        SHIFT: tl.constexpr = 10 - W - W * PAIR
+    else:  # 4 bits: the field at bit 4 PAIR moves to the top 4 mantissa bits, [6, 10)
+        SHIFT: tl.constexpr = 6 - 4 * PAIR
         if SHIFT > 0:
             shifted = words << SHIFT
-        elif SHIFT < 0:
-            shifted = words >> (-SHIFT)
         else:
-            shifted = words
+            shifted = words >> (-SHIFT)
     if ASM:
-        if W == 2:
-            return _lop3(shifted, "50332416", "1140868096")  # 0x03000300, 0x44004400 (4.0)
-        elif W == 4:
+        if W == 4:
             return _lop3(shifted, "62915520", "1275087872")  # 0x03C003C0, 0x4C004C00 (16.0)
         else:
             return _lop3(shifted, "16711935", "1677747200")  # 0x00FF00FF, 0x64006400 (1024.0)
     else:
-        if W == 2:
-            return (shifted & 0x03000300) | 0x44004400
-        elif W == 4:
+        if W == 4:
             return (shifted & 0x03C003C0) | 0x4C004C00
         else:
             return (shifted & 0x00FF00FF) | 0x64006400
@@ -214,64 +251,68 @@ def _pair3(u0, u1, u2, PAIR: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
-    """Per token and group, fp16 scale s and zero z (R, NG) -> the `dequant_tile` operands s2, z2 (R, NG) int32:
-    s in both lanes, and the constant the fma adds: at 2 and 4 bits zero - 2**W * s in both lanes (symmetric:
-    -(2**W + 2**(W-1)) * s), at 3 bits zero - 8 s in the low lane and zero - 16 s in the high one (symmetric:
-    -12 s, -20 s), rounded to fp16 once (exact before rounding: with ASM one fma.rn.f16, without it float64);
-    at 8 bits the zero itself (symmetric: unused)."""
+    """Per token and group, fp16 scale s and zero z (R, NG) -> the `dequant_tile` operands s2, z2, z2o (R, NG)
+    int32: s in both lanes, and the constants the fma adds to even pairs (z2) and to odd ones (z2o), each rounded
+    to fp16 once (exact before rounding: with ASM one fma.rn.f16, without it float64): at 4 bits zero - 16 s in
+    both lanes of both (symmetric: -24 s); at 2 bits zero - 4 s (even) and zero - 16 s (odd) (symmetric: -6 s,
+    -18 s); at 3 bits zero - 8 s in the low lane and zero - 16 s in the high one (symmetric: -12 s, -20 s); at 8
+    bits the zero itself (symmetric: unused)."""
+    if W == 2:
+        z2 = _offset_splat(s, z, -6.0 if SYM else -4.0, "0xC600" if SYM else "0xC400", SYM, ASM)
+        z2o = _offset_splat(s, z, -18.0 if SYM else -16.0, "0xCC80" if SYM else "0xCC00", SYM, ASM)
+    elif W == 4:
+        z2 = _offset_splat(s, z, -24.0 if SYM else -16.0, "0xCE00" if SYM else "0xCC00", SYM, ASM)
+        z2o = z2
+    elif W == 8:
+        z2 = splat2(z, ASM)
+        z2o = z2
+    elif ASM:  # 3 bits: fp16 bits of -8, -16 (symmetric: -12, -20)
+        z2 = tl.inline_asm_elementwise(
+            "{.reg .b16 c, d, k, l; mov.b16 k, "
+            + ("0xCA00; mov.b16 l, 0xCD00; " if SYM else "0xC800; mov.b16 l, 0xCC00; ")
+            + "fma.rn.f16 c, $1, k, $2; fma.rn.f16 d, $1, l, $2; mov.b32 $0, {c, d};}",
+            "=r,h,h",
+            [s, tl.zeros_like(s) if SYM else z],
+            tl.int32,
+            True,
+            1,
+        )
+        z2o = z2
+    else:
+        base = 0.0 if SYM else z.to(tl.float64)
+        s64 = s.to(tl.float64)
+        z_lo = (base - (12.0 if SYM else 8.0) * s64).to(tl.float16)
+        z_hi = (base - (20.0 if SYM else 16.0) * s64).to(tl.float16)
+        z2 = _bits(z_lo, z_hi)
+        z2o = z2
+    return splat2(s, ASM), z2, z2o
+
+
+@triton.jit
+def _offset_splat(s, z, K: tl.constexpr, K_BITS: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+    """fp16 z + K s (symmetric: K s) in both lanes of an int32, rounded once; K_BITS: K's fp16 bits."""
     if ASM:
-        s2 = tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [s], tl.int32, True, 1)
-        if W == 3:  # fp16 bits of -8, -16 (symmetric: -12, -20)
-            z2 = tl.inline_asm_elementwise(
-                "{.reg .b16 c, d, k, l; mov.b16 k, "
-                + ("0xCA00; mov.b16 l, 0xCD00; " if SYM else "0xC800; mov.b16 l, 0xCC00; ")
-                + "fma.rn.f16 c, $1, k, $2; fma.rn.f16 d, $1, l, $2; mov.b32 $0, {c, d};}",
-                "=r,h,h",
-                [s, tl.zeros_like(s) if SYM else z],
-                tl.int32,
-                True,
-                1,
-            )
-        elif W == 8:
-            z2 = tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [z], tl.int32, True, 1)
-        elif SYM:  # fp16 bits of -(2**W + 2**(W-1)): -6 (2 bits), -24 (4 bits)
-            z2 = tl.inline_asm_elementwise(
-                "{.reg .b16 c, k; mov.b16 k, "
-                + ("0xC600" if W == 2 else "0xCE00")
-                + "; mul.rn.f16 c, $1, k; "
-                "mov.b32 $0, {c, c};}",
+        if SYM:
+            return tl.inline_asm_elementwise(
+                "{.reg .b16 c, k; mov.b16 k, " + K_BITS + "; mul.rn.f16 c, $1, k; mov.b32 $0, {c, c};}",
                 "=r,h",
                 [s],
                 tl.int32,
                 True,
                 1,
             )
-        else:  # fp16 bits of -2**W: -4 (2 bits), -16 (4 bits)
-            z2 = tl.inline_asm_elementwise(
-                "{.reg .b16 c, k; mov.b16 k, "
-                + ("0xC400" if W == 2 else "0xCC00")
-                + "; fma.rn.f16 c, $1, k, $2; "
-                "mov.b32 $0, {c, c};}",
+        else:
+            return tl.inline_asm_elementwise(
+                "{.reg .b16 c, k; mov.b16 k, " + K_BITS + "; fma.rn.f16 c, $1, k, $2; mov.b32 $0, {c, c};}",
                 "=r,h,h",
                 [s, z],
                 tl.int32,
                 True,
                 1,
             )
-        return s2, z2
-    if W == 8:
-        z2 = splat2(z)
-    elif W == 3:
-        base = 0.0 if SYM else z.to(tl.float64)
-        s64 = s.to(tl.float64)
-        z_lo = (base - (12.0 if SYM else 8.0) * s64).to(tl.float16)
-        z_hi = (base - (20.0 if SYM else 16.0) * s64).to(tl.float16)
-        z2 = _bits(z_lo, z_hi)
     else:
-        offset = (1 << W) + ((1 << (W - 1)) if SYM else 0)
         base = 0.0 if SYM else z.to(tl.float64)
-        z2 = splat2((base - offset * s.to(tl.float64)).to(tl.float16))
-    return splat2(s), z2
+        return splat2((base + K * s.to(tl.float64)).to(tl.float16), False)
 
 
 @triton.jit
@@ -303,9 +344,12 @@ def pack_f16x2(lo, hi, ASM: tl.constexpr):
 
 
 @triton.jit
-def splat2(x):
-    """fp16 tensor -> int32 with x in both 16-bit lanes (the per-word scale or zero of `affine`)."""
-    return _bits(x, x)
+def splat2(x, ASM: tl.constexpr):
+    """fp16 tensor -> int32 with x in both 16-bit lanes (one mov with ASM)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mov.b32 $0, {$1, $1};", "=r,h", [x], tl.int32, True, 1)
+    else:
+        return _bits(x, x)
 
 
 @triton.jit
@@ -357,9 +401,9 @@ def _affine(t, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _values(words, PAIR: tl.constexpr, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
-    """Pair PAIR of every word as two fp16 values (int32 bits)."""
-    return _affine(_pair(words, PAIR, W, ASM), s2, z2, W, SYM, ASM)
+def _values(words, PAIR: tl.constexpr, s2, z2, z2o, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
+    """Pair PAIR of every word as two fp16 values (int32 bits): the constant z2 for even pairs, z2o for odd."""
+    return _affine(_pair(words, PAIR, W, ASM), s2, z2 if PAIR % 2 == 0 else z2o, W, SYM, ASM)
 
 
 @triton.jit
@@ -378,32 +422,33 @@ def _stack8(a, b, c, d, e, f, g, h):
 
 
 @triton.jit
-def dequant_tile(words, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):
-    """words int32 (R, NW) of W-bit codes; s2, z2 int32 (R, NW): `splat2` of each word's group scale and zero.
+def dequant_tile(words, s2, z2, z2o, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr,
+                 LANES: tl.constexpr):  # fmt: skip
+    """words int32 (R, NW) of W-bit codes; s2, z2, z2o int32 (R, NW): `group_constants` of each word's group.
 
     Returns fp16 (R, NW * 32 / W) in the lane order of the module docstring (LANES: an mma operand read from
     registers), or in word order (a tile that goes through shared memory: each word's values contiguous).
     """
     P: tl.constexpr = 16 // W
     if P == 2:
-        x = _stack2(_values(words, 0, s2, z2, W, SYM, ASM), _values(words, 1, s2, z2, W, SYM, ASM))
+        x = _stack2(_values(words, 0, s2, z2, z2o, W, SYM, ASM), _values(words, 1, s2, z2, z2o, W, SYM, ASM))
     elif P == 4:
         x = _stack4(
-            _values(words, 0, s2, z2, W, SYM, ASM),
-            _values(words, 1, s2, z2, W, SYM, ASM),
-            _values(words, 2, s2, z2, W, SYM, ASM),
-            _values(words, 3, s2, z2, W, SYM, ASM),
+            _values(words, 0, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 1, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 2, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 3, s2, z2, z2o, W, SYM, ASM),
         )
     else:
         x = _stack8(
-            _values(words, 0, s2, z2, W, SYM, ASM),
-            _values(words, 1, s2, z2, W, SYM, ASM),
-            _values(words, 2, s2, z2, W, SYM, ASM),
-            _values(words, 3, s2, z2, W, SYM, ASM),
-            _values(words, 4, s2, z2, W, SYM, ASM),
-            _values(words, 5, s2, z2, W, SYM, ASM),
-            _values(words, 6, s2, z2, W, SYM, ASM),
-            _values(words, 7, s2, z2, W, SYM, ASM),
+            _values(words, 0, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 1, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 2, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 3, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 4, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 5, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 6, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 7, s2, z2, z2o, W, SYM, ASM),
         )
     return _in_order(x, P, LANES)
 

@@ -2,9 +2,10 @@
 
 Under Triton's interpreter the plain-integer fallback runs (no inline assembly). At 8 bits it computes a value as
 the reference does (float32 multiply, then add) and rounds to fp16: bit for bit the reference's. At 2, 3 and 4 bits
-the per-group constant zero - 2**W * scale (at 3 bits zero - 8 scale and zero - 16 scale, one a lane) is rounded
-to fp16 first (as on the GPU), so a value may differ from the reference by that rounding and its own: at most
-2**-11 (|zero| + 2**W |scale|) + 2**-11 |value| (2**W: 16 at 3 bits), about 1% of a quantization step.
+the per-group constant zero - 2**W * scale (at 3 bits zero - 8 scale and zero - 16 scale, one a lane; at 2 bits
+zero - 4 scale and zero - 16 scale, one a pair) is rounded to fp16 first (as on the GPU), so a value may differ
+from the reference by that rounding and its own: at most 2**-11 (|zero| + 2**W |scale|) + 2**-11 |value| (2**W:
+16 at 2 and 3 bits), about 1% of a quantization step.
 Compiled, the PTX rounds each value once (fma).
 """
 
@@ -19,6 +20,7 @@ import triton.language as tl
 
 from kernels import reference
 from kernels.unpack import (
+    PAIRS2,
     PAIRS3,
     code_of_column,
     code_of_column_jit,
@@ -41,7 +43,7 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
     NG: tl.constexpr = D // G
     r = tl.arange(0, R)
     g = tl.arange(0, NG)
-    s2, z2 = group_constants(
+    s2, z2, z2o = group_constants(
         tl.load(s_ptr + r[:, None] * NG + g[None, :]),
         tl.load(z_ptr + r[:, None] * NG + g[None, :]),
         W,
@@ -50,12 +52,13 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
     )
     s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (R, NG, NU // NG)), (R, NU))
     z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (R, NG, NU // NG)), (R, NU))
+    z2o = tl.reshape(tl.broadcast_to(z2o[:, :, None], (R, NG, NU // NG)), (R, NU))
     if W == 3:
         u = p_ptr + r[:, None] * NW + 3 * tl.arange(0, NU)[None, :]
         tile = dequant_tile3(tl.load(u), tl.load(u + 1), tl.load(u + 2), s2, z2, SYM, ASM, LANES)
     else:
         words = tl.load(p_ptr + r[:, None] * NW + tl.arange(0, NW)[None, :])
-        tile = dequant_tile(words, s2, z2, W, SYM, ASM, LANES)  # (R, D) in lane or unit order
+        tile = dequant_tile(words, s2, z2, z2o, W, SYM, ASM, LANES)  # (R, D) in lane or unit order
     tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D, LANES)[None, :], tile)
 
 
@@ -79,6 +82,24 @@ def test_3bit_pairs_are_five_codes_apart_but_the_last():
         (0, 5), (1, 6), (2, 7), (3, 8), (4, 9), (10, 15), (11, 16), (12, 17), (13, 18), (14, 19),
         (20, 25), (21, 26), (22, 27), (23, 28), (24, 29), (30, 31),
     )  # fmt: skip
+
+
+def test_2bit_pairs_take_two_fields_from_each_of_four_sources():
+    """A word w's pairs (i, i + 8) sit at lane bits 8 (even pairs) and 6 (odd pairs) of w << 4, w, w >> 4 and w
+    rotated left by 8, which also brings (15, 7) to bits 6 and 22: three shifts serve eight pairs."""
+    assert PAIRS2 == ((0, 8), (1, 9), (2, 10), (3, 11), (4, 12), (5, 13), (6, 14), (15, 7))
+    rotl = {0: 8, 7: 8, 1: 4, 2: 4, 3: 0, 4: 0, 5: -4, 6: -4}  # each pair's source: w rotated left by r
+    for i, (lo, hi) in enumerate(PAIRS2):
+        field = 8 if i % 2 == 0 else 6  # the low lane's field; the high lane's 16 bits up
+        assert (field - rotl[i]) % 32 == 2 * lo and (field + 16 - rotl[i]) % 32 == 2 * hi
+
+
+def test_2bit_column_orders_hand_computed():
+    lanes, words = code_of_column(2, 64), code_of_column(2, 64, lanes=False)
+    # column k: h = k % 2, pair 2 (k // 16 % 4) + k // 2 % 2 of lane c = k // 4 % 4's word (one word a lane)
+    assert lanes[:8] == [0, 8, 1, 9, 16, 24, 17, 25]
+    assert lanes[16:20] == [2, 10, 3, 11] and lanes[60:64] == [54, 62, 63, 55]
+    assert words[:16] == [0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 15, 7]
 
 
 def test_3bit_column_orders_hand_computed():
@@ -146,8 +167,9 @@ def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetri
     # the folded constant's fp16 rounding and the value's: 2**-11 relative each, plus a subnormal's unit
     s = p.scale.float().repeat_interleave(group_size, -1)
     z = 0.0 if symmetric else p.zero.float().repeat_interleave(group_size, -1)
-    # the fma's offset: 2**W, at 3 bits 8 in the low lane and 16 in the high one (the larger bounds both)
-    offset = (16 if width == 3 else 1 << width) + ((1 << (width - 1)) if symmetric else 0)
+    # the fma's offset: 2**W, at 3 bits 8 in the low lane and 16 in the high one, at 2 bits 4 in even pairs and
+    # 16 in odd ones (the larger bounds both)
+    offset = (16 if width in (2, 3) else 1 << width) + ((1 << (width - 1)) if symmetric else 0)
     bound = 2.0**-11 * ((z - offset * s).abs() + want.float().abs()) + 2.0**-24
     err = (out.float() - want.float()).abs()
     assert (err <= bound).all(), (err - bound).max()
