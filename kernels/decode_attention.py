@@ -36,14 +36,26 @@ from kernels.unpack import (
 LOG2E = math.log2(math.e)
 # The generic kernel's tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not.
 BLOCK_N = 32
-# The fast packed kernel's tokens per tile (the M of its score mma), by the wider of a bucket's two widths. On the
-# H100 with 5317e84's loop (32 query / 8 KV heads, batch 8, 32K, 4 warps, 3 stages, 33 splits; results/kernels/
-# NVIDIA_H100_80GB_HBM3/check-6e86fcf/tune): 4 bits 154 us at 64 against 164 at 128 (126 registers against 168);
-# 2 bits 130 us at 128 against 141 at 64; 32-token tiles slower at every width. 8 bits (check-4515883's A/B, in
-# one process): 215 us at 64 against 218 at 128 (stage 1). 3 bits, not yet timed on a GPU, by the static figures
-# (`python -m kernels.gpu.inspect --widths 3 --block-n 32 64 128`, sm_90a): 64 tokens 128 registers and 6.0
-# thread-instructions per KV byte, against 120 and 9.1 at 32, 168 and 5.2 at 128.
-FAST_BLOCK_N = {2: 128, 3: 64, 4: 64, 8: 64}
+# The fast packed kernel's launch by the wider of a bucket's two widths: tokens per tile (the M of its score mma),
+# software-pipeline stages, and a register cap (ptxas's --maxrregcount). History, 4 warps at 32 query / 8 KV heads,
+# batch 8, 32K (results/kernels/NVIDIA_H100_80GB_HBM3): with 5317e84's loop and Triton's 3 stages, uncapped
+# (check-6e86fcf/tune), 4 bits took 154 us at 64 tokens against 164 at 128 (126 registers against 168: 4 blocks an
+# SM against 3), 2 bits 130 us at 128 against 141 at 64, 32-token tiles were slower at every width; 8 bits
+# (check-4515883's A/B) 215 us at 64 against 218 at 128. Now 2 and 4 bits take 128 tokens, 2 stages and
+# at most 128 registers, chosen by the static figures alone (`python -m kernels.gpu.inspect --widths 4
+# --block-n 64 128 --stages 2 3 --maxnreg 128`, Triton 3.6, sm_90a): at 4 bits 635 loop instructions a 128-token
+# tile (3.97 per KV byte), no spills, 128 registers and 53 KB of shared memory (4 blocks an SM, as at 64 tokens),
+# against 730 for two 64-token tiles; at 2 bits 542 instructions with 128 registers (163 uncapped, 3 blocks an SM);
+# 3 bits take 64 tokens, 2 stages and the cap: 372 instructions a tile against 385 (at 128 tokens 670 against 770,
+# but ptxas spills a register outside the loop). 8 bits keep their timed setting (at 128 tokens 721 instructions
+# against 810, but 70 KB of shared memory: 3 blocks an SM). Not yet timed on a GPU: kernels.gpu.bench's tuning
+# grid times these settings beside the earlier ones.
+FAST_LAUNCH = {
+    2: {"block_n": 128, "num_stages": 2, "maxnreg": 128},
+    3: {"block_n": 64, "num_stages": 2, "maxnreg": 128},
+    4: {"block_n": 128, "num_stages": 2, "maxnreg": 128},
+    8: {"block_n": 64, "num_stages": 3},
+}
 # Captured in a CUDA graph, a mixed map's width buckets run concurrently, one stream each, so that one launch
 # fills the SMs that another's last wave leaves idle: on the H100 (2,2,2,2,4,4,8,8, shape above) a replay took
 # 155 us against 170 with the buckets in turn (uniform 4 bits: 142). Launched eagerly the call waits on the host,
@@ -668,7 +680,18 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
 
 def fast_block_n(kw: int, vw: int) -> int:
     """The fast kernel's default tokens per tile for a bucket of keys at kw bits and values at vw."""
-    return FAST_BLOCK_N[max(kw, vw)]
+    return FAST_LAUNCH[max(kw, vw)]["block_n"]
+
+
+def fast_options(kw: int, vw: int) -> dict:
+    """The fast kernel's default Triton launch options (num_stages, maxnreg) for a bucket of kw-bit keys and vw-bit
+    values."""
+    return {k: v for k, v in FAST_LAUNCH[max(kw, vw)].items() if k != "block_n"}
+
+
+def _without_zero_cap(kwargs: dict) -> dict:
+    """Launch keyword arguments with maxnreg 0 (no register cap) left out."""
+    return {k: v for k, v in kwargs.items() if not (k == "maxnreg" and v == 0)}
 
 
 def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
@@ -799,6 +822,7 @@ def decode_attention(
     length: torch.Tensor | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    maxnreg: int | None = None,
 ) -> torch.Tensor:
     """softmax(q K^T * sm_scale) V for one decode step over packed K/V plus an optional extra segment.
 
@@ -817,7 +841,8 @@ def decode_attention(
         length: None (L = the stores' length), or an int32 tensor of one element on q's device holding L, read
             by the kernels: the splits then cover the stores' capacity, so the launches stay the same while L
             grows (CUDA graphs). The caller guarantees 0 < L <= capacity (or an extra segment).
-        num_warps, num_stages: Triton launch options of stage 1 (default: Triton's).
+        num_warps, num_stages, maxnreg: Triton launch options of stage 1 (default: the fast kernel's FAST_LAUNCH,
+            else Triton's); maxnreg 0 sets no register cap.
     Returns out (B, Hq, D). The matmuls run in q's dtype (fp32: IEEE, no TF32), accumulation in fp32.
     """
     B, Hq, D = q.shape
@@ -846,7 +871,8 @@ def decode_attention(
 
     m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
     kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
-    launch = {k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
+    options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
+    launch = {k: v for k, v in options if v is not None}
     extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
     concurrent = (
         CONCURRENT_BUCKETS and len(buckets) > 1 and q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -864,7 +890,7 @@ def decode_attention(
             kg, vg = _kernel_group(k_store, d_b), _kernel_group(v_store, d_b)
             common = dict(NH=len(heads), HKV=Hkv, QG=qg, D=D, D_B=d_b, KW=kw, VW=vw, KG=kg, VG=vg,
                           K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
-                          L_FROM_PTR=length is not None, BLOCK_N=tile, **launch)  # fmt: skip
+                          L_FROM_PTR=length is not None, BLOCK_N=tile)  # fmt: skip
             tail = [heads, m_part, l_part, o_part, k_store.length, heads if length is None else length,
                     chunk, sm_scale * LOG2E, splits]  # fmt: skip
             if fast_bucket(kw, vw, q.dtype, D, k_store.group_size, v_store.group_size):
@@ -872,7 +898,7 @@ def decode_attention(
                     q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,
                     QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                     ASM=os.environ.get("TRITON_INTERPRET") != "1",
-                    **common,
+                    **_without_zero_cap({**common, **fast_options(kw, vw), **launch}),
                 )  # fmt: skip
             else:
                 _decode_split_kernel[(B * len(heads), n_cols)](
@@ -880,7 +906,7 @@ def decode_attention(
                     QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
                     INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
                     PREFETCH=(kw, vw) != (16, 16),
-                    **common,
+                    **_without_zero_cap({**common, **launch}),
                 )  # fmt: skip
     finally:
         if concurrent:  # the combine waits for every bucket

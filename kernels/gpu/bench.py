@@ -11,8 +11,8 @@ This module owns the kernel benchmark. At each (head shape, batch, context) it t
 - `dequant_sdpa` (head shape 32x8): PackedStore.dequantize() then SDPA, the torch path;
 - `step_fused` / `step_bf16` (head shape 32x8): a whole per-layer decode step, i.e. writing the new token's
   K and V (quantize_into, or a copy into preallocated bf16 K/V) and attending;
-- `fused_tuned` (head shape 32x8, batch 8, context 32K, widths 4 and 2): block_n x num_warps x num_stages x
-  splits, the fastest setting per width;
+- `fused_tuned` (head shape 32x8, batch 8, context 32K, widths 4, 3 and 2): block_n x num_stages x maxnreg x
+  splits at 4 warps, the fastest setting per width;
 - `quantize`: quantize_into throughput.
 Times are triton.testing.do_bench medians (warm-up; the L2 cache is flushed before each call) on CUDA, and
 wall-clock medians in a dry run on CPU (TRITON_INTERPRET=1, tiny shapes: a check that the code runs, no
@@ -309,7 +309,7 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
         if headline_cfg:
             step_fused(run, shape, t, mean, q, kst, vst, k, v, scale, fetched)
         at_headline = args.dry_run or all(shape[x] == HEADLINE[x] for x in ("batch", "context"))
-        if headline_cfg and name in ("2", "4") and at_headline:
+        if headline_cfg and name in ("2", "3", "4") and at_headline:
             tune(
                 run,
                 shape,
@@ -360,17 +360,18 @@ def step_16bit(run: Bench, shape, q, k, v, scale) -> None:
 
 
 def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bool) -> None:
-    """The fused kernel over block_n x num_warps x num_stages x splits (multiples of the default); one row
-    per setting, the fastest marked in `note`."""
+    """The fused kernel over block_n x num_stages x maxnreg (0: uncapped) x splits (multiples of the default) at
+    4 warps (32-token tiles and 8 warps were slower at every width on the H100, check-6e86fcf); one row per
+    setting, the fastest marked in `note`."""
     from kernels.decode_attention import _default_splits, decode_attention
 
     B, hq, D, L = q.shape[0], q.shape[1], q.shape[2], kst.length
     base = _default_splits(L, B * len(kst.bits), 32, q.device)
-    grid = [(32, 4, 2, 1)] if dry_run else [
-        (bn, w, s, m) for bn in (64, 128, 32) for w in (4, 8) for s in (3, 2) for m in (1, 2, 4)
+    grid = [(32, 4, 2, 0, 1)] if dry_run else [
+        (bn, 4, s, r, m) for bn in (128, 64) for s in (2, 3) for r in (128, 0) for m in (1, 2)
     ]  # fmt: skip
     best = None
-    for bn, w, stages, mult in grid:
+    for bn, w, stages, maxnreg, mult in grid:
         if run.out_of_time():
             break
         splits = base * mult
@@ -384,6 +385,7 @@ def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bo
             block_n=bn,
             num_warps=w,
             num_stages=stages,
+            maxnreg=maxnreg,
         )
         try:
             ms = run.time_ms(fn)
@@ -395,7 +397,8 @@ def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bo
                 mean,
                 None,
                 0,
-                note=f"block_n={bn} warps={w} stages={stages} splits={splits} failed: {type(err).__name__}",
+                note=f"block_n={bn} warps={w} stages={stages} maxnreg={maxnreg} splits={splits} failed: "
+                f"{type(err).__name__}",
             )
             continue
         r = run.add(
@@ -405,7 +408,7 @@ def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bo
             mean,
             ms,
             base_bytes + partial_bytes(B, hq, splits, D),
-            note=f"block_n={bn} warps={w} stages={stages} splits={splits}",
+            note=f"block_n={bn} warps={w} stages={stages} maxnreg={maxnreg} splits={splits}",
         )
         best = r if best is None or ms * 1e3 < best["time_us"] else best
     if best is not None:

@@ -7,7 +7,8 @@ value width, BLOCK_N, warps) it calls `decode_attention` on packed stores of the
 stage-1 launch instead of running it, and compiles that launch exactly as Triton's JIT would on an H100 or H200:
 the same argument types, the same divisibility-16 specialization of pointers and integers, the same options.
 ptxas and cuobjdump (both ship in Triton's wheel) then give:
-- registers per thread, spilled bytes (ptxas's local memory), shared memory;
+- registers per thread, spilled bytes (the stack frame and local memory: these kernels keep no arrays there, so
+  what is there is ptxas's spills), shared memory;
 - the main loop: the SASS between the target and the source of the backward branch that closes the loop over
   tiles (the largest loop holding a tensor-core instruction), its instruction count per tile, and its
   instruction mix (HMMA / HGMMA, int-to-float I2F / I2FP, float conversions F2F / F2FP, shared-memory LDS / STS,
@@ -70,7 +71,7 @@ class Launch:
 
 def catch_stage1(
     kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict,
-    length: int | None = None,
+    length: int | None = None, maxnreg: int | None = None,
 ) -> Launch:  # fmt: skip
     """The stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values) at `shape`,
     stores of shape["context"] tokens' capacity holding `length` of them (default: full)."""
@@ -93,7 +94,8 @@ def catch_stage1(
     da._combine_kernel.run = lambda *args, grid, warmup, **kwargs: None
     try:
         q = torch.empty(B, hq, D, dtype=torch.bfloat16, device=dev)
-        da.decode_attention(q, *stores, D**-0.5, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        da.decode_attention(q, *stores, D**-0.5, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                            maxnreg=maxnreg)  # fmt: skip
     finally:
         for kernel in (*stage1, da._combine_kernel):
             del kernel.run
@@ -185,11 +187,17 @@ def kv_bytes_per_token(bits: int, head_dim: int, group_size: int = 32) -> int:
 
 
 def inspect_variant(
-    kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict
+    kw: int,
+    vw: int,
+    block_n: int | None,
+    num_warps: int,
+    num_stages: int | None,
+    shape: dict,
+    maxnreg: int | None = None,
 ) -> dict:
     """One row of the table: the compiled variant's resources, main loop and instruction mix (block_n None:
     the kernel's default tile)."""
-    launch = catch_stage1(kw, vw, block_n, num_warps, num_stages, shape)
+    launch = catch_stage1(kw, vw, block_n, num_warps, num_stages, shape, maxnreg=maxnreg)
     block_n = launch.kwargs["BLOCK_N"]
     cubin, meta, _ = compile_for_hopper(launch)
     sass, usage = sass_and_resources(cubin)
@@ -199,7 +207,7 @@ def inspect_variant(
     tile = block_n * (kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"]))
     row = {
         "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
-        "num_stages": meta.num_stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("LOCAL", 0),
+        "num_stages": meta.num_stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
         "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
         "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
         "payload_load_bytes": " ".join(map(str, widths)), "note": "" if loop else "no loop with an mma found",
@@ -223,13 +231,13 @@ def variants(widths: list[int], block_ns: list[int], warps: list[int]) -> list[t
 
 
 def static_targets(row: dict) -> str:
-    """ "met", or the static targets a packed variant misses (instructions per byte for its width, registers,
-    spills, byte-wide payload loads, I2F in the loop); "" for widths without a target (3, 16)."""
+    """ "met", or the static targets a uniform packed variant misses (instructions per byte where its width has a
+    target, registers, spills, byte-wide payload loads, I2F in the loop); "" for 16 bits and mixed widths."""
     width = int(row["key_bits"])
-    if width not in INSTR_PER_BYTE_TARGET or row["key_bits"] != row["value_bits"]:
+    if width == 16 or row["key_bits"] != row["value_bits"]:
         return ""
     missed = []
-    if not float(row["instr_per_byte"]) <= INSTR_PER_BYTE_TARGET[width]:
+    if width in INSTR_PER_BYTE_TARGET and not float(row["instr_per_byte"]) <= INSTR_PER_BYTE_TARGET[width]:
         missed.append(f"instr/byte {row['instr_per_byte']} > {INSTR_PER_BYTE_TARGET[width]:g}")
     if int(row["registers"]) > MAX_REGISTERS:
         missed.append(f"registers {row['registers']} > {MAX_REGISTERS}")
@@ -259,6 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--warps", nargs="+", type=int, default=[4])
     p.add_argument("--stages", type=int, default=None, help="num_stages (default: the kernel's)")
+    p.add_argument("--maxnreg", type=int, default=None, help="register cap (default: the kernel's; 0: none)")
     p.add_argument("--out", type=Path, help="CSV to write")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
@@ -271,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     shape = {k: getattr(args, k) for k in SHAPE}
     rows = []
     for kw, vw, n, nw in variants(args.widths, args.block_n or [None], args.warps):
-        rows.append(inspect_variant(kw, vw, n, nw, args.stages, shape))
+        rows.append(inspect_variant(kw, vw, n, nw, args.stages, shape, args.maxnreg))
         print(f"compiled K{kw}V{vw} BLOCK_N={rows[-1]['block_n']} warps={nw}", file=sys.stderr, flush=True)
     print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")
     print(format_table(rows))

@@ -401,12 +401,13 @@ def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size
     assert spy.launches == 2 * len(set(zip(k_bits, v_bits)))  # every bucket took the fast kernel
 
 
-def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
-    """Without block_n the fast kernel runs its width's tiles (fast_block_n) and the generic one BLOCK_N (a
-    4-bit bucket and a 16-bit one in the same call)."""
+def test_fast_kernel_tiles_default_to_its_own_launch(device, monkeypatch):
+    """Without block_n the fast kernel runs its width's tiles, stages and register cap (FAST_LAUNCH) and the
+    generic one BLOCK_N with Triton's defaults (a 4-bit bucket and a 16-bit one in the same call); options the
+    caller gives win."""
     from kernels import decode_attention as da
 
-    tiles = {}
+    launches = {}
 
     class Recorder:
         def __init__(self, name, kernel):
@@ -414,7 +415,8 @@ def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                tiles[self.name] = kwargs["BLOCK_N"]
+                opts = ("BLOCK_N", "num_stages", "maxnreg", "num_warps")
+                launches[self.name] = {k: kwargs[k] for k in opts if k in kwargs}
                 return self.kernel[grid](*args, **kwargs)
 
             return launch
@@ -423,10 +425,21 @@ def test_fast_kernel_tiles_default_to_its_own_block(device, monkeypatch):
     monkeypatch.setattr(da, "_decode_split_kernel", Recorder("generic", da._decode_split_kernel))
     ks, vs = _stores((4, 16, 4), (4, 16, 4), 64, 32, False, device, seed=5)
     q = torch.randn(B, HQ, 64).to(device=device, dtype=torch.float16)
-    decode_attention(q, ks, vs, 0.125)
-    assert tiles == {"fast": da.fast_block_n(4, 4), "generic": da.BLOCK_N}
-    assert da.fast_block_n(4, 4) == 64 and da.fast_block_n(2, 2) == 128 and da.fast_block_n(2, 8) == 64
-    assert da.fast_block_n(3, 3) == 64 and da.fast_block_n(2, 3) == 64
+    want = da.decode_attention(q, ks, vs, 0.125)
+    assert launches == {
+        "fast": {"BLOCK_N": 128, "num_stages": 2, "maxnreg": 128},
+        "generic": {"BLOCK_N": da.BLOCK_N},
+    }
+    assert da.fast_block_n(4, 4) == 128 and da.fast_block_n(2, 2) == 128 and da.fast_block_n(2, 8) == 64
+    assert da.fast_block_n(3, 3) == 64 and da.fast_block_n(2, 3) == 64 and da.fast_block_n(3, 4) == 128
+    assert da.fast_options(8, 8) == {"num_stages": 3} and da.fast_options(2, 3) == {
+        "num_stages": 2,
+        "maxnreg": 128,
+    }
+    got = da.decode_attention(q, ks, vs, 0.125, num_stages=3, maxnreg=168, num_warps=4)
+    assert launches["fast"] == {"BLOCK_N": 128, "num_stages": 3, "maxnreg": 168, "num_warps": 4}
+    assert launches["generic"] == {"BLOCK_N": da.BLOCK_N, "num_stages": 3, "maxnreg": 168, "num_warps": 4}
+    torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # launch options do not change the result
 
 
 def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():

@@ -54,14 +54,17 @@ def test_inspector_compiles_one_variant_for_hopper(cli, tmp_path):
     proc = cli("kernels.gpu.inspect", "--widths", "4", "--out", str(out), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = list(csv.DictReader(open(out)))
-    from kernels.decode_attention import fast_block_n
+    from kernels.decode_attention import FAST_LAUNCH, fast_block_n
 
     assert (
         row["kernel"] == "_decode_packed_kernel"
         and row["key_bits"] == "4"
         and row["block_n"] == str(fast_block_n(4, 4))
     )
-    assert 0 < int(row["registers"]) <= 255 and int(row["spill_bytes"]) == 0
+    # the default launch reaches the compiler: its stages, and its register cap (which Triton 3.6, the GPU
+    # machines', meets without spilling; later Tritons may spill under it, so spills are only reported here)
+    assert row["num_stages"] == str(FAST_LAUNCH[4]["num_stages"])
+    assert 0 < int(row["registers"]) <= FAST_LAUNCH[4]["maxnreg"] and int(row["spill_bytes"]) >= 0
     assert int(row["loop_instr"]) > 0 and int(row["mma"]) > 0
     assert float(row["instr_per_byte"]) == pytest.approx(
         int(row["loop_instr"]) * 32 * 4 / (fast_block_n(4, 4) * 2 * (64 + 16)), rel=1e-2
@@ -116,4 +119,13 @@ def test_static_targets_name_what_a_variant_misses():
         insp.static_targets({**ok, "payload_load_bytes": "1 16", "i2f": "64"})
         == "missed: byte-wide loads; 64 I2F"
     )
-    assert insp.static_targets({**ok, "key_bits": "3", "value_bits": "3"}) == ""  # no target at 3 bits
+    three = {
+        **ok,
+        "key_bits": "3",
+        "value_bits": "3",
+        "instr_per_byte": "6.0",
+    }  # no instr/byte target at 3 bits
+    assert insp.static_targets(three) == "met"
+    assert insp.static_targets({**three, "spill_bytes": "8"}) == "missed: spills 8 B"
+    assert insp.static_targets({**ok, "key_bits": "16", "value_bits": "16"}) == ""
+    assert insp.static_targets({**ok, "value_bits": "8"}) == ""  # mixed widths
