@@ -58,10 +58,11 @@ gpu-wheels:
 	du -sh .whl
 
 # Older decode kernels for the GPU check's A/B stage (kernels.gpu.ab), into the ignored .ab/: the kernel of baf9cf7,
-# the last one before the head-major layout and the fast packed path, that of 6e86fcf, the last one with 128-token
-# tiles at every width (check-6e86fcf), and that of 09710ae, the last one measured (ab-09710ae), each with the
-# kernels/unpack.py it was written against.
-AB_BASELINES := baf9cf7 6e86fcf 09710ae
+# the last one before the head-major layout and the fast packed path, that of 09710ae, the last one measured
+# (ab-09710ae), and that of ace48f4, 09710ae's with the 3-bit fast path (so the A/B parts the 3-bit path from the
+# 2-bit two-field lanes and the launches by width that followed it), each with the kernels/unpack.py it was written
+# against.
+AB_BASELINES := baf9cf7 09710ae ace48f4
 gpu-ab-baseline:
 	rm -rf .ab && mkdir -p .ab
 	for c in $(AB_BASELINES); do git show $$c:kernels/decode_attention.py > .ab/$$c.py && mkdir .ab/$$c && \
