@@ -689,9 +689,13 @@ def fast_options(kw: int, vw: int) -> dict:
     return {k: v for k, v in FAST_LAUNCH[max(kw, vw)].items() if k != "block_n"}
 
 
-def _without_zero_cap(kwargs: dict) -> dict:
-    """Launch keyword arguments with maxnreg 0 (no register cap) left out."""
-    return {k: v for k, v in kwargs.items() if not (k == "maxnreg" and v == 0)}
+@functools.lru_cache(maxsize=256)
+def _launch_options(kw: int, vw: int, fast: bool, given: tuple) -> dict:
+    """Stage 1's Triton launch options for a bucket: the fast kernel's defaults (fast_options), then the caller's
+    `given` ((name, value) pairs), maxnreg 0 (no register cap) left out. Cached: built once per bucket and call
+    signature (the eager decode step is host-bound); read-only."""
+    merged = {**(fast_options(kw, vw) if fast else {}), **dict(given)}
+    return {k: v for k, v in merged.items() if not (k == "maxnreg" and v == 0)}
 
 
 def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
@@ -872,7 +876,7 @@ def decode_attention(
     m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
     kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
     options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
-    launch = {k: v for k, v in options if v is not None}
+    given = tuple((k, v) for k, v in options if v is not None)
     extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
     concurrent = (
         CONCURRENT_BUCKETS and len(buckets) > 1 and q.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -898,7 +902,8 @@ def decode_attention(
                     q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,
                     QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                     ASM=os.environ.get("TRITON_INTERPRET") != "1",
-                    **_without_zero_cap({**common, **fast_options(kw, vw), **launch}),
+                    **common,
+                    **_launch_options(kw, vw, True, given),
                 )  # fmt: skip
             else:
                 _decode_split_kernel[(B * len(heads), n_cols)](
@@ -906,7 +911,8 @@ def decode_attention(
                     QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
                     INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
                     PREFETCH=(kw, vw) != (16, 16),
-                    **_without_zero_cap({**common, **launch}),
+                    **common,
+                    **_launch_options(kw, vw, False, given),
                 )  # fmt: skip
     finally:
         if concurrent:  # the combine waits for every bucket
