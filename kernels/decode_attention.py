@@ -36,18 +36,19 @@ from kernels.unpack import (
 LOG2E = math.log2(math.e)
 # The generic kernel's tokens per tile: at 64 (4 warps) the sm_90 build spills registers; 32 does not.
 BLOCK_N = 32
-# The fast packed kernel's launch by the wider of a bucket's two widths: tokens per tile (the M of its score mma),
-# software-pipeline stages, and a register cap (ptxas's --maxrregcount). History, 4 warps at 32 query / 8 KV heads,
-# batch 8, 32K (results/kernels/NVIDIA_H100_80GB_HBM3): with 5317e84's loop and Triton's 3 stages, uncapped
-# (check-6e86fcf/tune), 4 bits took 154 us at 64 tokens against 164 at 128 (126 registers against 168: 4 blocks an
-# SM against 3), 2 bits 130 us at 128 against 141 at 64, 32-token tiles were slower at every width; 8 bits
-# (check-4515883's A/B) 215 us at 64 against 218 at 128. Now 2 and 4 bits take 128 tokens, 2 stages and
-# at most 128 registers, chosen by the static figures alone (`python -m kernels.gpu.inspect --widths 4
-# --block-n 64 128 --stages 2 3 --maxnreg 128`, Triton 3.6, sm_90a): at 4 bits 635 loop instructions a 128-token
-# tile (3.97 per KV byte), no spills, 128 registers and 53 KB of shared memory (4 blocks an SM, as at 64 tokens),
-# against 730 for two 64-token tiles; at 2 bits 542 instructions with 128 registers (163 uncapped, 3 blocks an SM);
-# 3 bits take 64 tokens, 2 stages and the cap: 372 instructions a tile against 385 (at 128 tokens 670 against 770,
-# but ptxas spills a register outside the loop). 8 bits keep their timed setting (at 128 tokens 721 instructions
+# The fast packed kernel's launch by width (a bucket of two widths takes the one with the smaller tile:
+# _fast_launch): tokens per tile (the M of its score mma), software-pipeline stages, and a register cap (ptxas's
+# --maxrregcount). History, 4 warps at 32 query / 8 KV heads, batch 8, 32K (results/kernels/NVIDIA_H100_80GB_HBM3):
+# with 5317e84's loop and Triton's 3 stages, uncapped (check-6e86fcf/tune), 4 bits took 154 us at 64 tokens
+# against 164 at 128 (126 registers against 168: 4 blocks an SM against 3), 2 bits 130 us at 128 against 141 at
+# 64, 32-token tiles were slower at every width; 8 bits (check-4515883's A/B) 215 us at 64 against 218 at 128.
+# Now 2 and 4 bits take 128 tokens, 2 stages and at most 128 registers, chosen by the static figures alone
+# (`python -m kernels.gpu.inspect --widths 4 --block-n 64 128 --stages 2 3 --maxnreg 128`, Triton 3.6, sm_90a):
+# at 4 bits 635 loop instructions a 128-token tile (3.97 per KV byte), no spills, 128 registers and 53 KB of
+# shared memory (4 blocks an SM, as at 64 tokens), against 730 for two 64-token tiles; at 2 bits 542
+# instructions with 128 registers (163 uncapped, 3 blocks an SM). 3 bits take 64 tokens, 2 stages and the cap:
+# 372 instructions a tile against 385 (at 128 tokens 670 against 770, but ptxas spills a register outside the
+# loop, as in a bucket of 3 and 4 bits). 8 bits keep their timed setting (at 128 tokens 721 instructions
 # against 810, but 70 KB of shared memory: 3 blocks an SM). Not yet timed on a GPU: kernels.gpu.bench's tuning
 # grid times these settings beside the earlier ones.
 FAST_LAUNCH = {
@@ -678,15 +679,23 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
     return max(1, min(cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
+def _fast_launch(kw: int, vw: int) -> dict:
+    """FAST_LAUNCH's entry for a bucket of kw-bit keys and vw-bit values: that of the width with the smaller tile
+    (at equal tiles, the wider width's), so that a 3-bit side keeps its 64-token tile (3 and 4 bits at 128 tokens
+    under the cap spill a register, sm_90a)."""
+    narrow, wide = FAST_LAUNCH[min(kw, vw)], FAST_LAUNCH[max(kw, vw)]
+    return narrow if narrow["block_n"] < wide["block_n"] else wide
+
+
 def fast_block_n(kw: int, vw: int) -> int:
     """The fast kernel's default tokens per tile for a bucket of keys at kw bits and values at vw."""
-    return FAST_LAUNCH[max(kw, vw)]["block_n"]
+    return _fast_launch(kw, vw)["block_n"]
 
 
 def fast_options(kw: int, vw: int) -> dict:
     """The fast kernel's default Triton launch options (num_stages, maxnreg) for a bucket of kw-bit keys and vw-bit
     values."""
-    return {k: v for k, v in FAST_LAUNCH[max(kw, vw)].items() if k != "block_n"}
+    return {k: v for k, v in _fast_launch(kw, vw).items() if k != "block_n"}
 
 
 @functools.lru_cache(maxsize=256)

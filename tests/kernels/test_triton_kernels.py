@@ -431,7 +431,9 @@ def test_fast_kernel_tiles_default_to_its_own_launch(device, monkeypatch):
         "generic": {"BLOCK_N": da.BLOCK_N},
     }
     assert da.fast_block_n(4, 4) == 128 and da.fast_block_n(2, 2) == 128 and da.fast_block_n(2, 8) == 64
-    assert da.fast_block_n(3, 3) == 64 and da.fast_block_n(2, 3) == 64 and da.fast_block_n(3, 4) == 128
+    # a bucket takes the launch of its width with the smaller tile (at equal tiles the wider width's)
+    assert da.fast_block_n(3, 3) == 64 and da.fast_block_n(2, 3) == 64 and da.fast_block_n(4, 3) == 64
+    assert da.fast_options(3, 4) == da.fast_options(3, 3) and da.fast_options(3, 8) == da.fast_options(8, 8)
     assert da.fast_options(8, 8) == {"num_stages": 3} and da.fast_options(2, 3) == {
         "num_stages": 2,
         "maxnreg": 128,
