@@ -57,6 +57,16 @@ FAST_LAUNCH = {
     4: {"block_n": 128, "num_stages": 2, "maxnreg": 128},
     8: {"block_n": 64, "num_stages": 3},
 }
+# Heads of 64 channels and fewer (smollm2-135m's and the other small models'), where the compiled code differs, by
+# the static figures alone (`python -m kernels.gpu.inspect --head-dim 64 --hq 9 --hkv 3 ...`, Triton 3.6,
+# sm_90a): at 2 bits a 128-token V tile goes to shared memory in 64 16-bit stores (Triton lays it out
+# token-major), 438 loop instructions against 2 x 198 at 64 tokens; at 8 bits 128 tokens, 2 stages and the cap
+# take 419 against 2 x 258 (and 64/3 spills 16 bytes outside the loop). 4 bits keep 128 tokens (380).
+FAST_LAUNCH_SMALL_HEADS = {
+    **FAST_LAUNCH,
+    2: {"block_n": 64, "num_stages": 2, "maxnreg": 128},
+    8: {"block_n": 128, "num_stages": 2, "maxnreg": 128},
+}
 # Captured in a CUDA graph, a mixed map's width buckets run concurrently, one stream each, so that one launch
 # fills the SMs that another's last wave leaves idle: on the H100 (2,2,2,2,4,4,8,8, shape above) a replay took
 # 155 us against 170 with the buckets in turn (uniform 4 bits: 142). Launched eagerly the call waits on the host,
@@ -481,9 +491,10 @@ def _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW: tl.c
     alpha = tl.exp2(m_i - m_new)
     l_rows = l_rows * alpha[None, :] + p
     v = _packed_tile(vp, vs, vz, rows, mask_n, VW, D, VG, V_SYM, ASM, False, MASKED)
+    vT = tl.trans(v)
     if ASM:  # an identity Triton cannot look through: see _opaque
-        v = _opaque(v)
-    acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+        vT = _opaque(vT)
+    acc = acc * alpha[None, :] + tl.dot(vT, p.to(tl.float16))
     return m_new, l_rows, acc
 
 
@@ -679,31 +690,32 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
     return max(1, min(cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
-def _fast_launch(kw: int, vw: int) -> dict:
-    """FAST_LAUNCH's entry for a bucket of kw-bit keys and vw-bit values: that of the width with the smaller tile
-    (at equal tiles, the wider width's), so that a 3-bit side keeps its 64-token tile (3 and 4 bits at 128 tokens
-    under the cap spill a register, sm_90a)."""
-    narrow, wide = FAST_LAUNCH[min(kw, vw)], FAST_LAUNCH[max(kw, vw)]
+def _fast_launch(kw: int, vw: int, head_dim: int) -> dict:
+    """The launch (FAST_LAUNCH, FAST_LAUNCH_SMALL_HEADS at head_dim 64 and below) of a bucket of kw-bit keys and
+    vw-bit values: that of the width with the smaller tile (at equal tiles, the wider width's), so that a 3-bit
+    side keeps its 64-token tile (3 and 4 bits at 128 tokens under the cap spill a register, sm_90a)."""
+    table = FAST_LAUNCH_SMALL_HEADS if head_dim <= 64 else FAST_LAUNCH
+    narrow, wide = table[min(kw, vw)], table[max(kw, vw)]
     return narrow if narrow["block_n"] < wide["block_n"] else wide
 
 
-def fast_block_n(kw: int, vw: int) -> int:
+def fast_block_n(kw: int, vw: int, head_dim: int) -> int:
     """The fast kernel's default tokens per tile for a bucket of keys at kw bits and values at vw."""
-    return _fast_launch(kw, vw)["block_n"]
+    return _fast_launch(kw, vw, head_dim)["block_n"]
 
 
-def fast_options(kw: int, vw: int) -> dict:
+def fast_options(kw: int, vw: int, head_dim: int) -> dict:
     """The fast kernel's default Triton launch options (num_stages, maxnreg) for a bucket of kw-bit keys and vw-bit
     values."""
-    return {k: v for k, v in _fast_launch(kw, vw).items() if k != "block_n"}
+    return {k: v for k, v in _fast_launch(kw, vw, head_dim).items() if k != "block_n"}
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_options(kw: int, vw: int, fast: bool, given: tuple) -> dict:
+def _launch_options(kw: int, vw: int, head_dim: int, fast: bool, given: tuple) -> dict:
     """Stage 1's Triton launch options for a bucket: the fast kernel's defaults (fast_options), then the caller's
     `given` ((name, value) pairs), maxnreg 0 (no register cap) left out. Cached: built once per bucket and call
     signature (the eager decode step is host-bound); read-only."""
-    merged = {**(fast_options(kw, vw) if fast else {}), **dict(given)}
+    merged = {**(fast_options(kw, vw, head_dim) if fast else {}), **dict(given)}
     return {k: v for k, v in merged.items() if not (k == "maxnreg" and v == 0)}
 
 
@@ -736,7 +748,7 @@ def plan_splits(
     plans = []
     for kw, vw, heads in buckets:
         fast = fast_bucket(kw, vw, q_dtype, k_store.head_dim, k_store.group_size, v_store.group_size)
-        tile = block_n or (fast_block_n(kw, vw) if fast else BLOCK_N)
+        tile = block_n or (fast_block_n(kw, vw, k_store.head_dim) if fast else BLOCK_N)
         programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
         n = num_splits or _default_splits(span, programs, tile, device)
         plans.append((tile, cdiv(cdiv(max(span, 1), n), tile) * tile))  # whole tiles
@@ -912,7 +924,7 @@ def decode_attention(
                     QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                     ASM=os.environ.get("TRITON_INTERPRET") != "1",
                     **common,
-                    **_launch_options(kw, vw, True, given),
+                    **_launch_options(kw, vw, D, True, given),
                 )  # fmt: skip
             else:
                 _decode_split_kernel[(B * len(heads), n_cols)](
@@ -921,7 +933,7 @@ def decode_attention(
                     INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
                     PREFETCH=(kw, vw) != (16, 16),
                     **common,
-                    **_launch_options(kw, vw, False, given),
+                    **_launch_options(kw, vw, D, False, given),
                 )  # fmt: skip
     finally:
         if concurrent:  # the combine waits for every bucket

@@ -430,14 +430,20 @@ def test_fast_kernel_tiles_default_to_its_own_launch(device, monkeypatch):
         "fast": {"BLOCK_N": 128, "num_stages": 2, "maxnreg": 128},
         "generic": {"BLOCK_N": da.BLOCK_N},
     }
-    assert da.fast_block_n(4, 4) == 128 and da.fast_block_n(2, 2) == 128 and da.fast_block_n(2, 8) == 64
-    # a bucket takes the launch of its width with the smaller tile (at equal tiles the wider width's)
-    assert da.fast_block_n(3, 3) == 64 and da.fast_block_n(2, 3) == 64 and da.fast_block_n(4, 3) == 64
-    assert da.fast_options(3, 4) == da.fast_options(3, 3) and da.fast_options(3, 8) == da.fast_options(8, 8)
-    assert da.fast_options(8, 8) == {"num_stages": 3} and da.fast_options(2, 3) == {
-        "num_stages": 2,
-        "maxnreg": 128,
+    tile = {
+        (kw, vw, d): da.fast_block_n(kw, vw, d)
+        for kw in (2, 3, 4, 8)
+        for vw in (2, 3, 4, 8)
+        for d in (64, 128)
     }
+    assert tile[4, 4, 128] == tile[2, 2, 128] == 128 and tile[8, 8, 128] == 64
+    assert tile[2, 2, 64] == 64 and tile[8, 8, 64] == tile[4, 4, 64] == 128  # heads of 64 channels: own table
+    # a bucket takes the launch of its width with the smaller tile (at equal tiles the wider width's)
+    assert tile[2, 8, 128] == tile[3, 3, 128] == tile[2, 3, 128] == tile[4, 3, 128] == 64
+    assert tile[2, 8, 64] == 64 and tile[4, 8, 64] == 128
+    assert da.fast_options(3, 4, 128) == da.fast_options(3, 3, 128)
+    assert da.fast_options(3, 8, 128) == da.fast_options(8, 8, 128) == {"num_stages": 3}
+    assert da.fast_options(2, 3, 128) == da.fast_options(8, 8, 64) == {"num_stages": 2, "maxnreg": 128}
     got = da.decode_attention(q, ks, vs, 0.125, num_stages=3, maxnreg=168, num_warps=4)
     assert launches["fast"] == {"BLOCK_N": 128, "num_stages": 3, "maxnreg": 168, "num_warps": 4}
     assert launches["generic"] == {"BLOCK_N": da.BLOCK_N, "num_stages": 3, "maxnreg": 168, "num_warps": 4}
@@ -453,9 +459,9 @@ def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():
     mixed = [PackedStore([2, 2, 2, 2, 4, 4, 8, 3], 64, 2) for _ in range(2)]
     _, (plan,), _ = plan_splits(*uniform, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
     _, plans, _ = plan_splits(*mixed, 8192, None, torch.device("cpu"), q_dtype=torch.float16)
-    assert plan[0] == fast_block_n(4, 4)
+    assert plan[0] == fast_block_n(4, 4, 64)
     fast = {w: plans[i] for i, w in ((0, 2), (2, 4), (3, 8))}  # buckets in width order: 2, 3, 4, 8 bits
-    assert {w: tile for w, (tile, _) in fast.items()} == {w: fast_block_n(w, w) for w in fast}
+    assert {w: tile for w, (tile, _) in fast.items()} == {w: fast_block_n(w, w, 64) for w in fast}
     # fast buckets: splits as long as the uniform map's
     assert {chunk for _, chunk in fast.values()} == {plan[1]}
     tile, chunk = plans[1]  # (3, 3): the generic kernel, one head: more, shorter splits

@@ -59,7 +59,7 @@ def test_inspector_compiles_one_variant_for_hopper(cli, tmp_path):
     assert (
         row["kernel"] == "_decode_packed_kernel"
         and row["key_bits"] == "4"
-        and row["block_n"] == str(fast_block_n(4, 4))
+        and row["block_n"] == str(fast_block_n(4, 4, 128))
     )
     # the default launch reaches the compiler: its stages, and its register cap (which Triton 3.6, the GPU
     # machines', meets without spilling; later Tritons may spill under it, so spills are only reported here)
@@ -67,7 +67,7 @@ def test_inspector_compiles_one_variant_for_hopper(cli, tmp_path):
     assert 0 < int(row["registers"]) <= FAST_LAUNCH[4]["maxnreg"] and int(row["spill_bytes"]) >= 0
     assert int(row["loop_instr"]) > 0 and int(row["mma"]) > 0
     assert float(row["instr_per_byte"]) == pytest.approx(
-        int(row["loop_instr"]) * 32 * 4 / (fast_block_n(4, 4) * 2 * (64 + 16)), rel=1e-2
+        int(row["loop_instr"]) * 32 * 4 / (fast_block_n(4, 4, 128) * 2 * (64 + 16)), rel=1e-2
     )
     assert "1" not in row["payload_load_bytes"].split()  # no byte-wide load in the loop
     assert int(row["i2f"]) == 0  # codes become fp16 by bit operations
