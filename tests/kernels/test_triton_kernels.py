@@ -374,6 +374,8 @@ class _LaunchSpy:
         ((4, 3, 3), (3, 4, 2), 128, 128, False, torch.bfloat16, 17),
         ((3, 3, 8), (2, 3, 3), 256, 32, True, torch.float16, 3),
         ((3, 3, 3), (4, 4, 3), 256, 64, False, torch.float16, 0),
+        ((2, 2, 2), (2, 2, 2), 128, 16, True, torch.float16, 5),
+        ((2, 2, 2), (2, 2, 2), 64, 32, False, torch.bfloat16, 0),
     ],
 )
 def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra,
