@@ -44,11 +44,11 @@ BLOCK_N = 32
 # 64, 32-token tiles were slower at every width; 8 bits (check-4515883's A/B) 215 us at 64 against 218 at 128.
 # Now 2 and 4 bits take 128 tokens, 2 stages and at most 128 registers, chosen by the static figures alone
 # (`python -m kernels.gpu.inspect --widths 4 --block-n 64 128 --stages 2 3 --maxnreg 128`, Triton 3.6, sm_90a):
-# at 4 bits 631 loop instructions a 128-token tile (3.94 per KV byte), no spills, 128 registers and 54 KB of
-# shared memory (4 blocks an SM, as at 64 tokens), against 730 for two 64-token tiles; at 2 bits 528
-# instructions with 128 registers (163 uncapped, 3 blocks an SM). 3 bits take 64 tokens, 2 stages and the cap:
-# 371 instructions a tile against 385 (at 128 tokens 670 against 770, but ptxas spills a register outside the
-# loop, as in a bucket of 3 and 4 bits). 8 bits keep their timed setting (at 128 tokens 721 instructions
+# at 4 bits 631 loop instructions a 128-token tile (3.94 per KV byte), no spills, 128 registers (168 uncapped) and
+# 54 KB of shared memory (4 blocks an SM, as at 64 tokens), against 730 for two 64-token tiles; at 2 bits 528
+# instructions at 128 registers (the cap does not bind there: 525 uncapped). 3 bits take 64 tokens, 2 stages and
+# the cap: 371 instructions a tile against 385 (at 128 tokens 670 against 770, but ptxas spills a register outside
+# the loop, as in a bucket of 3 and 4 bits). 8 bits keep their timed setting (at 128 tokens 721 instructions
 # against 810, but 70 KB of shared memory: 3 blocks an SM). Not yet timed on a GPU: kernels.gpu.bench's tuning
 # grid times these settings beside the earlier ones.
 FAST_LAUNCH = {
