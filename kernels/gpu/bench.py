@@ -12,7 +12,7 @@ This module owns the kernel benchmark. At each (head shape, batch, context) it t
 - `step_fused` / `step_bf16` (head shape 32x8): a whole per-layer decode step, i.e. writing the new token's
   K and V (quantize_into, or a copy into preallocated bf16 K/V) and attending;
 - `fused_tuned` (head shape 32x8, batch 8, context 32K, widths 4, 3 and 2): block_n x num_stages x maxnreg x
-  splits at 4 warps, the fastest setting per width;
+  splits at 4 warps (and 256-token tiles at 2 bits), the fastest setting per width;
 - `quantize`: quantize_into throughput.
 Times are triton.testing.do_bench medians (warm-up; the L2 cache is flushed before each call) on CUDA, and
 wall-clock medians in a dry run on CPU (TRITON_INTERPRET=1, tiny shapes: a check that the code runs, no
@@ -362,12 +362,16 @@ def step_16bit(run: Bench, shape, q, k, v, scale) -> None:
 def tune(run: Bench, shape, t, mean, q, kst, vst, scale, base_bytes, dry_run: bool) -> None:
     """The fused kernel over block_n x num_stages x maxnreg (0: uncapped) x splits (multiples of the default) at
     4 warps (32-token tiles and 8 warps were slower at every width on the H100, check-6e86fcf); one row per
-    setting, the fastest marked in `note`."""
+    setting, the fastest marked in `note`. At 2 bits 256-token tiles come first: 2 stages under the register
+    cap compile without spills at 5.19 thread-instructions per KV byte against 5.50 at 128 tokens, but need 92 KB
+    of shared memory (2 blocks an SM), which only a GPU can weigh (`python -m kernels.gpu.inspect --widths 2
+    --block-n 128 256 --stages 2 --maxnreg 128`, Triton 3.6, sm_90a)."""
     from kernels.decode_attention import _default_splits, decode_attention
 
     B, hq, D, L = q.shape[0], q.shape[1], q.shape[2], kst.length
     base = _default_splits(L, B * len(kst.bits), 32, q.device)
-    grid = [(32, 4, 2, 0, 1)] if dry_run else [
+    wide = [(256, 4, 2, 128, m) for m in (1, 2)] if set(kst.bits) == {2} else []
+    grid = [(32, 4, 2, 0, 1)] if dry_run else wide + [
         (bn, 4, s, r, m) for bn in (128, 64) for s in (2, 3) for r in (128, 0) for m in (1, 2)
     ]  # fmt: skip
     best = None
