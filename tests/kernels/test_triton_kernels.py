@@ -403,6 +403,36 @@ def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size
     assert spy.launches == 2 * len(set(zip(k_bits, v_bits)))  # every bucket took the fast kernel
 
 
+@pytest.mark.parametrize(
+    "bits, head_dim, block_n",
+    [(2, 128, None), (2, 128, 256), (4, 128, None), (8, 128, None), (3, 128, None), (2, 64, None)],
+)
+def test_fast_kernel_whole_tiles_at_each_launch(device, bits, head_dim, block_n):
+    """Whole unmasked tiles of each width's own launch (FAST_LAUNCH; and the 256-token tiles the tuning grid
+    tries at 2 bits) then a masked last one, at 4 query heads a KV head (the benchmark's grouping): the output
+    matches the float64 oracle over the dequantized stores, in one split and in three."""
+    from kernels import decode_attention as da
+
+    length = 600  # two 256-token tiles and a part, four 128-token ones and a part
+    gen = torch.Generator().manual_seed(bits * head_dim)
+    ks, vs = (
+        PackedStore([bits] * 2, head_dim, 1, group_size=32, symmetric=sym, device=device, capacity=length + 5)
+        for sym in (False, True)
+    )
+    for st in (ks, vs):
+        _fill_garbage(st)
+        st.append(torch.randn(1, 2, length, head_dim, generator=gen).to(device) * 2, keep_dequantized=False)
+    q = torch.randn(1, 8, head_dim, generator=gen).to(device=device, dtype=torch.float16)
+    keys, values = ks.dequantize(), vs.dequantize()
+    ref = reference.attention_reference(q[:, :, None], keys, values, head_dim**-0.5)[:, :, 0]
+    tile = block_n or da.fast_block_n(bits, bits, head_dim)
+    assert length // tile >= 2  # whole tiles first
+    for num_splits in (1, 3):
+        out = decode_attention(q, ks, vs, head_dim**-0.5, num_splits=num_splits, block_n=block_n)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < 1e-2, (num_splits, err)
+
+
 def test_fast_kernel_tiles_default_to_its_own_launch(device, monkeypatch):
     """Without block_n the fast kernel runs its width's tiles, stages and register cap (FAST_LAUNCH) and the
     generic one BLOCK_N with Triton's defaults (a 4-bit bucket and a 16-bit one in the same call); options the
