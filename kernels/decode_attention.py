@@ -428,7 +428,6 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
     NW: tl.constexpr = D * W // 32
     NU: tl.constexpr = D // 32 if W == 3 else NW  # units: words, or at 3 bits 3 words of 32 codes
     NG: tl.constexpr = D // G
-    BLOCK_N: tl.constexpr = rows.shape[0]
     r64 = rows.to(tl.int64)
     g = tl.arange(0, NG)
     if W == 3:
@@ -459,18 +458,21 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
         s = tl.load(sc_ptr)
         z = s if SYM else tl.load(zc_ptr)
     s2, z2, z2o = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
-    # each unit's group constants, broadcast over the units of a group
-    s2 = tl.reshape(tl.broadcast_to(s2[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
-    z2 = tl.reshape(tl.broadcast_to(z2[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
+    s2, z2 = _per_unit(s2, NU), _per_unit(z2, NU)
     if W == 3:
         tile = dequant_tile3(u0, u1, u2, s2, z2, SYM, ASM, LANES)
     else:
-        if W == 2:  # odd pairs' constant (else the same as z2)
-            z2o = tl.reshape(tl.broadcast_to(z2o[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
-        else:
-            z2o = z2
+        z2o = _per_unit(z2o, NU) if W == 2 else z2  # odd pairs' constant (else the same as z2)
         tile = dequant_tile(words, s2, z2, z2o, W, SYM, ASM, LANES)
     return tile
+
+
+@triton.jit
+def _per_unit(c, NU: tl.constexpr):
+    """Group constants c (BLOCK_N, NG) -> each unit's (BLOCK_N, NU): a group's constant over its NU / NG units."""
+    BLOCK_N: tl.constexpr = c.shape[0]
+    NG: tl.constexpr = c.shape[1]
+    return tl.reshape(tl.broadcast_to(c[:, :, None], (BLOCK_N, NG, NU // NG)), (BLOCK_N, NU))
 
 
 @triton.jit
