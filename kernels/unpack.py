@@ -257,62 +257,49 @@ def group_constants(s, z, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr)
     both lanes of both (symmetric: -24 s); at 2 bits zero - 4 s (even) and zero - 16 s (odd) (symmetric: -6 s,
     -18 s); at 3 bits zero - 8 s in the low lane and zero - 16 s in the high one (symmetric: -12 s, -20 s); at 8
     bits the zero itself (symmetric: unused)."""
-    if W == 2:
-        z2 = _offset_splat(s, z, -6.0 if SYM else -4.0, "0xC600" if SYM else "0xC400", SYM, ASM)
-        z2o = _offset_splat(s, z, -18.0 if SYM else -16.0, "0xCC80" if SYM else "0xCC00", SYM, ASM)
-    elif W == 4:
-        z2 = _offset_splat(s, z, -24.0 if SYM else -16.0, "0xCE00" if SYM else "0xCC00", SYM, ASM)
+    if W == 2:  # fp16 bits of -4, -16 (symmetric: -6, -18)
+        z2 = _offsets(s, z, -6.0 if SYM else -4.0, "0xC600" if SYM else "0xC400", None, None, SYM, ASM)
+        z2o = _offsets(s, z, -18.0 if SYM else -16.0, "0xCC80" if SYM else "0xCC00", None, None, SYM, ASM)
+    elif W == 4:  # -16 (symmetric: -24)
+        z2 = _offsets(s, z, -24.0 if SYM else -16.0, "0xCE00" if SYM else "0xCC00", None, None, SYM, ASM)
         z2o = z2
     elif W == 8:
         z2 = splat2(z, ASM)
         z2o = z2
-    elif ASM:  # 3 bits: fp16 bits of -8, -16 (symmetric: -12, -20)
-        z2 = tl.inline_asm_elementwise(
-            "{.reg .b16 c, d, k, l; mov.b16 k, "
-            + ("0xCA00; mov.b16 l, 0xCD00; " if SYM else "0xC800; mov.b16 l, 0xCC00; ")
-            + "fma.rn.f16 c, $1, k, $2; fma.rn.f16 d, $1, l, $2; mov.b32 $0, {c, d};}",
+    else:  # 3 bits: -8 low, -16 high (symmetric: -12, -20)
+        z2 = _offsets(
+            s, z, -12.0 if SYM else -8.0, "0xCA00" if SYM else "0xC800", -20.0 if SYM else -16.0,
+            "0xCD00" if SYM else "0xCC00", SYM, ASM,
+        )  # fmt: skip
+        z2o = z2
+    return splat2(s, ASM), z2, z2o
+
+
+@triton.jit
+def _offsets(s, z, K: tl.constexpr, K_BITS: tl.constexpr, K_HI: tl.constexpr, K_HI_BITS: tl.constexpr,
+             SYM: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """fp16 z + K s in the low lane of an int32 and z + K_HI s in the high one (K_HI None: K in both; symmetric:
+    K s, K_HI s), each rounded once; K_BITS, K_HI_BITS: the constants' fp16 bits."""
+    if ASM:
+        if K_HI is None:
+            pack: tl.constexpr = "mov.b32 $0, {c, c};}"
+        else:
+            pack: tl.constexpr = "fma.rn.f16 d, $1, l, $2; mov.b32 $0, {c, d};}"
+        high: tl.constexpr = "" if K_HI is None else " mov.b16 l, " + K_HI_BITS + ";"
+        return tl.inline_asm_elementwise(
+            "{.reg .b16 c, d, k, l; mov.b16 k, " + K_BITS + ";" + high + " fma.rn.f16 c, $1, k, $2; " + pack,
             "=r,h,h",
             [s, tl.zeros_like(s) if SYM else z],
             tl.int32,
             True,
             1,
         )
-        z2o = z2
     else:
         base = 0.0 if SYM else z.to(tl.float64)
         s64 = s.to(tl.float64)
-        z_lo = (base - (12.0 if SYM else 8.0) * s64).to(tl.float16)
-        z_hi = (base - (20.0 if SYM else 16.0) * s64).to(tl.float16)
-        z2 = _bits(z_lo, z_hi)
-        z2o = z2
-    return splat2(s, ASM), z2, z2o
-
-
-@triton.jit
-def _offset_splat(s, z, K: tl.constexpr, K_BITS: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
-    """fp16 z + K s (symmetric: K s) in both lanes of an int32, rounded once; K_BITS: K's fp16 bits."""
-    if ASM:
-        if SYM:
-            return tl.inline_asm_elementwise(
-                "{.reg .b16 c, k; mov.b16 k, " + K_BITS + "; mul.rn.f16 c, $1, k; mov.b32 $0, {c, c};}",
-                "=r,h",
-                [s],
-                tl.int32,
-                True,
-                1,
-            )
-        else:
-            return tl.inline_asm_elementwise(
-                "{.reg .b16 c, k; mov.b16 k, " + K_BITS + "; fma.rn.f16 c, $1, k, $2; mov.b32 $0, {c, c};}",
-                "=r,h,h",
-                [s, z],
-                tl.int32,
-                True,
-                1,
-            )
-    else:
-        base = 0.0 if SYM else z.to(tl.float64)
-        return splat2((base + K * s.to(tl.float64)).to(tl.float16), False)
+        lo = (base + K * s64).to(tl.float16)
+        hi = lo if K_HI is None else (base + K_HI * s64).to(tl.float16)
+        return _bits(lo, hi)
 
 
 @triton.jit
