@@ -358,14 +358,10 @@ def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
 @triton.jit
 def _q_piece(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
     """The column pairs m = 8 j + REV (j < D / 16) of the scores operand, as int32 (QG_B, D / 16) of two fp16
-    lanes: column 2m in the low, 2m + 1 (at 4 and 8 bits the channel P = 16 / W above) in the high half."""
+    lanes: column 2m in the low, 2m + 1 in the high half."""
     m = 8 * tl.arange(0, D // 16) + REV
-    c_lo = code_of_columns_jit(2 * m, W, D, True)
-    lo = _q_half(row_ptr, c_lo, mask, scale)
-    if W == 2 or W == 3:
-        hi = _q_half(row_ptr, code_of_columns_jit(2 * m + 1, W, D, True), mask, scale)
-    else:
-        hi = _q_half(row_ptr, c_lo + 16 // W, mask, scale)
+    lo = _q_half(row_ptr, code_of_columns_jit(2 * m, W, D, True), mask, scale)
+    hi = _q_half(row_ptr, code_of_columns_jit(2 * m + 1, W, D, True), mask, scale)
     return pack_f16x2(lo, hi, ASM)
 
 
