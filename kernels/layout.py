@@ -11,6 +11,7 @@ contiguous block of memory (a tile of tokens is one run of bytes that a kernel r
     zero     float16  (B, Hw, cap, D // g)              None when symmetric
     values   dtype    (B, Hw, cap, D)                   the bucket of 16-bit heads (kept in the model's dtype)
     slot     int32 (Hkv,)                               head h's index inside its bucket, read by the kernels
+    bucket_heads int32 (Hkv,)                           the heads in bucket order (the quantize kernel's jobs)
 Positions >= length are unused capacity. Capacity is a whole number of TOKEN_BLOCK tokens, so every head's block
 and every tile of a multiple of TOKEN_BLOCK tokens starts 16-byte aligned. A full store grows by
 max(TOKEN_BLOCK, length / GROWTH_DIVISOR) tokens, rounded up to whole blocks: appending a decode token is
@@ -20,6 +21,7 @@ amortized O(1) (a copy of the store every length / 32 steps), and from 1K tokens
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -109,8 +111,8 @@ class PackedStore:
         self.length, self.simulate = 0, simulate
 
         # One bucket per width, in width order; the torch path quantizes each bucket with one call, and the
-        # kernels launch once per width (the width a compile-time constant), finding a head in its bucket by
-        # `slot`.
+        # kernels compile each width's code apart (the width a compile-time constant), finding a head in its
+        # bucket by `slot`.
         cap = round_up(max(0, capacity))
         ng = head_dim // group_size if quantized else 0
         slot = [0] * len(bits)
@@ -136,6 +138,11 @@ class PackedStore:
             )
         self.bucket_of = {bk.width: bk for bk in self.buckets}
         self.slot = torch.tensor(slot, dtype=torch.int32, device=self.device)
+        # The heads in bucket order (width order, heads ascending in each), and where each bucket's run of them
+        # starts (the last entry: Hkv): the quantize kernel's program j writes head bucket_heads[j].
+        order = sorted(range(len(bits)), key=lambda h: (bits[h], h))
+        self.bucket_heads = torch.tensor(order, dtype=torch.int32, device=self.device)
+        self.bucket_starts = tuple(itertools.accumulate((len(bk.heads) for bk in self.buckets), initial=0))
         self._capacity = cap
         # With `simulate` (quant.simulate=true, fast quality sweeps) the store also keeps the dequantized values
         # of what it stored, appended once per token: a full-precision working copy, not stored bytes (nbytes()
@@ -156,14 +163,22 @@ class PackedStore:
             bk.resize(cap, self.length)
         self._capacity = cap
 
-    def append_with(self, x: torch.Tensor, write) -> None:
+    def append_with(self, x: torch.Tensor, write, v_store: PackedStore | None = None, v=None) -> None:
         """Store new tokens x (B, Hkv, Tn, D) through `write(store, x, start)`, which fills positions
-        [start, start + Tn) of every bucket, as kernels.quantize.quantize_into does with one launch per width;
-        no dequantized copy is kept."""
+        [start, start + Tn) of every bucket, as kernels.quantize.quantize_into does in one launch; with
+        v_store and v (a layer's values, as long as this store), `write(store, x, start, v_store=v_store, v=v)`
+        stores both. No dequantized copy is kept."""
         start, end = self.length, self.length + x.shape[2]
-        self._reserve(end)
-        write(self, x, start)
-        self.length = end
+        stores = (self,) if v_store is None else (self, v_store)
+        assert all(st.length == start for st in stores), [st.length for st in stores]
+        for st in stores:
+            st._reserve(end)
+        if v_store is None:
+            write(self, x, start)
+        else:
+            write(self, x, start, v_store=v_store, v=v)
+        for st in stores:
+            st.length = end
 
     def append(self, x: torch.Tensor, keep_dequantized: bool | None = None) -> torch.Tensor | None:
         """Quantize and store new tokens x (B, Hkv, Tn, D); return the dequantized stored values of all tokens.

@@ -1,9 +1,10 @@
 """Triton kernel that quantizes and packs new tokens of one layer into a PackedStore's tensors.
 
 This module owns the write side of the fused path: each decode step quantizes Tn new tokens of every KV head
-of a layer, with one launch per width bucket of kernels/layout.py (the width is a compile-time constant, so a
-launch carries only its own width's code path): 2, 3, 4 or 8 bits packed into the bucket's `payload`, with fp16
-`scale`/`zero`; 16-bit heads copied into the 16-bit bucket's `values`. The bit format is
+of a layer, keys and values in one launch (a decode step's host time is per launch): each width bucket of
+kernels/layout.py is a branch of its own, its width a compile-time constant, so a program runs only its head's
+width's code: 2, 3, 4 or 8 bits packed into the bucket's `payload`, with fp16 `scale`/`zero`; 16-bit heads
+copied into the 16-bit bucket's `values`. The bit format is
 kernels/reference.py's (the kernel is bit-exact with reference.quantize); where rows live is
 kernels/layout.py's."""
 
@@ -52,46 +53,38 @@ def _store_packed3(codes, out_ptrs_row, mask_t, D: tl.constexpr, D_B: tl.constex
 
 
 @triton.jit
-def _quantize_kernel(
+def _quantize_head(
     x_ptr,
     stride_xb,
     stride_xh,
     stride_xt,
     stride_xd,
+    h,
+    b,
+    j,
+    n_heads,
+    cap,
+    pos,
+    Tn,
+    pid_t,
     out_ptr,
-    stride_ob,
-    stride_oh,
-    stride_ot,
     scale_ptr,
     zero_ptr,
-    stride_sb,
-    stride_sh,
-    stride_st,
-    heads_ptr,
-    Tn,
-    pos_arg,
-    pos_ptr,
     W: tl.constexpr,
     D: tl.constexpr,
     G: tl.constexpr,
     NG_B: tl.constexpr,
     BLOCK_T: tl.constexpr,
     SYM: tl.constexpr,
-    POS_FROM_PTR: tl.constexpr,
 ):
-    # grid: (cdiv(Tn, BLOCK_T), B, heads of one width W); a program handles BLOCK_T tokens of one KV head, the
-    # j-th head of the width's bucket (kernels/layout.py): out_ptr is the bucket's payload (uint8
-    # (B, Hw, cap, D * W // 8)), or its values (B, Hw, cap, D) at W 16.
-    pid_t = tl.program_id(0)
-    b = tl.program_id(1)
-    j = tl.program_id(2)
-    h = tl.load(heads_ptr + j)
-    orow = out_ptr + b.to(tl.int64) * stride_ob + j.to(tl.int64) * stride_oh
+    """Tokens [pid_t * BLOCK_T, + BLOCK_T) of x's KV head h in batch row b into slot j of a bucket of n_heads
+    heads at width W: out_ptr its payload (uint8 (B, n_heads, cap, D * W // 8)), or its values (B, n_heads, cap,
+    D) at W 16; scale_ptr and zero_ptr its (B, n_heads, cap, D // G) fp16 tensors. All contiguous (layout.py)."""
+    ROW: tl.constexpr = D if W == 16 else D * W // 8  # elements of one token's row in out_ptr
+    NG: tl.constexpr = D // G
     D_B: tl.constexpr = NG_B * G  # next power of two >= D, as G is a power of two dividing D
-    if POS_FROM_PTR:
-        pos = tl.load(pos_ptr)
-    else:
-        pos = pos_arg
+    bj = b.to(tl.int64) * n_heads + j  # (batch row, slot) of the bucket's head-major tensors
+    orow = out_ptr + bj * cap * ROW
 
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     grp = tl.arange(0, NG_B)
@@ -111,7 +104,7 @@ def _quantize_kernel(
     row = (pos + t).to(tl.int64)  # destination positions; int64 as cap * row stride can exceed 2**31
 
     if W == 16:
-        dst = orow + row[:, None, None] * stride_ot + d3
+        dst = orow + row[:, None, None] * ROW + d3
         tl.store(dst, x_raw.to(out_ptr.dtype.element_ty), mask=mask3)
     else:
         x = tl.minimum(tl.maximum(x_raw.to(tl.float32), -FP16_MAX), FP16_MAX)
@@ -129,7 +122,7 @@ def _quantize_kernel(
             # Padding lanes (tokens >= Tn, groups past D) get lo = hi = 0 so no inf - inf arithmetic happens.
             lo = tl.min(tl.where(mask3, x, float("inf")), axis=2)
             hi = tl.max(tl.where(mask3, x, float("-inf")), axis=2)
-            valid = mask_t[:, None] & (grp[None, :] < D // G)
+            valid = mask_t[:, None] & (grp[None, :] < NG)
             lo = tl.where(valid, lo, 0.0)
             hi = tl.where(valid, hi, 0.0)
             scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, qmax, tl.float32)).to(tl.float16)
@@ -142,15 +135,13 @@ def _quantize_kernel(
             q = tl.where(s == 0.0, 0.0, q)
         codes = tl.reshape(tl.where(mask3, q, 0.0).to(tl.int32), (BLOCK_T, D_B))
 
-        soff = (
-            b.to(tl.int64) * stride_sb + j.to(tl.int64) * stride_sh + row[:, None] * stride_st + grp[None, :]
-        )
-        smask = mask_t[:, None] & (grp[None, :] < D // G)
+        soff = bj * cap * NG + row[:, None] * NG + grp[None, :]
+        smask = mask_t[:, None] & (grp[None, :] < NG)
         tl.store(scale_ptr + soff, scale, mask=smask)
         if not SYM:
             tl.store(zero_ptr + soff, zero, mask=smask)
 
-        prow = orow + row[:, None] * stride_ot  # (BLOCK_T, 1): byte 0 of each token's packed row
+        prow = orow + row[:, None] * ROW  # (BLOCK_T, 1): byte 0 of each token's packed row
         pmask = mask_t[:, None]
         if W == 8:
             d = tl.arange(0, D_B)
@@ -159,6 +150,105 @@ def _quantize_kernel(
             _store_packed3(codes, prow, pmask, D, D_B)
         else:
             _store_packed(codes, prow, pmask, D, D_B, W)
+
+
+@triton.jit
+def _quantize_store(
+    x_ptr,
+    stride_xb,
+    stride_xh,
+    stride_xt,
+    stride_xd,
+    outs,
+    scales,
+    zeros,
+    heads_ptr,
+    starts,
+    cap,
+    job,
+    b,
+    pos,
+    Tn,
+    pid_t,
+    WIDTHS: tl.constexpr,
+    D: tl.constexpr,
+    G: tl.constexpr,
+    NG_B: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    SYM: tl.constexpr,
+):
+    """Job `job` of one store: the KV head heads_ptr[job], in the bucket i whose jobs are [starts[i],
+    starts[i + 1]), each bucket's width a compile-time constant of its own branch."""
+    h = tl.load(heads_ptr + job)
+    for i in tl.static_range(len(WIDTHS)):
+        if (job >= starts[i]) & (job < starts[i + 1]):
+            _quantize_head(
+                x_ptr, stride_xb, stride_xh, stride_xt, stride_xd, h, b, job - starts[i],
+                starts[i + 1] - starts[i], cap, pos, Tn, pid_t, outs[i], scales[i], zeros[i],
+                WIDTHS[i], D, G, NG_B, BLOCK_T, SYM,
+            )  # fmt: skip
+
+
+@triton.jit
+def _quantize_kernel(
+    k_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    k_outs,
+    k_scales,
+    k_zeros,
+    k_heads,
+    k_starts,
+    k_cap,
+    v_ptr,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    v_outs,
+    v_scales,
+    v_zeros,
+    v_heads,
+    v_starts,
+    v_cap,
+    Tn,
+    pos_arg,
+    pos_ptr,
+    K_WIDTHS: tl.constexpr,
+    V_WIDTHS: tl.constexpr,
+    K_D: tl.constexpr,
+    V_D: tl.constexpr,
+    K_G: tl.constexpr,
+    V_G: tl.constexpr,
+    K_NG_B: tl.constexpr,
+    V_NG_B: tl.constexpr,
+    K_SYM: tl.constexpr,
+    V_SYM: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    POS_FROM_PTR: tl.constexpr,
+):
+    # grid: (cdiv(Tn, BLOCK_T), B, Hk + Hv); a program handles BLOCK_T tokens of one KV head: jobs [0, Hk) the
+    # first store's heads, in bucket order, then the second store's (V_WIDTHS empty: one store).
+    pid_t = tl.program_id(0)
+    b = tl.program_id(1)
+    job = tl.program_id(2)
+    if POS_FROM_PTR:
+        pos = tl.load(pos_ptr)
+    else:
+        pos = pos_arg
+    n_k = k_starts[len(K_WIDTHS)]
+    if job < n_k:
+        _quantize_store(
+            k_ptr, stride_kb, stride_kh, stride_kt, stride_kd, k_outs, k_scales, k_zeros, k_heads, k_starts,
+            k_cap, job, b, pos, Tn, pid_t, K_WIDTHS, K_D, K_G, K_NG_B, BLOCK_T, K_SYM,
+        )  # fmt: skip
+    elif len(V_WIDTHS) > 0:
+        _quantize_store(
+            v_ptr, stride_vb, stride_vh, stride_vt, stride_vd, v_outs, v_scales, v_zeros, v_heads, v_starts,
+            v_cap, job - n_k, b, pos, Tn, pid_t, V_WIDTHS, V_D, V_G, V_NG_B, BLOCK_T, V_SYM,
+        )  # fmt: skip
 
 
 def check_group_size(group_size: int, head_dim: int) -> None:
@@ -182,8 +272,45 @@ def check_widths(bits: list[int] | tuple[int, ...], head_dim: int) -> None:
             raise NotImplementedError(f"width {b} needs head_dim a multiple of {need}; got {head_dim}")
 
 
-def quantize_into(store, x: torch.Tensor, pos: int | torch.Tensor, block_t: int | None = None) -> None:
-    """Quantize x into positions [pos, pos + Tn) of one layer's PackedStore: one launch per width bucket.
+def _store_args(store, x: torch.Tensor, pos: int | torch.Tensor) -> tuple[list, dict]:
+    """One store's runtime arguments (x and its strides, each bucket's output tensors, the heads in bucket
+    order, the buckets' job ranges, the capacity) and compile-time constants (widths, head_dim, group, symmetry)
+    for _quantize_kernel, after checking x and the position against the store."""
+    B, H, Tn, D = x.shape
+    assert (B, H, D) == (store.batch, len(store.bits), store.head_dim), (x.shape, store.bits, store.head_dim)
+    check_widths(store.bits, D)
+    quantized = any(w != FULL_WIDTH for w in store.bits)
+    if quantized:
+        check_group_size(store.group_size, D)
+    if not isinstance(pos, torch.Tensor) and (pos < 0 or pos + Tn > store.capacity):
+        raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
+    outs, scales, zeros = [], [], []
+    for bk in store.buckets:
+        out = bk.values if bk.width == FULL_WIDTH else bk.payload
+        scale = out if bk.scale is None else bk.scale  # placeholders at 16 bits
+        zero = scale if bk.zero is None else bk.zero
+        assert out.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
+        outs.append(out)
+        scales.append(scale)
+        zeros.append(zero)
+    g = store.group_size if quantized else next_power_of_2(D)
+    runtime = [x, *x.stride(), tuple(outs), tuple(scales), tuple(zeros), store.bucket_heads,
+               store.bucket_starts, store.capacity]  # fmt: skip
+    constants = dict(WIDTHS=tuple(bk.width for bk in store.buckets), D=D, G=g, NG_B=next_power_of_2(D // g),
+                     SYM=store.symmetric)  # fmt: skip
+    return runtime, constants
+
+
+def quantize_into(
+    store,
+    x: torch.Tensor,
+    pos: int | torch.Tensor,
+    block_t: int | None = None,
+    v_store=None,
+    v: torch.Tensor | None = None,
+) -> None:
+    """Quantize x into positions [pos, pos + Tn) of one layer's PackedStore, every width bucket in one launch;
+    with v_store and v, also v into v_store (a layer's keys and values: still one launch).
 
     Args (B batch, Hkv KV heads, Tn new tokens, D head_dim, cap = store.capacity):
         store: kernels.layout.PackedStore (its buckets' tensors are written in place).
@@ -192,46 +319,37 @@ def quantize_into(store, x: torch.Tensor, pos: int | torch.Tensor, block_t: int 
             on x's device that the kernel reads (no host synchronization; a CUDA graph can replay the launch
             as the position advances); the caller then guarantees pos + Tn <= cap.
         block_t: tokens per program (a power of two); default min(16, next_pow2(Tn)).
-    Positions outside [pos, pos + Tn) are untouched. The widths come from the store's Python `bits`, so
-    nothing is read back from the device.
+        v_store, v: a second store and its new tokens (B, Hkv', Tn, D'), written at the same positions; each
+            store keeps its own widths, head_dim, group size and symmetry.
+    Positions outside [pos, pos + Tn) are untouched. The widths come from the stores' Python `bits`, so
+    nothing is read back from the device. Each store's buckets are branches of one kernel, compiled once per
+    set of widths (a store's widths and group size are compile-time constants).
     """
-    B, H, Tn, D = x.shape
-    assert (B, H, D) == (store.batch, len(store.bits), store.head_dim), (x.shape, store.bits, store.head_dim)
-    check_widths(store.bits, D)
-    if any(w != FULL_WIDTH for w in store.bits):
-        check_group_size(store.group_size, D)
-    pos_from_ptr = isinstance(pos, torch.Tensor)
-    if not pos_from_ptr and (pos < 0 or pos + Tn > store.capacity):
-        raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
+    if (v_store is None) != (v is None):
+        raise ValueError("v_store and v must be given together")
+    Tn = x.shape[2]
+    k_args, k_const = _store_args(store, x, pos)
+    if v_store is None:
+        v_args, v_const = k_args, {**k_const, "WIDTHS": ()}  # placeholders: no job reaches them
+        n_jobs = len(store.bits)
+    else:
+        assert v.shape[0] == x.shape[0] and v.shape[2] == Tn, (x.shape, v.shape)
+        v_args, v_const = _store_args(v_store, v, pos)
+        n_jobs = len(store.bits) + len(v_store.bits)
     if Tn == 0:
         return
+    pos_from_ptr = isinstance(pos, torch.Tensor)
     bt = block_t or min(16, next_power_of_2(Tn))
-    quantized = any(w != FULL_WIDTH for w in store.bits)
-    g = store.group_size if quantized else next_power_of_2(D)
-    for bk in store.buckets:
-        out = bk.values if bk.width == FULL_WIDTH else bk.payload
-        scale = out if bk.scale is None else bk.scale  # placeholders at 16 bits
-        zero = scale if bk.zero is None else bk.zero
-        assert out.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride()
-        _quantize_kernel[(cdiv(Tn, bt), B, len(bk.heads))](
-            x,
-            *x.stride(),
-            out,
-            *out.stride()[:3],
-            scale,
-            zero,
-            *scale.stride()[:3],
-            bk.heads,
-            Tn,
-            0 if pos_from_ptr else pos,
-            pos if pos_from_ptr else bk.heads,  # unused when the position is an int
-            W=bk.width,
-            D=D,
-            G=g,
-            NG_B=next_power_of_2(D // g),
-            BLOCK_T=bt,
-            SYM=bk.zero is None,
-            POS_FROM_PTR=pos_from_ptr,
-            # The contract is per-op IEEE float32; never let the compiler contract a multiply-add into an FMA.
-            enable_fp_fusion=False,
-        )
+    _quantize_kernel[(cdiv(Tn, bt), x.shape[0], n_jobs)](
+        *k_args,
+        *v_args,
+        Tn,
+        0 if pos_from_ptr else pos,
+        pos if pos_from_ptr else store.bucket_heads,  # unused when the position is an int
+        **{"K_" + k: c for k, c in k_const.items()},
+        **{"V_" + k: c for k, c in v_const.items()},
+        BLOCK_T=bt,
+        POS_FROM_PTR=pos_from_ptr,
+        # The contract is per-op IEEE float32; never let the compiler contract a multiply-add into an FMA.
+        enable_fp_fusion=False,
+    )

@@ -25,10 +25,11 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
   `simulate=True` (quant.simulate: fast quality sweeps) each store also keeps a full-precision working copy and
   `update` returns the dequantized K/V for the model's own attention: the same metrics within float summation
   order, at the memory of an unquantized cache;
-- `triton`: new tokens are written by kernels.quantize.quantize_into (no dequantized copy is kept). A prefill
-  (more than one new token) dequantizes the store once and attends through SDPA as above; a decode step (one
-  new token) dequantizes nothing: `update` returns the new K/V as placeholders and posts a `DecodeStep`
-  holding the layer's stores, which harness/attention/packed.py's attention hands to kernels.decode_attention;
+- `triton`: new keys and values are written by kernels.quantize.quantize_into, one launch a layer (no
+  dequantized copy is kept). A prefill (more than one new token) dequantizes the store once and attends through
+  SDPA as above; a decode step (one new token) dequantizes nothing: `update` returns the new K/V as
+  placeholders and posts a `DecodeStep` holding the layer's stores, which harness/attention/packed.py's
+  attention hands to kernels.decode_attention;
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
 schemes auto is torch and an explicit triton is a ValueError (harness.schemes.check_backend).
@@ -343,8 +344,8 @@ class QuantizedLayer(CacheLayerMixin):
             return (keys, values) if self.simulate else None
         from kernels.quantize import quantize_into
 
-        self.k_store.append_with(key_states, quantize_into)  # one launch per width, no dequantized copy
-        self.v_store.append_with(value_states, quantize_into)
+        # keys and values in one launch, no dequantized copy
+        self.k_store.append_with(key_states, quantize_into, self.v_store, value_states)
         return None
 
     def _store(self, key_states, value_states):

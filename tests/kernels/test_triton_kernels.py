@@ -57,13 +57,23 @@ def test_quantize_bit_exact(device, bits, head_dim, group_size, symmetric, dtype
     kw = dict(
         head_dim=head_dim, batch=B, group_size=group_size, symmetric=symmetric, dtype=dtype, device=device
     )
-    ref = PackedStore(bits, capacity=80, **kw)
-    ref.append(torch.zeros(B, len(bits), pos, head_dim, dtype=dtype, device=device), keep_dequantized=False)
-    ref.append(x, keep_dequantized=False)
     st = PackedStore(bits, capacity=80, **kw)
     _fill_garbage(st)
     quantize_into(st, x, pos)
+    _assert_written(st, _torch_quantized(x, pos, bits, capacity=80, **kw), pos, tn)
 
+
+def _torch_quantized(x: torch.Tensor, pos: int, bits, **kw) -> PackedStore:
+    """A store whose positions [pos, pos + Tn) hold x (B, Hkv, Tn, D) quantized by the torch path (the oracle)."""
+    B, H, _, D = x.shape
+    ref = PackedStore(bits, **kw)
+    ref.append(torch.zeros(B, H, pos, D, dtype=x.dtype, device=x.device), keep_dequantized=False)
+    ref.append(x, keep_dequantized=False)
+    return ref
+
+
+def _assert_written(st: PackedStore, ref: PackedStore, pos: int, tn: int) -> None:
+    """st's positions [pos, pos + tn) bit for bit ref's, and every other position still _fill_garbage's."""
     new = slice(pos, pos + tn)
     for bk, want in zip(st.buckets, ref.buckets):
         for got, exp in zip(bk.tensors(), want.tensors()):
@@ -75,6 +85,31 @@ def test_quantize_bit_exact(device, bits, head_dim, group_size, symmetric, dtype
             # Nothing outside [pos, pos + Tn) was written.
             for outside in (got[:, :, :pos], got[:, :, pos + tn :]):
                 assert (outside == 0xA5).all() if got.dtype == torch.uint8 else outside.isnan().all()
+
+
+@pytest.mark.parametrize(
+    "k_bits, v_bits, k_dim, v_dim, k_group, v_group, tn",
+    [
+        ((2, 4, 16, 4), (8, 3, 3, 16), 64, 96, 32, 16, 5),  # the widths, head_dims and groups of each store
+        ((4, 4, 4), (4, 4, 4), 128, 128, 32, 32, 1),  # a uniform decode step
+        ((16, 16), (2, 8), 64, 64, 32, 64, 19),  # a store of 16-bit heads only
+    ],
+)
+def test_quantize_keys_and_values_in_one_launch(device, k_bits, v_bits, k_dim, v_dim, k_group, v_group, tn):
+    """A layer's keys and values written by one launch: each store bit for bit what the torch path stores,
+    with its own widths, head_dim, group size and symmetry; nothing else written."""
+    pos = 7
+    gen = torch.Generator().manual_seed(tn)
+    k = (torch.randn(B, len(k_bits), tn, k_dim, generator=gen) * 2).to(device)
+    v = (torch.randn(B, len(v_bits), tn, v_dim, generator=gen) * 2).to(device)
+    k_kw = dict(head_dim=k_dim, batch=B, group_size=k_group, symmetric=False, device=device, capacity=48)
+    v_kw = dict(head_dim=v_dim, batch=B, group_size=v_group, symmetric=True, device=device, capacity=48)
+    ks, vs = PackedStore(k_bits, **k_kw), PackedStore(v_bits, **v_kw)
+    _fill_garbage(ks)
+    _fill_garbage(vs)
+    quantize_into(ks, k, pos, v_store=vs, v=v)
+    _assert_written(ks, _torch_quantized(k, pos, k_bits, **k_kw), pos, tn)
+    _assert_written(vs, _torch_quantized(v, pos, v_bits, **v_kw), pos, tn)
 
 
 def test_quantize_rejects_unsupported_group_size():
@@ -195,9 +230,8 @@ def test_decode_step_reads_nothing_back_to_the_host(device, monkeypatch):
     mask = torch.ones(B, 1, 1, T + 1, dtype=torch.bool, device=device)
     monkeypatch.setattr(torch.Tensor, "tolist", _no_tolist)
     with _NoHostSync():
-        for st in (ks, vs):
-            quantize_into(st, x, T)
-            st.length = T + 1
+        quantize_into(ks, x, T, v_store=vs, v=x)
+        ks.length = vs.length = T + 1
         steps = Steps()
         steps.post(0, x, DecodeStep(ks, vs))  # as harness.cache's triton backend posts a decode step
         packed_forward(
@@ -238,8 +272,10 @@ def test_device_side_position_and_length_match_host_ones(device):
         pair = [PackedStore(bits, D, B, group_size=g, device=device, capacity=4 * T) for _ in range(2)]
         for st in pair:
             _fill_garbage(st)
-            quantize_into(st, torch.zeros(B, 3, 9, D, device=device), 0)
-            quantize_into(st, x, pos)
+        zeros = torch.zeros(B, 3, 9, D, device=device)
+        quantize_into(pair[0], zeros, 0, v_store=pair[1], v=zeros)
+        quantize_into(pair[0], x, pos, v_store=pair[1], v=x)  # one launch, as the cache does
+        for st in pair:
             st.length = 9 + T
         stores.append(pair)
     for a, b in zip(*stores):
@@ -278,8 +314,7 @@ def test_decode_step_replays_in_a_cuda_graph(dtype):
     out = torch.empty_like(q)
 
     def step():
-        quantize_into(ks, k_new, pos)
-        quantize_into(vs, v_new, pos)
+        quantize_into(ks, k_new, pos, v_store=vs, v=v_new)
         decode_attention(q, ks, vs, D**-0.5, out=out, length=length)
         pos.add_(1)
         length.add_(1)
