@@ -914,8 +914,9 @@ def decode_attention(
             common = dict(NH=len(heads), HKV=Hkv, QG=qg, D=D, D_B=d_b, KW=kw, VW=vw, KG=kg, VG=vg,
                           K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
                           L_FROM_PTR=length is not None, BLOCK_N=tile)  # fmt: skip
-            tail = [heads, m_part, l_part, o_part, k_store.length, heads if length is None else length,
-                    chunk, sm_scale * LOG2E, splits]  # fmt: skip
+            # L_arg is 0 where the kernel reads the length (a replayed launch must not change with the host's)
+            tail = [heads, m_part, l_part, o_part, k_store.length if length is None else 0,
+                    heads if length is None else length, chunk, sm_scale * LOG2E, splits]  # fmt: skip
             if fast_bucket(kw, vw, q.dtype, D, k_store.group_size, v_store.group_size):
                 _decode_packed_kernel[(B * len(heads), n_cols)](
                     q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,

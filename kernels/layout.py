@@ -154,7 +154,9 @@ class PackedStore:
     def capacity(self) -> int:
         return self._capacity
 
-    def _reserve(self, needed: int) -> None:
+    def reserve(self, needed: int) -> None:
+        """Capacity for at least `needed` tokens: a full store grows by the amortized step of the module docstring
+        (a store about to hold a known number of tokens, e.g. before CUDA-graph decoding, reserves it at once)."""
         if needed <= self._capacity:
             return
         grown = self._capacity and max(TOKEN_BLOCK, self.length // GROWTH_DIVISOR)  # a prefill: exact
@@ -172,7 +174,7 @@ class PackedStore:
         stores = (self,) if v_store is None else (self, v_store)
         assert all(st.length == start for st in stores), [st.length for st in stores]
         for st in stores:
-            st._reserve(end)
+            st.reserve(end)
         if v_store is None:
             write(self, x, start)
         else:
@@ -190,7 +192,7 @@ class PackedStore:
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
         start, end = self.length, self.length + Tn
-        self._reserve(end)
+        self.reserve(end)
         new_deq = torch.empty(B, H, Tn, D, dtype=self.dtype, device=self.device) if keep_dequantized else None
         for bk in self.buckets:
             xw = x.index_select(1, bk.heads)  # (B, Hw, Tn, D)

@@ -38,8 +38,9 @@ class DecodeStep:
     every layer that attends them: the owning layer, and the layers that reuse its K/V (Gemma 4's KV sharing).
     """
 
-    def __init__(self, k_store: PackedStore, v_store: PackedStore):
+    def __init__(self, k_store: PackedStore, v_store: PackedStore, length: torch.Tensor | None = None):
         self.stores = (k_store, v_store)
+        self.length = length  # None, or the attended token count as an int32 device tensor (CUDA graphs)
         self.attended = False
 
     def take(self) -> tuple[PackedStore, PackedStore]:
@@ -153,6 +154,11 @@ def packed_forward(
     from kernels.decode_attention import decode_attention  # imports triton: only for the triton backend
 
     k_store, v_store = step.take()
+    if attention_mask is not None and step.length is not None:
+        raise ValueError(
+            "kv_packed: a decode step at device-side positions attends every stored token and takes no "
+            f"attention mask (got {tuple(attention_mask.shape)}): pass attention_mask=None"
+        )
     if attention_mask is not None:
         # (B, 1, 1, L) over the L stored tokens: bool (True = attend) or additive float (0 = attend). The check
         # of the values runs on the device (no host synchronization): on CPU it raises here, on CUDA as a
@@ -165,7 +171,7 @@ def packed_forward(
         visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         torch._assert_async(visible.all(), "kv_packed: the fused decode kernel attends to every stored token")
     sm_scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = decode_attention(query[:, :, 0], k_store, v_store, sm_scale)  # (B, Hq, D)
+    out = decode_attention(query[:, :, 0], k_store, v_store, sm_scale, length=step.length)  # (B, Hq, D)
     return out.unsqueeze(1), None
 
 

@@ -298,6 +298,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.outside = OutsidePacked() if outside is None else outside  # shared by the cache's layers
         self.k_store = self.v_store = None
         self.fused = False  # resolved at lazy initialization: the Triton kernels write and attend this layer
+        # (write position, attended length): int32 tensors of one element on the device, set by
+        # QuantizedKVCache.device_positions; a fused decode step then writes and attends where they say, so its
+        # launches do not change as the context grows (a CUDA graph replays them). None: host lengths.
+        self.positions: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step: DecodeStep | PackedStep | None = (
             None  # the last placeholder step, checked at the next update
         )
@@ -344,9 +348,26 @@ class QuantizedLayer(CacheLayerMixin):
             return (keys, values) if self.simulate else None
         from kernels.quantize import quantize_into
 
+        if self.positions is not None and key_states.shape[-2] == 1:
+            self._append_at_device_position(key_states, value_states)
+            return None
         # keys and values in one launch, no dequantized copy
         self.k_store.append_with(key_states, quantize_into, self.v_store, value_states)
         return None
+
+    def _append_at_device_position(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write one decode token at the device-side position (`positions`) into reserved capacity; the host
+        length advances as the device position does (the caller keeps them equal)."""
+        from kernels.quantize import quantize_into
+
+        if self.k_store.length + 1 > min(self.k_store.capacity, self.v_store.capacity):
+            raise RuntimeError(
+                f"QuantizedKVCache: layer {self.layer_idx} holds {self.k_store.length} tokens in a capacity of "
+                f"{self.k_store.capacity}; reserve() room for every decode step before device-side positions"
+            )
+        quantize_into(self.k_store, key_states, self.positions[0], v_store=self.v_store, v=value_states)
+        self.k_store.length += 1
+        self.v_store.length += 1
 
     def _store(self, key_states, value_states):
         """Append new tokens; return (keys, values) to attend: (B, Hkv, T_visible, D) each, or placeholders.
@@ -377,7 +398,8 @@ class QuantizedLayer(CacheLayerMixin):
         elif key_states.shape[-2] > 1:
             keys, values = self.k_store.dequantize(), self.v_store.dequantize()
         else:
-            self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store))
+            length = None if self.positions is None else self.positions[1]
+            self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store), length)
             keys, values = key_states, value_states
         post_step(self.layer_idx, keys, self._step)
         return keys, values
@@ -396,7 +418,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.k_store = self.v_store = None
-        self.fused, self._step = False, None
+        self.fused, self._step, self.positions = False, None, None
         self.is_initialized = False
 
     def nbytes(self) -> int:
@@ -569,6 +591,40 @@ class QuantizedKVCache(Cache):
 
     def quantized_layers(self) -> list[QuantizedLayer]:
         return [layer for layer in self.layers if isinstance(layer, QuantizedLayer)]
+
+    def _graph_layers(self) -> list[QuantizedLayer]:
+        """The quantized layers, each initialized on the triton backend with a full-attention store (what
+        device-side positions need), else a one-line error saying which layer is not."""
+        layers = self.quantized_layers()
+        for layer in layers:
+            if isinstance(layer, QuantizedSlidingLayer):
+                raise NotImplementedError(
+                    f"QuantizedKVCache: layer {layer.layer_idx} slides its window (its stores are rebuilt as "
+                    "tokens leave it); device-side positions need full-attention layers"
+                )
+            if not layer.fused:
+                raise ValueError(
+                    f"QuantizedKVCache: layer {layer.layer_idx} is not on the triton backend (or holds no tokens "
+                    "yet: prefill first); device-side positions are for the fused decode path"
+                )
+        if len(layers) != len(self.layers):
+            raise NotImplementedError("QuantizedKVCache: device-side positions need every layer quantized")
+        return layers
+
+    def reserve(self, tokens: int) -> None:
+        """Capacity for `tokens` tokens in every layer's stores (triton backend, after the prefill), so that the
+        decode steps up to there never reallocate (what CUDA-graph decoding needs)."""
+        for layer in self._graph_layers():
+            layer.k_store.reserve(tokens)
+            layer.v_store.reserve(tokens)
+
+    def device_positions(self, positions: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Decode steps at device-side positions: (write position, attended length), int32 tensors of one element
+        on the cache's device that the caller advances with every step (length = position + 1), or None to go back
+        to host lengths. Every layer's host length must equal the position; the steps must fit the reserved
+        capacity (`reserve`). The step's launches then do not change from one step to the next."""
+        for layer in self._graph_layers():
+            layer.positions = positions
 
     def nbytes(self) -> int:
         """Bytes held by the K/V stores (payload, scales, zeros, 16-bit heads at 2 bytes per element)."""

@@ -12,8 +12,9 @@ with its own time limit (so a stage that hangs or crashes costs only its own sha
    AB_BASELINES there) against kernels/decode_attention.py, in one process at the headline shape (ab.csv);
 5. ncu: `python -m kernels.gpu.ncu` (Nsight Compute on stage 1 at 4, 2 and 8 bits: ncu.csv);
 6. bench: `python -m kernels.gpu.bench` (decode.csv, decode.png);
-7. e2e: `python -m kernels.gpu.e2e` of DynamicCache, 4 bits and a mixed map, 24 new tokens, three more steps
-   profiled (e2e.csv, e2e.png, e2e-profile-<cache>.txt);
+7. e2e: `python -m kernels.gpu.e2e` of DynamicCache, 4 bits and a mixed map, those two also decoded from CUDA
+   graph replays, 24 new tokens, three more steps of model.generate profiled (e2e.csv, e2e.png,
+   e2e-profile-<cache>.txt);
 8. runner: `python -m kernels.gpu.runner_check` (runner.csv: the smoke grid on CUDA/triton against CPU/torch);
 9. a README.md with the stage outcomes, DESIGN.md section 8's targets read off decode.csv (or ab.csv), and per
    width the measured time and share of copy bandwidth beside the static figures of results/kernels/inspect.csv
@@ -45,8 +46,9 @@ WHEELS = Path(".whl")
 # stage -> seconds: 19 1/2 minutes in all, the rest of the 20 for starting up and the README. Halved (--minutes
 # 10, the GPU machines' usual lease) each limit still clears what the stage took on the H100 (check-6e86fcf and
 # check-4515883): install 2 s, metadata 9, tests 78, ab 63 (four versions), ncu 17, e2e about 110 (three caches
-# and their profiles), the runner under 75; the bench stops itself within its limit.
-BUDGET = {"install": 30, "metadata": 30, "tests": 200, "ab": 170, "ncu": 60, "bench": 230, "e2e": 300,
+# and their profiles; two graph-replayed caches more since, a prefill of about 21 s each), the runner under 75;
+# the bench stops itself within its limit.
+BUDGET = {"install": 20, "metadata": 20, "tests": 200, "ab": 170, "ncu": 40, "bench": 210, "e2e": 360,
           "runner": 150}  # fmt: skip
 DRY_BUDGET = {"install": 0, "metadata": 60, "tests": 120, "ab": 180, "ncu": 0, "bench": 120, "e2e": 180,
               "runner": 300}  # fmt: skip
@@ -60,6 +62,7 @@ GPU_TEST_FILES = (
     "tests/kernels/test_triton_kernels.py",
     "tests/harness/test_fused_backend.py",
     "tests/harness/test_eviction.py",
+    "tests/harness/test_graphed.py",
 )
 TARGETS = {"speedup_4bit": 2.5, "frac_bw_4bit": 0.60, "speedup_2bit": 4.0, "mixed_vs_uniform": 1.10}
 
@@ -82,6 +85,7 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
             "--caches",
             "dynamic",
             "mixed",
+            "mixed-graph",
         ]
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
         tests = ["tests/kernels/test_triton_kernels.py"]
@@ -90,8 +94,19 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
         runner = ["--timeout", str(budget["runner"] - 10)]
         # four test processes: most of the stage is Triton compiling kernels, on the CPU
         bench, tests = [], ["-n", "4", *GPU_TEST_FILES]
-        # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt)
-        e2e = ["--caches", "dynamic", "4", "mixed", "--new-tokens", "24", "--profile", "3"]
+        # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt; not the graph replays)
+        e2e = [
+            "--caches",
+            "dynamic",
+            "4",
+            "4-graph",
+            "mixed-graph",
+            "mixed",
+            "--new-tokens",
+            "24",
+            "--profile",
+            "3",
+        ]
         ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3"]
     return {
         "install": [

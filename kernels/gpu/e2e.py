@@ -8,6 +8,8 @@ and memory do not depend on the weights. Per cache: a chunked prefill of the pro
 full-prompt activations or logits are ever held), then `model.generate` of `--new-tokens` tokens from there,
 timed alone and step by step: tokens/s is the batch over the median step (a steady decode step); decode_s is
 the whole generate() with its first steps, which also compile the Triton kernels for the shapes they meet.
+A "-graph" cache (4-graph, mixed-graph) decodes greedily through harness.cache.graphed instead: the same
+chunked prefill (of the whole prompt), then each step after two eager ones replayed from one CUDA graph.
 Peak memory is torch.cuda.max_memory_allocated over the prefill and the generation, less the weights.
 `--profile STEPS` then runs STEPS more decode steps under torch.profiler and writes where their time goes, by
 device and by host time (e2e-profile-<cache>.txt). A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a
@@ -35,7 +37,9 @@ DRY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
     num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
 )  # fmt: skip
-CACHES = ("dynamic", "4", "2", "mixed", "8")  # a run cut short by its time limit still has the headline ones
+# a run cut short by its time limit still has the headline ones; "-graph": greedy decoding whose steps replay
+# from a CUDA graph (harness.cache.graphed), the rest model.generate
+CACHES = ("dynamic", "4", "4-graph", "mixed-graph", "mixed", "2", "8")
 COLUMNS = [
     "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "step_ms_median", "step_ms_max",
     "tokens_per_s",
@@ -136,6 +140,37 @@ def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int,
 
 
 @torch.no_grad()
+def measure_graphed(
+    model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int, group_size: int
+) -> dict:
+    """measure's figures for a "-graph" cache: GraphedDecoder's chunked prefill of the prompt, then new_tokens - 1
+    decode steps timed apart (the first ones eager, then the capture and its replays)."""
+    from harness.cache.graphed import GraphedDecoder
+
+    cuda = prompt.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    cache = make_cache(kind.removesuffix("-graph"), model, group_size)
+    t0 = time.perf_counter()
+    with GraphedDecoder(model, cache, prompt.shape[1] + new_tokens - 1) as decoder:
+        tokens = [decoder.prefill(prompt, chunk=chunk)]
+        sync()
+        t1 = time.perf_counter()
+        steps = []
+        for _ in range(new_tokens - 1):
+            t = time.perf_counter()
+            tokens.append(decoder.step())
+            sync()
+            steps.append(time.perf_counter() - t)
+    t2 = time.perf_counter()
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps, "peak": peak, "kv": cache_bytes(cache),
+            "cache": cache, "out": torch.cat([prompt, *tokens], dim=1)}  # fmt: skip
+
+
+@torch.no_grad()
 def profile_steps(model, cache, tokens: torch.Tensor, steps: int, path: Path) -> None:
     """`steps` more greedy tokens after `tokens` (whose last one the cache does not hold yet) under
     torch.profiler; writes the operators' table twice, by self device time and by self host time (top 30)."""
@@ -202,18 +237,21 @@ def main(argv: list[str] | None = None) -> None:
     for kind in args.caches:
         row = {"cache": kind, "batch": args.batch, "context": args.context, "new_tokens": args.new_tokens,
                "weights_gib": weights / 2**30, "note": ""}  # fmt: skip
-        row["mean_bits"] = 16 if kind == "dynamic" else 4 if kind == "mixed" else int(kind)
+        base = kind.removesuffix("-graph")
+        row["mean_bits"] = 16 if base == "dynamic" else 4 if base == "mixed" else int(base)
         try:
-            # decode steps of the triton caches read the packed K/V; the rest is SDPA
-            with installed(model, PACKED):
-                m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
+            if base != kind:  # the decoder installs the packed attention itself
+                m = measure_graphed(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
+            else:  # decode steps of the triton caches read the packed K/V; the rest is SDPA
+                with installed(model, PACKED):
+                    m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
             row.update(
                 prefill_s=m["prefill_s"], decode_s=m["decode_s"],
                 step_ms_median=statistics.median(m["steps"]) * 1e3, step_ms_max=max(m["steps"]) * 1e3,
                 tokens_per_s=args.batch / statistics.median(m["steps"]),
                 peak_gib=max(m["peak"] - weights, 0) / 2**30 if m["peak"] else float("nan"), kv_gib=m["kv"] / 2**30,
             )  # fmt: skip
-            if args.profile:
+            if args.profile and base == kind:
                 with installed(model, PACKED):
                     profile_steps(
                         model, m["cache"], m["out"], args.profile, args.out / f"e2e-profile-{kind}.txt"

@@ -26,6 +26,21 @@ def test_profile_writes_where_the_decode_steps_time_goes(tmp_path, cli):
     assert "aten::" in host and "Self CPU" in host
 
 
+def test_graph_replayed_decoding_is_timed_step_by_step(tmp_path, cli):
+    """A "-graph" cache: GraphedDecoder's steps (eager here, without CUDA) timed apart like generate()'s; the
+    profile is of model.generate, so none is written for it."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = cli("kernels.gpu.e2e", "--dry-run", "--batch", "2", "--context", "12", "--new-tokens", "4",
+               "--chunk", "5", "--caches", "mixed-graph", "--profile", "2", "--out", str(tmp_path), env=env,
+               timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(tmp_path / "e2e.csv") as f:
+        (row,) = csv.DictReader(f)
+    assert row["cache"] == "mixed-graph" and row["mean_bits"] == "4"
+    assert float(row["tokens_per_s"]) == pytest.approx(2e3 / float(row["step_ms_median"]), rel=1e-3)
+    assert float(row["kv_gib"]) > 0 and not (tmp_path / "e2e-profile-mixed-graph.txt").exists()
+
+
 def test_too_few_new_tokens_are_refused(tmp_path, cli):
     proc = cli("kernels.gpu.e2e", "--dry-run", "--new-tokens", "2", "--out", str(tmp_path))
     assert proc.returncode == 2 and "--new-tokens: 2 is too few" in proc.stderr

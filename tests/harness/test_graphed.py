@@ -1,0 +1,208 @@
+"""harness.cache.graphed: greedy decoding whose steps replay from CUDA graphs, against model.generate.
+
+Without CUDA the kernels run in Triton's CPU interpreter and the steps run eagerly (no capture): there the
+tests check what a replay relies on, that every decode step launches the same kernels with the same arguments
+and runs the same torch ops on the same shapes, reading nothing back to the host. The test marked `gpu`
+captures and replays on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import kernels.decode_attention as decode_attention
+import kernels.quantize as quantize
+from harness.attention import PACKED, installed
+from harness.cache import QuantizedKVCache
+from harness.cache.graphed import GraphedDecoder, generate_graphed
+from harness.models import load_model
+
+BITS = [[2, 4, 16], [8, 3, 4], [16, 16, 2]]  # tiny-llama: 3 layers of 3 KV heads, buckets of every width
+HOST_READS = ("aten._local_scalar_dense", "aten.is_nonzero", "aten.item", "aten.equal")
+
+
+def _cache(model, bits=BITS, **kw) -> QuantizedKVCache:
+    return QuantizedKVCache(model.config, torch.tensor(bits), group_size=16, backend="triton", **kw)
+
+
+@pytest.mark.parametrize("batch, new_tokens", [(2, 7), (1, 1)])
+@torch.no_grad()
+def test_generate_graphed_matches_generate(device, batch, new_tokens):
+    """The same tokens as model.generate's greedy decoding over an identical cache, and the same stored bytes."""
+    model, _ = load_model("tiny-llama", device=device)
+    gen = torch.Generator().manual_seed(batch + new_tokens)
+    ids = torch.randint(0, 256, (batch, 11), generator=gen).to(device)
+    graphed = _cache(model)
+    got = generate_graphed(model, graphed, ids, new_tokens)
+    eager = _cache(model)
+    with installed(model, PACKED):
+        want = model.generate(
+            ids, attention_mask=torch.ones_like(ids), past_key_values=eager, max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    assert torch.equal(got, want)
+    assert graphed.get_seq_length() == eager.get_seq_length() == 11 + new_tokens - 1
+    n = graphed.get_seq_length()
+    for a, b in zip(graphed.quantized_layers(), eager.quantized_layers()):
+        for st_a, st_b in ((a.k_store, b.k_store), (a.v_store, b.v_store)):
+            assert st_a.length == st_b.length == n
+            for bk_a, bk_b in zip(st_a.buckets, st_b.buckets):
+                for ta, tb in zip(bk_a.tensors(), bk_b.tensors()):
+                    assert torch.equal(ta[:, :, :n], tb[:, :, :n]), bk_a.width
+        assert a.positions is None  # the decoder gave the cache back on host lengths
+
+
+class _Ops(TorchDispatchMode):
+    """Records each torch op of a step with its arguments' shapes, dtypes and strides (values of non-tensors);
+    fails on an op that reads a device value back to the host (a capture cannot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.log = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func).startswith(HOST_READS):
+            raise AssertionError(f"host synchronization: {func}")
+        self.log.append((str(func), _describe(args), _describe(kwargs or {})))
+        return func(*args, **(kwargs or {}))
+
+
+def _describe(x, pointers=frozenset()):
+    """x with every tensor as (shape, dtype, strides, its address if it is one of `pointers`)."""
+    if isinstance(x, torch.Tensor):
+        return (tuple(x.shape), x.dtype, x.stride(), x.data_ptr() if x.data_ptr() in pointers else None)
+    if isinstance(x, torch.UntypedStorage):  # (the interpreter's views of kernel arguments)
+        return ("storage", x.nbytes())
+    if isinstance(x, (list, tuple)):
+        return tuple(_describe(v, pointers) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _describe(v, pointers)) for k, v in sorted(x.items()))
+    return x
+
+
+class _Launches:
+    """Records each Triton launch of the kernels the decode step runs (and runs it)."""
+
+    NAMES = ((quantize, "_quantize_kernel"), (decode_attention, "_decode_packed_kernel"),
+             (decode_attention, "_decode_split_kernel"), (decode_attention, "_combine_kernel"))  # fmt: skip
+
+    def __init__(self, monkeypatch):
+        self.log, self.pointers = [], frozenset()
+        for module, name in self.NAMES:
+            monkeypatch.setattr(module, name, self._proxy(name, getattr(module, name)))
+
+    def _proxy(self, name, kernel):
+        recorder = self
+
+        class Proxy:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    recorder.log.append((name, grid, _describe(args, recorder.pointers), _describe(kwargs)))
+                    return kernel[grid](*args, **kwargs)
+
+                return launch
+
+        return Proxy()
+
+
+def _store_pointers(cache) -> frozenset:
+    """Addresses of every tensor of every store: a replayed launch must find them where the capture did."""
+    out = set()
+    for layer in cache.quantized_layers():
+        for st in (layer.k_store, layer.v_store):
+            out |= {st.slot.data_ptr(), st.bucket_heads.data_ptr()}
+            for bk in st.buckets:
+                out |= {t.data_ptr() for t in (*bk.tensors(), bk.heads)}
+    return frozenset(out)
+
+
+@torch.no_grad()
+def test_every_decode_step_is_the_same_replay(monkeypatch):
+    """Steps 2 and 3 (the capture's and a replay's place) launch the same Triton kernels with the same grids,
+    scalars and store addresses, run the same torch ops on the same shapes, and read nothing back to the host:
+    what a CUDA graph captured at one step needs to be right at the next. With host lengths (the eager path)
+    the launches change from step to step, so the check can fail."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    launches = _Launches(monkeypatch)
+    cache = _cache(model)
+    with GraphedDecoder(model, cache, max_tokens=40, graphs=False) as decoder:
+        decoder.prefill(ids)
+        decoder.step()
+        launches.pointers = _store_pointers(cache)
+        steps = []
+        for _ in range(2):
+            launches.log = []
+            with _Ops() as ops:
+                decoder.step()
+            steps.append((launches.log, ops.log))
+    (launch_a, ops_a), (launch_b, ops_b) = steps
+    assert [entry[0] for entry in launch_a].count("_quantize_kernel") == 3  # one a layer: keys and values
+    assert launch_a == launch_b
+    assert ops_a == ops_b
+    assert any(p is not None for entry in launch_a for p in _flat_pointers(entry[2]))  # stores were matched
+
+    # The eager decode step (host lengths) changes its launches as the context grows: the check sees it.
+    eager = _cache(model)
+    with installed(model, PACKED):
+        model(input_ids=ids, past_key_values=eager, use_cache=True)
+        logs = []
+        for _ in range(2):
+            launches.log = []
+            model(input_ids=ids[:, :1], past_key_values=eager, use_cache=True)
+            logs.append(launches.log)
+    assert logs[0] != logs[1]
+
+
+def _flat_pointers(described):
+    for item in described:
+        if isinstance(item, tuple) and len(item) == 4 and isinstance(item[0], tuple):
+            yield item[3]
+        elif isinstance(item, tuple):
+            yield from _flat_pointers(item)
+
+
+@torch.no_grad()
+def test_graphed_decoding_refuses_what_it_cannot_replay():
+    """One-line errors before any decode step: a torch-backend cache, a context past max_tokens, a mask."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="not on the triton backend"):
+        generate_graphed(model, QuantizedKVCache(model.config, 4, group_size=16, backend="torch"), ids, 3)
+    with pytest.raises(ValueError, match="max_new_tokens: 0"):
+        generate_graphed(model, _cache(model), ids, 0)
+    with GraphedDecoder(model, _cache(model), max_tokens=8, graphs=False) as decoder:
+        decoder.prefill(ids)
+        decoder.step()
+        decoder.step()  # the context holds 8 tokens: max_tokens
+        with pytest.raises(RuntimeError, match="max_tokens 8"):
+            decoder.step()
+    cache = _cache(model)
+    with GraphedDecoder(model, cache, max_tokens=20, graphs=False) as decoder:
+        decoder.prefill(ids)
+        mask = torch.ones(1, 7, dtype=torch.long)
+        mask[0, 0] = 0  # a padded token: the model builds a mask, which a replayed step could not follow
+        with pytest.raises(ValueError, match="takes no attention mask"):
+            model(input_ids=ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_cuda_graph_replays_match_generate():
+    """On CUDA: steps after the warm-up are replays of one captured graph, with the tokens of model.generate."""
+    model, _ = load_model("tiny-llama", device="cuda")
+    ids = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(2)).cuda()
+    cache = _cache(model)
+    with GraphedDecoder(model, cache, max_tokens=13 + 11, graphs=True) as decoder:
+        tokens = [decoder.prefill(ids)] + [decoder.step() for _ in range(11)]
+        assert decoder.graph is not None  # replayed from the capture on
+    eager = _cache(model)
+    with installed(model, PACKED):
+        want = model.generate(
+            ids, attention_mask=torch.ones_like(ids), past_key_values=eager, max_new_tokens=12,
+            min_new_tokens=12, do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    assert torch.equal(torch.cat([ids, *tokens], dim=1), want)
