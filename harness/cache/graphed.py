@@ -109,8 +109,7 @@ class GraphedDecoder:
 
     def close(self) -> None:
         """Back to host lengths (the cache stays usable); drop the graph and the packed attention's install."""
-        if self.cache.get_seq_length():
-            self.cache.device_positions(None)
+        self.cache.device_positions(None)
         self.graph = None
         self._installed.close()
 

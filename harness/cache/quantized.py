@@ -623,7 +623,7 @@ class QuantizedKVCache(Cache):
         on the cache's device that the caller advances with every step (length = position + 1), or None to go back
         to host lengths. Every layer's host length must equal the position; the steps must fit the reserved
         capacity (`reserve`). The step's launches then do not change from one step to the next."""
-        for layer in self._graph_layers():
+        for layer in self.quantized_layers() if positions is None else self._graph_layers():
             layer.positions = positions
 
     def nbytes(self) -> int:
