@@ -2,7 +2,7 @@
 
 The library surface (harness/api.py, harness/allocation_file.py, harness/cache/graphed.py), importable from
 here: `load`, `calibration`, `make_policy`, `make_scheme`, `allocate`, `quantized_cache`, `packed_attention`,
-`generate_graphed`, `save_allocation`, `load_allocation`, and the objects they hand out (`Allocation`,
+`graphed_decoding`, `save_allocation`, `load_allocation`, and the objects they hand out (`Allocation`,
 `Calibration`, `Policy`, `QuantizedKVCache`, `Scheme`). They are imported on first use,
 so `python -m harness` and the submodules start without them.
 """
@@ -20,7 +20,7 @@ _EXPORTS = {
     "UnpackedReadWarning": "harness.cache",
     "allocate": "harness.api",
     "calibration": "harness.api",
-    "generate_graphed": "harness.cache.graphed",
+    "graphed_decoding": "harness.cache.graphed",
     "load": "harness.api",
     "load_allocation": "harness.allocation_file",
     "make_policy": "harness.api",

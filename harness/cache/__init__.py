@@ -1,8 +1,8 @@
 """The KV caches the harness measures: `QuantizedKVCache` (quantized.py: every (layer, KV head) at its own width,
-holding only its stored form), token eviction composed with it (eviction.py: StreamingLLM, H2O), and greedy
-decoding over it with each step replayed from a CUDA graph (graphed.py)."""
+holding only its stored form), token eviction composed with it (eviction.py: StreamingLLM, H2O), and its decode
+steps replayed from a CUDA graph inside generate() (graphed.py)."""
 
-from harness.cache.graphed import GraphedDecoder, generate_graphed
+from harness.cache.graphed import GraphedStep, graphed_decoding
 from harness.cache.quantized import (
     BACKENDS,
     OUTSIDE_PACKED,
@@ -21,7 +21,7 @@ from harness.cache.quantized import (
 
 __all__ = [
     "BACKENDS",
-    "GraphedDecoder",
+    "GraphedStep",
     "OUTSIDE_PACKED",
     "PREFILL_MODES",
     "QuantizedKVCache",
@@ -30,7 +30,7 @@ __all__ = [
     "UnpackedReadWarning",
     "check_backend_device",
     "check_served",
-    "generate_graphed",
+    "graphed_decoding",
     "kv_heads",
     "resident_bytes",
     "resolve_backend",

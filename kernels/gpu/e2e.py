@@ -8,8 +8,8 @@ and memory do not depend on the weights. Per cache: a chunked prefill of the pro
 full-prompt activations or logits are ever held), then `model.generate` of `--new-tokens` tokens from there,
 timed alone and step by step: tokens/s is the batch over the median step (a steady decode step); decode_s is
 the whole generate() with its first steps, which also compile the Triton kernels for the shapes they meet.
-A "-graph" cache (4-graph, mixed-graph) decodes greedily through harness.cache.graphed instead: the same
-chunked prefill (of the whole prompt), then each step after two eager ones replayed from one CUDA graph.
+A "-graph" cache (4-graph, mixed-graph) runs the same within harness.cache.graphed.graphed_decoding: each
+decode step after two eager ones replayed from one CUDA graph.
 Peak memory is torch.cuda.max_memory_allocated over the prefill and the generation, less the weights.
 `--profile STEPS` then runs STEPS more decode steps under torch.profiler and writes where their time goes, by
 device and by host time (e2e-profile-<cache>.txt). A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a
@@ -19,6 +19,7 @@ two-layer model of the same kind at a tiny size, to check that the code runs; it
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import statistics
@@ -107,14 +108,24 @@ class StepClock:
 
 @torch.no_grad()
 def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int, group_size: int) -> dict:
-    """Chunked prefill of prompt[:, :-1], then generate() of new_tokens greedy tokens; times and memory."""
+    """Chunked prefill of prompt[:, :-1], then generate() of new_tokens greedy tokens; times and memory. A "-graph"
+    kind runs both within harness.cache.graphed.graphed_decoding."""
+    from harness.cache.graphed import graphed_decoding
+
     dev = prompt.device
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    cache = make_cache(kind, model, group_size)
+    cache = make_cache(kind.removesuffix("-graph"), model, group_size)
+    with contextlib.ExitStack() as stack:
+        if kind.endswith("-graph"):
+            stack.enter_context(graphed_decoding(model, cache, prompt.shape[1] + new_tokens))
+        return _timed_generate(model, cache, prompt, new_tokens, chunk, sync)
+
+
+def _timed_generate(model, cache, prompt: torch.Tensor, new_tokens: int, chunk: int, sync) -> dict:
     t0 = time.perf_counter()
     for s in range(0, prompt.shape[1] - 1, chunk):
         model(
@@ -134,40 +145,9 @@ def measure(model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int,
     sync()
     t2 = time.perf_counter()
     assert out.shape[1] == prompt.shape[1] + new_tokens
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peak = torch.cuda.max_memory_allocated() if prompt.device.type == "cuda" else 0
     return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": clock.step_seconds(), "peak": peak,
             "kv": cache_bytes(cache), "cache": cache, "out": out}  # fmt: skip
-
-
-@torch.no_grad()
-def measure_graphed(
-    model, kind: str, prompt: torch.Tensor, new_tokens: int, chunk: int, group_size: int
-) -> dict:
-    """measure's figures for a "-graph" cache: GraphedDecoder's chunked prefill of the prompt, then new_tokens - 1
-    decode steps timed apart (the first ones eager, then the capture and its replays)."""
-    from harness.cache.graphed import GraphedDecoder
-
-    cuda = prompt.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    cache = make_cache(kind.removesuffix("-graph"), model, group_size)
-    t0 = time.perf_counter()
-    with GraphedDecoder(model, cache, prompt.shape[1] + new_tokens - 1) as decoder:
-        tokens = [decoder.prefill(prompt, chunk=chunk)]
-        sync()
-        t1 = time.perf_counter()
-        steps = []
-        for _ in range(new_tokens - 1):
-            t = time.perf_counter()
-            tokens.append(decoder.step())
-            sync()
-            steps.append(time.perf_counter() - t)
-    t2 = time.perf_counter()
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
-    return {"prefill_s": t1 - t0, "decode_s": t2 - t1, "steps": steps, "peak": peak, "kv": cache_bytes(cache),
-            "cache": cache, "out": torch.cat([prompt, *tokens], dim=1)}  # fmt: skip
 
 
 @torch.no_grad()
@@ -240,11 +220,9 @@ def main(argv: list[str] | None = None) -> None:
         base = kind.removesuffix("-graph")
         row["mean_bits"] = 16 if base == "dynamic" else 4 if base == "mixed" else int(base)
         try:
-            if base != kind:  # the decoder installs the packed attention itself
-                m = measure_graphed(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
-            else:  # decode steps of the triton caches read the packed K/V; the rest is SDPA
-                with installed(model, PACKED):
-                    m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
+            # decode steps of the triton caches read the packed K/V; the rest is SDPA
+            with installed(model, PACKED):
+                m = measure(model, kind, prompt, args.new_tokens, args.chunk, args.group_size)
             row.update(
                 prefill_s=m["prefill_s"], decode_s=m["decode_s"],
                 step_ms_median=statistics.median(m["steps"]) * 1e3, step_ms_max=max(m["steps"]) * 1e3,

@@ -1,4 +1,4 @@
-"""harness.cache.graphed: greedy decoding whose steps replay from CUDA graphs, against model.generate.
+"""harness.cache.graphed: generate() whose decode steps replay from a CUDA graph, against generate() without.
 
 Without CUDA the kernels run in Triton's CPU interpreter and the steps run eagerly (no capture): there the
 tests check what a replay relies on, that every decode step launches the same kernels with the same arguments
@@ -16,7 +16,7 @@ import kernels.decode_attention as decode_attention
 import kernels.quantize as quantize
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
-from harness.cache.graphed import GraphedDecoder, generate_graphed
+from harness.cache.graphed import GraphedStep, graphed_decoding
 from harness.models import load_model
 
 BITS = [[2, 4, 16], [8, 3, 4], [16, 16, 2]]  # tiny-llama: 3 layers of 3 KV heads, buckets of every width
@@ -27,31 +27,41 @@ def _cache(model, bits=BITS, **kw) -> QuantizedKVCache:
     return QuantizedKVCache(model.config, torch.tensor(bits), group_size=16, backend="triton", **kw)
 
 
-@pytest.mark.parametrize("batch, new_tokens", [(2, 7), (1, 1)])
+def _generate(model, ids, cache, new_tokens, **kw):
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens, pad_token_id=0, **kw,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("batch, new_tokens, sample", [(2, 7, False), (1, 1, False), (2, 6, True)])
 @torch.no_grad()
-def test_generate_graphed_matches_generate(device, batch, new_tokens):
-    """The same tokens as model.generate's greedy decoding over an identical cache, and the same stored bytes."""
+def test_graphed_generate_matches_generate(device, batch, new_tokens, sample):
+    """generate() within graphed_decoding gives the tokens it gives without (greedy, and sampling from the same
+    seed), and the cache stores the same bytes; afterwards the cache is back on host lengths."""
     model, _ = load_model("tiny-llama", device=device)
     gen = torch.Generator().manual_seed(batch + new_tokens)
     ids = torch.randint(0, 256, (batch, 11), generator=gen).to(device)
+    kw = dict(do_sample=True, top_k=20) if sample else dict(do_sample=False)
     graphed = _cache(model)
-    got = generate_graphed(model, graphed, ids, new_tokens)
+    with graphed_decoding(model, graphed, max_tokens=11 + new_tokens):
+        torch.manual_seed(0)
+        got = _generate(model, ids, graphed, new_tokens, **kw)
     eager = _cache(model)
     with installed(model, PACKED):
-        want = model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=eager, max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
+        torch.manual_seed(0)
+        want = _generate(model, ids, eager, new_tokens, **kw)
     assert torch.equal(got, want)
-    assert graphed.get_seq_length() == eager.get_seq_length() == 11 + new_tokens - 1
-    n = graphed.get_seq_length()
+    n = eager.get_seq_length()
+    assert graphed.get_seq_length() == n == 11 + new_tokens - 1
     for a, b in zip(graphed.quantized_layers(), eager.quantized_layers()):
+        assert a.positions is None  # host lengths again
         for st_a, st_b in ((a.k_store, b.k_store), (a.v_store, b.v_store)):
             assert st_a.length == st_b.length == n
             for bk_a, bk_b in zip(st_a.buckets, st_b.buckets):
                 for ta, tb in zip(bk_a.tensors(), bk_b.tensors()):
                     assert torch.equal(ta[:, :, :n], tb[:, :, :n]), bk_a.width
-        assert a.positions is None  # the decoder gave the cache back on host lengths
+    assert "forward" not in vars(model)  # the model's own forward again
 
 
 class _Ops(TorchDispatchMode):
@@ -128,16 +138,19 @@ def test_every_decode_step_is_the_same_replay(monkeypatch):
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
     launches = _Launches(monkeypatch)
     cache = _cache(model)
-    with GraphedDecoder(model, cache, max_tokens=40, graphs=False) as decoder:
-        decoder.prefill(ids)
-        decoder.step()
+    with installed(model, PACKED):
+        logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        step = GraphedStep(model, cache, max_tokens=40, graphs=False)
+        token = logits[:, -1:].argmax(-1)
+        token = step.step(token)[:, -1:].argmax(-1)
         launches.pointers = _store_pointers(cache)
         steps = []
         for _ in range(2):
             launches.log = []
             with _Ops() as ops:
-                decoder.step()
+                token = step.step(token)[:, -1:].argmax(-1)
             steps.append((launches.log, ops.log))
+        step.close()
     (launch_a, ops_a), (launch_b, ops_b) = steps
     assert [entry[0] for entry in launch_a].count("_quantize_kernel") == 3  # one a layer: keys and values
     assert launch_a == launch_b
@@ -166,43 +179,56 @@ def _flat_pointers(described):
 
 @torch.no_grad()
 def test_graphed_decoding_refuses_what_it_cannot_replay():
-    """One-line errors before any decode step: a torch-backend cache, a context past max_tokens, a mask."""
+    """One-line errors: a torch-backend cache, a padded batch, a context past max_tokens, a mask at device-side
+    positions; the model's forward is its own again after each."""
     model, _ = load_model("tiny-llama", device="cpu")
-    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    torch_cache = QuantizedKVCache(model.config, 4, group_size=16, backend="torch")
     with pytest.raises(ValueError, match="not on the triton backend"):
-        generate_graphed(model, QuantizedKVCache(model.config, 4, group_size=16, backend="torch"), ids, 3)
-    with pytest.raises(ValueError, match="max_new_tokens: 0"):
-        generate_graphed(model, _cache(model), ids, 0)
-    with GraphedDecoder(model, _cache(model), max_tokens=8, graphs=False) as decoder:
-        decoder.prefill(ids)
-        decoder.step()
-        decoder.step()  # the context holds 8 tokens: max_tokens
-        with pytest.raises(RuntimeError, match="max_tokens 8"):
-            decoder.step()
+        with graphed_decoding(model, torch_cache, max_tokens=9):
+            _generate(model, ids, torch_cache, 3)
+    padded = torch.ones_like(ids)
+    padded[0, 0] = 0
+    with pytest.raises(NotImplementedError, match="a padded batch"):
+        with graphed_decoding(model, cache := _cache(model), max_tokens=9):
+            model.generate(
+                ids, attention_mask=padded, past_key_values=cache, max_new_tokens=3, pad_token_id=0
+            )
+    with pytest.raises(RuntimeError, match="max_tokens 8"):
+        with graphed_decoding(model, cache := _cache(model), max_tokens=8):
+            _generate(model, ids, cache, 4, do_sample=False)  # the 4th token's step would store the 9th
+    assert "forward" not in vars(model)
     cache = _cache(model)
-    with GraphedDecoder(model, cache, max_tokens=20, graphs=False) as decoder:
-        decoder.prefill(ids)
-        mask = torch.ones(1, 7, dtype=torch.long)
+    with installed(model, PACKED):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        step = GraphedStep(model, cache, max_tokens=20, graphs=False)
+        mask = torch.ones(2, 7, dtype=torch.long)
         mask[0, 0] = 0  # a padded token: the model builds a mask, which a replayed step could not follow
         with pytest.raises(ValueError, match="takes no attention mask"):
             model(input_ids=ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)
+        step.close()
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @torch.no_grad()
-def test_cuda_graph_replays_match_generate():
-    """On CUDA: steps after the warm-up are replays of one captured graph, with the tokens of model.generate."""
+def test_cuda_graph_replays_match_generate(monkeypatch):
+    """On CUDA: decode steps after the warm-up replay one captured graph, with generate()'s tokens without it."""
     model, _ = load_model("tiny-llama", device="cuda")
     ids = torch.randint(0, 256, (3, 13), generator=torch.Generator().manual_seed(2)).cuda()
+    replays = []
+    monkeypatch.setattr(
+        torch.cuda.CUDAGraph,
+        "replay",
+        lambda self, f=torch.cuda.CUDAGraph.replay: (replays.append(1), f(self))[1],
+    )
     cache = _cache(model)
-    with GraphedDecoder(model, cache, max_tokens=13 + 11, graphs=True) as decoder:
-        tokens = [decoder.prefill(ids)] + [decoder.step() for _ in range(11)]
-        assert decoder.graph is not None  # replayed from the capture on
+    with graphed_decoding(model, cache, max_tokens=13 + 12):
+        got = _generate(model, ids, cache, 12, do_sample=False)
+    assert (
+        len(replays) == 12 - 1 - 2
+    )  # the steps after the prompt's and two eager ones (the capture replays once)
     eager = _cache(model)
     with installed(model, PACKED):
-        want = model.generate(
-            ids, attention_mask=torch.ones_like(ids), past_key_values=eager, max_new_tokens=12,
-            min_new_tokens=12, do_sample=False, pad_token_id=0,
-        )  # fmt: skip
-    assert torch.equal(torch.cat([ids, *tokens], dim=1), want)
+        want = _generate(model, ids, eager, 12, do_sample=False)
+    assert torch.equal(got, want)

@@ -27,7 +27,7 @@ def test_profile_writes_where_the_decode_steps_time_goes(tmp_path, cli):
 
 
 def test_graph_replayed_decoding_is_timed_step_by_step(tmp_path, cli):
-    """A "-graph" cache: GraphedDecoder's steps (eager here, without CUDA) timed apart like generate()'s; the
+    """A "-graph" cache: generate() within graphed_decoding (its steps eager here, without CUDA), timed alike; the
     profile is of model.generate, so none is written for it."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = cli("kernels.gpu.e2e", "--dry-run", "--batch", "2", "--context", "12", "--new-tokens", "4",
