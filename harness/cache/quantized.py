@@ -301,7 +301,7 @@ class QuantizedLayer(CacheLayerMixin):
         # (write position, attended length): int32 tensors of one element on the device, set by
         # QuantizedKVCache.device_positions; a fused decode step then writes and attends where they say, so its
         # launches do not change as the context grows (a CUDA graph replays them). None: host lengths.
-        self.positions: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.device_pos: tuple[torch.Tensor, torch.Tensor] | None = None
         self._step: DecodeStep | PackedStep | None = (
             None  # the last placeholder step, checked at the next update
         )
@@ -348,7 +348,7 @@ class QuantizedLayer(CacheLayerMixin):
             return (keys, values) if self.simulate else None
         from kernels.quantize import quantize_into
 
-        if self.positions is not None and key_states.shape[-2] == 1:
+        if self.device_pos is not None and key_states.shape[-2] == 1:
             self._append_at_device_position(key_states, value_states)
             return None
         # keys and values in one launch, no dequantized copy
@@ -356,7 +356,7 @@ class QuantizedLayer(CacheLayerMixin):
         return None
 
     def _append_at_device_position(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Write one decode token at the device-side position (`positions`) into reserved capacity; the host
+        """Write one decode token at the device-side position (`device_pos`) into reserved capacity; the host
         length advances as the device position does (the caller keeps them equal)."""
         from kernels.quantize import quantize_into
 
@@ -365,7 +365,7 @@ class QuantizedLayer(CacheLayerMixin):
                 f"QuantizedKVCache: layer {self.layer_idx} holds {self.k_store.length} tokens in a capacity of "
                 f"{self.k_store.capacity}; reserve() room for every decode step before device-side positions"
             )
-        quantize_into(self.k_store, key_states, self.positions[0], v_store=self.v_store, v=value_states)
+        quantize_into(self.k_store, key_states, self.device_pos[0], v_store=self.v_store, v=value_states)
         self.k_store.length += 1
         self.v_store.length += 1
 
@@ -398,7 +398,7 @@ class QuantizedLayer(CacheLayerMixin):
         elif key_states.shape[-2] > 1:
             keys, values = self.k_store.dequantize(), self.v_store.dequantize()
         else:
-            length = None if self.positions is None else self.positions[1]
+            length = None if self.device_pos is None else self.device_pos[1]
             self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store), length)
             keys, values = key_states, value_states
         post_step(self.layer_idx, keys, self._step)
@@ -418,7 +418,7 @@ class QuantizedLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.k_store = self.v_store = None
-        self.fused, self._step, self.positions = False, None, None
+        self.fused, self._step, self.device_pos = False, None, None
         self.is_initialized = False
 
     def nbytes(self) -> int:
@@ -593,14 +593,14 @@ class QuantizedKVCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, QuantizedLayer)]
 
     def _graph_layers(self) -> list[QuantizedLayer]:
-        """The quantized layers, each initialized on the triton backend with a full-attention store (what
+        """The quantized layers, each a plain full-attention QuantizedLayer initialized on the triton backend (what
         device-side positions need), else a one-line error saying which layer is not."""
         layers = self.quantized_layers()
         for layer in layers:
-            if isinstance(layer, QuantizedSlidingLayer):
+            if type(layer) is not QuantizedLayer:  # a sliding window or eviction rebuilds the stores
                 raise NotImplementedError(
-                    f"QuantizedKVCache: layer {layer.layer_idx} slides its window (its stores are rebuilt as "
-                    "tokens leave it); device-side positions need full-attention layers"
+                    f"QuantizedKVCache: layer {layer.layer_idx} is a {type(layer).__name__}, whose stores are "
+                    "rebuilt as tokens leave it; device-side positions need plain full-attention layers"
                 )
             if not layer.fused:
                 raise ValueError(
@@ -624,7 +624,7 @@ class QuantizedKVCache(Cache):
         to host lengths. Every layer's host length must equal the position; the steps must fit the reserved
         capacity (`reserve`). The step's launches then do not change from one step to the next."""
         for layer in self.quantized_layers() if positions is None else self._graph_layers():
-            layer.positions = positions
+            layer.device_pos = positions
 
     def nbytes(self) -> int:
         """Bytes held by the K/V stores (payload, scales, zeros, 16-bit heads at 2 bytes per element)."""

@@ -16,6 +16,7 @@ import kernels.decode_attention as decode_attention
 import kernels.quantize as quantize
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
+from harness.cache.eviction import EvictionSpec, with_eviction
 from harness.cache.graphed import GraphedStep, graphed_decoding
 from harness.models import load_model
 
@@ -55,7 +56,7 @@ def test_graphed_generate_matches_generate(device, batch, new_tokens, sample):
     n = eager.get_seq_length()
     assert graphed.get_seq_length() == n == 11 + new_tokens - 1
     for a, b in zip(graphed.quantized_layers(), eager.quantized_layers()):
-        assert a.positions is None  # host lengths again
+        assert a.device_pos is None  # host lengths again
         for st_a, st_b in ((a.k_store, b.k_store), (a.v_store, b.v_store)):
             assert st_a.length == st_b.length == n
             for bk_a, bk_b in zip(st_a.buckets, st_b.buckets):
@@ -179,14 +180,18 @@ def _flat_pointers(described):
 
 @torch.no_grad()
 def test_graphed_decoding_refuses_what_it_cannot_replay():
-    """One-line errors: a torch-backend cache, a padded batch, a context past max_tokens, a mask at device-side
-    positions; the model's forward is its own again after each."""
+    """One-line errors: a torch-backend cache, an evicting one, a padded batch, a context past max_tokens, a mask
+    at device-side positions; the model's forward is its own again after each."""
     model, _ = load_model("tiny-llama", device="cpu")
     ids = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(1))
     torch_cache = QuantizedKVCache(model.config, 4, group_size=16, backend="torch")
     with pytest.raises(ValueError, match="not on the triton backend"):
         with graphed_decoding(model, torch_cache, max_tokens=9):
             _generate(model, ids, torch_cache, 3)
+    evicting = with_eviction(_cache(model), EvictionSpec("streaming", keep=0.5, sink_tokens=2))
+    with pytest.raises(NotImplementedError, match="is a EvictingLayer, whose stores are rebuilt"):
+        with graphed_decoding(model, evicting, max_tokens=9):
+            _generate(model, ids, evicting, 3)
     padded = torch.ones_like(ids)
     padded[0, 0] = 0
     with pytest.raises(NotImplementedError, match="a padded batch"):
