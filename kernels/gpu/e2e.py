@@ -9,7 +9,8 @@ full-prompt activations or logits are ever held), then `model.generate` of `--ne
 timed alone and step by step: tokens/s is the batch over the median step (a steady decode step); decode_s is
 the whole generate() with its first steps, which also compile the Triton kernels for the shapes they meet.
 A "-graph" cache (4-graph, mixed-graph) runs the same within harness.cache.graphed.graphed_decoding: each
-decode step after two eager ones replayed from one CUDA graph.
+decode step after two eager ones replayed from one CUDA graph; one that fails (its capture, say) is a row with
+the error in its note, and the caches after it still run.
 Peak memory is torch.cuda.max_memory_allocated over the prefill and the generation, less the weights.
 `--profile STEPS` then runs STEPS more decode steps under torch.profiler and writes where their time goes, by
 device and by host time (e2e-profile-<cache>.txt). A dry run (--dry-run: CPU, TRITON_INTERPRET=1) uses a
@@ -25,6 +26,7 @@ import os
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -237,6 +239,11 @@ def main(argv: list[str] | None = None) -> None:
             del m
         except torch.OutOfMemoryError:
             row["note"] = "oom"
+        except Exception as error:  # a graph-replayed cache failing (its capture, say) leaves the rest to run
+            if base == kind:
+                raise
+            traceback.print_exc()
+            row["note"] = " ".join(f"error: {type(error).__name__}: {error}".split())[:300]
         rows.append(row)
         with open(path, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=COLUMNS).writerow(row)

@@ -41,6 +41,25 @@ def test_graph_replayed_decoding_is_timed_step_by_step(tmp_path, cli):
     assert float(row["kv_gib"]) > 0 and not (tmp_path / "e2e-profile-mixed-graph.txt").exists()
 
 
+def test_a_failing_graph_cache_is_noted_and_the_rest_run(tmp_path, monkeypatch):
+    """A "-graph" cache that raises (its capture failing on a GPU, say) becomes a row with the error in its note;
+    the caches after it still run."""
+    from harness.cache import graphed
+    from kernels.gpu import e2e
+
+    def fail(self, ids):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed.GraphedStep, "step", fail)
+    e2e.main(["--dry-run", "--batch", "1", "--context", "10", "--new-tokens", "3", "--caches", "4-graph", "4",
+              "--out", str(tmp_path)])  # fmt: skip
+    with open(tmp_path / "e2e.csv") as f:
+        failed, done = csv.DictReader(f)
+    assert failed["cache"] == "4-graph" and not failed["tokens_per_s"]
+    assert failed["note"] == "error: RuntimeError: operation not permitted when stream is capturing"
+    assert done["cache"] == "4" and float(done["tokens_per_s"]) > 0 and not done["note"]
+
+
 def test_too_few_new_tokens_are_refused(tmp_path, cli):
     proc = cli("kernels.gpu.e2e", "--dry-run", "--new-tokens", "2", "--out", str(tmp_path))
     assert proc.returncode == 2 and "--new-tokens: 2 is too few" in proc.stderr
