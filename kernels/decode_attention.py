@@ -756,10 +756,7 @@ def plan_splits(
 def _bucket_args(st, width: int) -> list:
     """The kernel arguments of one store's bucket at `width`: its payload (or 16-bit values), scales and zeros
     (placeholders where absent) with their strides, and the store's slot table."""
-    bk = st.bucket_of[width]
-    data = bk.values if width == 16 else bk.payload
-    scale = data if bk.scale is None else bk.scale
-    zero = scale if bk.zero is None else bk.zero
+    data, scale, zero = st.bucket_of[width].kernel_tensors()
     assert data.stride(-1) == 1 and scale.stride(-1) == 1 and zero.stride() == scale.stride()
     return [data, *data.stride()[:3], scale, zero, *scale.stride()[:3], st.slot]
 
@@ -767,11 +764,10 @@ def _bucket_args(st, width: int) -> list:
 def _packed_args(st, width: int) -> list:
     """The fast kernel's arguments for one store's bucket at `width`: payload as int32 words, scales and zeros
     (scales again where symmetric), their batch and head strides, the store's slot table."""
-    bk = st.bucket_of[width]
-    words = bk.payload.view(torch.int32)  # (B, Hw, cap, NW)
-    zero = bk.scale if bk.zero is None else bk.zero
-    assert words.is_contiguous() and bk.scale.is_contiguous() and zero.stride() == bk.scale.stride()
-    return [words, *words.stride()[:2], bk.scale, zero, *bk.scale.stride()[:2], st.slot]
+    payload, scale, zero = st.bucket_of[width].kernel_tensors()
+    words = payload.view(torch.int32)  # (B, Hw, cap, NW)
+    assert words.is_contiguous() and scale.is_contiguous() and zero.stride() == scale.stride()
+    return [words, *words.stride()[:2], scale, zero, *scale.stride()[:2], st.slot]
 
 
 def _kernel_group(st, d_b: int) -> int:

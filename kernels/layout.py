@@ -62,6 +62,13 @@ class Bucket:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.payload, self.scale, self.zero, self.values) if t is not None]
 
+    def kernel_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(data, scale, zero) as the kernels take them: the payload (the values at 16 bits), the scales and the
+        zeros, each one absent replaced by the one before it, a placeholder the kernel does not read."""
+        data = self.values if self.width == FULL_WIDTH else self.payload
+        scale = data if self.scale is None else self.scale
+        return data, scale, scale if self.zero is None else self.zero
+
     def resize(self, cap: int, keep: int) -> None:
         """Move the first `keep` tokens into tensors of capacity `cap`."""
         self.payload, self.scale = _resized(self.payload, cap, keep), _resized(self.scale, cap, keep)

@@ -286,9 +286,7 @@ def _store_args(store, x: torch.Tensor, pos: int | torch.Tensor) -> tuple[list, 
         raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
     outs, scales, zeros = [], [], []
     for bk in store.buckets:
-        out = bk.values if bk.width == FULL_WIDTH else bk.payload
-        scale = out if bk.scale is None else bk.scale  # placeholders at 16 bits
-        zero = scale if bk.zero is None else bk.zero
+        out, scale, zero = bk.kernel_tensors()
         assert out.is_contiguous() and scale.is_contiguous() and zero.is_contiguous()
         outs.append(out)
         scales.append(scale)
