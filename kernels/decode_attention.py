@@ -5,8 +5,10 @@ PackedStores (kernels/layout.py) holding one layer's keys and values, each KV he
 optional full-precision extra segment per KV head (attention sinks, a residual window) inside the same
 softmax. Nothing dequantized ever reaches memory: codes are unpacked and scaled in registers, tile by tile.
 Stage 1 writes per-split partial results (running max, sum, unnormalized output) into a preallocated
-workspace, with one launch per (key width, value width) bucket of KV heads, so each launch is compiled for
-its own widths; stage 2 merges the splits with log-sum-exp. With `length` given as a device tensor the
+workspace. The KV heads fall into buckets by (key width, value width): the buckets packed at 2, 3, 4 or 8 bits
+run in one launch of the fast kernel, each bucket a branch compiled for its own widths, tile and pipeline, and
+any other bucket (16 bits, float32 queries) in a launch of the generic kernel of its own; stage 2 merges the
+splits with log-sum-exp. With `length` given as a device tensor the
 launches read the token count on the device and depend on no host value that changes from step to step: a
 decode step can be captured in a CUDA graph and replayed as the stores grow (within their capacity).
 """
@@ -14,6 +16,7 @@ decode step can be captured in a CUDA graph and replayed as the stores grow (wit
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 
@@ -67,10 +70,13 @@ FAST_LAUNCH_SMALL_HEADS = {
     2: {"block_n": 64, "num_stages": 2, "maxnreg": 128},
     8: {"block_n": 128, "num_stages": 2, "maxnreg": 128},
 }
-# Captured in a CUDA graph, a mixed map's width buckets run concurrently, one stream each, so that one launch
-# fills the SMs that another's last wave leaves idle: on the H100 (2,2,2,2,4,4,8,8, shape above) a replay took
-# 155 us against 170 with the buckets in turn (uniform 4 bits: 142). Launched eagerly the call waits on the host,
-# and the streams' events cost more than they save (248 against 220 us), so eager buckets run in turn.
+# Captured in a CUDA graph, a call's stage-1 launches run concurrently, one stream each, so that one launch fills
+# the SMs that another's last wave leaves idle. Measured when every width bucket had a launch of its own (09710ae,
+# the H100, 2,2,2,2,4,4,8,8, shape above): a replay took 155 us against 170 with the buckets in turn (uniform 4
+# bits: 142); launched eagerly the call waited on the host, and the streams' events cost more than they saved
+# (248 against 220 us), so eager launches run in turn. Since then the fast buckets share one launch (whose grid
+# holds every bucket's programs); what remains concurrent is that launch beside the generic buckets' (16-bit
+# heads, say).
 CONCURRENT_BUCKETS = True
 # split-KV target: enough programs in flight per SM to keep memory requests queued. On the H200 (32 query / 8
 # KV heads, batch 8, 32K and 128K tokens) 16 made the prefetching kernel 15-19% faster than 4 at 2, 4 and 8 bits
@@ -496,81 +502,19 @@ def _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW: tl.c
     return m_new, l_rows, acc
 
 
-# L_arg, the stored length of an eager step, is not specialized on divisibility by 16: it changes every step, and
-# so each bucket compiled twice in a generation's first 16 steps (a compiling 4-bit step took 2.2 s on the H100,
-# check-5317e84). The main loop compiles to the same instructions either way (make inspect, sm_90a); the single
-# specialization key is checked in tests/kernels/gpu/test_inspect.py.
-@triton.jit(do_not_specialize=["L_arg"])
-def _decode_packed_kernel(
-    q_ptr,
-    stride_qb,
-    stride_qh,
-    kp_ptr,
-    kp_sb,
-    kp_sh,
-    ks_ptr,
-    kz_ptr,
-    ks_sb,
-    ks_sh,
-    kslot_ptr,
-    vp_ptr,
-    vp_sb,
-    vp_sh,
-    vs_ptr,
-    vz_ptr,
-    vs_sb,
-    vs_sh,
-    vslot_ptr,
-    kx_ptr,
-    kx_sb,
-    kx_sh,
-    kx_st,
-    vx_ptr,
-    vx_sb,
-    vx_sh,
-    vx_st,
-    Tx,
-    heads_ptr,
-    m_ptr,
-    l_ptr,
-    o_ptr,
-    L_arg,
-    len_ptr,
-    chunk,
-    qk_scale,
-    num_splits,
-    NH: tl.constexpr,
-    HKV: tl.constexpr,
-    QG: tl.constexpr,
-    QG_B: tl.constexpr,
-    D: tl.constexpr,
-    D_B: tl.constexpr,
-    KW: tl.constexpr,
-    VW: tl.constexpr,
-    KG: tl.constexpr,
-    VG: tl.constexpr,
-    K_SYM: tl.constexpr,
-    V_SYM: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
-    L_FROM_PTR: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    # grid: (B * NH, num_splits + HAS_EXTRA), as _decode_split_kernel's, for a bucket whose keys and values are
-    # both packed at 2, 3, 4 or 8 bits. Tokens sit on the mma's M dimension and the query group on N: scores
-    # S^T = K q^T (BLOCK_N, QG_B) and output O^T = V^T P^T (D, QG_B), fp16 operands, fp32 accumulation. K and
-    # V tiles are dequantized in registers by kernels.unpack, their columns in its logical order, so q is
-    # loaded in K's order and O^T stored through V's.
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = pid // NH
-    h = tl.load(heads_ptr + pid % NH)
-    b64 = b.to(tl.int64)
-    if L_FROM_PTR:
-        L = tl.load(len_ptr)
-    else:
-        L = L_arg
-
+@triton.jit
+def _packed_head(q_ptr, stride_qb, stride_qh, b64, h, sp, L, kp, kp_sb, kp_sh, ks, kz, ks_sb, ks_sh, kslot_ptr,
+                 vp, vp_sb, vp_sh, vs, vz, vs_sb, vs_sh, vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh,
+                 vx_st, Tx, m_ptr, l_ptr, o_ptr, chunk, qk_scale, num_splits, HKV: tl.constexpr, QG: tl.constexpr,
+                 QG_B: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
+                 KG: tl.constexpr, VG: tl.constexpr, K_SYM: tl.constexpr, V_SYM: tl.constexpr,
+                 HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """One program of _decode_packed_kernel: KV head h of batch row b64 over split sp (L stored tokens), its keys
+    packed at KW bits and its values at VW (kp/vp: that width's bucket as int32 words, ks/kz, vs/vz: its scales
+    and zeros, with their batch and head strides; the slot tables give the head's row in them). Tokens sit on
+    the mma's M dimension and the query group on N: scores S^T = K q^T (BLOCK_N, QG_B) and output O^T = V^T P^T
+    (D, QG_B), fp16 operands, fp32 accumulation. K and V tiles are dequantized in registers by kernels.unpack,
+    their columns in its logical order, so q is loaded in K's order and O^T stored through V's."""
     i = tl.arange(0, QG_B)
     # (D,): the code each logical column holds. K tiles are mma operands straight from registers (lane order);
     # V tiles are transposed through shared memory for the second mma, so they keep each word's values together
@@ -598,23 +542,23 @@ def _decode_packed_kernel(
 
     kslot = tl.load(kslot_ptr + h).to(tl.int64)
     vslot = tl.load(vslot_ptr + h).to(tl.int64)
-    kp = kp_ptr + b64 * kp_sb + kslot * kp_sh
-    vp = vp_ptr + b64 * vp_sb + vslot * vp_sh
-    ks = ks_ptr + b64 * ks_sb + kslot * ks_sh
-    kz = kz_ptr + b64 * ks_sb + kslot * ks_sh
-    vs = vs_ptr + b64 * vs_sb + vslot * vs_sh
-    vz = vz_ptr + b64 * vs_sb + vslot * vs_sh
+    kp = kp + b64 * kp_sb + kslot * kp_sh
+    vp = vp + b64 * vp_sb + vslot * vp_sh
+    ks_h = ks + b64 * ks_sb + kslot * ks_sh
+    kz_h = kz + b64 * ks_sb + kslot * ks_sh
+    vs_h = vs + b64 * vs_sb + vslot * vs_sh
+    vz_h = vz + b64 * vs_sb + vslot * vs_sh
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
     # whole tiles without masks, then the split's last partial tile (if any) with them
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):
-        m_i, l_rows, acc = _packed_step(qT, kp, ks, kz, vp, vs, vz, n0, end, m_i, l_rows, acc, KW, VW, D, KG, VG,
-                                        K_SYM, V_SYM, ASM, False)  # fmt: skip
+    for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
+        m_i, l_rows, acc = _packed_step(qT, kp, ks_h, kz_h, vp, vs_h, vz_h, n0, end, m_i, l_rows, acc, KW, VW, D,
+                                        KG, VG, K_SYM, V_SYM, ASM, False)  # fmt: skip
     if full_end < end:
-        m_i, l_rows, acc = _packed_step(qT, kp, ks, kz, vp, vs, vz, full_end, end, m_i, l_rows, acc, KW, VW, D, KG,
-                                        VG, K_SYM, V_SYM, ASM, True)  # fmt: skip
+        m_i, l_rows, acc = _packed_step(qT, kp, ks_h, kz_h, vp, vs_h, vz_h, full_end, end, m_i, l_rows, acc, KW, VW,
+                                        D, KG, VG, K_SYM, V_SYM, ASM, True)  # fmt: skip
 
     if HAS_EXTRA:
         x_end = tl.where(sp == num_splits, Tx, 0)
@@ -639,6 +583,94 @@ def _decode_packed_kernel(
     tl.store(m_ptr + row, m_i, mask=i < QG)
     tl.store(l_ptr + row, l_i, mask=i < QG)
     tl.store(o_ptr + row[None, :] * D_B + vcol[:, None], acc, mask=(i < QG)[None, :])
+
+
+# L_arg, the stored length of an eager step, is not specialized on divisibility by 16: it changes every step, and
+# so each bucket compiled twice in a generation's first 16 steps (a compiling 4-bit step took 2.2 s on the H100,
+# check-5317e84). The main loop compiles to the same instructions either way (make inspect, sm_90a); the single
+# specialization key is checked in tests/kernels/gpu/test_inspect.py.
+@triton.jit(do_not_specialize=["L_arg"])
+def _decode_packed_kernel(
+    q_ptr,
+    stride_qb,
+    stride_qh,
+    k_words,
+    k_words_sb,
+    k_words_sh,
+    k_scales,
+    k_zeros,
+    k_scales_sb,
+    k_scales_sh,
+    kslot_ptr,
+    v_words,
+    v_words_sb,
+    v_words_sh,
+    v_scales,
+    v_zeros,
+    v_scales_sb,
+    v_scales_sh,
+    vslot_ptr,
+    kx_ptr,
+    kx_sb,
+    kx_sh,
+    kx_st,
+    vx_ptr,
+    vx_sb,
+    vx_sh,
+    vx_st,
+    Tx,
+    heads_ptr,
+    starts,
+    chunks,
+    m_ptr,
+    l_ptr,
+    o_ptr,
+    L_arg,
+    len_ptr,
+    qk_scale,
+    num_splits,
+    NH: tl.constexpr,
+    HKV: tl.constexpr,
+    QG: tl.constexpr,
+    QG_B: tl.constexpr,
+    D: tl.constexpr,
+    D_B: tl.constexpr,
+    KWS: tl.constexpr,
+    VWS: tl.constexpr,
+    KG: tl.constexpr,
+    VG: tl.constexpr,
+    K_SYM: tl.constexpr,
+    V_SYM: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    L_FROM_PTR: tl.constexpr,
+    BLOCK_NS: tl.constexpr,
+    STAGES: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # grid: (B * NH, num_splits + HAS_EXTRA) over the NH KV heads of every width bucket whose keys and values are
+    # both packed at 2, 3, 4 or 8 bits, as _decode_split_kernel's for one bucket: heads_ptr lists them in bucket
+    # order, bucket i's at [starts[i], starts[i + 1]). Bucket i is a branch of its own, compiled for its widths
+    # KWS[i] (keys) and VWS[i] (values), its tile BLOCK_NS[i] and pipeline STAGES[i], reading tuple entry i of the
+    # store arguments (that width's words, scales, zeros and strides) and splitting its tokens into chunks[i].
+    pid = tl.program_id(0)
+    sp = tl.program_id(1)
+    b = pid // NH
+    j = pid % NH
+    h = tl.load(heads_ptr + j)
+    b64 = b.to(tl.int64)
+    if L_FROM_PTR:
+        L = tl.load(len_ptr)
+    else:
+        L = L_arg
+    for k in tl.static_range(len(KWS)):
+        if (j >= starts[k]) & (j < starts[k + 1]):
+            _packed_head(
+                q_ptr, stride_qb, stride_qh, b64, h, sp, L, k_words[k], k_words_sb[k], k_words_sh[k], k_scales[k],
+                k_zeros[k], k_scales_sb[k], k_scales_sh[k], kslot_ptr, v_words[k], v_words_sb[k], v_words_sh[k],
+                v_scales[k], v_zeros[k], v_scales_sb[k], v_scales_sh[k], vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st,
+                vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunks[k], qk_scale, num_splits, HKV, QG,
+                QG_B, D, D_B, KWS[k], VWS[k], KG, VG, K_SYM, V_SYM, HAS_EXTRA, BLOCK_NS[k], STAGES[k], ASM,
+            )  # fmt: skip
 
 
 @triton.jit
@@ -709,12 +741,25 @@ def fast_options(kw: int, vw: int, head_dim: int) -> dict:
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_options(kw: int, vw: int, head_dim: int, fast: bool, given: tuple) -> dict:
-    """Stage 1's Triton launch options for a bucket: the fast kernel's defaults (fast_options), then the caller's
-    `given` ((name, value) pairs), maxnreg 0 (no register cap) left out. Cached: built once per bucket and call
-    signature (the eager decode step is host-bound); read-only."""
-    merged = {**(fast_options(kw, vw, head_dim) if fast else {}), **dict(given)}
-    return {k: v for k, v in merged.items() if not (k == "maxnreg" and v == 0)}
+def _launch_options(head_dim: int, fast_pairs: tuple, given: tuple) -> tuple[dict, tuple]:
+    """Stage 1's Triton launch options and each fast bucket's pipeline stages, for one launch: the generic
+    kernel's (fast_pairs empty) or the fast kernel's over its (key width, value width) buckets.
+
+    A fast bucket's loop over tiles takes its own stages (fast_options); the launch takes the tightest register
+    cap any of its buckets asks for (the caps bind where a width's tile would need more: one compiled kernel
+    holds every bucket's branch) and the fewest stages. The caller's `given` ((name, value) pairs) wins over all
+    of them, maxnreg 0 meaning no cap. Cached: built once per map and call signature (the eager decode step is
+    host-bound); read-only."""
+    defaults = [fast_options(kw, vw, head_dim) for kw, vw in fast_pairs]
+    merged = {}
+    if defaults:
+        merged["num_stages"] = min(d["num_stages"] for d in defaults)
+        caps = [d["maxnreg"] for d in defaults if "maxnreg" in d]
+        if caps:
+            merged["maxnreg"] = min(caps)
+    merged.update(given)
+    stages = tuple(dict(given).get("num_stages") or d["num_stages"] for d in defaults)
+    return {k: v for k, v in merged.items() if not (k == "maxnreg" and v == 0)}, stages
 
 
 def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
@@ -727,12 +772,46 @@ def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: 
     )
 
 
+@functools.lru_cache(maxsize=256)
+def _map_plan(k_bits: tuple[int, ...], v_bits: tuple[int, ...], device: torch.device, q_dtype: torch.dtype,
+              head_dim: int, k_group: int, v_group: int) -> tuple:  # fmt: skip
+    """(width buckets, whether each takes the fast kernel, the fast buckets' (key width, value width) pairs, their
+    KV heads in bucket order (int32 on `device`, None without fast buckets), the fast buckets' starts in it).
+    Cached per map and query dtype: the eager decode step is host-bound."""
+    buckets = width_buckets(k_bits, v_bits, device)
+    fast = tuple(fast_bucket(kw, vw, q_dtype, head_dim, k_group, v_group) for kw, vw, _ in buckets)
+    pairs = tuple((kw, vw) for (kw, vw, _), f in zip(buckets, fast) if f)
+    heads = [h for pair in pairs for h, p in enumerate(zip(k_bits, v_bits)) if p == pair]
+    starts = tuple(
+        itertools.accumulate((sum(p == pair for p in zip(k_bits, v_bits)) for pair in pairs), initial=0)
+    )
+    fast_heads = torch.tensor(heads, dtype=torch.int32, device=device) if heads else None
+    return buckets, fast, pairs, fast_heads, starts
+
+
+def _store_map_plan(k_store, v_store, device: torch.device, q_dtype: torch.dtype) -> tuple:
+    """_map_plan of two stores."""
+    return _map_plan(k_store.bits, v_store.bits, device, q_dtype, k_store.head_dim, k_store.group_size,
+                     v_store.group_size)  # fmt: skip
+
+
+def _split_plans(map_plan, k_store, span: int, block_n: int | None, device: torch.device,
+                 num_splits: int | None) -> tuple[list, int]:  # fmt: skip
+    """((tokens per tile, tokens per split) of each bucket, split columns of the partials table): plan_splits'."""
+    plans = []
+    for (kw, vw, heads), fast in zip(map_plan[0], map_plan[1]):
+        tile = block_n or (fast_block_n(kw, vw, k_store.head_dim) if fast else BLOCK_N)
+        programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
+        n = num_splits or _default_splits(span, programs, tile, device)
+        plans.append((tile, cdiv(cdiv(max(span, 1), n), tile) * tile))  # whole tiles
+    return plans, max(cdiv(max(span, 1), chunk) for _, chunk in plans)
+
+
 def plan_splits(
     k_store, v_store, span: int, block_n: int | None, device: torch.device, num_splits: int | None = None,
     q_dtype: torch.dtype = torch.float32,
 ):  # fmt: skip
-    """(width buckets, (tokens per tile, tokens per split) of each bucket's launch, split columns of the
-    partials table).
+    """(width buckets, (tokens per tile, tokens per split) of each bucket, split columns of the partials table).
 
     A bucket's tile is `block_n`, or its kernel's default (fast_block_n for the fast kernel, BLOCK_N else).
     A generic bucket's launch is split for its own program count (a bucket of few heads gets more splits, so
@@ -742,15 +821,8 @@ def plan_splits(
     2.9x slower than uniform 4 bits. All launches write one partials table with the largest split count, where
     a program past its own bucket's splits finds no token and writes an empty partial (weight 0 in the combine).
     """
-    buckets = width_buckets(tuple(k_store.bits), tuple(v_store.bits), device)
-    plans = []
-    for kw, vw, heads in buckets:
-        fast = fast_bucket(kw, vw, q_dtype, k_store.head_dim, k_store.group_size, v_store.group_size)
-        tile = block_n or (fast_block_n(kw, vw, k_store.head_dim) if fast else BLOCK_N)
-        programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
-        n = num_splits or _default_splits(span, programs, tile, device)
-        plans.append((tile, cdiv(cdiv(max(span, 1), n), tile) * tile))  # whole tiles
-    return buckets, plans, max(cdiv(max(span, 1), chunk) for _, chunk in plans)
+    map_plan = _store_map_plan(k_store, v_store, device, q_dtype)
+    return (map_plan[0], *_split_plans(map_plan, k_store, span, block_n, device, num_splits))
 
 
 def _bucket_args(st, width: int) -> list:
@@ -761,13 +833,17 @@ def _bucket_args(st, width: int) -> list:
     return [data, *data.stride()[:3], scale, zero, *scale.stride()[:3], st.slot]
 
 
-def _packed_args(st, width: int) -> list:
-    """The fast kernel's arguments for one store's bucket at `width`: payload as int32 words, scales and zeros
-    (scales again where symmetric), their batch and head strides, the store's slot table."""
-    payload, scale, zero = st.bucket_of[width].kernel_tensors()
-    words = payload.view(torch.int32)  # (B, Hw, cap, NW)
-    assert words.is_contiguous() and scale.is_contiguous() and zero.stride() == scale.stride()
-    return [words, *words.stride()[:2], scale, zero, *scale.stride()[:2], st.slot]
+def _packed_args(st, widths: tuple[int, ...]) -> list:
+    """The fast kernel's arguments for one store at the buckets of `widths` (one entry per fast launch bucket,
+    repeated where two buckets share a width): tuples of payloads as int32 words, their batch and head strides,
+    scales, zeros (scales again where symmetric) and their batch and head strides; then the store's slot table."""
+    fields = []
+    for width in widths:
+        payload, scale, zero = st.bucket_of[width].kernel_tensors()
+        words = payload.view(torch.int32)  # (B, Hw, cap, NW)
+        assert words.is_contiguous() and scale.is_contiguous() and zero.stride() == scale.stride()
+        fields.append((words, *words.stride()[:2], scale, zero, *scale.stride()[:2]))
+    return [*zip(*fields), st.slot]
 
 
 def _kernel_group(st, d_b: int) -> int:
@@ -828,6 +904,16 @@ def _workspace(device: torch.device, B: int, Hq: int, n_cols: int, d_b: int) -> 
     return _WORKSPACE[key]
 
 
+def _fast_constants(pairs: tuple, n_heads: int, qg: int, tiles: tuple, head_dim: int, given: tuple,
+                    common: dict) -> dict:  # fmt: skip
+    """The fast launch's compile-time constants and options: its buckets' widths `pairs`, tiles and stages, on
+    top of the constants `common` to both kernels."""
+    launch, stages = _launch_options(head_dim, pairs, given)
+    return dict(NH=n_heads, QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
+                KWS=tuple(kw for kw, _ in pairs), VWS=tuple(vw for _, vw in pairs), BLOCK_NS=tiles, STAGES=stages,
+                ASM=os.environ.get("TRITON_INTERPRET") != "1", **common, **launch)  # fmt: skip
+
+
 def decode_attention(
     q: torch.Tensor,
     k_store,
@@ -885,7 +971,9 @@ def decode_attention(
 
     d_b = next_power_of_2(D)
     qg = Hq // Hkv
-    buckets, plans, splits = plan_splits(k_store, v_store, span, block_n, q.device, num_splits, q.dtype)
+    map_plan = _store_map_plan(k_store, v_store, q.device, q.dtype)
+    buckets, fast, fast_pairs, fast_heads, starts = map_plan
+    plans, splits = _split_plans(map_plan, k_store, span, block_n, q.device, num_splits)
     n_cols = splits + int(has_extra)
 
     m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
@@ -893,45 +981,45 @@ def decode_attention(
     options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
     given = tuple((k, v) for k, v in options if v is not None)
     extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
+    # L_arg is 0 where the kernel reads the length (a replayed launch must not change with the host's)
+    partials = [m_part, l_part, o_part, k_store.length if length is None else 0]
+    common = dict(HKV=Hkv, QG=qg, D=D, D_B=d_b, KG=_kernel_group(k_store, d_b), VG=_kernel_group(v_store, d_b),
+                  K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
+                  L_FROM_PTR=length is not None)  # fmt: skip
+    launches = []  # (kernel, grid, arguments, keyword arguments): every fast bucket in one, a generic one each
+    if fast_pairs:
+        chunks = tuple(chunk for (_, chunk), f in zip(plans, fast) if f)
+        tiles = tuple(tile for (tile, _), f in zip(plans, fast) if f)
+        args = [q, q.stride(0), q.stride(1), *_packed_args(k_store, tuple(kw for kw, _ in fast_pairs)),
+                *_packed_args(v_store, tuple(vw for _, vw in fast_pairs)), *extra, fast_heads, starts, chunks,
+                *partials, fast_heads if length is None else length, sm_scale * LOG2E, splits]  # fmt: skip
+        launches.append((_decode_packed_kernel, (B * starts[-1], n_cols), args,
+                         _fast_constants(fast_pairs, starts[-1], qg, tiles, D, given, common)))  # fmt: skip
+    for (kw, vw, heads), (tile, chunk), f in zip(buckets, plans, fast):
+        if not f:
+            args = [q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra,
+                    heads, *partials, heads if length is None else length, chunk, sm_scale * LOG2E, splits]  # fmt: skip
+            kwargs = dict(NH=len(heads), KW=kw, VW=vw, BLOCK_N=tile,
+                          QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
+                          INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+                          PREFETCH=(kw, vw) != (16, 16), **common, **_launch_options(D, (), given)[0])  # fmt: skip
+            launches.append((_decode_split_kernel, (B * len(heads), n_cols), args, kwargs))
     concurrent = (
-        CONCURRENT_BUCKETS and len(buckets) > 1 and q.is_cuda and torch.cuda.is_current_stream_capturing()
+        CONCURRENT_BUCKETS and len(launches) > 1 and q.is_cuda and torch.cuda.is_current_stream_capturing()
     )
-    if concurrent:  # the buckets after the first on side streams, which wait for the current stream's work
+    if concurrent:  # the launches after the first on side streams, which wait for the current stream's work
         main = torch.cuda.current_stream(q.device)
-        fork, sides = _side_streams(q.device, len(buckets) - 1)
+        fork, sides = _side_streams(q.device, len(launches) - 1)
         fork.record(main)
         for side, _ in sides:
             side.wait_event(fork)
     try:
-        for i, ((kw, vw, heads), (tile, chunk)) in enumerate(zip(buckets, plans)):
+        for i, (kernel, grid, args, kwargs) in enumerate(launches):
             if concurrent and i:
                 torch.cuda.set_stream(sides[i - 1][0])
-            kg, vg = _kernel_group(k_store, d_b), _kernel_group(v_store, d_b)
-            common = dict(NH=len(heads), HKV=Hkv, QG=qg, D=D, D_B=d_b, KW=kw, VW=vw, KG=kg, VG=vg,
-                          K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
-                          L_FROM_PTR=length is not None, BLOCK_N=tile)  # fmt: skip
-            # L_arg is 0 where the kernel reads the length (a replayed launch must not change with the host's)
-            tail = [heads, m_part, l_part, o_part, k_store.length if length is None else 0,
-                    heads if length is None else length, chunk, sm_scale * LOG2E, splits]  # fmt: skip
-            if fast_bucket(kw, vw, q.dtype, D, k_store.group_size, v_store.group_size):
-                _decode_packed_kernel[(B * len(heads), n_cols)](
-                    q, q.stride(0), q.stride(1), *_packed_args(k_store, kw), *_packed_args(v_store, vw), *extra, *tail,
-                    QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
-                    ASM=os.environ.get("TRITON_INTERPRET") != "1",
-                    **common,
-                    **_launch_options(kw, vw, D, True, given),
-                )  # fmt: skip
-            else:
-                _decode_split_kernel[(B * len(heads), n_cols)](
-                    q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra, *tail,
-                    QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
-                    INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-                    PREFETCH=(kw, vw) != (16, 16),
-                    **common,
-                    **_launch_options(kw, vw, D, False, given),
-                )  # fmt: skip
+            kernel[grid](*args, **kwargs)
     finally:
-        if concurrent:  # the combine waits for every bucket
+        if concurrent:  # the combine waits for every launch
             torch.cuda.set_stream(main)
             for side, done in sides:
                 done.record(side)

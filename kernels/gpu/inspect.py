@@ -198,8 +198,11 @@ def inspect_variant(
     """One row of the table: the compiled variant's resources, main loop and instruction mix (block_n None:
     the kernel's default tile)."""
     launch = catch_stage1(kw, vw, block_n, num_warps, num_stages, shape, maxnreg=maxnreg)
-    block_n = launch.kwargs["BLOCK_N"]
     cubin, meta, _ = compile_for_hopper(launch)
+    # a uniform map is one bucket: the generic kernel's tile, or the fast kernel's one branch's tile and stages
+    fast = "BLOCK_NS" in launch.kwargs
+    block_n = launch.kwargs["BLOCK_NS"][0] if fast else launch.kwargs["BLOCK_N"]
+    stages = launch.kwargs["STAGES"][0] if fast else meta.num_stages
     sass, usage = sass_and_resources(cubin)
     loop = main_loop(instructions(sass))
     mix = Counter(MIX.get(op.split(".")[0]) for _, op, _ in loop)
@@ -207,7 +210,7 @@ def inspect_variant(
     tile = block_n * (kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"]))
     row = {
         "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
-        "num_stages": meta.num_stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
+        "num_stages": stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
         "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
         "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
         "payload_load_bytes": " ".join(map(str, widths)), "note": "" if loop else "no loop with an mma found",

@@ -416,8 +416,8 @@ class _LaunchSpy:
 def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra,
                                     monkeypatch):  # fmt: skip
     """Buckets packed at 2, 3, 4 and 8 bits with fp16/bf16 queries take the fast kernel (kernels/unpack.py's
-    dequantization, tokens on the mma's M): the output matches the float64 oracle over the dequantized stores
-    at any split count, with and without an extra segment."""
+    dequantization, tokens on the mma's M), every bucket a branch of one launch: the output matches the float64
+    oracle over the dequantized stores at any split count, with and without an extra segment."""
     from kernels import decode_attention as da
 
     spy = _LaunchSpy(da._decode_packed_kernel)
@@ -435,7 +435,7 @@ def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size
         decode_attention(q, ks, vs, head_dim**-0.5, num_splits=num_splits, out=out, block_n=block_n, **extra)
         err = ((out.double() - ref).norm() / ref.norm()).item()
         assert err < 1e-2, (num_splits, err)
-    assert spy.launches == 2 * len(set(zip(k_bits, v_bits)))  # every bucket took the fast kernel
+    assert spy.launches == 2  # every bucket took the fast kernel, all of them in one launch a call
 
 
 @pytest.mark.parametrize(
@@ -482,7 +482,7 @@ def test_fast_kernel_tiles_default_to_its_own_launch(device, monkeypatch):
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                opts = ("BLOCK_N", "num_stages", "maxnreg", "num_warps")
+                opts = ("BLOCK_N", "BLOCK_NS", "STAGES", "num_stages", "maxnreg", "num_warps")
                 launches[self.name] = {k: kwargs[k] for k in opts if k in kwargs}
                 return self.kernel[grid](*args, **kwargs)
 
@@ -494,7 +494,7 @@ def test_fast_kernel_tiles_default_to_its_own_launch(device, monkeypatch):
     q = torch.randn(B, HQ, 64).to(device=device, dtype=torch.float16)
     want = da.decode_attention(q, ks, vs, 0.125)
     assert launches == {
-        "fast": {"BLOCK_N": 128, "num_stages": 2, "maxnreg": 128},
+        "fast": {"BLOCK_NS": (128,), "STAGES": (2,), "num_stages": 2, "maxnreg": 128},
         "generic": {"BLOCK_N": da.BLOCK_N},
     }
     tile = {
@@ -512,9 +512,51 @@ def test_fast_kernel_tiles_default_to_its_own_launch(device, monkeypatch):
     assert da.fast_options(3, 8, 128) == da.fast_options(8, 8, 128) == {"num_stages": 3}
     assert da.fast_options(2, 3, 128) == da.fast_options(8, 8, 64) == {"num_stages": 2, "maxnreg": 128}
     got = da.decode_attention(q, ks, vs, 0.125, num_stages=3, maxnreg=168, num_warps=4)
-    assert launches["fast"] == {"BLOCK_N": 128, "num_stages": 3, "maxnreg": 168, "num_warps": 4}
+    assert launches["fast"] == {
+        "BLOCK_NS": (128,),
+        "STAGES": (3,),
+        "num_stages": 3,
+        "maxnreg": 168,
+        "num_warps": 4,
+    }
     assert launches["generic"] == {"BLOCK_N": da.BLOCK_N, "num_stages": 3, "maxnreg": 168, "num_warps": 4}
     torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)  # launch options do not change the result
+
+
+def test_fast_buckets_of_a_mixed_map_share_one_launch(device, monkeypatch):
+    """A mixed map's fast buckets are branches of one launch, each with its own widths, tile and pipeline stages
+    (FAST_LAUNCH); the launch takes the tightest register cap and the fewest stages; the heads go in bucket
+    order; caller options win for every branch. The output matches the float64 oracle."""
+    from kernels import decode_attention as da
+
+    calls, kernel = [], da._decode_packed_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append((grid, args, kwargs))
+                return kernel[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(da, "_decode_packed_kernel", Recorder())
+    bits = (8, 2, 3, 2)
+    ks, vs = _stores(bits, bits, 128, 32, False, device, seed=9)
+    q = torch.randn(B, 2 * len(bits), 128).to(device=device, dtype=torch.bfloat16)
+    out = da.decode_attention(q, ks, vs, 128**-0.5, num_splits=2)
+    ref = reference.attention_reference(q[:, :, None], ks.dequantize(), vs.dequantize(), 128**-0.5)[:, :, 0]
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-2
+    ((grid, args, kwargs),) = calls
+    assert (kwargs["KWS"], kwargs["VWS"]) == ((2, 3, 8), (2, 3, 8))
+    assert kwargs["BLOCK_NS"] == tuple(da.fast_block_n(w, w, 128) for w in (2, 3, 8)) == (128, 64, 64)
+    assert kwargs["STAGES"] == (2, 2, 3) and kwargs["num_stages"] == 2 and kwargs["maxnreg"] == 128
+    *_, heads, starts = da._map_plan(bits, bits, q.device, q.dtype, 128, 32, 32)
+    assert heads.tolist() == [1, 3, 2, 0] and starts == (0, 2, 3, 4) and grid[0] == B * 4
+    assert any(a is heads for a in args) and any(a is starts for a in args)
+    calls.clear()
+    da.decode_attention(q, ks, vs, 128**-0.5, num_stages=3, maxnreg=0)
+    ((_, _, kwargs),) = calls
+    assert kwargs["STAGES"] == (3, 3, 3) and kwargs["num_stages"] == 3 and "maxnreg" not in kwargs
 
 
 def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():
