@@ -18,7 +18,9 @@ ptxas and cuobjdump (both ship in Triton's wheel) then give:
   share of copy bandwidth measured about 3.1 on the H200 (kernel issue);
 - `payload_load_bytes`: the widths of the loop's global loads (16 is LDG.E.128 or a 16-byte cp.async; 1 is a
   byte-wide load).
-It prints a table and writes a CSV. The Triton that compiles is the one imported: `make inspect-env` makes
+With --map (per-KV-head widths) it reads the launches of one mixed map instead: the fast kernel runs every
+packed bucket in one launch, a branch each, so the figures of a row are its branch's loop's beside the whole
+kernel's registers and shared memory. It prints a table and writes a CSV. The Triton that compiles is the one imported: `make inspect-env` makes
 .venv-triton36 with the GPU machine's Triton (3.6.0), and every row names the version that compiled it.
 """
 
@@ -69,18 +71,21 @@ class Launch:
     kwargs: dict
 
 
-def catch_stage1(
-    kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict,
-    length: int | None = None, maxnreg: int | None = None,
-) -> Launch:  # fmt: skip
-    """The stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values) at `shape`,
-    stores of shape["context"] tokens' capacity holding `length` of them (default: full)."""
+def catch_launches(
+    k_bits: tuple[int, ...], v_bits: tuple[int, ...], block_n: int | None, num_warps: int, num_stages: int | None,
+    shape: dict, length: int | None = None, maxnreg: int | None = None,
+) -> list[Launch]:  # fmt: skip
+    """The stage-1 launches that decode_attention makes for per-head widths k_bits (keys) and v_bits (values) at
+    `shape` (its hkv taken from the maps), stores of shape["context"] tokens' capacity holding `length` of them
+    (default: full): one for the map's packed buckets, one for each generic bucket."""
     from kernels import decode_attention as da
     from kernels.layout import PackedStore
 
-    B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
+    B, hq, D, L = (shape[k] for k in ("batch", "hq", "head_dim", "context"))
     dev = torch.device("meta")
-    stores = [PackedStore([w] * hkv, D, B, dtype=torch.bfloat16, device=dev, capacity=L) for w in (kw, vw)]
+    stores = [
+        PackedStore(list(b), D, B, dtype=torch.bfloat16, device=dev, capacity=L) for b in (k_bits, v_bits)
+    ]
     for st in stores:
         st.length = L if length is None else length
     caught: list[Launch] = []
@@ -99,6 +104,16 @@ def catch_stage1(
     finally:
         for kernel in (*stage1, da._combine_kernel):
             del kernel.run
+    return caught
+
+
+def catch_stage1(
+    kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict,
+    length: int | None = None, maxnreg: int | None = None,
+) -> Launch:  # fmt: skip
+    """The one stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values)."""
+    hkv = shape["hkv"]
+    caught = catch_launches((kw,) * hkv, (vw,) * hkv, block_n, num_warps, num_stages, shape, length, maxnreg)
     assert len(caught) == 1, f"expected one stage-1 launch, caught {len(caught)}"
     return caught[0]
 
@@ -152,9 +167,10 @@ def instructions(sass: str) -> list[tuple[int, str, str]]:
     return [(int(a, 16), op, rest.strip()) for a, _, op, rest in _INSTR.findall(sass)]
 
 
-def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
-    """The instructions of the largest loop (a backward branch's target to the branch) that holds an mma."""
-    best: list = []
+def mma_loops(instrs: list[tuple[int, str, str]]) -> list[list[tuple[int, str, str]]]:
+    """The instructions of each loop (a backward branch's target to the branch) that holds an mma, in address
+    order, loops inside another left out."""
+    loops: list = []
     for i, (addr, op, rest) in enumerate(instrs):
         if not op.startswith("BRA"):
             continue
@@ -163,9 +179,16 @@ def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
             continue
         start = int(m.group(1), 16)
         body = [x for x in instrs[: i + 1] if x[0] >= start]
-        if any(x[1].split(".")[0] in ("HMMA", "HGMMA") for x in body) and len(body) > len(best):
-            best = body
-    return best
+        if any(x[1].split(".")[0] in ("HMMA", "HGMMA") for x in body):
+            loops = [lp for lp in loops if lp[0][0] < start] + [
+                body
+            ]  # an enclosing loop replaces those inside
+    return sorted(loops, key=lambda lp: lp[0][0])
+
+
+def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+    """The instructions of the largest loop (a backward branch's target to the branch) that holds an mma."""
+    return max(mma_loops(instrs), key=len, default=[])
 
 
 def load_width(op: str) -> int | None:
@@ -198,26 +221,59 @@ def inspect_variant(
     """One row of the table: the compiled variant's resources, main loop and instruction mix (block_n None:
     the kernel's default tile)."""
     launch = catch_stage1(kw, vw, block_n, num_warps, num_stages, shape, maxnreg=maxnreg)
+    return inspect_launch(launch, num_warps, shape)[0]
+
+
+def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "") -> list[dict]:
+    """The rows of one caught stage-1 launch: the generic kernel's one bucket, or one per bucket of the fast
+    kernel, each from its branch's loop over tiles (the branches' loops lie in bucket order in the machine code:
+    a branch is compiled where tl.static_range unrolls it). `label` (a map's) goes into each row's note."""
     cubin, meta, _ = compile_for_hopper(launch)
-    # a uniform map is one bucket: the generic kernel's tile, or the fast kernel's one branch's tile and stages
-    fast = "BLOCK_NS" in launch.kwargs
-    block_n = launch.kwargs["BLOCK_NS"][0] if fast else launch.kwargs["BLOCK_N"]
-    stages = launch.kwargs["STAGES"][0] if fast else meta.num_stages
     sass, usage = sass_and_resources(cubin)
-    loop = main_loop(instructions(sass))
-    mix = Counter(MIX.get(op.split(".")[0]) for _, op, _ in loop)
-    widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
-    tile = block_n * (kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"]))
-    row = {
-        "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
-        "num_stages": stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
-        "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
-        "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
-        "payload_load_bytes": " ".join(map(str, widths)), "note": "" if loop else "no loop with an mma found",
-    }  # fmt: skip
-    row.update({col: mix.get(col, 0) for col in set(MIX.values())})
-    row["static_targets"] = static_targets(row)
-    return row
+    kwargs, instrs = launch.kwargs, instructions(sass)
+    if "KWS" in kwargs:
+        buckets = list(zip(kwargs["KWS"], kwargs["VWS"], kwargs["BLOCK_NS"], kwargs["STAGES"]))
+    else:
+        buckets = [(kwargs["KW"], kwargs["VW"], kwargs["BLOCK_N"], meta.num_stages)]
+    loops = [main_loop(instrs)] if len(buckets) == 1 else mma_loops(instrs)
+    if len(loops) != len(buckets):
+        raise RuntimeError(f"{len(buckets)} buckets but {len(loops)} loops with an mma in the machine code")
+    rows = []
+    for i, ((kw, vw, block_n, stages), loop) in enumerate(zip(buckets, loops)):
+        mix = Counter(MIX.get(op.split(".")[0]) for _, op, _ in loop)
+        widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
+        tile = block_n * (
+            kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"])
+        )
+        note = "; ".join(
+            x
+            for x in (
+                label and f"{label}, branch {i + 1} of {len(buckets)}",
+                "" if loop else "no loop with an mma found",
+            )
+            if x
+        )
+        row = {
+            "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
+            "num_stages": stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
+            "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
+            "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
+            "payload_load_bytes": " ".join(map(str, widths)), "note": note,
+        }  # fmt: skip
+        row.update({col: mix.get(col, 0) for col in set(MIX.values())})
+        row["static_targets"] = static_targets(row)
+        rows.append(row)
+    return rows
+
+
+def inspect_map(k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_warps: int, shape: dict) -> list[dict]:
+    """The rows of every stage-1 launch of one per-head map (default tiles and stages): the fast kernel's one
+    launch, a row per bucket, and each generic bucket's launch."""
+    label = (
+        "map " + ",".join(map(str, k_bits)) + ("" if v_bits == k_bits else " / " + ",".join(map(str, v_bits)))
+    )
+    launches = catch_launches(k_bits, v_bits, None, num_warps, None, shape)
+    return [row for launch in launches for row in inspect_launch(launch, num_warps, shape, label)]
 
 
 def kernel_sha() -> str:
@@ -262,6 +318,14 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _widths_list(text: str) -> tuple[int, ...]:
+    """ "2,2,4,8" -> (2, 2, 4, 8) (argparse's type for --map)."""
+    try:
+        return tuple(int(w) for w in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of widths") from None
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.gpu.inspect", description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", nargs="+", type=int, default=[16, 8, 4, 3, 2], help="uniform K and V widths")
@@ -271,18 +335,35 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warps", nargs="+", type=int, default=[4])
     p.add_argument("--stages", type=int, default=None, help="num_stages (default: the kernel's)")
     p.add_argument("--maxnreg", type=int, default=None, help="register cap (default: the kernel's; 0: none)")
+    p.add_argument(
+        "--map", type=_widths_list, default=None,
+        help="per-KV-head key widths, comma-separated (one per --hkv head): inspect that map's launches instead",
+    )  # fmt: skip
+    p.add_argument(
+        "--value-map", type=_widths_list, default=None, help="per-head value widths (default: --map)"
+    )
     p.add_argument("--out", type=Path, help="CSV to write")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("error: TRITON_INTERPRET=1 is set; the inspector compiles, so unset it")
-    for w in args.widths:
+    for w in (*args.widths, *(args.map or ()), *(args.value_map or ())):
         if w not in (2, 3, 4, 8, 16):
-            p.error(f"--widths: {w} is not a width; allowed: 2, 3, 4, 8, 16")
+            p.error(f"--widths/--map: {w} is not a width; allowed: 2, 3, 4, 8, 16")
+    v_map = args.value_map or args.map
+    for name, m in (("--map", args.map), ("--value-map", v_map)):
+        if m is not None and len(m) != args.hkv:
+            p.error(f"{name}: {len(m)} widths for --hkv {args.hkv} KV heads; give one width a KV head")
     shape = {k: getattr(args, k) for k in SHAPE}
     rows = []
-    for kw, vw, n, nw in variants(args.widths, args.block_n or [None], args.warps):
+    if args.map is not None:
+        for nw in args.warps:
+            rows += inspect_map(args.map, v_map, nw, shape)
+            print(f"compiled map warps={nw}", file=sys.stderr, flush=True)
+    for kw, vw, n, nw in (
+        [] if args.map is not None else variants(args.widths, args.block_n or [None], args.warps)
+    ):
         rows.append(inspect_variant(kw, vw, n, nw, args.stages, shape, args.maxnreg))
         print(f"compiled K{kw}V{vw} BLOCK_N={rows[-1]['block_n']} warps={nw}", file=sys.stderr, flush=True)
     print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")

@@ -129,3 +129,38 @@ def test_static_targets_name_what_a_variant_misses():
     assert insp.static_targets({**three, "spill_bytes": "8"}) == "missed: spills 8 B"
     assert insp.static_targets({**ok, "key_bits": "16", "value_bits": "16"}) == ""
     assert insp.static_targets({**ok, "value_bits": "8"}) == ""  # mixed widths
+
+
+def test_inspector_reads_each_bucket_of_a_mixed_map(cli, tmp_path):
+    """--map compiles a per-head map's launches: the fast kernel's, a row per bucket from its branch's loop (2 and
+    4 bits here, at their own tiles), and the 16-bit bucket's own launch of the generic kernel."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "map.csv"
+    proc = cli("kernels.gpu.inspect", "--map", "4,16,2,4", "--hkv", "4", "--hq", "16", "--out", str(out), env=env,
+               timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(out)))
+    from kernels.decode_attention import fast_block_n
+
+    assert [(r["kernel"], r["key_bits"], r["block_n"]) for r in rows] == [
+        ("_decode_packed_kernel", "2", str(fast_block_n(2, 2, 128))),
+        ("_decode_packed_kernel", "4", str(fast_block_n(4, 4, 128))),
+        ("_decode_split_kernel", "16", "32"),
+    ]
+    fast = rows[:2]
+    # one kernel's resources; the loops in bucket order: a 4-bit tile has twice the words of a 2-bit one
+    assert fast[0]["registers"] == fast[1]["registers"] and int(fast[0]["loop_instr"]) < int(
+        fast[1]["loop_instr"]
+    )
+    assert all(int(r["loop_instr"]) > 0 and int(r["mma"]) > 0 for r in rows)
+    assert fast[1]["note"] == "map 4,16,2,4, branch 2 of 2"
+
+
+def test_inspector_refuses_a_map_of_the_wrong_length(cli):
+    proc = cli(
+        "kernels.gpu.inspect",
+        "--map",
+        "4,4,2",
+        env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
+    )
+    assert proc.returncode == 2 and "--map: 3 widths for --hkv 8 KV heads" in proc.stderr
