@@ -200,6 +200,20 @@ def _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, mask_n, m_i, l_i, acc, qk_scale
 
 
 @triton.jit
+def _program(heads_ptr, len_ptr, L_arg, NH: tl.constexpr, L_FROM_PTR: tl.constexpr):
+    """A stage-1 program of grid (B * NH, splits) -> (its split, batch row as int64, index j into heads_ptr, its
+    KV head heads_ptr[j], the stored length L: read at len_ptr, or L_arg)."""
+    pid = tl.program_id(0)
+    j = pid % NH
+    h = tl.load(heads_ptr + j)
+    if L_FROM_PTR:
+        L = tl.load(len_ptr)
+    else:
+        L = L_arg
+    return tl.program_id(1), (pid // NH).to(tl.int64), j, h, L
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr,
     stride_qb,
@@ -264,15 +278,7 @@ def _decode_split_kernel(
     # at VW bits (heads_ptr lists them). A program owns one KV head and all QG query heads reading it (their
     # K/V bytes are loaded once), over one chunk of stored tokens; the last split column, when there is an
     # extra segment, attends over that segment instead.
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = pid // NH
-    h = tl.load(heads_ptr + pid % NH)
-    b64 = b.to(tl.int64)
-    if L_FROM_PTR:
-        L = tl.load(len_ptr)
-    else:
-        L = L_arg
+    sp, b64, _, h, L = _program(heads_ptr, len_ptr, L_arg, NH, L_FROM_PTR)
 
     i = tl.arange(0, QG_B)
     d = tl.arange(0, D_B)
@@ -652,16 +658,7 @@ def _decode_packed_kernel(
     # order, bucket i's at [starts[i], starts[i + 1]). Bucket i is a branch of its own, compiled for its widths
     # KWS[i] (keys) and VWS[i] (values), its tile BLOCK_NS[i] and pipeline STAGES[i], reading tuple entry i of the
     # store arguments (that width's words, scales, zeros and strides) and splitting its tokens into chunks[i].
-    pid = tl.program_id(0)
-    sp = tl.program_id(1)
-    b = pid // NH
-    j = pid % NH
-    h = tl.load(heads_ptr + j)
-    b64 = b.to(tl.int64)
-    if L_FROM_PTR:
-        L = tl.load(len_ptr)
-    else:
-        L = L_arg
+    sp, b64, j, h, L = _program(heads_ptr, len_ptr, L_arg, NH, L_FROM_PTR)
     for k in tl.static_range(len(KWS)):
         if (j >= starts[k]) & (j < starts[k + 1]):
             _packed_head(
