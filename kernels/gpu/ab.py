@@ -14,7 +14,10 @@ Python as an eager decode step runs it (`fused:`), and replayed from a CUDA grap
 GPU's time alone: where the two differ, the host's launches (one per width bucket, and the combine) set the
 pace. On CUDA each default call's launches are also profiled apart (ab-launches.csv beside the CSV: each
 launch's kernel and median device time), to show which width bucket takes a mixed map's time. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
-a check that the code runs, no figure. Its file checks and module loading also serve harness/bench/perf_ab.py (the
+a check that the code runs, no figure. `--host` times the host side alone, on any machine (no GPU needed): each
+version's call with every Triton launch stubbed out (host_us: the call's own Python), and with the JIT's argument
+binding for an sm_90 launch run in place of each launch (host_bind_us: the Python Triton runs before it launches),
+the versions interleaved on the same stores. Its file checks and module loading also serve harness/bench/perf_ab.py (the
 CPU read path's comparison).
 """
 
@@ -26,6 +29,7 @@ import importlib.util
 import os
 import statistics
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -239,6 +243,90 @@ def _splits_used(mod, k_store, v_store, L: int, dev, n: int | None, dtype) -> in
     return mod.plan_splits(k_store, v_store, L, None, dev, n, dtype)[2]
 
 
+HOST_COLUMNS = ["config", "batch", "context", "version", "widths", "launches", "host_us", "host_bind_us", "rounds",
+                "reps", "torch_threads", "triton"]  # fmt: skip
+HOST_ROUNDS = 16  # interleaved rounds of each version (the median round counts)
+HOST_REPS = 100  # calls a round
+HOST_WARMUP = 4  # untimed rounds before them: the first timed calls of a process run slow
+
+
+def _stub_launches(module, bind: bool) -> list:
+    """Replace the `run` of every Triton kernel in `module` by a stub that counts its calls (with `bind`, after the
+    JIT's argument binding for an sm_90 launch); returns [count] (a shared counter)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    count = [0]
+    for kernel in vars(module).values():
+        if isinstance(kernel, JITFunction):
+            binder = (
+                create_function_from_signature(kernel.signature, kernel.params, backend) if bind else None
+            )
+
+            def run(*args, grid, warmup, _binder=binder, **kwargs):
+                count[0] += 1
+                if _binder is not None:
+                    _binder(*args, **kwargs)
+
+            kernel.run = run
+    return count
+
+
+def host_times(versions: dict, shape: dict, widths: list[str], group_size: int) -> list[dict]:
+    """HOST_COLUMNS rows: each version's decode_attention at each width map on the same (unfilled) CPU stores,
+    launches stubbed; per call the median over HOST_ROUNDS rounds (the versions in turn each round) of the mean
+    over HOST_REPS calls, in microseconds."""
+    import triton
+
+    from kernels.layout import PackedStore
+
+    B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
+    q = torch.zeros(B, hq, D, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    rows = []
+    for name, bits in width_maps(hkv, widths).items():
+        stores = [
+            PackedStore(bits, D, B, group_size=group_size, dtype=torch.bfloat16, capacity=L) for _ in "kv"
+        ]
+        for st in stores:
+            st.length = L
+        older = tuple(TokenMajorStore.of(st) for st in stores) if any(map(reads_token_major, versions.values())) \
+            else None  # fmt: skip
+        times = {}
+        for bind in (False, True):
+            calls = {}
+            for stem, mod in versions.items():
+                count = _stub_launches(mod, bind)
+                kv = older if reads_token_major(mod) else stores
+                calls[stem] = (partial(mod.decode_attention, q, *kv, D**-0.5, out=out), count)
+            for _ in range(HOST_WARMUP):
+                for fn, _ in calls.values():
+                    for _ in range(HOST_REPS):
+                        fn()
+            rounds = {stem: [] for stem in calls}
+            for _ in range(HOST_ROUNDS):
+                for stem, (fn, _) in calls.items():
+                    t = time.perf_counter()
+                    for _ in range(HOST_REPS):
+                        fn()
+                    rounds[stem].append((time.perf_counter() - t) / HOST_REPS * 1e6)
+            for stem, (fn, count) in calls.items():
+                count[0] = 0
+                fn()
+                times.setdefault(stem, {})["host_bind_us" if bind else "host_us"] = statistics.median(
+                    rounds[stem]
+                )
+                times[stem]["launches"] = count[0]
+        for stem, t in times.items():
+            rows.append({"config": shape["config"], "batch": B, "context": L, "version": stem,
+                         "widths": tag(name, bits), "launches": t["launches"], "host_us": round(t["host_us"], 1),
+                         "host_bind_us": round(t["host_bind_us"], 1), "rounds": HOST_ROUNDS, "reps": HOST_REPS,
+                         "torch_threads": torch.get_num_threads(), "triton": triton.__version__})  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.gpu.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path, help="copies of kernels/decode_attention.py")
@@ -250,6 +338,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--splits", nargs="*", type=int, default=[], help="split counts tried besides the default")
     p.add_argument("--group-size", type=int, default=32)
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny shape")
+    p.add_argument("--host", action="store_true", help="the host side alone, launches stubbed (any machine)")
     args = p.parse_args(argv)
     shapes = DRY_SHAPES if args.dry_run else HEAD_SHAPES
     if args.config not in shapes:
@@ -257,6 +346,26 @@ def main(argv: list[str] | None = None) -> None:
     check_version_files(p, args.files, "kernels/decode_attention.py")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
+    if args.host and os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("error: --host times the compiled path's host side; unset TRITON_INTERPRET")
+    if args.host:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        versions = load_versions(args.files)
+        hq, hkv, D = shapes[args.config]
+        rows = []
+        for context in args.context:
+            shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
+                     "context": context}  # fmt: skip
+            rows += host_times(versions, shape, args.widths, args.group_size)
+        with open(args.out, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=HOST_COLUMNS)
+            writer.writeheader()
+            writer.writerows(rows)
+        for r in rows:
+            print(f"{r['version']:>24} {r['widths']:>16} launches {r['launches']}  host {r['host_us']:7.1f} us  "
+                  f"with binding {r['host_bind_us']:7.1f} us")  # fmt: skip
+        print(f"wrote {args.out} ({len(rows)} rows)")
+        return
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: kernels.gpu.ab needs a CUDA GPU (or --dry-run); nothing was run")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -41,6 +41,28 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
     assert all(len(errs) == 1 for errs in by_version.values())
 
 
+def test_host_mode_times_each_version_with_its_launches_stubbed(tmp_path, cli):
+    """--host needs no GPU: each version's call at each width map, every launch stubbed (counted: the fast
+    kernel's one launch for every packed bucket, a generic one for 16 bits, the combine), alone and with the
+    JIT's argument binding."""
+    other = tmp_path / "copy.py"
+    shutil.copy(KERNEL, other)
+    out = tmp_path / "host.csv"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = cli("kernels.gpu.ab", str(KERNEL), str(other), "--host", "--batch", "2", "--context", "300",
+               "--widths", "4", "mixed", "16", "--out", str(out), env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = list(csv.DictReader(open(out)))
+    assert sorted((r["version"], r["widths"], r["launches"]) for r in rows) == sorted(
+        (v, w, "2") for v in ("decode_attention", "copy") for w in ("4", "2,2,2,2,4,4,8,8", "16")
+    )
+    assert all(float(r["host_us"]) > 0 and float(r["host_bind_us"]) > 0 for r in rows)
+    interp = cli(
+        "kernels.gpu.ab", str(KERNEL), "--host", "--out", str(out), env={**env, "TRITON_INTERPRET": "1"}
+    )
+    assert interp.returncode != 0 and "unset TRITON_INTERPRET" in interp.stderr
+
+
 def test_two_files_with_one_name_are_refused(tmp_path, cli):
     twin = tmp_path / "decode_attention.py"
     shutil.copy(KERNEL, twin)
