@@ -901,14 +901,16 @@ def _workspace(device: torch.device, B: int, Hq: int, n_cols: int, d_b: int) -> 
     return _WORKSPACE[key]
 
 
+@functools.lru_cache(maxsize=256)
 def _fast_constants(pairs: tuple, n_heads: int, qg: int, tiles: tuple, head_dim: int, given: tuple,
-                    common: dict) -> dict:  # fmt: skip
+                    common: tuple, asm: bool) -> dict:  # fmt: skip
     """The fast launch's compile-time constants and options: its buckets' widths `pairs`, tiles and stages, on
-    top of the constants `common` to both kernels."""
+    top of the constants `common` ((name, value) pairs) to both kernels. Cached per map and call signature;
+    read-only."""
     launch, stages = _launch_options(head_dim, pairs, given)
     return dict(NH=n_heads, QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                 KWS=tuple(kw for kw, _ in pairs), VWS=tuple(vw for _, vw in pairs), BLOCK_NS=tiles, STAGES=stages,
-                ASM=os.environ.get("TRITON_INTERPRET") != "1", **common, **launch)  # fmt: skip
+                ASM=asm, **dict(common), **launch)  # fmt: skip
 
 
 def decode_attention(
@@ -980,9 +982,9 @@ def decode_attention(
     extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
     # L_arg is 0 where the kernel reads the length (a replayed launch must not change with the host's)
     partials = [m_part, l_part, o_part, k_store.length if length is None else 0]
-    common = dict(HKV=Hkv, QG=qg, D=D, D_B=d_b, KG=_kernel_group(k_store, d_b), VG=_kernel_group(v_store, d_b),
-                  K_SYM=k_store.symmetric, V_SYM=v_store.symmetric, HAS_EXTRA=has_extra,
-                  L_FROM_PTR=length is not None)  # fmt: skip
+    common = (("HKV", Hkv), ("QG", qg), ("D", D), ("D_B", d_b), ("KG", _kernel_group(k_store, d_b)),
+              ("VG", _kernel_group(v_store, d_b)), ("K_SYM", k_store.symmetric), ("V_SYM", v_store.symmetric),
+              ("HAS_EXTRA", has_extra), ("L_FROM_PTR", length is not None))  # fmt: skip
     launches = []  # (kernel, grid, arguments, keyword arguments): every fast bucket in one, a generic one each
     if fast_pairs:
         chunks = tuple(chunk for (_, chunk), f in zip(plans, fast) if f)
@@ -991,7 +993,8 @@ def decode_attention(
                 *_packed_args(v_store, tuple(vw for _, vw in fast_pairs)), *extra, fast_heads, starts, chunks,
                 *partials, fast_heads if length is None else length, sm_scale * LOG2E, splits]  # fmt: skip
         launches.append((_decode_packed_kernel, (B * starts[-1], n_cols), args,
-                         _fast_constants(fast_pairs, starts[-1], qg, tiles, D, given, common)))  # fmt: skip
+                         _fast_constants(fast_pairs, starts[-1], qg, tiles, D, given, common,
+                                         os.environ.get("TRITON_INTERPRET") != "1")))  # fmt: skip
     for (kw, vw, heads), (tile, chunk), f in zip(buckets, plans, fast):
         if not f:
             args = [q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra,
@@ -999,7 +1002,7 @@ def decode_attention(
             kwargs = dict(NH=len(heads), KW=kw, VW=vw, BLOCK_N=tile,
                           QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
                           INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-                          PREFETCH=(kw, vw) != (16, 16), **common, **_launch_options(D, (), given)[0])  # fmt: skip
+                          PREFETCH=(kw, vw) != (16, 16), **dict(common), **_launch_options(D, (), given)[0])  # fmt: skip
             launches.append((_decode_split_kernel, (B * len(heads), n_cols), args, kwargs))
     concurrent = (
         CONCURRENT_BUCKETS and len(launches) > 1 and q.is_cuda and torch.cuda.is_current_stream_capturing()
