@@ -11,14 +11,14 @@ into that layout (`TokenMajorStore`), so both read the same bytes. Rows have ker
 columns (method `fused:<file stem>`; rel_err against SDPA over the dequantized stores, where that fits), so
 decode.csv and these tables read alike. At its default splits each version is timed twice: launched from
 Python as an eager decode step runs it (`fused:`), and replayed from a CUDA graph (`graph:<file stem>`), the
-GPU's time alone: where the two differ, the host's launches (one per width bucket, and the combine) set the
-pace. On CUDA each default call's launches are also profiled apart (ab-launches.csv beside the CSV: each
-launch's kernel and median device time), to show which width bucket takes a mixed map's time. `--dry-run` runs on CPU under TRITON_INTERPRET=1 at a tiny shape:
-a check that the code runs, no figure. `--host` times the host side alone, on any machine (no GPU needed): each
-version's call with every Triton launch stubbed out (host_us: the call's own Python), and with the JIT's argument
-binding for an sm_90 launch run in place of each launch (host_bind_us: the Python Triton runs before it launches),
-the versions interleaved on the same stores. Its file checks and module loading also serve harness/bench/perf_ab.py (the
-CPU read path's comparison).
+GPU's time alone: where the two differ, the host's launches (stage 1's, and the combine) set the pace. On CUDA
+each default call's launches are also profiled apart (ab-launches.csv beside the CSV: each launch's kernel and
+median device time), to show which launch takes a mixed map's time. `--dry-run` runs on CPU under
+TRITON_INTERPRET=1 at a tiny shape: a check that the code runs, no figure. `--host` times the host side alone, on
+any machine (no GPU needed): each version's call with every Triton launch stubbed out (host_us: the call's own
+Python), and with the JIT's argument binding for an sm_90 launch run in place of each launch (host_bind_us: the
+Python Triton runs before it launches), the versions interleaved on the same stores. Its file checks and module
+loading also serve harness/bench/perf_ab.py (the CPU read path's comparison).
 """
 
 from __future__ import annotations
@@ -251,8 +251,9 @@ HOST_WARMUP = 4  # untimed rounds before them: the first timed calls of a proces
 
 
 def _stub_launches(module, bind: bool) -> list:
-    """Replace the `run` of every Triton kernel in `module` by a stub that counts its calls (with `bind`, after the
-    JIT's argument binding for an sm_90 launch); returns [count] (a shared counter)."""
+    """Replace the `run` of every Triton kernel in `module` (a version loaded for this run alone) by a stub that
+    counts its calls (with `bind`, after the JIT's argument binding for an sm_90 launch); returns [count] (a
+    shared counter)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
@@ -327,6 +328,25 @@ def host_times(versions: dict, shape: dict, widths: list[str], group_size: int) 
     return rows
 
 
+def write_host_times(versions: dict, head_shape: tuple, args: argparse.Namespace) -> None:
+    """--host: host_times at each context into args.out (HOST_COLUMNS), and a line per row on stdout."""
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    hq, hkv, D = head_shape
+    rows = []
+    for context in args.context:
+        shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
+                 "context": context}  # fmt: skip
+        rows += host_times(versions, shape, args.widths, args.group_size)
+    with open(args.out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=HOST_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    for r in rows:
+        print(f"{r['version']:>24} {r['widths']:>16} launches {r['launches']}  host {r['host_us']:7.1f} us  "
+              f"with binding {r['host_bind_us']:7.1f} us")  # fmt: skip
+    print(f"wrote {args.out} ({len(rows)} rows)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.gpu.ab", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path, help="copies of kernels/decode_attention.py")
@@ -349,22 +369,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.host and os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("error: --host times the compiled path's host side; unset TRITON_INTERPRET")
     if args.host:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        versions = load_versions(args.files)
-        hq, hkv, D = shapes[args.config]
-        rows = []
-        for context in args.context:
-            shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
-                     "context": context}  # fmt: skip
-            rows += host_times(versions, shape, args.widths, args.group_size)
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=HOST_COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        for r in rows:
-            print(f"{r['version']:>24} {r['widths']:>16} launches {r['launches']}  host {r['host_us']:7.1f} us  "
-                  f"with binding {r['host_bind_us']:7.1f} us")  # fmt: skip
-        print(f"wrote {args.out} ({len(rows)} rows)")
+        write_host_times(load_versions(args.files), shapes[args.config], args)
         return
     if not args.dry_run and not torch.cuda.is_available():
         sys.exit("error: kernels.gpu.ab needs a CUDA GPU (or --dry-run); nothing was run")

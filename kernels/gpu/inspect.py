@@ -231,7 +231,8 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
     cubin, meta, _ = compile_for_hopper(launch)
     sass, usage = sass_and_resources(cubin)
     kwargs, instrs = launch.kwargs, instructions(sass)
-    if "KWS" in kwargs:
+    fast = "KWS" in kwargs
+    if fast:
         buckets = list(zip(kwargs["KWS"], kwargs["VWS"], kwargs["BLOCK_NS"], kwargs["STAGES"]))
     else:
         buckets = [(kwargs["KW"], kwargs["VW"], kwargs["BLOCK_N"], meta.num_stages)]
@@ -245,14 +246,14 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
         tile = block_n * (
             kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"])
         )
-        note = "; ".join(
-            x
-            for x in (
-                label and f"{label}, branch {i + 1} of {len(buckets)}",
-                "" if loop else "no loop with an mma found",
+        notes = []
+        if label:
+            notes.append(
+                f"{label}, branch {i + 1} of {len(buckets)}" if fast else f"{label}, a launch of its own"
             )
-            if x
-        )
+        if not loop:
+            notes.append("no loop with an mma found")
+        note = "; ".join(notes)
         row = {
             "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
             "num_stages": stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),

@@ -153,7 +153,10 @@ def test_inspector_reads_each_bucket_of_a_mixed_map(cli, tmp_path):
         fast[1]["loop_instr"]
     )
     assert all(int(r["loop_instr"]) > 0 and int(r["mma"]) > 0 for r in rows)
-    assert fast[1]["note"] == "map 4,16,2,4, branch 2 of 2"
+    assert (
+        fast[1]["note"] == "map 4,16,2,4, branch 2 of 2"
+        and rows[2]["note"] == "map 4,16,2,4, a launch of its own"
+    )
 
 
 def test_inspector_refuses_a_map_of_the_wrong_length(cli):
