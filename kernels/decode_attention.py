@@ -778,12 +778,9 @@ def _map_plan(k_bits: tuple[int, ...], v_bits: tuple[int, ...], device: torch.de
     buckets = width_buckets(k_bits, v_bits, device)
     fast = tuple(fast_bucket(kw, vw, q_dtype, head_dim, k_group, v_group) for kw, vw, _ in buckets)
     pairs = tuple((kw, vw) for (kw, vw, _), f in zip(buckets, fast) if f)
-    heads = [h for pair in pairs for h, p in enumerate(zip(k_bits, v_bits)) if p == pair]
-    starts = tuple(
-        itertools.accumulate((sum(p == pair for p in zip(k_bits, v_bits)) for pair in pairs), initial=0)
-    )
-    fast_heads = torch.tensor(heads, dtype=torch.int32, device=device) if heads else None
-    return buckets, fast, pairs, fast_heads, starts
+    heads = [h for (_, _, h), f in zip(buckets, fast) if f]  # each fast bucket's heads, in bucket order
+    starts = tuple(itertools.accumulate((len(h) for h in heads), initial=0))
+    return buckets, fast, pairs, torch.cat(heads) if heads else None, starts
 
 
 def _store_map_plan(k_store, v_store, device: torch.device, q_dtype: torch.dtype) -> tuple:
