@@ -28,8 +28,8 @@ from harness import data
 from harness.attention import PACKED, installed
 from harness.cache import OUTSIDE_PACKED, QuantizedKVCache, check_backend_device, check_served
 from harness.calibrate import cached_head_entropies
+from harness.calibrate.keys import cached_key_calibration
 from harness.capacity import element_price, shape_from_config
-from harness.key_calibration import cached_key_calibration
 from harness.models import check_device, load_model, model_names, model_spec, quiet_loading
 from harness.policies import POLICIES, Allocation, Policy
 from harness.precision import torch_dtype

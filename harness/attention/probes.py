@@ -1,6 +1,6 @@
 """Attention implementations that measure the model's own attention while it runs, with no KV cache.
 
-- ENTROPY_PROBE ("harness_entropy_probe"; harness/calibrate.py): the module's own eager attention in float32,
+- ENTROPY_PROBE ("harness_entropy_probe"; harness/calibrate/entropy.py): the module's own eager attention in float32,
   its probabilities (B, Hq, T, T) handed to the state's `record(layer, weights)` and then discarded, layer by
   layer. In a bfloat16 model the queries, keys, values and additive mask are upcast first (no-ops in float32),
   and the output is rounded back to the model's dtype for the layers after it.

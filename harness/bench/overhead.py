@@ -30,9 +30,9 @@ import torch
 from harness import data, evaluate, io, precision
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
+from harness.calibrate.keys import cached_key_calibration
 from harness.config import Point, base_point, compose, group_options
 from harness.io import CONF_DIR, git_state
-from harness.key_calibration import cached_key_calibration
 from harness.models import ModelUnavailable, load_model
 from harness.run.measure import key_span, point_scheme
 from harness.validate import check_model_inputs, preflight_overrides, validate_config

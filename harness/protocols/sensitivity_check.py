@@ -21,8 +21,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from harness import data, io
+from harness.calibrate import cached_fit
 from harness.config import Point, base_point, compose
-from harness.fitted import cached_fit
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
 from harness.models import ModelUnavailable, load_model
 from harness.run.measure import key_span, point_scheme

@@ -39,7 +39,7 @@ class KeyFit(NamedTuple):
     """What a scheme's fitted parts depend on within a model context: their kind (Scheme.fit) and its variant
     (Scheme.fit_variant: a rank, channel groups), the positions [0, span) and the level fit."""
 
-    kind: str  # a name in harness.fitted.FITS
+    kind: str  # a name in harness.calibrate.FITS
     variant: object
     span: int
     levels: str  # quant.key_levels

@@ -11,10 +11,10 @@ import torch
 from harness import evaluate, metrics, precision
 from harness.cache import QuantizedKVCache
 from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
+from harness.calibrate import cached_fit
 from harness.capacity import element_price
 from harness.config import HARNESS, Point
 from harness.data import source_name
-from harness.fitted import cached_fit
 from harness.policies import from_point as policy_of
 from harness.run.context import KeyFit, MeasurementKey, ModelContext, TableKey
 from harness.schemes import FittedParts, Scheme
@@ -64,7 +64,7 @@ def point_scheme(point: Point) -> Scheme:
 
 
 def key_calibration(ctx: ModelContext, point: Point) -> FittedParts | None:
-    """The parts fitted on calibration text that a point's scheme reads (harness.fitted: calkey's key tables for
+    """The parts fitted on calibration text that a point's scheme reads (harness.calibrate: calkey's key tables for
     positions below the point's longest window, its levels fitted as quant.key_levels says; pca's transforms):
     fitted on the context's calibration windows once per kind, span and level fit (cached on disk); None for
     other schemes."""

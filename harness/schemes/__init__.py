@@ -44,7 +44,7 @@ from harness.schemes.cq_table import CqCalibration
 
 # isort: on
 
-# What a scheme with key_tables reads, fitted on calibration text (harness.fitted builds them, Scheme.fit says which)
+# What a scheme with key_tables reads, fitted on calibration text (harness.calibrate fits them, Scheme.fit says which)
 FittedParts = KeyCalibration | PcaCalibration | CrossLayerCalibration | CqCalibration
 
 __all__ = [

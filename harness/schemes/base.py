@@ -19,7 +19,7 @@ quantized KV head whatever its tokens and batch (calkey's fitted key tables; 0 f
 nbytes() and harness.capacity count; a bytes budget prices tokens, so it leaves them out.
 
 A scheme that reads parts fitted offline per layer (`key_tables`: calkey's key tables, pca's transforms; `fit` says
-which, harness.fitted) is bound to its layer's part by `for_layer` (QuantizedKVCache does it from its
+which, harness.calibrate.FITS) is bound to its layer's part by `for_layer` (QuantizedKVCache does it from its
 key_calibration); every other scheme ignores the calibration. Where
 that table holds fitted key levels (`fitted_levels`: nuqkey), `key_levels` says how they were fitted (k-means, or
 weighted by the loss's Fisher information) and for_layer refuses tables fitted the other way.
@@ -126,7 +126,7 @@ class Scheme:
     no_eviction: ClassVar[str | None] = None  # what keeps single tokens from being evicted, if anything does
     keeps_outliers: ClassVar[bool] = False  # stores quant.outliers of each key in fp16 (calkey)
     key_tables: ClassVar[bool] = False  # it reads parts fitted per layer on calibration text (calkey, pca)
-    fit: ClassVar[str] = "key_tables"  # which parts, when key_tables (harness.fitted.FITS)
+    fit: ClassVar[str] = "key_tables"  # which parts, when key_tables (harness.calibrate.FITS)
     # its stores predict each layer from the layer below's reconstruction (xlayer): a simulated cache only
     reads_previous_layer: ClassVar[bool] = False
     fitted_levels: ClassVar[bool] = False  # that table holds fitted key levels (nuqkey), fitted key_levels

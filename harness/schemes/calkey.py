@@ -40,7 +40,7 @@ from kernels.layout import FP16_BYTES, FULL_WIDTH
 INDEX_LIMIT = 256  # outlier channel indices are uint8
 UNBOUND = (  # .format(name=the scheme's name)
     "quant.scheme: {name} stores keys against tables fitted on the calibration windows; none were given "
-    "(QuantizedKVCache key_calibration: harness.key_calibration.cached_key_calibration)"
+    "(QuantizedKVCache key_calibration: harness.calibrate.keys.cached_key_calibration)"
 )
 
 
@@ -83,7 +83,7 @@ class CalKey(AsymToken):
         if self.fitted_levels and key_calibration.levels != self.key_levels:
             raise ValueError(
                 f"quant.key_levels: {self.key_levels}, but the key tables given were fitted with "
-                f"{key_calibration.levels} levels (harness.key_calibration.cached_key_calibration levels=)"
+                f"{key_calibration.levels} levels (harness.calibrate.keys.cached_key_calibration levels=)"
             )
         return replace(self, table=key_calibration.layer(layer))
 

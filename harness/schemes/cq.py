@@ -33,7 +33,7 @@ from kernels.layout import FP16_BYTES, FULL_WIDTH
 CHANNELS = {"cq2": 2, "cq4": 4}  # registered name -> channels per group
 UNBOUND = (
     "quant.scheme: {name} codes channel groups against codebooks fitted on the calibration windows; none were "
-    "given (QuantizedKVCache key_calibration: harness.fitted.cached_fit)"
+    "given (QuantizedKVCache key_calibration: harness.calibrate.cached_fit)"
 )
 
 

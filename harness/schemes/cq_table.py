@@ -1,11 +1,7 @@
 """The fitted codebooks of `cq2` and `cq4` (harness/schemes/cq.py, coupled quantization, Zhang et al. 2024): per
 layer, role (keys turned back before RoPE, values), KV head, group of c consecutive channels and width b, the
-2**(c b) centroids of a k-means of that group's calibration vectors (`fit_codebooks`).
-
-The k-means: Lloyd's algorithm, KMEANS_ITERATIONS steps, from the first 2**(c b) distinct vectors of the group
-in a permutation drawn with a fixed seed (a group with fewer distinct vectors than centroids repeats them), a vector's nearest centroid by |x|**2 - 2 x.C + |C|**2 (nearest_centroid, which the store
-codes with too); a centroid whose cell is empty keeps its place. CQ weighs each vector by the loss's Fisher information; this fit
-weighs them alike. A token's code per group is its nearest centroid's index (c b bits).
+2**(c b) centroids of a k-means of that group's calibration vectors (harness/calibrate/cq.py). A token's code
+per group is its nearest centroid's index (c b bits, `nearest_centroid`).
 
 Bytes: a head's codebook at width b, D / c groups of 2**(c b) centroids of c fp16 values, D 2**(c b) 2 bytes
 (2 KiB at D = 64, c = 2, b = 2; 8 KiB at b = 3; 32 KiB at c = 4, b = 2), held once per store and counted.
@@ -19,12 +15,6 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from kernels.reference import FP16_MAX
-
-KMEANS_ITERATIONS = (
-    12  # Lloyd steps: enough to settle at these sizes, and a codebook fit of smollm2-135m in minutes
-)
-KMEANS_SEED = 7
 CQ_WIDTHS = {2: (2, 3), 4: (2,)}  # channels per group -> the widths fitted (at most 256 centroids)
 CQ_ROLES = ("key", "value")
 
@@ -41,35 +31,6 @@ def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor, chunk: int = 8192
         )  # (G, n, K), less |x|**2
         out[start : start + chunk] = distance.argmin(-1).T
     return out
-
-
-def _first_distinct(rows: torch.Tensor, k: int) -> torch.Tensor:
-    """The first k distinct rows of rows (N, c) in their order, repeated in turn when fewer are distinct: (k, c)."""
-    unique, inverse = torch.unique(rows, dim=0, return_inverse=True)
-    first = torch.full((len(unique),), len(rows), dtype=torch.long).scatter_reduce(
-        0, inverse, torch.arange(len(rows)), reduce="amin"
-    )  # where each distinct row first appears
-    distinct = unique[first.argsort()]
-    return distinct[torch.arange(k) % len(distinct)].clone()
-
-
-def fit_codebooks(x: torch.Tensor, c: int, b: int) -> torch.Tensor:
-    """The centroids (G, 2**(c b), c) float32 of each group of c consecutive channels of x (N, D) (module
-    docstring), G = D / c."""
-    N, D = x.shape
-    groups = x.float().view(N, D // c, c)  # (N, G, c)
-    k = 1 << (c * b)
-    order = torch.randperm(N, generator=torch.Generator().manual_seed(KMEANS_SEED))
-    centroids = torch.stack([_first_distinct(groups[order, g], k) for g in range(D // c)])  # (G, K, c)
-    for _ in range(KMEANS_ITERATIONS):
-        index = nearest_centroid(groups, centroids)  # (N, G)
-        flat = index + torch.arange(D // c)[None] * k  # (N, G): a cell per group and centroid
-        count = torch.bincount(flat.reshape(-1), minlength=D // c * k).view(D // c, k)
-        total = torch.zeros(D // c * k, c, dtype=torch.float64)
-        total.index_add_(0, flat.reshape(-1), groups.reshape(-1, c).double())
-        mean = (total.view(D // c, k, c) / count[..., None].clamp(min=1)).float()
-        centroids = torch.where(count[..., None] > 0, mean, centroids)
-    return centroids
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,20 +55,6 @@ class CqLayer:
     @property
     def rotary_frequencies(self) -> torch.Tensor:
         return self.turn[: int((self.turn > 0).sum()) // 2]
-
-
-def fit_table(x: torch.Tensor, c: int) -> CqTable:
-    """The CqTable of one layer and role from its calibration vectors x (N, Hkv, D), each head alone, at every width
-    of CQ_WIDTHS[c]."""
-    if len(x) == 0:
-        raise ValueError("cq calibration: no calibration vectors to fit codebooks on")
-    x = x.float().clamp(-FP16_MAX, FP16_MAX)
-    return CqTable(
-        {
-            b: torch.stack([fit_codebooks(x[:, h], c, b) for h in range(x.shape[1])]).half()
-            for b in CQ_WIDTHS[c]
-        }
-    )
 
 
 class CqCalibration:

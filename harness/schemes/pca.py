@@ -50,7 +50,7 @@ from kernels.layout import FP16_BYTES, FULL_WIDTH
 PLAN_BYTES = 1  # a component's width, uint8
 UNBOUND = (
     "quant.scheme: pca stores keys and values against transforms fitted on the calibration windows; none were "
-    "given (QuantizedKVCache key_calibration: harness.fitted.cached_fit)"
+    "given (QuantizedKVCache key_calibration: harness.calibrate.cached_fit)"
 )
 
 
@@ -66,7 +66,7 @@ class Pca(Scheme):
     widths: ClassVar[tuple[int, ...]] = PCA_WIDTHS
     head_dim_groups: ClassVar[bool] = False  # a basis per head: no groups along head_dim
     key_tables: ClassVar[bool] = True  # reads parts fitted per layer on calibration text
-    fit: ClassVar[str] = "pca"  # which: harness.fitted.FITS
+    fit: ClassVar[str] = "pca"  # which: harness.calibrate.FITS
 
     def for_layer(self, layer: int, key_calibration) -> Pca:
         if not isinstance(key_calibration, PcaCalibration):

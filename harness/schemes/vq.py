@@ -47,7 +47,7 @@ from kernels.layout import FP16_BYTES, FULL_WIDTH
 DIMENSIONS = {"vq2": 2, "vq4": 4, "vq8": 8}  # registered name -> the grid's dimension p
 UNBOUND = (
     "quant.scheme: {name} subtracts each head's calibration mean before its rotation; none was given "
-    "(QuantizedKVCache key_calibration: harness.fitted.cached_fit)"
+    "(QuantizedKVCache key_calibration: harness.calibrate.cached_fit)"
 )
 
 

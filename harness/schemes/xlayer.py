@@ -44,7 +44,7 @@ from kernels.layout import FP16_BYTES, FULL_WIDTH
 RANKS = {"xlayer": None, "xlayer_r32": 32, "xlayer_r8": 8}  # registered name -> predictor rank (None: full)
 UNBOUND = (
     "quant.scheme: {name} predicts each layer's keys and values from the layer below with maps fitted on the "
-    "calibration windows; none were given (QuantizedKVCache key_calibration: harness.fitted.cached_fit)"
+    "calibration windows; none were given (QuantizedKVCache key_calibration: harness.calibrate.cached_fit)"
 )
 SIMULATED_ONLY = (
     "quant.simulate: {name} reconstructs each layer from the reconstruction of the layer below, which only a "

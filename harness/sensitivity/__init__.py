@@ -42,7 +42,8 @@ import torch
 
 from harness import evaluate
 from harness.attention import SENSITIVITY_PROBE, installed
-from harness.calibrate import disk_cached, layer_types, model_identity, source_identity
+from harness.calibrate.disk import disk_cached, model_identity, source_identity
+from harness.calibrate.windows import layer_types
 from harness.policies import quantized_widths
 from harness.schemes import Scheme
 from harness.sensitivity.common import cache_shape, quantized_factory, spearman
@@ -244,7 +245,7 @@ def _proxy(
 
 # The tables a policy may declare (Policy.measurement): name -> f(model, model name, calibration ids (C, T),
 # scheme, widths, chunk[, key_calibration=][, source=]) -> the table, measured once and cached on disk (source:
-# the calibration source the ids were cut from, harness.calibrate.source_identity).
+# the calibration source the ids were cut from, harness.calibrate.disk.source_identity).
 MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
 # Those that measure through caches, and so take a scheme's fitted parts (key_calibration=: calkey, pca, ...); the
 # proxy stores each head through the scheme alone, without them.

@@ -11,7 +11,7 @@ import torch
 
 from harness import evaluate
 from harness.cache import QuantizedKVCache, kv_heads
-from harness.calibrate import layer_types
+from harness.calibrate.windows import layer_types
 from harness.schemes import FittedParts, Scheme
 
 
@@ -38,7 +38,7 @@ def quantized_factory(
 ) -> evaluate.CacheFactory:
     """Fresh QuantizedKVCaches storing keys at key_bits and values at value_bits (int64 [num_layers,
     num_kv_heads]) in `scheme` with quantize-on-write (prefill=quantized), as the teacher-forced metrics do;
-    key_calibration: the fitted parts a scheme with key_tables reads (harness.fitted).
+    key_calibration: the fitted parts a scheme with key_tables reads (harness.calibrate).
     simulate: the model's own attention reads a dequantized working copy (a quality measurement, the same
     numbers as the packed path within float summation order)."""
     return partial(

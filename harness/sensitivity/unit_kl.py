@@ -33,7 +33,7 @@ import pandas as pd
 import torch
 
 from harness import evaluate
-from harness.calibrate import disk_cached, model_identity, source_identity
+from harness.calibrate.disk import disk_cached, model_identity, source_identity
 from harness.policies import quantized_widths
 from harness.schemes import FittedParts, Scheme
 from harness.schemes.base import ROLES

@@ -13,10 +13,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
-from harness import calibrate, data, evaluate, metrics
+from harness import data, evaluate, metrics
 from harness.cache import QuantizedKVCache, kv_heads
 from harness.cache.eviction import EvictionSpec, attention_for, with_eviction
-from harness.calibrate import head_entropies
+from harness.calibrate import entropy as calibrate
+from harness.calibrate import head_entropies, layer_types
 from harness.config import Point
 from harness.models import load_model
 from harness.protocols import claim, passkey
@@ -245,7 +246,7 @@ def test_bf16_cache_at_16_bits_is_exactly_the_bf16_dynamic_cache(models, name):
     for scheme in ("asym_token", "kivi", "rotate+sym_token"):
         cache = QuantizedKVCache(model.config, 16, prefill="quantized", scheme=scheme, simulate=True)
         assert torch.equal(chunked_logits(model, ids, cache, chunk=7), ref), scheme
-    full = calibrate.layer_types(model.config).index("full")  # a sliding window would drop the sinks
+    full = layer_types(model.config).index("full")  # a sliding window would drop the sinks
     bits = torch.full((len(cache.layers), max(kv_heads(model.config))), 4)
     bits[:full] = 16  # layer `full` sees exactly the hidden states the DynamicCache run saw
     cache = QuantizedKVCache(

@@ -6,8 +6,10 @@ import pandas as pd
 import pytest
 import torch
 
-from harness import calibrate
-from harness.calibrate import _Recorder, cached_head_entropies, head_entropies
+from harness.calibrate import entropy
+from harness.calibrate.disk import cache_dir
+from harness.calibrate.entropy import _Recorder, cached_head_entropies, head_entropies
+from harness.calibrate.windows import layer_types
 from harness.models import load_model
 
 
@@ -63,7 +65,7 @@ def test_gqa_mapping_and_real_heads_differ():
 
 def test_per_layer_kv_heads_and_kv_shared_layers():
     model, _ = load_model("tiny-gemma4-kv")  # 4 query heads; KV heads 2, 2, 1 (global); 2 KV-shared layers
-    assert calibrate.layer_types(model.config) == ["sliding", "sliding", "full", "linear", "linear"]
+    assert layer_types(model.config) == ["sliding", "sliding", "full", "linear", "linear"]
     table = head_entropies(model, torch.randint(0, 256, (2, 40)), i0=8)
     assert sorted(table.layer.unique()) == [0, 1, 2]  # shared layers attend, but hold no cache of their own
     assert table.groupby("layer").kv_head.apply(list).tolist() == [[0, 0, 1, 1], [0, 0, 1, 1], [0, 0, 0, 0]]
@@ -75,9 +77,9 @@ def test_disk_cache_returns_the_same_table(tmp_path, monkeypatch):
     model, _ = load_model("tiny-llama")
     ids = torch.randint(0, 256, (2, 40))
     first = cached_head_entropies(model, "tiny-llama", ids, i0=8)
-    assert len(list(calibrate.cache_dir().glob("*.parquet"))) == 1
+    assert len(list(cache_dir().glob("*.parquet"))) == 1
     calls = []
-    monkeypatch.setattr(calibrate, "head_entropies", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(entropy, "head_entropies", lambda *a, **k: calls.append(1))
     again = cached_head_entropies(model, "tiny-llama", ids, i0=8)
     assert not calls
     pd.testing.assert_frame_equal(first, again)

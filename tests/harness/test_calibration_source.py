@@ -13,7 +13,8 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import data, preload
-from harness.calibrate import cache_dir, cached_head_entropies, head_entropies, source_identity
+from harness.calibrate import cached_head_entropies, head_entropies
+from harness.calibrate.disk import cache_dir, source_identity
 from harness.config import Point
 from harness.models import load_model
 from harness.run import runner

@@ -19,14 +19,15 @@ from transformers import DynamicCache
 from harness import capacity, data
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
+from harness.calibrate.keys import fit_key_calibration, fit_table
+from harness.calibrate.windows import calibration_keys, rotary_frequencies
 from harness.config import base_point
 from harness.config import compose as compose_point
-from harness.key_calibration import calibration_keys, fit_key_calibration, rotary_frequencies
 from harness.models import load_model
 from harness.run import runner
 from harness.run.measure import key_calibration, point_scheme
 from harness.schemes import CalKey, KeyCalibration, get_scheme
-from harness.schemes.key_table import SCALE_MIN, fit_table
+from harness.schemes.key_table import SCALE_MIN
 from harness.sensitivity import allocation_kl, probe_ids
 from harness.sensitivity.unit_kl import baseline_run
 from harness.validate import ConfigError, validate_config

@@ -12,12 +12,11 @@ from transformers import DynamicCache
 
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
-from harness.cq_calibration import cached_cq_calibration, fit_cq_calibration
-from harness.key_calibration import calibration_vectors, rotary_frequencies
+from harness.calibrate.cq import cached_cq_calibration, fit_codebooks, fit_cq_calibration, fit_table
+from harness.calibrate.windows import calibration_vectors, rotary_frequencies, unturn
 from harness.models import load_model
 from harness.schemes import get_scheme
-from harness.schemes.cq_table import CQ_WIDTHS, CqCalibration, CqLayer, fit_codebooks, fit_table
-from harness.schemes.key_table import unturn
+from harness.schemes.cq_table import CQ_WIDTHS, CqCalibration, CqLayer
 from kernels.layout import FULL_WIDTH
 
 B, D, R = 2, 32, 24

@@ -13,18 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from harness.config import Point, base_point
-from harness.config import compose as compose_point
-from harness.key_calibration import (
-    cached_key_calibration,
+from harness.calibrate.keys import cached_key_calibration, fit_key_calibration, fit_levels
+from harness.calibrate.windows import (
     calibration_key_gradients,
     calibration_keys,
-    fit_key_calibration,
     rotary_frequencies,
+    unturn,
 )
+from harness.config import Point, base_point
+from harness.config import compose as compose_point
 from harness.models import load_model
 from harness.schemes import FISHER, FISHER_SQRT, KMEANS, get_scheme
-from harness.schemes.key_table import LEVEL_WIDTHS, fit_levels, unturn
+from harness.schemes.key_table import LEVEL_WIDTHS
 
 
 @settings(max_examples=30, deadline=None)

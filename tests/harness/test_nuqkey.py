@@ -18,13 +18,14 @@ from transformers import DynamicCache
 
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
+from harness.calibrate.keys import fit_key_calibration, fit_levels, fit_table
+from harness.calibrate.windows import calibration_keys, rotary_frequencies
 from harness.config import base_point
 from harness.config import compose as compose_point
-from harness.key_calibration import calibration_keys, fit_key_calibration, rotary_frequencies
 from harness.models import load_model
 from harness.run.measure import key_calibration
 from harness.schemes import KeyCalibration, NuqKey, codebook, get_scheme
-from harness.schemes.key_table import LEVEL_WIDTHS, fit_levels, fit_table
+from harness.schemes.key_table import LEVEL_WIDTHS
 from harness.schemes.nuqkey import POSITION_BYTES
 from kernels import reference
 from kernels.layout import FULL_WIDTH

@@ -16,11 +16,11 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from harness import evaluate, metrics
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resident_bytes
-from harness.cq_calibration import fit_cq_calibration
+from harness.calibrate.cq import fit_cq_calibration
+from harness.calibrate.keys import fit_table
+from harness.calibrate.pca import fit_pca_calibration
 from harness.models import load_model
-from harness.pca_calibration import fit_pca_calibration
 from harness.schemes import SCHEMES, KeyCalibration, Rotated, get_scheme
-from harness.schemes.key_table import fit_table
 
 PREFILL, DECODE = 1024, 100
 
@@ -41,7 +41,7 @@ CASES = [
 
 
 def fitted_parts(config, scheme: str):
-    """What `scheme` reads fitted on calibration text (harness.fitted), fitted here on random data: calkey's and
+    """What `scheme` reads fitted on calibration text (harness.calibrate), fitted here on random data: calkey's and
     nuqkey's key tables on keys like the ones fed below (every rotary pair turning a full circle), pca's and vq's
     transforms and cq's codebooks on a random model of `config` over random tokens; None for other schemes."""
     bound = get_scheme(scheme)

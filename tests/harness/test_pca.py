@@ -18,25 +18,22 @@ from transformers import DynamicCache
 
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
-from harness.config import base_point
-from harness.config import compose as compose_point
-from harness.key_calibration import calibration_vectors, rotary_frequencies
-from harness.models import load_model
-from harness.pca_calibration import cached_pca_calibration, fit_pca_calibration
-from harness.run import runner
-from harness.run.measure import key_calibration
-from harness.schemes import bitstream, get_scheme
-from harness.schemes.key_table import unturn
-from harness.schemes.lloyd_max import lloyd_max
-from harness.schemes.pca_table import (
-    MAX_COMPONENT_BITS,
-    PCA_WIDTHS,
-    PcaCalibration,
-    PcaLayer,
+from harness.calibrate.pca import (
+    cached_pca_calibration,
     fit_head,
+    fit_pca_calibration,
     fit_table,
     plan_bits,
 )
+from harness.calibrate.windows import calibration_vectors, rotary_frequencies, unturn
+from harness.config import base_point
+from harness.config import compose as compose_point
+from harness.models import load_model
+from harness.run import runner
+from harness.run.measure import key_calibration
+from harness.schemes import bitstream, get_scheme
+from harness.schemes.lloyd_max import lloyd_max
+from harness.schemes.pca_table import MAX_COMPONENT_BITS, PCA_WIDTHS, PcaCalibration, PcaLayer
 from harness.schemes.rotary import POSITION_BYTES
 from kernels import reference
 from kernels.layout import FULL_WIDTH

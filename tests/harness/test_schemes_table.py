@@ -22,6 +22,9 @@ import torch
 
 import harness.schemes
 from harness import capacity
+from harness.calibrate.cq import fit_table as fit_codebooks_table
+from harness.calibrate.keys import fit_table
+from harness.calibrate.pca import fit_table as fit_transform
 from harness.schemes import (
     SCHEME_OPTIONS,
     SCHEMES,
@@ -33,10 +36,7 @@ from harness.schemes import (
     point_fields,
 )
 from harness.schemes.cq_table import CqCalibration, CqLayer
-from harness.schemes.cq_table import fit_table as fit_codebooks_table
-from harness.schemes.key_table import fit_table
 from harness.schemes.pca_table import PcaCalibration, PcaLayer
-from harness.schemes.pca_table import fit_table as fit_transform
 from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
 from kernels.layout import FULL_WIDTH, PackedStore
 from kernels.reference import hadamard_rotate

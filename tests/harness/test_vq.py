@@ -14,8 +14,8 @@ import torch
 from transformers import DynamicCache
 
 from harness.cache import QuantizedKVCache
+from harness.calibrate.pca import fit_pca_calibration, fit_table
 from harness.models import load_model
-from harness.pca_calibration import fit_pca_calibration
 from harness.schemes import get_scheme
 from harness.schemes.grids import (
     E8_GENERATOR,
@@ -27,7 +27,7 @@ from harness.schemes.grids import (
     kmeans_grid,
     nearest_e8,
 )
-from harness.schemes.pca_table import PcaCalibration, PcaLayer, fit_table
+from harness.schemes.pca_table import PcaCalibration, PcaLayer
 from kernels import reference
 from kernels.layout import FULL_WIDTH
 

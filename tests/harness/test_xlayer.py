@@ -12,14 +12,19 @@ import torch
 from transformers import DynamicCache
 
 from harness.cache import QuantizedKVCache
+from harness.calibrate.windows import rotary_frequencies
+from harness.calibrate.xlayer import (
+    cached_xlayer_calibration,
+    fit_predictor,
+    fit_xlayer_calibration,
+    predictor,
+)
 from harness.config import compose as compose_point
-from harness.key_calibration import rotary_frequencies
 from harness.models import load_model
 from harness.run import runner
 from harness.schemes import codebook, get_scheme
-from harness.schemes.xlayer_table import CrossLayerCalibration, Predictor, fit_predictor, predictor
+from harness.schemes.xlayer_table import CrossLayerCalibration, Predictor
 from harness.validate import ConfigError, validate_config
-from harness.xlayer_calibration import cached_xlayer_calibration, fit_xlayer_calibration
 
 
 def test_the_fit_is_ridge_least_squares_and_its_reduced_rank():

@@ -1,19 +1,23 @@
-"""calkey's key tables (harness/schemes/key_table.py) fitted on a model's calibration windows, and their on-disk
-cache.
+"""What a model gives on its calibration windows, for every fit of harness.calibrate: which decoder layers hold
+a KV cache of their own (`layer_types`), each cached layer's keys and values at their positions
+(`calibration_vectors`), the gradient of the windows' loss at each key (`calibration_key_gradients`), the model's
+rotary frequencies, and keys turned back before RoPE (`unturn`).
 
 The calibration windows (C, Tc) run through the model with a transformers DynamicCache, one window at a time;
-each layer with a KV cache of its own gives the keys (and values: `calibration_vectors`, which harness/
-pca_calibration.py fits on too) it cached: post-RoPE, as they reach a QuantizedKVCache, at their positions in the
-window. Position 0 of every window (the BOS token where the windows carry one, an attention
-sink either way) is left out: its keys are unlike any other position's, and quant.sink_tokens=1 keeps it in fp16.
-A sliding-window layer gives the keys its window still holds. Evaluation windows are never read.
+each layer with a KV cache of its own gives the keys and values it cached: keys post-RoPE, as they reach a
+QuantizedKVCache, at their positions in the window. Position 0 of every window (the BOS token where the windows
+carry one, an attention sink either way) is left out: its keys are unlike any other position's, and
+quant.sink_tokens=1 keeps it in fp16. A sliding-window layer gives the keys its window still holds. Evaluation
+windows are never read.
 
 The rotary frequencies are the model's own (the inv_freq buffer of its rotary embedding, per layer type where it
-has several); a model without one (gpt2) has none, and its channels are fitted alone.
+has several); a model without one (gpt2) has none, and its channels are fitted alone. In transformers'
+rotate_half layout the first R channels of a head form pairs (i, i + R / 2) that RoPE turns together, by
+p * inv_freq[i] radians at position p.
 
-Fisher-weighted levels (quant.key_levels=fisher or fisher_sqrt) take one more pass per window with autograd on: the summed
-next-token NLL of the window's own text, differentiated at each layer's post-RoPE keys (the graph starts at the
-input embeddings, so no weight gradient is ever formed); the gradients line up with the keys kept above.
+The key gradients take one more pass per window with autograd on: the summed next-token NLL of the window's own
+text, differentiated at each layer's post-RoPE keys (the graph starts at the input embeddings, so no weight
+gradient is ever formed); they line up with the keys `calibration_keys` gives.
 """
 
 from __future__ import annotations
@@ -22,18 +26,15 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from harness.calibrate import disk_cached, layer_types, model_identity, source_identity
-from harness.schemes.key_table import (
-    KMEANS,
-    QUANTILE,
-    WEIGHT_POWER,
-    KeyCalibration,
-    check_key_levels,
-    fit_table,
-    unturn,
-)
+LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "sliding"}
 
-CACHE_VERSION = 2  # 2: the tables carry nuqkey's levels and the rotary turns
+
+def layer_types(config) -> list[str]:
+    """'full', 'sliding' or 'linear' per decoder layer, from the cache layer types transformers gives it
+    (get_layer_types_and_kwargs). 'linear' = any layer without a KV cache of its own: linear attention, or a
+    layer that reuses another layer's K/V (KV sharing)."""
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [LAYER_TYPES.get(t, "linear") for t in types]
 
 
 def rotary_frequencies(model, layer_type: str) -> torch.Tensor:
@@ -113,50 +114,22 @@ def calibration_key_gradients(model, input_ids: torch.Tensor) -> list[torch.Tens
     return [torch.cat(g) if g else None for g in gradients]
 
 
-def fit_key_calibration(
-    model, input_ids: torch.Tensor, span: int, quantile: float = QUANTILE, levels: str = KMEANS
-) -> KeyCalibration:
-    """Every cached layer's KeyTable fitted on the calibration windows input_ids (C, Tc), for keys at positions
-    in [0, span); nuqkey's levels fitted `levels` (key_table.KEY_LEVELS: the Fisher fits weigh each pre-RoPE key element by
-    |g| ** WEIGHT_POWER[levels], g from calibration_key_gradients)."""
-    check_key_levels(levels)
-    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    found = calibration_keys(model, input_ids)
-    gradients = calibration_key_gradients(model, input_ids) if levels != KMEANS else [None] * len(found)
-    tables = []
-    for layer, gradient, layer_type in zip(found, gradients, types):
-        if layer is None:
-            tables.append(None)
-            continue
-        keys, positions = layer
-        inv_freq = rotary_frequencies(model, layer_type)
-        weights = None  # (N, Hkv, D): per pre-RoPE key element
-        if gradient is not None:
-            weights = unturn(gradient, positions, inv_freq).abs().pow(WEIGHT_POWER[levels])
-        tables.append(fit_table(keys, positions, inv_freq, span, quantile, level_weights=weights))
-    return KeyCalibration(tuple(tables), levels)
+def unturned_pairs(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """The rotary pairs (i, i + R / 2) of x (N, H, D) at sequence `positions` (N,) as complex numbers turned back
+    by positions * inv_freq[i] radians: complex128 (N, H, R / 2)."""
+    half = inv_freq.shape[0]
+    turn = positions.double()[:, None] * inv_freq.double()  # (N, half)
+    z = torch.complex(x[..., :half].double(), x[..., half : 2 * half].double())
+    return z * torch.polar(torch.ones_like(turn), -turn)[:, None]
 
 
-def cached_key_calibration(
-    model,
-    model_name: str,
-    calib_ids: torch.Tensor,
-    span: int,
-    levels: str = KMEANS,
-    source: str | None = None,
-) -> KeyCalibration:
-    """fit_key_calibration, read from disk when the same model, calibration tokens (cut from the calibration
-    `source`), span and level fit were fitted before."""
-    identity = (
-        f"{CACHE_VERSION}|{model_identity(model, model_name)}|{QUANTILE}|{span}|{tuple(calib_ids.shape)}"
-    )
-    if levels != KMEANS:  # k-means tables keep the identity they had before the level fits had names
-        identity += f"|{levels}"
-    identity += source_identity(source)
-    frame = disk_cached(
-        f"{model_name}-calkey",
-        identity,
-        calib_ids,
-        lambda: fit_key_calibration(model, calib_ids, span, levels=levels).to_frame(),
-    )
-    return KeyCalibration.from_frame(frame, len(layer_types(model.config)), levels)
+def unturn(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x (N, H, D) float32 at sequence `positions` (N,) turned back to position 0: a post-RoPE key to its pre-RoPE
+    value, and the gradient at a post-RoPE key to the gradient at its pre-RoPE value (RoPE is a rotation); float32
+    (N, H, D), channels past R unchanged."""
+    half = inv_freq.shape[0]
+    out = x.clone()
+    if half:
+        z = unturned_pairs(x, positions, inv_freq)
+        out[..., :half], out[..., half : 2 * half] = z.real.float(), z.imag.float()
+    return out

@@ -6,6 +6,12 @@ of its own gives the keys (turned back before RoPE at their positions, with the 
 values it cached, position 0 of the window left out (kept in fp16 by quant.sink_tokens=1). A layer is fitted on
 the positions it and the cached layer below it both hold (a sliding-window layer holds the window's last ones).
 Evaluation windows are never read.
+
+Fit (`fit_predictor`), from calibration vectors (x (N, in), y (N, out)), least squares with a small ridge:
+    W = argmin |(y - my) - (x - mx) W|**2 + RIDGE * mean(diag(Xc'Xc)) |W|**2,  bias = my - mx W
+and at `rank` r the reduced-rank map: the fitted values' top r right singular vectors V_r (out, r), W V_r V_r'
+stored as down = W V_r (in, r) and up = V_r' (r, out). The calibration's own K/V are the inputs here (AQUA-KV fits
+on the previous layer's reconstruction; the store predicts from its reconstruction).
 """
 
 from __future__ import annotations
@@ -14,12 +20,43 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from harness.calibrate import disk_cached, layer_types, model_identity, source_identity
-from harness.key_calibration import rotary_frequencies
-from harness.schemes.key_table import unturn
-from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, predictor
+from harness.calibrate.disk import disk_cached, model_identity, source_identity
+from harness.calibrate.windows import layer_types, rotary_frequencies, unturn
+from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
+from kernels.reference import FP16_MAX
 
 CACHE_VERSION = 1
+RIDGE = 1e-4  # of the inputs' mean variance, so that a collinear input (a 16-bit copy, a dead channel) stays solvable
+
+
+def fit_predictor(x: torch.Tensor, y: torch.Tensor, rank: int | None = None) -> tuple[torch.Tensor, ...]:
+    """(weight (in, out) or (down (in, r), up (r, out)), bias (out,)) of the ridge least-squares map from x (N, in)
+    to y (N, out), full or reduced to `rank` (module docstring); float64."""
+    x, y = x.double(), y.double()
+    mx, my = x.mean(0), y.mean(0)
+    xc, yc = x - mx, y - my
+    gram = xc.T @ xc  # (in, in)
+    if gram.numel():
+        gram += RIDGE * gram.diagonal().mean().clamp(min=1e-12) * torch.eye(len(gram), dtype=torch.float64)
+        weight = torch.linalg.solve(gram, xc.T @ yc)  # (in, out)
+    else:
+        weight = torch.zeros(0, y.shape[1], dtype=torch.float64)
+    bias = my - mx @ weight
+    if rank is None or not gram.numel():
+        return (weight, bias)
+    _, _, vh = torch.linalg.svd(xc @ weight, full_matrices=False)
+    basis = vh[:rank].T  # (out, r)
+    return (weight @ basis, basis.T, bias)
+
+
+def predictor(x: torch.Tensor, y: torch.Tensor, rank: int | None) -> Predictor:
+    """The Predictor of a layer and role from inputs x (N, in) and targets y (N, H, out): one map per head."""
+    fits = [fit_predictor(x, y[:, h], rank) for h in range(y.shape[1])]
+    half = lambda t: t.clamp(-FP16_MAX, FP16_MAX).half()  # noqa: E731
+    parts = [half(torch.stack(part)) for part in zip(*fits)]
+    if rank is None or x.shape[1] == 0:
+        return Predictor(parts[-1], weight=parts[0])
+    return Predictor(parts[-1], down=parts[0], up=parts[1])
 
 
 @torch.no_grad()

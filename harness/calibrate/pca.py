@@ -1,0 +1,160 @@
+"""pca's transforms (harness/schemes/pca_table.py's PcaCalibration; vq2, vq4 and vq8 read their means) fitted on a model's calibration windows, and their on-disk cache.
+
+The calibration keys and values come as calkey's keys do (harness/calibrate/windows.py's calibration_vectors: each
+layer's cached K/V, position 0 of every window left out, evaluation windows never read); keys are turned back
+before RoPE at their positions with the model's own rotary frequencies, then each (layer, role, KV head) is fitted
+alone (`fit_table`).
+
+Fit of one (layer, role, KV head) from its calibration vectors x (N, D) (`fit_head`):
+    mean   = fp16(mean of x)                                  (D,)
+    basis  = fp16(eigenvectors of the covariance of x - mean), columns by descending eigenvalue   (D, D)
+    z      = (x - mean) @ basis                               the components, float32 (N, D)
+    per component c and b in 1..MAX_COMPONENT_BITS: the scale s[c, b] of the Lloyd-Max levels of N(0, 1) at b
+      bits (harness/schemes/lloyd_max.py) of least squared error on z[:, c]: Lloyd's iteration on the scale (codes
+      for the scale, then the least-squares scale for the codes) from the component's standard deviation, fp16;
+      its mean squared error d[c, b]; d[c, 0] = mean z[:, c]**2 (the component dropped: 0);
+    per unit width w in PCA_WIDTHS: the plan b (D,) of least summed d[c, b_c] with sum b_c = w D exactly (a
+      dynamic program over components), and the scales s[c, b_c] it reads.
+A unit at width w so stores w D bits per token, as a uniform w-bit one would, spread over its components as the
+calibration's distortions say: a component of large variance gets more, trailing ones may get none.
+
+Why fixed Lloyd-Max levels with a fitted scale, not levels fitted per component: the levels of every component
+at every width would be a table whose bytes depend on the plan; one scale per component keeps a head's table at
+2 D**2 + 5 D bytes at any width. Measured on smollm2-135m (layers 0, 3, ..., 27, all KV heads; fitted on its 8
+calibration windows of 512 tokens, measured on 4 evaluation windows of 1024; relative squared error), the scale
+costs 1-2% against k-means levels per component, and the transform with its plan cuts the error of per-channel
+k-means levels (nuqkey's) 2.3-2.5 times on keys (0.0110 against 0.0271 at 2 bits, 0.0036 against 0.0080 at 3)
+and that of codebook's rotated Lloyd-Max at b + 0.25 bits by a third on values at equal bits (0.076 against 0.113
+at 2.25, 0.023 against 0.032 at 3.25). (A one-off script over this fit on the calibration keys and values.)
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from harness.calibrate.disk import disk_cached, model_identity, source_identity
+from harness.calibrate.windows import calibration_vectors, layer_types, rotary_frequencies, unturn
+from harness.schemes.lloyd_max import lloyd_max
+from harness.schemes.pca_table import (
+    MAX_COMPONENT_BITS,
+    PCA_WIDTHS,
+    SCALE_MIN,
+    PcaCalibration,
+    PcaLayer,
+    PcaTable,
+    quantize_components,
+)
+from kernels.reference import FP16_MAX
+
+CACHE_VERSION = 1
+SCALE_ITERATIONS = 20
+
+
+def _fitted_scale(z: torch.Tensor, bits: int, start: torch.Tensor) -> torch.Tensor:
+    """The scale (D,) of the b-bit Lloyd-Max levels of least squared error on each column of z (N, D): Lloyd's
+    iteration on the scale from `start` (D,) (codes for the scale; the least-squares scale for the codes)."""
+    levels, bounds = lloyd_max(bits).levels, lloyd_max(bits).boundaries
+    levels = torch.tensor(levels, dtype=torch.float32, device=z.device)
+    bounds = torch.tensor(bounds, dtype=torch.float32, device=z.device)
+    scale = start.clone()
+    for _ in range(SCALE_ITERATIONS):
+        chosen = levels[
+            torch.bucketize(z / scale, bounds)
+        ]  # (N, D): a value on a boundary to the lower level
+        energy = (chosen * chosen).sum(0)
+        scale = torch.where(energy > 0, (z * chosen).sum(0) / energy.clamp(min=1e-30), scale)
+        scale = scale.clamp(SCALE_MIN, FP16_MAX)
+    return scale.half().float()
+
+
+def plan_bits(distortion: torch.Tensor, total: int) -> torch.Tensor:
+    """The widths b (D,) int64 in [0, K] of least summed distortion[c, b_c] with sum b_c == total, for
+    distortion (D, K + 1) (float64); a dynamic program over components (ties: the first option found)."""
+    D, options = distortion.shape
+    if not 0 <= total <= D * (options - 1):
+        raise ValueError(f"pca plan: {total} bits cannot be spread over {D} components of 0 to {options - 1}")
+    best = torch.full((total + 1,), float("inf"), dtype=torch.float64)  # best[t]: least cost of t bits so far
+    best[0] = 0.0
+    choice = torch.zeros(D, total + 1, dtype=torch.long)
+    for c in range(D):
+        # candidates[b, t]: the least cost of t bits with component c at b bits
+        candidates = torch.full((options, total + 1), float("inf"), dtype=torch.float64)
+        for b in range(min(options, total + 1)):
+            candidates[b, b:] = best[: total + 1 - b] + distortion[c, b]
+        best, choice[c] = candidates.min(0)
+    bits = torch.zeros(D, dtype=torch.long)
+    left = total
+    for c in reversed(range(D)):
+        bits[c] = choice[c, left]
+        left -= int(bits[c])
+    return bits
+
+
+def fit_head(x: torch.Tensor, widths=PCA_WIDTHS) -> tuple[torch.Tensor, ...]:
+    """One head's fit (module docstring) from x (N, D): mean (D,) fp16, basis (D, D) fp16, plans (|widths|, D)
+    int64 and scales (|widths|, D) fp16, in the order of `widths`."""
+    x = x.double()
+    mean = x.mean(0).clamp(-FP16_MAX, FP16_MAX).half()
+    centred = x - mean.double()
+    values, vectors = torch.linalg.eigh(centred.T @ centred / max(len(x), 1))
+    basis = vectors.flip(1).clamp(-1, 1).half()  # descending eigenvalue
+    z = (centred @ basis.double()).float()  # (N, D)
+    D = x.shape[1]
+    start = z.std(0, correction=0).clamp(SCALE_MIN, FP16_MAX)
+    distortion = torch.zeros(D, MAX_COMPONENT_BITS + 1, dtype=torch.float64)
+    distortion[:, 0] = z.double().square().mean(0)
+    scale = torch.zeros(MAX_COMPONENT_BITS + 1, D)
+    for b in range(1, MAX_COMPONENT_BITS + 1):
+        scale[b] = _fitted_scale(z, b, start)
+        _, got = quantize_components(z[None, None], torch.full((1, D), b), scale[b][None])
+        distortion[:, b] = (got[0, 0] - z).double().square().mean(0)
+    plans = torch.stack([plan_bits(distortion, w * D) for w in widths])  # (|W|, D)
+    scales = scale.gather(0, plans).clamp(min=SCALE_MIN).half()  # (|W|, D); width 0 reads no scale
+    return mean, basis, plans, scales
+
+
+def fit_table(x: torch.Tensor, widths=PCA_WIDTHS) -> PcaTable:
+    """The PcaTable of one layer and role from its calibration vectors x (N, Hkv, D) (keys turned back before
+    RoPE, or values), each head fitted alone (fit_head)."""
+    if len(x) == 0:
+        raise ValueError("pca calibration: no calibration vectors to fit a transform on")
+    fits = [fit_head(x[:, h].float().clamp(-FP16_MAX, FP16_MAX), widths) for h in range(x.shape[1])]
+    mean, basis, plans, scales = (torch.stack(part) for part in zip(*fits))  # heads first
+    return PcaTable(
+        mean,
+        basis,
+        {w: plans[:, i].to(torch.uint8) for i, w in enumerate(widths)},
+        {w: scales[:, i] for i, w in enumerate(widths)},
+    )
+
+
+def fit_pca_calibration(model, input_ids: torch.Tensor) -> PcaCalibration:
+    """Every cached layer's PcaLayer fitted on the calibration windows input_ids (C, Tc)."""
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    layers = []
+    for found, layer_type in zip(calibration_vectors(model, input_ids), types):
+        if found is None:
+            layers.append(None)
+            continue
+        keys, values, positions = found
+        inv_freq = rotary_frequencies(model, layer_type)
+        half = inv_freq.shape[0]
+        turns = torch.zeros(keys.shape[-1])  # (D,): radians per position of each channel's pair
+        turns[:half], turns[half : 2 * half] = inv_freq, inv_freq
+        before_rope = unturn(keys, positions, inv_freq)  # (N, Hkv, D)
+        layers.append(PcaLayer(fit_table(before_rope), fit_table(values), turns))
+    return PcaCalibration(tuple(layers))
+
+
+def cached_pca_calibration(
+    model, model_name: str, calib_ids: torch.Tensor, source: str | None = None
+) -> PcaCalibration:
+    """fit_pca_calibration, read from disk when the same model and calibration tokens (cut from the calibration
+    `source`) were fitted before."""
+    identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{PCA_WIDTHS}|{tuple(calib_ids.shape)}"
+    identity += source_identity(source)
+    frame = disk_cached(
+        f"{model_name}-pca", identity, calib_ids, lambda: fit_pca_calibration(model, calib_ids).to_frame()
+    )
+    return PcaCalibration.from_frame(frame, len(layer_types(model.config)))
