@@ -36,7 +36,7 @@ FITS = {
         model, name, ids, span, levels, source
     ),
     "pca": lambda scheme, model, name, ids, span, levels, source: cached_pca_calibration(
-        model, name, ids, source
+        model, name, ids, source, scheme.pca_format
     ),
     "xlayer": lambda scheme, model, name, ids, span, levels, source: cached_xlayer_calibration(
         model, name, ids, scheme.rank, source

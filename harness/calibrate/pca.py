@@ -1,9 +1,12 @@
-"""pca's transforms (harness/schemes/pca_table.py's PcaCalibration; vq2, vq4 and vq8 read their means) fitted on a model's calibration windows, and their on-disk cache.
+"""The transforms of the pca family (harness/schemes/pca_table.py's PcaCalibration; vq2, vq4 and vq8 read their
+means) fitted on a model's calibration windows, and their on-disk cache.
 
 The calibration keys and values come as calkey's keys do (harness/calibrate/windows.py's calibration_vectors: each
 layer's cached K/V, position 0 of every window left out, evaluation windows never read); keys are turned back
-before RoPE at their positions with the model's own rotary frequencies, then each (layer, role, KV head) is fitted
-alone (`fit_table`).
+before RoPE at their positions with the model's own rotary frequencies (or to the positions their scheme's
+PcaFormat says: the first of their block, or not at all), then each (layer, role, KV head) is fitted alone
+(`fit_table`). The levels are the format's (Lloyd-Max or evenly spaced: the same scale fit either way), and a
+format whose plans group components spreads each unit's bits over groups (`plan_groups`).
 
 Fit of one (layer, role, KV head) from its calibration vectors x (N, D) (`fit_head`):
     mean   = fp16(mean of x)                                  (D,)
@@ -35,12 +38,15 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.calibrate.disk import disk_cached, model_identity, source_identity
 from harness.calibrate.windows import calibration_vectors, layer_types, rotary_frequencies, unturn
-from harness.schemes.lloyd_max import lloyd_max
 from harness.schemes.pca_table import (
+    LLOYD,
     MAX_COMPONENT_BITS,
+    PCA_FORMAT,
     PCA_WIDTHS,
+    QUANTIZERS,
     SCALE_MIN,
     PcaCalibration,
+    PcaFormat,
     PcaLayer,
     PcaTable,
     quantize_components,
@@ -49,12 +55,14 @@ from kernels.reference import FP16_MAX
 
 CACHE_VERSION = 1
 SCALE_ITERATIONS = 20
+CALIBRATION_FIRST = 1  # the first position a pca store quantizes: sink_tokens=1 keeps position 0 in fp16
 
 
-def _fitted_scale(z: torch.Tensor, bits: int, start: torch.Tensor) -> torch.Tensor:
-    """The scale (D,) of the b-bit Lloyd-Max levels of least squared error on each column of z (N, D): Lloyd's
-    iteration on the scale from `start` (D,) (codes for the scale; the least-squares scale for the codes)."""
-    levels, bounds = lloyd_max(bits).levels, lloyd_max(bits).boundaries
+def _fitted_scale(z: torch.Tensor, bits: int, start: torch.Tensor, kind: str = LLOYD) -> torch.Tensor:
+    """The scale (D,) of the b-bit levels of `kind` (Lloyd-Max or uniform) of least squared error on each column
+    of z (N, D): Lloyd's iteration on the scale from `start` (D,) (codes for the scale; the least-squares scale
+    for the codes)."""
+    levels, bounds = QUANTIZERS[kind](bits).levels, QUANTIZERS[kind](bits).boundaries
     levels = torch.tensor(levels, dtype=torch.float32, device=z.device)
     bounds = torch.tensor(bounds, dtype=torch.float32, device=z.device)
     scale = start.clone()
@@ -83,6 +91,8 @@ def plan_bits(distortion: torch.Tensor, total: int) -> torch.Tensor:
         for b in range(min(options, total + 1)):
             candidates[b, b:] = best[: total + 1 - b] + distortion[c, b]
         best, choice[c] = candidates.min(0)
+    if not torch.isfinite(best[total]):
+        raise ValueError(f"pca plan: {total} bits cannot be spread over {D} components at the widths allowed")
     bits = torch.zeros(D, dtype=torch.long)
     left = total
     for c in reversed(range(D)):
@@ -91,9 +101,22 @@ def plan_bits(distortion: torch.Tensor, total: int) -> torch.Tensor:
     return bits
 
 
-def fit_head(x: torch.Tensor, widths=PCA_WIDTHS) -> tuple[torch.Tensor, ...]:
-    """One head's fit (module docstring) from x (N, D): mean (D,) fp16, basis (D, D) fp16, plans (|widths|, D)
-    int64 and scales (|widths|, D) fp16, in the order of `widths`."""
+def plan_groups(distortion: torch.Tensor, total: int, fmt: PcaFormat) -> torch.Tensor:
+    """plan_bits over groups of fmt.group consecutive components, each group one width of fmt.group_widths:
+    the widths b (D,) int64 of least summed distortion (D, K + 1) with sum b_c == total."""
+    D = distortion.shape[0]
+    if D % fmt.group or total % fmt.group:
+        raise ValueError(f"pca plan: {total} bits over {D} components cannot go in groups of {fmt.group}")
+    grouped = distortion.view(D // fmt.group, fmt.group, -1).sum(1)  # (G, K + 1)
+    barred = torch.ones(grouped.shape[1], dtype=torch.bool)
+    barred[list(fmt.group_widths)] = False
+    grouped[:, barred] = float("inf")
+    return plan_bits(grouped, total // fmt.group).repeat_interleave(fmt.group)
+
+
+def fit_head(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) -> tuple[torch.Tensor, ...]:
+    """One head's fit (module docstring) from x (N, D) in format `fmt` (its levels and plan groups): mean (D,)
+    fp16, basis (D, D) fp16, plans (|widths|, D) int64 and scales (|widths|, D) fp16, in the order of `widths`."""
     x = x.double()
     mean = x.mean(0).clamp(-FP16_MAX, FP16_MAX).half()
     centred = x - mean.double()
@@ -106,20 +129,20 @@ def fit_head(x: torch.Tensor, widths=PCA_WIDTHS) -> tuple[torch.Tensor, ...]:
     distortion[:, 0] = z.double().square().mean(0)
     scale = torch.zeros(MAX_COMPONENT_BITS + 1, D)
     for b in range(1, MAX_COMPONENT_BITS + 1):
-        scale[b] = _fitted_scale(z, b, start)
-        _, got = quantize_components(z[None, None], torch.full((1, D), b), scale[b][None])
+        scale[b] = _fitted_scale(z, b, start, fmt.levels)
+        _, got = quantize_components(z[None, None], torch.full((1, D), b), scale[b][None], fmt.levels)
         distortion[:, b] = (got[0, 0] - z).double().square().mean(0)
-    plans = torch.stack([plan_bits(distortion, w * D) for w in widths])  # (|W|, D)
+    plans = torch.stack([plan_groups(distortion, w * D, fmt) for w in widths])  # (|W|, D)
     scales = scale.gather(0, plans).clamp(min=SCALE_MIN).half()  # (|W|, D); width 0 reads no scale
     return mean, basis, plans, scales
 
 
-def fit_table(x: torch.Tensor, widths=PCA_WIDTHS) -> PcaTable:
-    """The PcaTable of one layer and role from its calibration vectors x (N, Hkv, D) (keys turned back before
-    RoPE, or values), each head fitted alone (fit_head)."""
+def fit_table(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) -> PcaTable:
+    """The PcaTable of one layer and role from its calibration vectors x (N, Hkv, D) (keys in fmt's frame, or
+    values), each head fitted alone (fit_head)."""
     if len(x) == 0:
         raise ValueError("pca calibration: no calibration vectors to fit a transform on")
-    fits = [fit_head(x[:, h].float().clamp(-FP16_MAX, FP16_MAX), widths) for h in range(x.shape[1])]
+    fits = [fit_head(x[:, h].float().clamp(-FP16_MAX, FP16_MAX), widths, fmt) for h in range(x.shape[1])]
     mean, basis, plans, scales = (torch.stack(part) for part in zip(*fits))  # heads first
     return PcaTable(
         mean,
@@ -129,8 +152,10 @@ def fit_table(x: torch.Tensor, widths=PCA_WIDTHS) -> PcaTable:
     )
 
 
-def fit_pca_calibration(model, input_ids: torch.Tensor) -> PcaCalibration:
-    """Every cached layer's PcaLayer fitted on the calibration windows input_ids (C, Tc)."""
+def fit_pca_calibration(model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FORMAT) -> PcaCalibration:
+    """Every cached layer's PcaLayer fitted on the calibration windows input_ids (C, Tc) in format `fmt`: keys
+    turned back to fmt's reference positions (a store's first quantized position is CALIBRATION_FIRST: position 0
+    is the sink token the windows leave out)."""
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     layers = []
     for found, layer_type in zip(calibration_vectors(model, input_ids), types):
@@ -142,19 +167,22 @@ def fit_pca_calibration(model, input_ids: torch.Tensor) -> PcaCalibration:
         half = inv_freq.shape[0]
         turns = torch.zeros(keys.shape[-1])  # (D,): radians per position of each channel's pair
         turns[:half], turns[half : 2 * half] = inv_freq, inv_freq
-        before_rope = unturn(keys, positions, inv_freq)  # (N, Hkv, D)
-        layers.append(PcaLayer(fit_table(before_rope), fit_table(values), turns))
+        framed = unturn(keys, fmt.reference_positions(positions, CALIBRATION_FIRST), inv_freq)  # (N, Hkv, D)
+        layers.append(PcaLayer(fit_table(framed, fmt=fmt), fit_table(values, fmt=fmt), turns))
     return PcaCalibration(tuple(layers))
 
 
 def cached_pca_calibration(
-    model, model_name: str, calib_ids: torch.Tensor, source: str | None = None
+    model, model_name: str, calib_ids: torch.Tensor, source: str | None = None, fmt: PcaFormat = PCA_FORMAT
 ) -> PcaCalibration:
-    """fit_pca_calibration, read from disk when the same model and calibration tokens (cut from the calibration
-    `source`) were fitted before."""
+    """fit_pca_calibration, read from disk when the same model, calibration tokens (cut from the calibration
+    `source`) and format were fitted before."""
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{PCA_WIDTHS}|{tuple(calib_ids.shape)}"
-    identity += source_identity(source)
+    identity += source_identity(source) + fmt.identity()
     frame = disk_cached(
-        f"{model_name}-pca", identity, calib_ids, lambda: fit_pca_calibration(model, calib_ids).to_frame()
+        f"{model_name}-pca",
+        identity,
+        calib_ids,
+        lambda: fit_pca_calibration(model, calib_ids, fmt).to_frame(),
     )
     return PcaCalibration.from_frame(frame, len(layer_types(model.config)))

@@ -35,8 +35,13 @@ from harness.schemes.base import Scheme, Store, register
 from harness.schemes.bitstream import layout, pack, unpack
 from harness.schemes.calkey import saturating_cast
 from harness.schemes.pca_table import (
+    BLOCK,
+    PCA_FORMAT,
     PCA_WIDTHS,
+    POST,
+    UNIFORM,
     PcaCalibration,
+    PcaFormat,
     PcaLayer,
     PcaTable,
     component_values,
@@ -67,6 +72,7 @@ class Pca(Scheme):
     head_dim_groups: ClassVar[bool] = False  # a basis per head: no groups along head_dim
     key_tables: ClassVar[bool] = True  # reads parts fitted per layer on calibration text
     fit: ClassVar[str] = "pca"  # which: harness.calibrate.FITS
+    pca_format: ClassVar[PcaFormat] = PCA_FORMAT  # what the fit and the store code against
 
     def for_layer(self, layer: int, key_calibration) -> Pca:
         if not isinstance(key_calibration, PcaCalibration):
@@ -105,7 +111,8 @@ class Pca(Scheme):
         keys = role == "key"
         theta = self.fitted.rotary_frequencies if keys else torch.zeros(0)
         first = self.sink_tokens if keys else 0
-        return PcaStore(bits, head_dim, batch, dtype, device, self.fitted.role(role), theta, first, simulate)
+        table = self.fitted.role(role)
+        return PcaStore(bits, head_dim, batch, dtype, device, table, theta, first, simulate, self.pca_format)
 
 
 class PcaStore(PositionedBlockStore):
@@ -123,8 +130,10 @@ class PcaStore(PositionedBlockStore):
         theta: torch.Tensor,
         first_position: int = 0,
         simulate: bool = False,
+        fmt: PcaFormat = PCA_FORMAT,
     ):
         self.bits = tuple(int(b) for b in bits)
+        self.fmt, self.first = fmt, first_position
         if tuple(table.mean.shape) != (len(self.bits), head_dim):
             raise ValueError(
                 f"pca calibration: a transform of {tuple(table.mean.shape)} (KV heads, head_dim) for a layer of "
@@ -171,10 +180,14 @@ class PcaStore(PositionedBlockStore):
         y = self.mean[w].float()[None, :, None] + torch.einsum("bhtc,hdc->bhtd", zq, self.basis[w].float())
         return saturating_cast(turn(y, angle), self.dtype)
 
+    def _angle(self, positions: torch.Tensor) -> torch.Tensor:
+        """The angles (B or 1, 1, T, R / 2) keys at positions (B or 1, T) are turned by into the format's frame."""
+        return self.positions.angle(self.fmt.reference_positions(positions, self.first))
+
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
-        angle = self.positions.angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
+        angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
         new = torch.empty_like(x, dtype=self.dtype) if self.simulate else None  # (B, H, Tn, D)
         for w in self.widths:
             part = (
@@ -184,7 +197,7 @@ class PcaStore(PositionedBlockStore):
             )
             y = turn(part, -angle) - self.mean[w].float()[None, :, None]  # (B, Hw, Tn, D)
             z = torch.einsum("bhtd,hdc->bhtc", y, self.basis[w].float())
-            code, zq = quantize_components(z, self.plan[w], self.scale[w].float())
+            code, zq = quantize_components(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
             self.codes[w] = torch.cat([self.codes[w], pack(code, self.layout[w])], 2)
             if new is not None:
                 new.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
@@ -201,10 +214,10 @@ class PcaStore(PositionedBlockStore):
         out = torch.empty(
             self.batch, len(self.bits), end - start, self.head_dim, dtype=self.dtype, device=self.device
         )
-        angle = self.positions.angle(self.positions.held(start, end, self.length))
+        angle = self._angle(self.positions.held(start, end, self.length))
         for w in self.widths:
             code = unpack(self.codes[w][:, :, start:end], self.layout[w])
-            zq = component_values(code, self.plan[w], self.scale[w].float())
+            zq = component_values(code, self.plan[w], self.scale[w].float(), self.fmt.levels)
             out.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
         return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
 
@@ -219,3 +232,60 @@ class PcaStore(PositionedBlockStore):
 
     def nbytes_fp16(self) -> int:
         return self.batch * len(self.bits) * self.length * self.head_dim * FP16_BYTES
+
+
+# Variants of the format, measured as candidates for a fused GPU kernel (issue: the frontier at kernel speed):
+# keys as cached (a basis folds into the query once a step), keys relative to their block of 128 tokens (a kernel
+# turns one query per block), evenly spaced levels (codes to values by bit operations), and plans of one width
+# per group of 16 components from 0, 1, 2, 4, 8 bits (a kernel's unit of work).
+BLOCK_TOKENS = 128
+GROUP_WIDTHS = (0, 1, 2, 4, 8)
+
+
+@register
+@dataclass(frozen=True)
+class PcaPost(Pca):
+    """pca with keys coded as cached, after RoPE."""
+
+    name: str = "pca_post"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(key_frame=POST)
+
+
+@register
+@dataclass(frozen=True)
+class PcaBlock(Pca):
+    """pca with keys turned back to the first position of their block of BLOCK_TOKENS tokens."""
+
+    name: str = "pca_block"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(key_frame=BLOCK, block=BLOCK_TOKENS)
+
+
+@register
+@dataclass(frozen=True)
+class PcaBlockUniform(Pca):
+    """pca_block with evenly spaced levels."""
+
+    name: str = "pca_block_u"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(key_frame=BLOCK, block=BLOCK_TOKENS, levels=UNIFORM)
+
+
+@register
+@dataclass(frozen=True)
+class PcaBlockUniformGroups(Pca):
+    """pca_block_u with one width per group of 16 components, from GROUP_WIDTHS."""
+
+    name: str = "pca_block_ug"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(
+        key_frame=BLOCK, block=BLOCK_TOKENS, levels=UNIFORM, group=16, group_widths=GROUP_WIDTHS
+    )
+
+
+@register
+@dataclass(frozen=True)
+class PcaPostUniformGroups(Pca):
+    """pca_post with evenly spaced levels and one width per group of 16 components, from GROUP_WIDTHS."""
+
+    name: str = "pca_post_ug"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(
+        key_frame=POST, levels=UNIFORM, group=16, group_widths=GROUP_WIDTHS
+    )

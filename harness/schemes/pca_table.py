@@ -7,6 +7,10 @@ at each width, and per unit width w the plan b (D,) of component widths summing 
 
 `turn`: the radians per position of each key channel's rotary pair (as key_table.KeyTable.turn; 0 past R), which
 the key store needs to turn keys back and forth; values are not turned.
+
+`PcaFormat`: what a scheme of the pca family codes against, the same for the fit and the store: the frame of the
+keys (before RoPE, relative to their block of tokens, or as cached), the levels (Lloyd-Max or evenly spaced), and
+how a plan's widths group (one width per component, or per group of components from a few widths).
 """
 
 from __future__ import annotations
@@ -18,50 +22,94 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
-from harness.schemes.lloyd_max import lloyd_max
+from harness.schemes.lloyd_max import lloyd_max, uniform_quantizer
 
 PCA_WIDTHS = (1, 2, 3, 4, 5, 6, 8)  # the unit widths (mean bits per element) a plan is fitted for
 MAX_COMPONENT_BITS = 8
 SCALE_MIN = 2.0**-14  # the smallest normal fp16: a component never seen away from 0 keeps a positive scale
 PCA_ROLES = ("key", "value")
+PRE, BLOCK, POST = "pre", "block", "post"  # key frames
+LLOYD, UNIFORM = "lloyd", "uniform"  # level sets
+QUANTIZERS = {LLOYD: lloyd_max, UNIFORM: uniform_quantizer}
+
+
+@dataclass(frozen=True)
+class PcaFormat:
+    """What a pca-family scheme codes against (module docstring).
+
+    key_frame: PRE, keys turned back to position 0 (before RoPE); BLOCK, turned back to the first position of
+    their block of `block` tokens (first + k block, `first` the store's first position), so a key keeps RoPE's
+    turn by its offset in the block only and a kernel turns a block's query once; POST, keys as cached (after
+    RoPE). levels: LLOYD (Lloyd-Max levels of N(0, 1)) or UNIFORM (Max's evenly spaced ones: a code's value is
+    an affine map of the code). A plan gives each `group` consecutive components one width from `group_widths`.
+    """
+
+    key_frame: str = PRE
+    block: int = 0
+    levels: str = LLOYD
+    group: int = 1
+    group_widths: tuple[int, ...] = tuple(range(MAX_COMPONENT_BITS + 1))
+
+    def __post_init__(self):
+        assert self.key_frame in (PRE, BLOCK, POST) and self.levels in QUANTIZERS, self
+        assert (self.block > 0) == (self.key_frame == BLOCK), self
+        assert 0 in self.group_widths and max(self.group_widths) <= MAX_COMPONENT_BITS, self
+
+    def identity(self) -> str:
+        """What a fit cached on disk adds to its identity for this format: nothing for pca's own."""
+        return "" if self == PCA_FORMAT else f"|{self}"
+
+    def reference_positions(self, positions: torch.Tensor, first: int) -> torch.Tensor:
+        """The positions (as `positions`, int64) keys at `positions` are turned back to (key_frame)."""
+        if self.key_frame == PRE:
+            return positions
+        if self.key_frame == POST:
+            return torch.zeros_like(positions)
+        return first + torch.div(positions - first, self.block, rounding_mode="floor") * self.block
+
+
+PCA_FORMAT = PcaFormat()  # pca's own: keys before RoPE, Lloyd-Max levels, a width per component
 
 
 @functools.cache
-def level_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The Lloyd-Max levels of N(0, 1) at every component width, padded: levels (MAX_COMPONENT_BITS + 1, 256)
-    float32 (row b: the 2**b levels, then +inf; row 0: the one level 0) and boundaries
-    (MAX_COMPONENT_BITS + 1, 255) float32 (row b: the 2**b - 1 boundaries, then +inf). Read only."""
+def level_tables(device: torch.device, kind: str = LLOYD) -> tuple[torch.Tensor, torch.Tensor]:
+    """The levels of N(0, 1) of `kind` (QUANTIZERS) at every component width, padded: levels
+    (MAX_COMPONENT_BITS + 1, 256) float32 (row b: the 2**b levels, then +inf; row 0: the one level 0) and
+    boundaries (MAX_COMPONENT_BITS + 1, 255) float32 (row b: the 2**b - 1 boundaries, then +inf). Read only."""
     n = 1 << MAX_COMPONENT_BITS
     levels = torch.full((MAX_COMPONENT_BITS + 1, n), float("inf"))
     bounds = torch.full((MAX_COMPONENT_BITS + 1, n - 1), float("inf"))
     levels[0, 0] = 0.0
     for b in range(1, MAX_COMPONENT_BITS + 1):
-        q = lloyd_max(b)
+        q = QUANTIZERS[kind](b)
         levels[b, : 1 << b] = torch.tensor(q.levels)
         bounds[b, : (1 << b) - 1] = torch.tensor(q.boundaries)
     return levels.to(device), bounds.to(device)
 
 
 def quantize_components(
-    z: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor
+    z: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, kind: str = LLOYD
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Components z (B, H, T, D) float32 at per-component widths bits (H, D) (0 to MAX_COMPONENT_BITS) and
-    scales scale (H, D) float32: (codes (B, H, T, D) int64, the index of the level of b bits whose cell holds
-    z / scale, a value on a boundary taken by the lower level (0 at width 0); component_values of the codes)."""
+    scales scale (H, D) float32: (codes (B, H, T, D) int64, the index of the level of b bits (levels of `kind`)
+    whose cell holds z / scale, a value on a boundary taken by the lower level (0 at width 0); component_values of
+    the codes)."""
     B, H, T, D = z.shape
-    _, bounds = level_tables(torch.device(z.device))
+    _, bounds = level_tables(torch.device(z.device), kind)
     rows = bounds[bits.long()].reshape(H * D, -1)  # (H D, 255): each component's boundaries, +inf padded
     y = (z / scale[None, :, None]).permute(1, 3, 0, 2).reshape(H * D, B * T)  # (H D, B T)
     code = torch.searchsorted(rows.contiguous(), y.contiguous(), side="left")  # (H D, B T)
     code = code.view(H, D, B, T).permute(2, 0, 3, 1)  # (B, H, T, D)
-    return code, component_values(code, bits, scale)
+    return code, component_values(code, bits, scale, kind)
 
 
-def component_values(code: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def component_values(
+    code: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, kind: str = LLOYD
+) -> torch.Tensor:
     """The components (B, H, T, D) float32 that codes (B, H, T, D) stand for at widths bits (H, D) and scales
-    scale (H, D) float32: the code's Lloyd-Max level of b bits times the scale; 0 at width 0."""
+    scale (H, D) float32: the code's level of b bits (of `kind`) times the scale; 0 at width 0."""
     B, H, T, D = code.shape
-    levels, _ = level_tables(torch.device(code.device))
+    levels, _ = level_tables(torch.device(code.device), kind)
     n = levels.shape[1]
     flat = levels[bits.long()].reshape(-1)  # (H D n): each component's levels, +inf padded
     base = (torch.arange(H * D, device=code.device) * n).view(H, D)

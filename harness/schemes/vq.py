@@ -38,7 +38,7 @@ from harness.schemes.grids import (
     grid_encode,
     kmeans_grid,
 )
-from harness.schemes.pca_table import PcaCalibration, PcaLayer
+from harness.schemes.pca_table import PCA_FORMAT, PcaCalibration, PcaFormat, PcaLayer
 from harness.schemes.rotary import TokenPositions, turn
 from harness.schemes.wrappers import PositionedBlockStore, head_index
 from kernels import reference
@@ -63,6 +63,7 @@ class Vq(Scheme):
     rotated: ClassVar[bool] = True
     key_tables: ClassVar[bool] = True  # reads the means fitted per layer on calibration text
     fit: ClassVar[str] = "pca"
+    pca_format: ClassVar[PcaFormat] = PCA_FORMAT  # the fit it reads the means of: pca's own
 
     def __post_init__(self):
         object.__setattr__(self, "widths", E8_WIDTHS if self.dim == 8 else KMEANS_GRIDS[self.dim])

@@ -81,7 +81,10 @@ CASES = [
     # A transform fitted on the test's vectors: at 1 bit per element most components are dropped, so a bound of
     # the head's absmax a few times over (test_pca.py checks the format exactly against its oracle); a vector of
     # zeros comes back as the fitted mean and its nearest levels, not zeros.
-    Case("pca", step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False),
+    *(
+        Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False)
+        for name in ("pca", "pca_post", "pca_block", "pca_block_u", "pca_block_ug", "pca_post_ug")
+    ),
     # Cross-layer prediction with one layer and no layer below (`ready`: a bias per head, no inputs): codebook's
     # format on the residual from that bias, so codebook's bound (the residual's absmax is at most about twice the
     # head's); zeros come back as the bias plus its nearest levels. test_xlayer.py checks layers that predict.
@@ -120,7 +123,8 @@ def ready(scheme: Scheme, heads: int, x: torch.Tensor | None = None) -> Scheme:
         return scheme
     keys = torch.randn(64, heads, D) if x is None else x.transpose(1, 2).reshape(-1, heads, D)
     if scheme.fit == "pca":  # keys and values alike, on the same vectors; no rotary pairs
-        layer = PcaLayer(fit_transform(keys), fit_transform(keys), torch.zeros(D))
+        fitted = fit_transform(keys, fmt=scheme.pca_format)
+        layer = PcaLayer(fitted, fitted, torch.zeros(D))
         return scheme.for_layer(0, PcaCalibration((layer,)))
     if scheme.fit == "cq":  # keys and values alike, on the same vectors; no rotary pairs
         table = fit_codebooks_table(keys, scheme.channels)
