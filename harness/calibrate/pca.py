@@ -33,6 +33,8 @@ at 2.25, 0.023 against 0.032 at 3.25). (A one-off script over this fit on the ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -114,9 +116,20 @@ def plan_groups(distortion: torch.Tensor, total: int, fmt: PcaFormat) -> torch.T
     return plan_bits(grouped, total // fmt.group).repeat_interleave(fmt.group)
 
 
-def fit_head(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) -> tuple[torch.Tensor, ...]:
-    """One head's fit (module docstring) from x (N, D) in format `fmt` (its levels and plan groups): mean (D,)
-    fp16, basis (D, D) fp16, plans (|widths|, D) int64 and scales (|widths|, D) fp16, in the order of `widths`."""
+@dataclass(frozen=True, eq=False)
+class HeadFit:
+    """One head's transform before its plans: fp16 mean (D,) and basis (D, D); per component c and width b the
+    mean squared error distortion[c, b] (D, K + 1) float64 (b = 0: the component dropped) and the fitted scale
+    scale[b, c] (K + 1, D) float32 (row 0 unused)."""
+
+    mean: torch.Tensor
+    basis: torch.Tensor
+    distortion: torch.Tensor
+    scale: torch.Tensor
+
+
+def fit_components(x: torch.Tensor, fmt: PcaFormat = PCA_FORMAT) -> HeadFit:
+    """The HeadFit of one head from its calibration vectors x (N, D), with fmt's levels (module docstring)."""
     x = x.double()
     mean = x.mean(0).clamp(-FP16_MAX, FP16_MAX).half()
     centred = x - mean.double()
@@ -132,30 +145,73 @@ def fit_head(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) ->
         scale[b] = _fitted_scale(z, b, start, fmt.levels)
         _, got = quantize_components(z[None, None], torch.full((1, D), b), scale[b][None], fmt.levels)
         distortion[:, b] = (got[0, 0] - z).double().square().mean(0)
-    plans = torch.stack([plan_groups(distortion, w * D, fmt) for w in widths])  # (|W|, D)
-    scales = scale.gather(0, plans).clamp(min=SCALE_MIN).half()  # (|W|, D); width 0 reads no scale
-    return mean, basis, plans, scales
+    return HeadFit(mean, basis, distortion, scale)
 
 
-def fit_table(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) -> PcaTable:
-    """The PcaTable of one layer and role from its calibration vectors x (N, Hkv, D) (keys in fmt's frame, or
-    values), each head fitted alone (fit_head)."""
-    if len(x) == 0:
-        raise ValueError("pca calibration: no calibration vectors to fit a transform on")
-    fits = [fit_head(x[:, h].float().clamp(-FP16_MAX, FP16_MAX), widths, fmt) for h in range(x.shape[1])]
-    mean, basis, plans, scales = (torch.stack(part) for part in zip(*fits))  # heads first
+def plans_for(distortion: torch.Tensor, widths, fmt: PcaFormat) -> torch.Tensor:
+    """The plan (|widths|, D) int64 of each unit width w: plan_groups of `distortion` (D, K + 1) at w D bits."""
+    D = distortion.shape[0]
+    return torch.stack([plan_groups(distortion, w * D, fmt) for w in widths])
+
+
+def fit_head(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) -> tuple[torch.Tensor, ...]:
+    """One head's fit (module docstring) from x (N, D) in format `fmt` (its levels and plan groups), its plans
+    its own: mean (D,) fp16, basis (D, D) fp16, plans (|widths|, D) int64 and scales (|widths|, D) fp16, in the
+    order of `widths`."""
+    fit = fit_components(x, fmt)
+    plans = plans_for(fit.distortion, widths, fmt)
+    return fit.mean, fit.basis, plans, _scales(fit, plans)
+
+
+def _scales(fit: HeadFit, plans: torch.Tensor) -> torch.Tensor:
+    """The fp16 scales (|W|, D) the plans (|W|, D) read (width 0 reads none)."""
+    return fit.scale.gather(0, plans).clamp(min=SCALE_MIN).half()
+
+
+def _table(fits: list[HeadFit], plans: torch.Tensor, widths) -> PcaTable:
+    """The PcaTable of heads `fits` at plans (H, |W|, D)."""
+    scales = torch.stack([_scales(fit, p) for fit, p in zip(fits, plans)])  # (H, |W|, D)
     return PcaTable(
-        mean,
-        basis,
+        torch.stack([fit.mean for fit in fits]),
+        torch.stack([fit.basis for fit in fits]),
         {w: plans[:, i].to(torch.uint8) for i, w in enumerate(widths)},
         {w: scales[:, i] for i, w in enumerate(widths)},
     )
 
 
+def _head_fits(x: torch.Tensor, fmt: PcaFormat) -> list[HeadFit]:
+    """Each head's HeadFit from calibration vectors x (N, Hkv, D)."""
+    if len(x) == 0:
+        raise ValueError("pca calibration: no calibration vectors to fit a transform on")
+    return [fit_components(x[:, h].float().clamp(-FP16_MAX, FP16_MAX), fmt) for h in range(x.shape[1])]
+
+
+def own_table(fits: list[HeadFit], widths, fmt: PcaFormat) -> PcaTable:
+    """The PcaTable of heads `fits`, each at its own plans."""
+    return _table(fits, torch.stack([plans_for(fit.distortion, widths, fmt) for fit in fits]), widths)
+
+
+def fit_table(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) -> PcaTable:
+    """The PcaTable of one layer and role from its calibration vectors x (N, Hkv, D) (keys in fmt's frame, or
+    values), each head fitted alone with its own plans (fit_head)."""
+    return own_table(_head_fits(x, fmt), widths, fmt)
+
+
+def shared_tables(fits: list[list[HeadFit]], widths, fmt: PcaFormat) -> list[PcaTable]:
+    """Tables of one role's layers (each a list of HeadFits) whose every head takes the same plan at each width:
+    the plan of least distortion summed over every head of every layer (a kernel compiles one plan per width)."""
+    dims = {fit.distortion.shape[0] for layer in fits for fit in layer}
+    if len(dims) != 1:
+        raise ValueError(f"pca calibration: shared plans need one head_dim; the layers have {sorted(dims)}")
+    total = sum(fit.distortion for layer in fits for fit in layer)  # (D, K + 1)
+    plans = plans_for(total, widths, fmt)  # (|W|, D)
+    return [_table(layer, plans.expand(len(layer), -1, -1), widths) for layer in fits]
+
+
 def fit_pca_calibration(model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FORMAT) -> PcaCalibration:
     """Every cached layer's PcaLayer fitted on the calibration windows input_ids (C, Tc) in format `fmt`: keys
     turned back to fmt's reference positions (a store's first quantized position is CALIBRATION_FIRST: position 0
-    is the sink token the windows leave out)."""
+    is the sink token the windows leave out); plans each head's own, or one per role and width (shared_plans)."""
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     layers = []
     for found, layer_type in zip(calibration_vectors(model, input_ids), types):
@@ -168,8 +224,14 @@ def fit_pca_calibration(model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FOR
         turns = torch.zeros(keys.shape[-1])  # (D,): radians per position of each channel's pair
         turns[:half], turns[half : 2 * half] = inv_freq, inv_freq
         framed = unturn(keys, fmt.reference_positions(positions, CALIBRATION_FIRST), inv_freq)  # (N, Hkv, D)
-        layers.append(PcaLayer(fit_table(framed, fmt=fmt), fit_table(values, fmt=fmt), turns))
-    return PcaCalibration(tuple(layers))
+        layers.append((_head_fits(framed, fmt), _head_fits(values, fmt), turns))
+    fitted = [layer for layer in layers if layer is not None]
+    if fmt.shared_plans:
+        keys, values = (shared_tables([layer[i] for layer in fitted], PCA_WIDTHS, fmt) for i in (0, 1))
+    else:
+        keys, values = ([own_table(layer[i], PCA_WIDTHS, fmt) for layer in fitted] for i in (0, 1))
+    tables = iter(zip(keys, values, [layer[2] for layer in fitted]))
+    return PcaCalibration(tuple(None if layer is None else PcaLayer(*next(tables)) for layer in layers))
 
 
 def cached_pca_calibration(

@@ -282,6 +282,22 @@ class PcaBlockUniformGroups(Pca):
 
 @register
 @dataclass(frozen=True)
+class PcaBlockUniformSharedGroups(Pca):
+    """pca_block_ug with one plan per role and width for every head of the model (a kernel compiles it)."""
+
+    name: str = "pca_block_ugs"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(
+        key_frame=BLOCK,
+        block=BLOCK_TOKENS,
+        levels=UNIFORM,
+        group=16,
+        group_widths=GROUP_WIDTHS,
+        shared_plans=True,
+    )
+
+
+@register
+@dataclass(frozen=True)
 class PcaPostUniformGroups(Pca):
     """pca_post with evenly spaced levels and one width per group of 16 components, from GROUP_WIDTHS."""
 

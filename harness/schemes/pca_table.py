@@ -41,7 +41,8 @@ class PcaFormat:
     their block of `block` tokens (first + k block, `first` the store's first position), so a key keeps RoPE's
     turn by its offset in the block only and a kernel turns a block's query once; POST, keys as cached (after
     RoPE). levels: LLOYD (Lloyd-Max levels of N(0, 1)) or UNIFORM (Max's evenly spaced ones: a code's value is
-    an affine map of the code). A plan gives each `group` consecutive components one width from `group_widths`.
+    an affine map of the code). A plan gives each `group` consecutive components one width from `group_widths`;
+    each head has its own plans, or (shared_plans) every head of a role has the same one at each width.
     """
 
     key_frame: str = PRE
@@ -49,6 +50,9 @@ class PcaFormat:
     levels: str = LLOYD
     group: int = 1
     group_widths: tuple[int, ...] = tuple(range(MAX_COMPONENT_BITS + 1))
+    shared_plans: bool = (
+        False  # one plan per role and width for every head of the model (a kernel's constant)
+    )
 
     def __post_init__(self):
         assert self.key_frame in (PRE, BLOCK, POST) and self.levels in QUANTIZERS, self

@@ -20,11 +20,13 @@ from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.calibrate.pca import (
     cached_pca_calibration,
+    fit_components,
     fit_head,
     fit_pca_calibration,
     fit_table,
     plan_bits,
     plan_groups,
+    plans_for,
 )
 from harness.calibrate.windows import calibration_vectors, rotary_frequencies, unturn
 from harness.config import base_point
@@ -315,7 +317,9 @@ def test_store_is_the_oracle_packed_and_simulated(role, dtype, sinks, residual):
     assert (got[:, 0] != x[:, 0]).any()  # the quantization is felt
 
 
-@pytest.mark.parametrize("name", ["pca_post", "pca_block", "pca_block_u", "pca_block_ug", "pca_post_ug"])
+@pytest.mark.parametrize(
+    "name", ["pca_post", "pca_block", "pca_block_u", "pca_block_ug", "pca_block_ugs", "pca_post_ug"]
+)
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_a_variants_store_is_the_oracle_across_blocks(name, role):
     """Each variant's store against the oracle in its format, over 300 tokens (three blocks of 128 after one sink
@@ -513,6 +517,33 @@ def test_the_fit_is_each_layers_keys_before_rope_and_values_from_the_calibration
     assert PcaCalibration((want,)).digest() == PcaCalibration((fits[0].layer(1),)).digest()
     again = cached_pca_calibration(model, "tiny-llama", calib)  # written to disk above, read back here
     assert again.digest() == cached_pca_calibration(model, "tiny-llama", calib).digest()
+
+
+def test_shared_plans_are_one_plan_a_width_of_least_distortion_over_every_head(tmp_path, monkeypatch):
+    """pca_block_ugs: every head of every layer takes one plan per role and width, the grouped plan of least
+    distortion summed over them all; the block frame turns the keys back to their block's first position."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    model, _ = load_model("tiny-llama")
+    calib = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    fmt = get_scheme("pca_block_ugs").pca_format
+    fitted = fit_pca_calibration(model, calib, fmt)
+    layers = [layer for layer in fitted.layers if layer is not None]
+    found = [v for v in calibration_vectors(model, calib) if v is not None]
+    for role in ("key", "value"):
+        heads = []
+        for layer, (keys, values, positions) in zip(layers, found):
+            x = keys if role == "key" else values
+            if (
+                role == "key"
+            ):  # block frame: turned back to first + k * 128 (all of these windows: position 1)
+                x = unturn(keys, torch.ones_like(positions), layer.rotary_frequencies)
+            heads += [fit_components(x[:, h].float(), fmt) for h in range(x.shape[1])]
+        want = plans_for(sum(fit.distortion for fit in heads), PCA_WIDTHS, fmt)  # (|W|, D)
+        for layer in layers:
+            for j, w in enumerate(PCA_WIDTHS):
+                plans = layer.role(role).plans[w].long()  # (Hkv, D)
+                assert torch.equal(plans, want[j].expand_as(plans)), (role, w)
+    assert not torch.equal(layers[0].key.plans[4], fit_pca_calibration(model, calib).layers[1].key.plans[4])
 
 
 def test_a_tiny_run_through_the_runner(tmp_path):

@@ -83,7 +83,15 @@ CASES = [
     # zeros comes back as the fitted mean and its nearest levels, not zeros.
     *(
         Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False)
-        for name in ("pca", "pca_post", "pca_block", "pca_block_u", "pca_block_ug", "pca_post_ug")
+        for name in (
+            "pca",
+            "pca_post",
+            "pca_block",
+            "pca_block_u",
+            "pca_block_ug",
+            "pca_block_ugs",
+            "pca_post_ug",
+        )
     ),
     # Cross-layer prediction with one layer and no layer below (`ready`: a bias per head, no inputs): codebook's
     # format on the residual from that bias, so codebook's bound (the residual's absmax is at most about twice the
