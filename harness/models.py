@@ -66,11 +66,11 @@ def model_names() -> list[str]:
 
 @cache
 def model_spec(name: str) -> dict:
-    """The registry entry of a model (the content of conf/model/<name>.yaml)."""
-    path = CONF_MODEL_DIR / f"{name}.yaml"
-    if not path.exists():
+    """The registry entry of a model (the content of conf/model/<name>.yaml); ValueError for any other name, a
+    path-like one (`../model/gpt2`) included: the name becomes part of file names (entropy-<model>.parquet)."""
+    if name not in model_names():
         raise ValueError(unknown_name_message("model", name, model_names()))
-    return yaml.safe_load(path.read_text())
+    return yaml.safe_load((CONF_MODEL_DIR / f"{name}.yaml").read_text())
 
 
 def byte_tokenizer():
