@@ -168,8 +168,9 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
         _check_names(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if not isinstance(cfg.get("allow_dirty", False), bool):
-        raise ConfigError(f"allow_dirty: {cfg.allow_dirty!r} is not allowed; allowed: true, false")
+    for key in ("allow_dirty", "model.download"):
+        if not isinstance(OmegaConf.select(cfg, key, default=False), bool):
+            raise ConfigError(f"{key}: {OmegaConf.select(cfg, key)!r} is not allowed; allowed: true, false")
 
     try:  # the machine: a device it has, a backend that runs there
         check_device(cfg.device)
@@ -337,6 +338,13 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
         f"{' / '.join(keys)}: the text ({data.source_name(data_path)}) is too short for {model}'s windows: "
         f"{'; '.join(parts)}; lower {' or '.join(keys)}, or give more text with {source_keys}"
     )
+
+
+def run_models(cfg: DictConfig, points: list[Point]) -> list[str]:
+    """The registered models a validated run loads, each once, in grid order (what model.download fetches)."""
+    if protocol(cfg) == "claim":
+        return [settings(cfg).model]
+    return list(dict.fromkeys(p.model for p in points))
 
 
 def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:
