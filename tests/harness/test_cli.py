@@ -51,6 +51,7 @@ def compose_cfg(*overrides):
         ("run_name=..", r"^run_name: '..' is not a plain name"),
         ("run_name=???", r"^run_name: missing; allowed: a plain name, given as run_name=NAME"),
         ("+sweep=smoke sweep.name=../x", r"^sweep.name: '../x' is not a plain name"),
+        ("model.download=yes", r"^model.download: 'yes' is not allowed; allowed: true, false"),
         ("quant=nuqkey policy.widths=[8]",
          r"^policy.widths: \[8\] with quant.scheme nuqkey, which stores quantized heads at 2, 3, 4 bits; allowed: "
          r"2, 3, 4, 16"),
