@@ -4,6 +4,8 @@ Without `+sweep=NAME` it evaluates uniform and the configured policy at the conf
 unquantized baseline); with one it runs that sweep's grid. Invalid input stops before any model weights load with one
 line naming the key and what is allowed (exit code 2): the config, then run_dir (writable; results/ only from a
 clean tree unless allow_dirty=true), then what the model's config and tokenizer say (harness.validate).
+With model.download=true, the run's Hugging Face models missing here are fetched from the Hub before that
+last check.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import hydra
 from omegaconf import DictConfig
 
 from harness.io import CONF_DIR, set_threads
-from harness.models import ModelUnavailable
+from harness.models import ModelUnavailable, fetch_missing
 from harness.protocols import PROTOCOLS
 from harness.validate import (
     ConfigError,
@@ -22,6 +24,7 @@ from harness.validate import (
     check_run_dir,
     preflight_overrides,
     protocol,
+    run_models,
     validate_config,
 )
 
@@ -32,6 +35,10 @@ def main(cfg: DictConfig) -> None:
         points = validate_config(cfg)
         set_threads(cfg.threads)  # before any work, tokenizing included
         check_run_dir(cfg)
+        if cfg.model.get(
+            "download", False
+        ):  # hf models missing here come from the Hub (a refusal is one line)
+            fetch_missing(run_models(cfg, points))
         check_model_inputs(cfg, points)  # the model's config and tokenizer, never its weights
     except (ConfigError, ModelUnavailable) as err:  # ModelUnavailable: e.g. gpt2 without local weights
         print(f"error: {err}", file=sys.stderr)

@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 import pandas as pd
 import torch
@@ -30,7 +31,17 @@ from harness.cache import OUTSIDE_PACKED, QuantizedKVCache, check_backend_device
 from harness.calibrate import cached_head_entropies
 from harness.calibrate.keys import cached_key_calibration
 from harness.capacity import element_price, shape_from_config
-from harness.models import check_device, load_model, model_names, model_spec, quiet_loading
+from harness.models import (
+    DOWNLOAD_FLAG,
+    ModelUnavailable,
+    check_device,
+    fetch,
+    fetch_missing,
+    load_model,
+    model_names,
+    model_spec,
+    quiet_loading,
+)
 from harness.policies import POLICIES, Allocation, Policy
 from harness.precision import torch_dtype
 from harness.registry import unknown_name_message
@@ -60,20 +71,25 @@ def load(
     device: str | None = None,
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
+    download: bool = False,
 ):
     """(model, tokenizer): a causal LM in eval mode, checked to be one QuantizedKVCache can serve.
 
-    `source`: a registry name (conf/model: `smollm2-135m`, `tiny-llama`, ...), a local folder or a Hugging Face id
-    whose weights are already on this machine (nothing is downloaded), or a transformers model object (returned
-    with `tokenizer` as given). `device` (None: cpu, or where a given model is) and `dtype` (float32, bfloat16;
-    None: the registry file's, the checkpoint's, or the given model's) move and cast it. Code from a model's own
-    files runs only with trust_remote_code=True. An architecture the cache cannot serve is a ValueError saying
-    why, before any weights load.
+    `source`: a registry name (conf/model: `smollm2-135m`, `tiny-llama`, ...), a local folder or a Hugging
+    Face id, or a transformers model object (returned with `tokenizer` as given). A Hugging Face model
+    (registered or by id) loads from the local Hugging Face cache; with download=True one missing there is
+    fetched from the Hub first (harness.models.fetch: HF_ENDPOINT, HF_TOKEN, HF_HUB_CACHE; a refused or broken
+    download is a one-line ModelUnavailable). `device` (None: cpu, or where a given model is) and `dtype`
+    (float32, bfloat16; None: the registry file's, the checkpoint's, or the given model's) move and cast it.
+    Code from a model's own files runs only with trust_remote_code=True. An architecture the cache cannot serve
+    is a ValueError saying why, before any weights load.
     """
     if device is not None:
         check_device(device)
     if dtype is not None and not isinstance(dtype, torch.dtype):
         dtype = torch_dtype(dtype)
+    if not isinstance(download, bool):
+        raise ValueError(f"download: {download!r} is not allowed; allowed: True, False")
     if isinstance(source, torch.nn.Module):
         if not isinstance(source, PreTrainedModel):
             raise ValueError(f"source: a {type(source).__name__} is not a transformers model")
@@ -83,9 +99,15 @@ def load(
         spec = model_spec(source)
         if spec["source"] == "tiny":
             check_served(AutoConfig.for_model(spec["arch"], **spec["config"]), key="source")
-        model, tokenizer = load_model(source, device=device or "cpu", dtype=dtype)
+        with _download_named_as_argument():
+            if download:
+                fetch_missing([source])
+            model, tokenizer = load_model(source, device=device or "cpu", dtype=dtype)
         return model, tokenizer
     elif isinstance(source, str):
+        if download and not Path(source).exists():  # a Hugging Face id, not a local folder
+            with _download_named_as_argument():
+                source = fetch(source, source)
         model, tokenizer = _load_local(source, tokenizer, dtype, trust_remote_code)
     else:
         raise ValueError(
@@ -105,7 +127,8 @@ def _load_local(where: str, tokenizer, dtype: torch.dtype | None, trust_remote_c
     except (OSError, ValueError) as err:
         raise ValueError(
             f"source: {where!r} is neither a registered model ({', '.join(model_names())}) nor a transformers "
-            f"model on this machine ({type(err).__name__})"
+            f"model on this machine ({type(err).__name__}); download=True fetches a Hugging Face id from the "
+            "Hub"
         ) from None
     check_served(config, key="source")
     with quiet_loading():
@@ -113,6 +136,15 @@ def _load_local(where: str, tokenizer, dtype: torch.dtype | None, trust_remote_c
         if tokenizer is None:
             tokenizer = AutoTokenizer.from_pretrained(where, **options)
     return model, tokenizer
+
+
+@contextmanager
+def _download_named_as_argument() -> Iterator[None]:
+    """A missing model's error names this function's argument (download=True), not the command line's flag."""
+    try:
+        yield
+    except ModelUnavailable as err:
+        raise ModelUnavailable(str(err).replace(DOWNLOAD_FLAG, "download=True")) from None
 
 
 @contextmanager

@@ -35,7 +35,7 @@ import pandas as pd
 from transformers import AutoConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from harness.models import ModelUnavailable, gguf_path, model_spec
+from harness.models import ModelUnavailable, gguf_path, hf_folder, model_spec
 from harness.registry import unknown_name_message
 from harness.schemes import KMEANS, ROLES, SCHEME_OPTIONS, SCHEMES, AsymToken, Scheme, from_point
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -140,10 +140,10 @@ def shape_from_registry(name: str) -> ModelShape:
         path = gguf_path(spec)
         config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     else:
-        where = spec.get("path") or spec["hf_id"]
         try:
-            config = AutoConfig.from_pretrained(where, local_files_only=True)
+            config = AutoConfig.from_pretrained(hf_folder(spec), local_files_only=True)
         except OSError as err:
+            where = spec.get("path") or spec["hf_id"]
             raise ModelUnavailable(f"model {name}: no local config for {where}; {spec['install']}") from err
     return shape_from_config(config, name, spec.get("context_limit"))
 

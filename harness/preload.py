@@ -21,7 +21,7 @@ from transformers import __version__ as transformers_version
 
 from harness.capacity import shape_from_config
 from harness.io import cache_root, write_dir_atomic, write_json_atomic
-from harness.models import ModelUnavailable, byte_tokenizer, gguf_path, model_spec
+from harness.models import ModelUnavailable, byte_tokenizer, gguf_path, hf_folder, model_spec
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types (ggml's gguf.h): id -> struct format of one scalar; 8 = string, 9 = array.
@@ -93,12 +93,12 @@ def _config(spec: dict):
     """The transformers config of a tiny or hf registry entry (no weights are read)."""
     if spec["source"] == "tiny":
         return AutoConfig.for_model(spec["arch"], **spec["config"])
-    where = spec.get("path") or spec["hf_id"]
     try:
-        return AutoConfig.from_pretrained(where, local_files_only=True)
+        return AutoConfig.from_pretrained(hf_folder(spec), local_files_only=True)
     except OSError as err:
         raise ModelUnavailable(
-            f"model {spec['name']}: weights of {where} are not on this machine; {spec['install']}"
+            f"model {spec['name']}: weights of {spec.get('path') or spec['hf_id']} are not on this machine; "
+            f"{spec['install']}"
         ) from err
 
 
@@ -137,12 +137,12 @@ def tokenizer(name: str):
     if spec["source"] == "gguf_package":
         return _gguf_tokenizer(name, gguf_path(spec))
 
-    where = spec.get("path") or spec["hf_id"]
     try:
-        return AutoTokenizer.from_pretrained(where, local_files_only=True)
+        return AutoTokenizer.from_pretrained(hf_folder(spec), local_files_only=True)
     except OSError as err:
         raise ModelUnavailable(
-            f"model {spec['name']}: tokenizer of {where} is not on this machine; {spec['install']}"
+            f"model {spec['name']}: tokenizer of {spec.get('path') or spec['hf_id']} is not on this machine; "
+            f"{spec['install']}"
         ) from err
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from harness import data, io, precision, preload
 from harness.cache import PREFILL_MODES, check_backend_device
@@ -165,10 +165,12 @@ def validate_config(cfg: DictConfig) -> list[Point] | list[dict]:
     try:
         io.check_threads(cfg.get("threads"))
         _check_eviction_group(cfg)
+        _check_names(cfg)
     except ValueError as err:
         raise ConfigError(str(err)) from None
-    if not isinstance(cfg.get("allow_dirty", False), bool):
-        raise ConfigError(f"allow_dirty: {cfg.allow_dirty!r} is not allowed; allowed: true, false")
+    for key in ("allow_dirty", "model.download"):
+        if not isinstance(OmegaConf.select(cfg, key, default=False), bool):
+            raise ConfigError(f"{key}: {OmegaConf.select(cfg, key)!r} is not allowed; allowed: true, false")
 
     try:  # the machine: a device it has, a backend that runs there
         check_device(cfg.device)
@@ -212,6 +214,19 @@ def _check_eviction_group(cfg: DictConfig) -> None:
     e = cfg.get("eviction")
     if e is not None:
         EvictionSpec(e.name, e.keep, e.sink_tokens, e.recent)
+
+
+def _check_names(cfg: DictConfig) -> None:
+    """The names that become folders of run_dir's default (results/<sweep.name>/<run_name>) are plain names, checked
+    even when run_dir is given: a path-like name is a mistake either way. run_dir itself is a path. (Model names
+    are checked against the registry: harness.models.model_spec.)"""
+    # `run_name: ???` (sweeps/local.yaml): the jobs of a sweep must be told their one shared folder
+    if OmegaConf.is_missing(cfg, "run_name"):
+        raise ValueError("run_name: missing; allowed: a plain name, given as run_name=NAME")
+    io.check_plain_name(cfg.get("run_name"), "run_name")
+    sweep = cfg.get("sweep")
+    if sweep is not None and sweep.get("name") is not None:
+        io.check_plain_name(sweep.name, "sweep.name")
 
 
 def check_run_dir(cfg: DictConfig) -> None:
@@ -323,6 +338,13 @@ def _check_text(model: str, data_path: str | None, windows: list[Windows]) -> No
         f"{' / '.join(keys)}: the text ({data.source_name(data_path)}) is too short for {model}'s windows: "
         f"{'; '.join(parts)}; lower {' or '.join(keys)}, or give more text with {source_keys}"
     )
+
+
+def run_models(cfg: DictConfig, points: list[Point]) -> list[str]:
+    """The registered models a validated run loads, each once, in grid order (what model.download fetches)."""
+    if protocol(cfg) == "claim":
+        return [settings(cfg).model]
+    return list(dict.fromkeys(p.model for p in points))
 
 
 def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:

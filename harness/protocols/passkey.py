@@ -489,6 +489,7 @@ def main(argv: list[str] | None = None) -> None:
     run_dir = Path(args.root) / args.run
     command = io.command_line("python -m harness.passkey", argv)
     try:
+        io.check_plain_name(args.run, "--run")  # a folder of --root, never a way out of it
         todo = [] if args.report_only else jobs(args)
         if todo:  # before any model loads: threads applied, a clean tree for results/, env.json written
             io.set_threads(args.threads, key="--threads")

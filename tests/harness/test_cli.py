@@ -2,7 +2,9 @@
 
 import os
 import re
+import shutil
 import textwrap
+import uuid
 from pathlib import Path
 
 import pytest
@@ -44,6 +46,12 @@ def compose_cfg(*overrides):
         ("tracking.wandb.mode=sometimes", r"^tracking.wandb.mode: unknown 'sometimes'"),
         ("device=tpu", r"^device: 'tpu' is not allowed; allowed here: cpu"),
         ("policy.widths=[4,4]", r"^policy.widths: 4 appears twice in \[4, 4\]; allowed: each width once"),
+        ("run_name=../../escape", r"^run_name: '../../escape' is not a plain name; allowed: a folder name without /"),
+        ("run_name=a/b", r"^run_name: 'a/b' is not a plain name"),
+        ("run_name=..", r"^run_name: '..' is not a plain name"),
+        ("run_name=???", r"^run_name: missing; allowed: a plain name, given as run_name=NAME"),
+        ("+sweep=smoke sweep.name=../x", r"^sweep.name: '../x' is not a plain name"),
+        ("model.download=yes", r"^model.download: 'yes' is not allowed; allowed: true, false"),
         ("quant=nuqkey policy.widths=[8]",
          r"^policy.widths: \[8\] with quant.scheme nuqkey, which stores quantized heads at 2, 3, 4 bits; allowed: "
          r"2, 3, 4, 16"),
@@ -179,6 +187,7 @@ BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it
     (["device=tpu"], "device", ["allowed here: cpu"]),
     (["quant=nuqkey", "policy.widths=[8]"], "policy.widths", ["nuqkey", "2, 3, 4 bits", "allowed: 2, 3, 4, 16"]),
     (["policy.widths=[4,4]"], "policy.widths", ["appears twice", "allowed: each width once"]),
+    (["+sweep=smoke", "sweep.name=../x"], "sweep.name", ["'../x' is not a plain name"]),
     *([] if torch.cuda.is_available() else [
         (["device=cuda"], "device", ["no CUDA device", "allowed here: cpu"]),
         (["quant.backend=triton"], "quant.backend", ["TRITON_INTERPRET=1", "allowed here: auto, torch"]),
@@ -198,6 +207,21 @@ def test_bad_input_stops_before_any_weights_load(guarded, short_text, tmp_path, 
     assert len(lines) == 1 and re.match(rf"error: {re.escape(key)}( / [\w.]+)*: ", lines[0]), proc.stderr
     assert all(name in lines[0] for name in names), lines[0]
     assert not run_dir.exists()  # nothing ran
+
+
+def test_a_run_name_that_leads_out_of_results_is_refused_before_anything_is_written(guarded):
+    name = f"escaped-{uuid.uuid4().hex[:8]}"  # results/single/../../NAME is the repository root's NAME
+    escaped = ROOT / name
+    try:
+        proc = guarded("model=tiny-llama", "eval=tiny", f"run_name=../../{name}")
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: run_name: '../../{name}' is not a plain name; allowed: a folder name without / or \\ that "
+            "is not . or .."
+        ]
+        assert not escaped.exists()
+    finally:
+        shutil.rmtree(escaped, ignore_errors=True)
 
 
 def test_the_guard_catches_a_model_load(guarded, tmp_path):

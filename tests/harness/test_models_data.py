@@ -1,6 +1,7 @@
 """Model registry, missing/corrupt model errors, and the calibration/evaluation split."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -28,6 +29,12 @@ def test_registry_lists_every_required_model():
 def test_unknown_model_suggests_a_close_name():
     with pytest.raises(ValueError, match=r"model: unknown 'smollm2-135' \(did you mean smollm2-135m\?\)"):
         model_spec("smollm2-135")
+
+
+@pytest.mark.parametrize("name", ["../model/gpt2", "./gpt2", "gpt2/"])
+def test_a_model_name_is_a_registry_name_never_a_path(name):  # it becomes part of file names
+    with pytest.raises(ValueError, match=rf"^model: unknown '{re.escape(name)}'.*; allowed: .*gpt2"):
+        model_spec(name)
 
 
 def test_tiny_models_are_identical_across_builds():

@@ -160,6 +160,18 @@ def test_bad_options_are_one_line_errors(tmp_path):
         passkey.jobs(_args("x", tmp_path, depths="1.5"))
 
 
+@pytest.mark.parametrize("run", ["../escape", "a/b", ".."])
+def test_run_is_a_folder_name_under_root(tmp_path, capsys, run):
+    root = tmp_path / "root"
+    with pytest.raises(SystemExit) as exit_:
+        passkey.main(["--root", str(root), "--run", run, "--report-only"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --run: {run!r} is not a plain name; allowed: a folder name without / or \\ that is not . or .."
+    ]
+    assert not tmp_path.joinpath("escape").exists() and not root.exists()
+
+
 def test_report_reads_points(tmp_path):
     points = tmp_path / "points"
     points.mkdir()
