@@ -495,7 +495,7 @@ class QuantizedKVCache(Cache):
     `backend`: "torch", "triton" or "auto" (see the module docstring). `simulate`: keep a full-precision working copy for the model's own attention (torch
     backend; see the module docstring). `outside_packed`: "dequantize" or "raise", what an update does outside the
     packed attention (see the module docstring). `key_calibration`: the model's fitted key tables
-    (harness.key_calibration), which a scheme whose keys read them (calkey) needs: each layer's scheme is bound to
+    (harness.calibrate.keys), which a scheme whose keys read them (calkey) needs: each layer's scheme is bound to
     its layer's table (Scheme.for_layer); without them such a scheme is a one-line ValueError.
     """
 

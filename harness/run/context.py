@@ -1,7 +1,7 @@
 """What every point of one model shares, built once per model and evaluation setup: the model (loaded once), its
 token windows (harness.data.point_windows: calibration windows from the calibration source, the others from the
 evaluation's), per-head attention entropies (harness.calibrate, cached on disk) and, lazily, the parts fitted on
-the calibration windows (key tables, transforms: harness.key_calibration, cached on disk and keyed by the
+the calibration windows (key tables, transforms: harness.calibrate, cached on disk and keyed by the
 calibration source), the unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache)
 and one full-precision prefill of the prompts that every point with prefill=exact starts from.
 """
