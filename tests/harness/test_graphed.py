@@ -2,8 +2,8 @@
 
 Without CUDA the kernels run in Triton's CPU interpreter and the steps run eagerly (no capture): there the
 tests check what a replay relies on, that every decode step launches the same kernels with the same arguments
-and runs the same torch ops on the same shapes, reading nothing back to the host. The test marked `gpu`
-captures and replays on CUDA.
+and runs the same torch ops on the same shapes, reading nothing back to the host. The tests marked `gpu`
+capture and replay on CUDA.
 """
 
 from __future__ import annotations
