@@ -89,6 +89,19 @@ class Bucket:
         self.payload, self.scale = gathered(self.payload), gathered(self.scale)
         self.zero, self.values = gathered(self.zero), gathered(self.values)
 
+    def take_rows(self, index: torch.Tensor, in_place: bool) -> None:
+        """Keep the batch rows at `index` (n,) int64; `in_place` (n equal to the batch) rewrites the tensors
+        themselves, so a captured CUDA graph that reads them stays valid."""
+        for name in ("payload", "scale", "zero", "values"):
+            t = getattr(self, name)
+            if t is None:
+                continue
+            rows = t.index_select(0, index)  # (n, Hw, cap, ...)
+            if in_place:
+                t.copy_(rows)
+            else:
+                setattr(self, name, rows)
+
 
 class PackedStore:
     """One layer's keys or values for a batch, each KV head stored at its own width (2, 3, 4, 8 or 16)."""
@@ -298,6 +311,25 @@ class PackedStore:
             H, D = self._dequantized.shape[1], self._dequantized.shape[3]
             self._dequantized = self._dequantized.gather(2, index.view(B, 1, n, 1).expand(B, H, n, D))
         self.length, self._capacity = n, round_up(n)
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows at `index` (n,) int64, in any order and with repeats (beam search reorders its
+        beams, a batch is repeated or narrowed). With the batch size unchanged every tensor is rewritten in place
+        (capacity and addresses kept: CUDA-graph decoding replays reads of them); otherwise they are replaced."""
+        index = index.to(self.device)
+        in_place = index.shape[0] == self.batch
+        for bk in self.buckets:
+            bk.take_rows(index, in_place)
+        if self._dequantized is not None:
+            self._dequantized = self._dequantized.index_select(0, index)
+        self.batch = index.shape[0]
+
+    def keep_first(self, n: int) -> None:
+        """Drop every token from the n-th on (a rollback of the last appends: assisted generation's rejected draft
+        tokens); they become unused capacity, overwritten by the next append."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"keep_first: {n} tokens of the {self.length} held")
+        self.length = n
 
     def token_bytes(self) -> int:
         """Bytes of one stored token of one batch row: packed rows, scales, zeros and 16-bit heads at 2 bytes."""

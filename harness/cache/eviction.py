@@ -20,6 +20,8 @@ every new query; every full-attention layer holds the same count, so the one mas
 all fits each. h2o layers run the torch path with quant.simulate's full-precision working copy (the packed
 attentions return no probabilities), so their resident bytes are those of an unquantized cache.
 Sliding-window layers cap themselves and are left alone, as are linear-attention layers.
+Beam search takes an evicting layer's rows with their kept positions and scores; dropping tokens again (crop:
+assisted generation, prompt lookup decoding) is refused, since the evictions and scores counted them.
 """
 
 from __future__ import annotations
@@ -176,6 +178,21 @@ class EvictingLayer(QuantizedLayer):
 
     def _held(self) -> int:
         return 0 if self.k_store is None else self.k_store.length
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows at index (n,) (beam search): the stores', their positions' and scores' rows."""
+        batch = 0 if self.k_store is None else self.k_store.batch
+        super().take_rows(index)
+        if batch:
+            self.positions = self.positions.expand(batch, -1).index_select(0, index.to(self.positions.device))
+            if self.scores is not None:
+                self.scores = self.scores.index_select(0, index.to(self.scores.device))
+
+    @property
+    def no_rollback(self) -> str | None:
+        return (
+            f"eviction={self.spec.name} keeps no record of what a dropped token changed (eviction=none can)"
+        )
 
     def get_seq_length(self) -> int:
         return self.seen

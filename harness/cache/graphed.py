@@ -14,6 +14,10 @@ A replay runs no Python, so the step advances the stores' host lengths itself. W
 cache, max_tokens)` the model's one-token forwards over `cache` (generate()'s decode steps) go through the
 graph: the first WARMUP_STEPS eagerly (they compile the kernels), then the capture, then replays. Prompt
 forwards stay eager. Without CUDA (or graphs=False) the same steps run eagerly: one code path but the capture.
+Beam search's reordering rewrites the stores' tensors in place (kernels.layout.PackedStore.take_rows), where the
+replayed step reads them.
+A batch that changes size and a crop (assisted generation, prompt lookup decoding), which would move the replayed
+step's shapes or device-side positions, are one-line errors.
 """
 
 from __future__ import annotations

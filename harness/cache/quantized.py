@@ -43,6 +43,14 @@ the stores, and `outside_packed` says what an update does instead (never hand th
 - `raise`: a one-line RuntimeError at the first update, before anything is stored, naming the remedy.
 quant.simulate's working copy is returned wherever the model runs, without a warning (it already holds the
 memory of an unquantized cache).
+Decoding modes: every mode of generate() works as with a DynamicCache, inside the packed attention and outside it.
+Beam search (`reorder_cache`) and the other batch rows (`batch_repeat_interleave`, `batch_select_indices`) take the
+rows of every stored tensor (payload, scales, zeros, 16-bit heads, sink and residual tokens, positions, working
+copies); a cache is reused across generate() calls as it stands. Assisted generation and prompt lookup decoding
+drop rejected draft tokens (`crop`) as if they had never been stored, where the scheme allows it: a scheme that
+keeps recent tokens unquantized (kivi, quant.residual > 0) has quantized older ones as they arrived, and an evicting
+layer has evicted by them, so those refuse the drafting modes in one line before the prompt is stored
+(`activate_past_recording`, which generate() calls first; `is_croppable` says it beforehand).
 Bytes: `nbytes()` sums the stored tensors (payload, scales, zeros, 16-bit heads, sink and residual tokens at
 2 bytes per element);
 `nbytes_fp16()` is what an unquantized fp16 cache would hold for the same tokens;
@@ -276,7 +284,6 @@ class QuantizedLayer(CacheLayerMixin):
     of `value_bits` (16 = kept in full precision)."""
 
     is_sliding = False
-    is_croppable = False
 
     def __init__(
         self,
@@ -421,6 +428,78 @@ class QuantizedLayer(CacheLayerMixin):
         self.fused, self._step, self.device_pos = False, None, None
         self.is_initialized = False
 
+    # Batch rows and rollbacks: what generate()'s decoding modes ask of a cache (transformers' names).
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows at index (n,) int64 of both stores, in any order and with repeats (nothing to do
+        before the first update)."""
+        if self.k_store is None:
+            return
+        if self.device_pos is not None and index.shape[0] != self.k_store.batch:
+            raise NotImplementedError(
+                f"QuantizedKVCache: {index.shape[0]} batch rows instead of {self.k_store.batch} inside "
+                "graphed_decoding, whose replayed decode step keeps its batch; run generate() outside it"
+            )
+        index = index.to(self.device)
+        self.k_store.take_rows(index)
+        self.v_store.take_rows(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues beam beam_idx[i]."""
+        self.take_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.k_store is not None:
+            self.take_rows(torch.arange(self.k_store.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows `indices` selects (integer indices or a boolean mask, as DynamicLayer indexes)."""
+        if self.k_store is not None:
+            self.take_rows(torch.arange(self.k_store.batch, device=self.device)[indices])
+
+    @property
+    def no_rollback(self) -> str | None:
+        """What keeps this layer from dropping its newest tokens as if they had never come (crop), if anything."""
+        return self.scheme.no_rollback
+
+    @property
+    def is_croppable(self) -> bool:
+        return self.no_rollback is None
+
+    def check_rollback(self) -> None:
+        """A one-line error where this layer cannot drop its newest tokens exactly (crop), else nothing."""
+        if self.no_rollback is not None:
+            raise NotImplementedError(
+                f"QuantizedKVCache: assisted generation and prompt lookup decoding drop rejected draft tokens "
+                f"(Cache.crop), which layer {self.layer_idx} cannot do exactly: {self.no_rollback}; or generate "
+                "without drafts (greedy, sampling, beam search)"
+            )
+        if self.device_pos is not None:
+            raise NotImplementedError(
+                "QuantizedKVCache: crop (assisted generation, prompt lookup decoding) inside graphed_decoding, "
+                "whose replayed decode step keeps its positions on the device; run generate() outside it"
+            )
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove tokens (transformers' convention: a count <= 0) as if they had never
+        been stored; a one-line error where the scheme cannot (no_rollback)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop: {tokens_to_remove}; QuantizedKVCache drops the last n tokens with crop(-n), a final "
+                "length is not accepted"
+            )
+        if tokens_to_remove == 0 or self.k_store is None:
+            return
+        self.check_rollback()
+        self._drop_last(-tokens_to_remove)
+
+    def _drop_last(self, n: int) -> None:
+        held = self.k_store.length
+        if n > held:
+            raise ValueError(f"crop: {n} tokens to drop; layer {self.layer_idx} holds {held}")
+        self.k_store.keep_first(held - n)
+        self.v_store.keep_first(held - n)
+
     def nbytes(self) -> int:
         return 0 if self.k_store is None else self.k_store.nbytes() + self.v_store.nbytes()
 
@@ -482,6 +561,19 @@ class QuantizedSlidingLayer(QuantizedLayer):
     def reset(self) -> None:
         super().reset()
         self.cumulative_length = 0
+
+    def _drop_last(self, n: int) -> None:
+        """A sliding layer evicts at its next update (module docstring), so it still holds the window - 1 tokens
+        before the last forward's: dropping up to that forward's tokens leaves what a layer that never saw them
+        holds; dropping more would need tokens already evicted."""
+        needed = min(self.cumulative_length - n, self.sliding_window - 1)
+        if self.k_store.length - n < needed:
+            raise ValueError(
+                f"crop: dropping {n} tokens would leave layer {self.layer_idx}'s window {self.k_store.length - n} "
+                f"of the {needed} it must hold (older ones are evicted); drop at most the last forward's tokens"
+            )
+        super()._drop_last(n)
+        self.cumulative_length -= n
 
 
 class QuantizedKVCache(Cache):
@@ -588,6 +680,14 @@ class QuantizedKVCache(Cache):
             elif isinstance(src, (LinearAttentionCacheLayerMixin, DummyLayer)):
                 cache.layers[i] = copy.deepcopy(src)
         return cache
+
+    def activate_past_recording(self) -> None:
+        """Called by assisted generation and prompt lookup decoding before they drop rejected draft tokens (crop):
+        a one-line error, before any token is generated, where a layer cannot drop them exactly (a quantized
+        layer's no_rollback); the model's own layers (linear attention) record as in any transformers Cache."""
+        for layer in self.quantized_layers():
+            layer.check_rollback()
+        super().activate_past_recording()
 
     def quantized_layers(self) -> list[QuantizedLayer]:
         return [layer for layer in self.layers if isinstance(layer, QuantizedLayer)]

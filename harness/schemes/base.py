@@ -70,6 +70,14 @@ class Store(Protocol):
     def select(self, index: torch.Tensor) -> None:
         """Keep the tokens at sorted positions index (B, n_keep), per batch row (token eviction)."""
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows at index (n,) int64, in any order and with repeats (beam search's reordering, a
+        batch repeated or narrowed)."""
+
+    def keep_first(self, n: int) -> None:
+        """Drop every token from the n-th on, as if they had never been appended (a rollback: assisted generation's
+        rejected draft tokens); only where the scheme allows it (Scheme.no_rollback is None)."""
+
     def nbytes(self) -> int:
         """Bytes of every stored tensor for the tokens held (unquantized tokens at 2 bytes per element)."""
 
@@ -207,6 +215,23 @@ class Scheme:
     @property
     def fit_variant(self) -> object:
         """What distinguishes this scheme's fitted parts from another of the same `fit` (xlayer: the rank); None."""
+        return None
+
+    @property
+    def no_rollback(self) -> str | None:
+        """What keeps a store from dropping its newest tokens as if they had never come (Store.keep_first), if
+        anything does: a window of recent tokens kept unquantized quantizes older ones as new tokens arrive, and a
+        rollback cannot give those back their full precision."""
+        if any(self.per_channel(role) for role in ROLES):
+            return (
+                f"quant.scheme {self.name} quantizes keys per channel once a group of {self.key_group_size} has "
+                "left its recent window (a per-token scheme with quant.residual=0 can)"
+            )
+        if self.residual:
+            return (
+                f"quant.residual={self.residual} quantizes the oldest recent token as each new one arrives "
+                "(quant.residual=0 can)"
+            )
         return None
 
     @property

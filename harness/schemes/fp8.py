@@ -66,6 +66,10 @@ class Fp8Store(BlockStore):
             *(("_values",) if self.simulate else ()),
         )  # token-major along dim 2
 
+    def _each(self, change) -> None:
+        for name in self._fields():
+            setattr(self, name, change(getattr(self, name)))
+
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)

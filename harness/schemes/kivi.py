@@ -159,6 +159,12 @@ class ChannelStore(BlockStore):
             "single tokens cannot be evicted from a group"
         )
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        for p in self.packed.values():
+            p.payload, p.scale, p.zero = (t.index_select(0, index) for t in (p.payload, p.scale, p.zero))
+        self.full, self._values = self.full.index_select(0, index), self._values.index_select(0, index)
+        self.batch = index.shape[0]
+
     def nbytes(self) -> int:
         packed = sum(
             t.numel() * t.element_size() for p in self.packed.values() for t in (p.payload, p.scale, p.zero)

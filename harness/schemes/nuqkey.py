@@ -145,3 +145,11 @@ class NuqKeyStore(CalKeyStore):
     def select(self, index: torch.Tensor) -> None:
         self.positions.select(index, self.length)
         super().select(index)
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        self.positions.take_rows(index)
+        super().take_rows(index)
+
+    def keep_first(self, n: int) -> None:
+        self.positions.keep_first(n, self.length)
+        super().keep_first(n)

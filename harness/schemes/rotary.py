@@ -73,5 +73,18 @@ class TokenPositions:
         """Keep the positions at index (B, n) of the `length` held (per batch row)."""
         self.kept = torch.gather(self.held(0, length, length).expand(self.batch, -1), 1, index).int()
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        """Keep the batch rows at index (n,)."""
+        if self.kept is not None:
+            self.kept = self.kept.index_select(0, index)
+        self.batch = index.shape[0]
+
+    def keep_first(self, n: int, length: int) -> None:
+        """Drop the positions of the last `length - n` of the `length` held, the last appended: the next token
+        appended takes the first of theirs."""
+        self.next -= length - n
+        if self.kept is not None:
+            self.kept = self.kept[:, :n]
+
     def nbytes(self) -> int:
         return 0 if self.kept is None else self.kept.numel() * POSITION_BYTES

@@ -149,6 +149,15 @@ class RotatedStore:
         if self.simulate:
             self._values = take_tokens(self._values, index, 2)
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        self.base.take_rows(index)
+        self._values = self._values.index_select(0, index)
+        self.batch = index.shape[0]
+
+    def keep_first(self, n: int) -> None:
+        self.base.keep_first(n)
+        self._values = self._values[:, :, :n]
+
     def nbytes(self) -> int:
         return self.base.nbytes()
 

@@ -48,13 +48,26 @@ def head_index(bits: tuple[int, ...], quantized: bool, device) -> torch.Tensor:
 
 class BlockStore:
     """The common reading of stores that dequantize a block of tokens (fp8, KIVI's keys, calkey's, nuqkey's,
-    codebook's): the store implements `block(start, end)` -> (B, Hkv, end - start, D) and `length`."""
+    codebook's): the store implements `block(start, end)` -> (B, Hkv, end - start, D) and `length`. Rows and
+    rollbacks go through `_each(change)`, which replaces every per-token tensor t (batch along dim 0, tokens along
+    dim 2) by change(t)."""
 
     def block(self, start: int, end: int) -> torch.Tensor:
         raise NotImplementedError
 
+    def _each(self, change) -> None:
+        raise NotImplementedError
+
     def dequantize(self) -> torch.Tensor:
         return self.block(0, self.length)
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        self._each(lambda t: t.index_select(0, index))
+        self.batch = index.shape[0]
+
+    def keep_first(self, n: int) -> None:
+        self._each(lambda t: t[:, :, :n])
+        self.length = n
 
 
 class PositionedBlockStore(BlockStore):
@@ -72,6 +85,14 @@ class PositionedBlockStore(BlockStore):
         self.positions.select(index, self.length)
         self._each(lambda t: take_tokens(t, index, 2))
         self.length = index.shape[1]
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        self.positions.take_rows(index)
+        super().take_rows(index)
+
+    def keep_first(self, n: int) -> None:
+        self.positions.keep_first(n, self.length)
+        super().keep_first(n)
 
 
 class FullStore:
@@ -111,6 +132,12 @@ class FullStore:
 
     def select(self, index: torch.Tensor) -> None:
         self.tokens = take_tokens(self.tokens, index, 2)
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        self.tokens = self.tokens.index_select(0, index)
+
+    def keep_first(self, n: int) -> None:
+        self.tokens = self.tokens[:, :, :n]
 
     def nbytes(self) -> int:
         return self.nbytes_fp16()
@@ -185,6 +212,12 @@ class _TwoPart:
             if self.simulate:
                 self.values[i] = take_tokens(self.values[i], idx, 2)
 
+    def take_rows(self, index: torch.Tensor) -> None:
+        for part in self.parts:
+            part.take_rows(index)
+        self.values = [v.index_select(0, index) for v in self.values]
+        self.batch = index.shape[0]
+
     def nbytes(self) -> int:
         return sum(part.nbytes() for part in self.parts)
 
@@ -219,6 +252,17 @@ class SinkStore(_TwoPart):
         dropped the sequence's first tokens holds no sinks)."""
         self.seen = position
         starts_at(self.parts[1], max(position, self.n_sinks))
+
+    def keep_first(self, n: int) -> None:
+        """Drop every token from the n-th on; a rollback into the sinks empties the base, which then starts again
+        after the sinks."""
+        self.seen -= self.length - n
+        for i, part in enumerate(self.parts):
+            kept = min(n, part.length)
+            part.keep_first(kept)
+            if self.simulate:
+                self.values[i] = self.values[i][:, :, :kept]
+            n -= kept
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         take = min(max(self.n_sinks - self.seen, 0), x.shape[2])
@@ -259,6 +303,12 @@ class ResidualStore(_TwoPart):
     def starts_at(self, position: int) -> None:
         """The next token appended sits at sequence position `position` (the base receives tokens in order)."""
         starts_at(self.parts[0], position)
+
+    def keep_first(self, n: int) -> None:
+        raise NotImplementedError(
+            f"keep_first: the window of {self.window} recent tokens has moved older ones to the quantized part as "
+            "new ones arrived; dropping the newest cannot give those their full precision back"
+        )
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         base, recent = self.parts

@@ -2,8 +2,8 @@
 
 Without CUDA the kernels run in Triton's CPU interpreter and the steps run eagerly (no capture): there the
 tests check what a replay relies on, that every decode step launches the same kernels with the same arguments
-and runs the same torch ops on the same shapes, reading nothing back to the host. The test marked `gpu`
-captures and replays on CUDA.
+and runs the same torch ops on the same shapes, reading nothing back to the host. The tests marked `gpu`
+capture and replay on CUDA.
 """
 
 from __future__ import annotations
@@ -237,3 +237,55 @@ def test_cuda_graph_replays_match_generate(monkeypatch):
     with installed(model, PACKED):
         want = _generate(model, ids, eager, 12, do_sample=False)
     assert torch.equal(got, want)
+
+
+@torch.no_grad()
+def test_beams_reorder_in_place_at_device_side_positions_and_crops_are_refused():
+    """A replayed step reads the stores' tensors where the capture found them: beam search's reordering rewrites
+    them in place (the same tensors, rows swapped); a batch of another size, or a crop (drafting modes), which
+    would move the device-side positions, is a one-line error naming graphed_decoding."""
+    model, _ = load_model("tiny-llama", device="cpu")
+    ids = torch.randint(1, 256, (2, 6), generator=torch.Generator().manual_seed(1))
+    cache = _cache(model)
+    with installed(model, PACKED):
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+    step = GraphedStep(model, cache, max_tokens=20, graphs=False)
+    tensors = [t for layer in cache.quantized_layers() for bk in layer.k_store.buckets for t in bk.tensors()]
+    before = [t.clone() for t in tensors]
+    cache.reorder_cache(torch.tensor([1, 0]))
+    after = [t for layer in cache.quantized_layers() for bk in layer.k_store.buckets for t in bk.tensors()]
+    n = cache.get_seq_length()  # the capacity past it is unwritten
+    assert all(
+        a is t and torch.equal(a[:, :, :n], b[[1, 0], :, :n]) for a, t, b in zip(after, tensors, before)
+    )
+    with pytest.raises(
+        NotImplementedError, match=r"^QuantizedKVCache: 4 batch rows instead of 2 inside graphed_"
+    ):
+        cache.batch_repeat_interleave(2)
+    with pytest.raises(
+        NotImplementedError, match=r"^QuantizedKVCache: crop \(assisted generation, prompt look"
+    ):
+        cache.crop(-1)
+    cache.crop(0)  # generate() calls it after every accepted draft: nothing to drop
+    step.close()
+    phrase = ids[:1, :4].repeat(1, 3)  # drafts for prompt lookup to find
+    with pytest.raises(NotImplementedError, match="inside graphed_decoding"):
+        with graphed_decoding(model, cache := _cache(model), max_tokens=30):
+            _generate(model, phrase, cache, 5, prompt_lookup_num_tokens=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@torch.no_grad()
+def test_cuda_graph_replays_beam_search():
+    """On CUDA: beam search within graphed_decoding (its beams reordered between replays) gives the tokens of beam
+    search through the same fused kernels without the graph."""
+    model, _ = load_model("tiny-llama", device="cuda")
+    ids = torch.randint(0, 256, (2, 13), generator=torch.Generator().manual_seed(3)).cuda()
+    cache = _cache(model)
+    with graphed_decoding(model, cache, max_tokens=13 + 10):
+        got = _generate(model, ids, cache, 10, num_beams=3, num_return_sequences=2, do_sample=False)
+    eager = _cache(model)
+    with installed(model, PACKED):
+        want = _generate(model, ids, eager, 10, num_beams=3, num_return_sequences=2, do_sample=False)
+    assert got.shape == (4, 23) and torch.equal(got, want)
