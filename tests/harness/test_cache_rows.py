@@ -19,7 +19,7 @@ import torch
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.cache.eviction import EvictingLayer, EvictionSpec, attention_for, with_eviction
-from harness.fitted import cached_fit
+from harness.calibrate import cached_fit
 from harness.models import load_model
 from harness.schemes import SCHEMES, get_scheme
 
