@@ -15,7 +15,8 @@ of the run compete; peer engines are left to tables.md):
   point of lowest ppl_ratio that holds no more true bytes, paired (a peer's ppl_ratio and kl_mean are against its
   own unquantized cache, the harness's against the harness's baseline);
 - the ablation (`INGREDIENTS`): what each ingredient adds near 3.5x (or at the compression it names: the new
-  units at 4.5x and 6x), as the paired difference between two named
+  units at 4.5x and 6x; the pca family's steps toward a fused kernel's format at 4, 3 and 2 bits:
+  `FUSED_STEPS`), as the paired difference between two named
   configurations that differ by it (the point with it minus the point without), with their bytes ratio;
 - judged on other text: where a run holds points evaluated on more than one text (eval.data.path), the tables
   above read the default text's points (or, without any, the first text's), and each other text gets the best
@@ -58,6 +59,26 @@ METRICS = ("ppl_ratio", "kl_mean")
 CALKEY_4 = {"scheme": "calkey", "group_size": 32, "sink_tokens": 1, "policy": "uniform", "budget": 4}
 NUQKEY_4 = {**CALKEY_4, "scheme": "nuqkey"}
 NUQKEY_CODEBOOK_4 = {**CALKEY_4, "scheme": "nuqkey_codebook"}
+# pca's formats for a fused GPU kernel (issue 45): each step from pca toward what a kernel decodes, uniform at 2, 3
+# and 4 bits: (what the step changes, the scheme without it, the scheme with it).
+FUSED_STEPS = (
+    ("keys after RoPE instead of before", "pca", "pca_post"),
+    ("keys relative to their block of 128 tokens instead of before RoPE", "pca", "pca_block"),
+    ("evenly spaced levels instead of Lloyd-Max", "pca_block", "pca_block_u"),
+    ("one width a group of 16 components (0, 1, 2, 4, 8 bits)", "pca_block_u", "pca_block_ug"),
+    ("one plan a width for every head of the model", "pca_block_ug", "pca_block_ugs"),
+    ("the block-frame kernel format (pca_block_ugs) against pca", "pca", "pca_block_ugs"),
+    ("the after-RoPE kernel format (pca_post_ug) against pca", "pca", "pca_post_ug"),
+)
+FUSED_INGREDIENTS = tuple(
+    (
+        f"{budget}-bit pca family: {step}",
+        {"scheme": without, "sink_tokens": 1, "policy": "uniform", "budget": budget},
+        {"scheme": with_, "sink_tokens": 1, "policy": "uniform", "budget": budget},
+    )
+    for budget in (4, 3, 2)
+    for step, without, with_ in FUSED_STEPS
+)
 # The ablation near 3.5x: (ingredient, the configuration without it, the one with it). A configuration is the
 # config fields a point must match; where several points match, the one of fewest bytes (then key) is taken.
 INGREDIENTS = (
@@ -211,7 +232,7 @@ INGREDIENTS = (
         {"scheme": "pca", "sink_tokens": 1, "policy": "uniform", "budget": 3},
         {"scheme": "cq2", "sink_tokens": 1, "policy": "uniform", "budget": 3},
     ),
-)
+) + FUSED_INGREDIENTS
 # The points every judged-on-other-text row is set against, on the same windows: (column, configuration).
 REFERENCES = (
     (
