@@ -104,16 +104,18 @@ def plan_bits(distortion: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def plan_groups(distortion: torch.Tensor, total: int, fmt: PcaFormat) -> torch.Tensor:
-    """plan_bits over groups of fmt.group consecutive components, each group one width of fmt.group_widths:
+    """plan_bits over groups of fmt.group consecutive components (0: the whole head), each group one width of
+    fmt.group_widths:
     the widths b (D,) int64 of least summed distortion (D, K + 1) with sum b_c == total."""
     D = distortion.shape[0]
-    if D % fmt.group or total % fmt.group:
-        raise ValueError(f"pca plan: {total} bits over {D} components cannot go in groups of {fmt.group}")
-    grouped = distortion.view(D // fmt.group, fmt.group, -1).sum(1)  # (G, K + 1)
+    group = fmt.group or D  # 0: the whole head one group
+    if D % group or total % group:
+        raise ValueError(f"pca plan: {total} bits over {D} components cannot go in groups of {group}")
+    grouped = distortion.view(D // group, group, -1).sum(1)  # (G, K + 1)
     barred = torch.ones(grouped.shape[1], dtype=torch.bool)
     barred[list(fmt.group_widths)] = False
     grouped[:, barred] = float("inf")
-    return plan_bits(grouped, total // fmt.group).repeat_interleave(fmt.group)
+    return plan_bits(grouped, total // group).repeat_interleave(group)
 
 
 @dataclass(frozen=True, eq=False)

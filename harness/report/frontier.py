@@ -69,6 +69,9 @@ FUSED_STEPS = (
     ("one plan a width for every head of the model", "pca_block_ug", "pca_block_ugs"),
     ("the block-frame kernel format (pca_block_ugs) against pca", "pca", "pca_block_ugs"),
     ("the after-RoPE kernel format (pca_post_ug) against pca", "pca", "pca_post_ug"),
+    ("every component at the unit's width (no plan), after RoPE", "pca_post_ug", "pca_post_uf"),
+    ("every component at the unit's width (no plan), block frame", "pca_block_ug", "pca_block_uf"),
+    ("today's kernel's format with pca's transform (pca_post_uf) against pca", "pca", "pca_post_uf"),
 )
 FUSED_INGREDIENTS = tuple(
     (

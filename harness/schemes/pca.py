@@ -298,6 +298,26 @@ class PcaBlockUniformSharedGroups(Pca):
 
 @register
 @dataclass(frozen=True)
+class PcaPostUniformFlat(Pca):
+    """pca_post with evenly spaced levels and every component of a head at the unit's width (no plan): the
+    format of today's fused kernel with one scale and zero a token traded for one a component, folded into the
+    query and the output (the mean and the codes' offset add one constant to every score)."""
+
+    name: str = "pca_post_uf"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(key_frame=POST, levels=UNIFORM, group=0)
+
+
+@register
+@dataclass(frozen=True)
+class PcaBlockUniformFlat(Pca):
+    """pca_block_u with every component of a head at the unit's width (no plan)."""
+
+    name: str = "pca_block_uf"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(key_frame=BLOCK, block=BLOCK_TOKENS, levels=UNIFORM, group=0)
+
+
+@register
+@dataclass(frozen=True)
 class PcaPostUniformGroups(Pca):
     """pca_post with evenly spaced levels and one width per group of 16 components, from GROUP_WIDTHS."""
 

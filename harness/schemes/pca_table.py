@@ -41,7 +41,8 @@ class PcaFormat:
     their block of `block` tokens (first + k block, `first` the store's first position), so a key keeps RoPE's
     turn by its offset in the block only and a kernel turns a block's query once; POST, keys as cached (after
     RoPE). levels: LLOYD (Lloyd-Max levels of N(0, 1)) or UNIFORM (Max's evenly spaced ones: a code's value is
-    an affine map of the code). A plan gives each `group` consecutive components one width from `group_widths`;
+    an affine map of the code). A plan gives each `group` consecutive components (0: all of a head's) one width from
+    `group_widths`;
     each head has its own plans, or (shared_plans) every head of a role has the same one at each width.
     """
 

@@ -34,7 +34,7 @@ from harness.config import compose as compose_point
 from harness.models import load_model
 from harness.run import runner
 from harness.run.measure import key_calibration
-from harness.schemes import bitstream, get_scheme
+from harness.schemes import SCHEMES, Pca, bitstream, get_scheme
 from harness.schemes.lloyd_max import lloyd_max, uniform_quantizer
 from harness.schemes.pca import GROUP_WIDTHS
 from harness.schemes.pca_table import (
@@ -318,7 +318,7 @@ def test_store_is_the_oracle_packed_and_simulated(role, dtype, sinks, residual):
 
 
 @pytest.mark.parametrize(
-    "name", ["pca_post", "pca_block", "pca_block_u", "pca_block_ug", "pca_block_ugs", "pca_post_ug"]
+    "name", [n for n in SCHEMES.names() if n != "pca" and isinstance(get_scheme(n), Pca)]
 )
 @pytest.mark.parametrize("role", ["key", "value"])
 def test_a_variants_store_is_the_oracle_across_blocks(name, role):

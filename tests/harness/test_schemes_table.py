@@ -29,6 +29,7 @@ from harness.schemes import (
     SCHEME_OPTIONS,
     SCHEMES,
     KeyCalibration,
+    Pca,
     Scheme,
     Store,
     from_point,
@@ -57,6 +58,8 @@ class Case:
     simulated_only: bool = False  # its stores keep their reconstruction (xlayer): built with simulate=True
 
 
+# pca and its variants (harness/schemes/pca.py): every registered scheme of the family
+PCA_FAMILY = tuple(name for name in SCHEMES.names() if isinstance(get_scheme(name), Pca))
 CASES = [
     Case("asym_token"),
     Case("sym_token"),
@@ -83,15 +86,7 @@ CASES = [
     # zeros comes back as the fitted mean and its nearest levels, not zeros.
     *(
         Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False)
-        for name in (
-            "pca",
-            "pca_post",
-            "pca_block",
-            "pca_block_u",
-            "pca_block_ug",
-            "pca_block_ugs",
-            "pca_post_ug",
-        )
+        for name in PCA_FAMILY
     ),
     # Cross-layer prediction with one layer and no layer below (`ready`: a bias per head, no inputs): codebook's
     # format on the residual from that bias, so codebook's bound (the residual's absmax is at most about twice the
