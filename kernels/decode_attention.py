@@ -214,66 +214,105 @@ def _program(heads_ptr, len_ptr, L_arg, NH: tl.constexpr, L_FROM_PTR: tl.constex
 
 
 @triton.jit
+def _fetch_rows(p_ptr, p_base, p_st, s_ptr, z_ptr, s_base, s_st, n, end, W: tl.constexpr, D: tl.constexpr,
+                D_B: tl.constexpr, G: tl.constexpr, SYM: tl.constexpr):  # fmt: skip
+    """`_fetch` of one head's tokens n (BLOCK_N, 1) int64, those from `end` on masked out. p_base, s_base:
+    element offsets of the head's rows in its payload (or 16-bit values) and in its scales and zeros; p_st,
+    s_st: their token strides."""
+    return _fetch(p_ptr, p_base + n * p_st, s_ptr, z_ptr, s_base + n * s_st, p_ptr, p_base + n * p_st,
+                  n < end, W, D, D_B, G, SYM)  # fmt: skip
+
+
+@triton.jit
+def _split_tiles(q, m_i, l_i, acc, start, end, qk_scale, kp_ptr, kp_base, kp_st, ks_ptr, kz_ptr, ks_base,
+                 ks_st, vp_ptr, vp_base, vp_st, vs_ptr, vz_ptr, vs_base, vs_st, KW: tl.constexpr,
+                 VW: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
+                 K_SYM: tl.constexpr, V_SYM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """_decode_split_kernel's online softmax over one KV head's stored tokens [start, end), BLOCK_N a tile:
+    (m_i, l_i, acc) after them. q (QG_B, D_B); the head's K and V rows as `_fetch_rows` takes them."""
+    if PREFETCH:
+        # A tile's K and V bytes are requested one iteration ahead, so they are in flight while the tile
+        # before is dequantized and attended. Loads that are dequantized before a dot are not staged by
+        # Triton's pipeliner, and without this each program waited on every tile's loads.
+        n = (start + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
+        k_raw, k_s, k_z = _fetch_rows(kp_ptr, kp_base, kp_st, ks_ptr, kz_ptr, ks_base, ks_st, n, end, KW, D,
+                                      D_B, KG, K_SYM)  # fmt: skip
+        v_raw, v_s, v_z = _fetch_rows(vp_ptr, vp_base, vp_st, vs_ptr, vz_ptr, vs_base, vs_st, n, end, VW, D,
+                                      D_B, VG, V_SYM)  # fmt: skip
+        for n0 in range(start, end, BLOCK_N):
+            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+            nx = n + BLOCK_N  # the next tile (masked out past the split's end)
+            k_raw_nx, k_s_nx, k_z_nx = _fetch_rows(kp_ptr, kp_base, kp_st, ks_ptr, kz_ptr, ks_base, ks_st, nx,
+                                                   end, KW, D, D_B, KG, K_SYM)  # fmt: skip
+            v_raw_nx, v_s_nx, v_z_nx = _fetch_rows(vp_ptr, vp_base, vp_st, vs_ptr, vz_ptr, vs_base, vs_st, nx,
+                                                   end, VW, D, D_B, VG, V_SYM)  # fmt: skip
+            m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
+                                    KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
+            k_raw, k_s, k_z, v_raw, v_s, v_z = k_raw_nx, k_s_nx, k_z_nx, v_raw_nx, v_s_nx, v_z_nx
+    else:
+        # 16-bit K and V go to the dots as loaded, and Triton's pipeliner stages those loads itself.
+        for n0 in range(start, end, BLOCK_N):
+            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+            k_raw, k_s, k_z = _fetch_rows(kp_ptr, kp_base, kp_st, ks_ptr, kz_ptr, ks_base, ks_st, n, end, KW,
+                                          D, D_B, KG, K_SYM)  # fmt: skip
+            v_raw, v_s, v_z = _fetch_rows(vp_ptr, vp_base, vp_st, vs_ptr, vz_ptr, vs_base, vs_st, n, end, VW,
+                                          D, D_B, VG, V_SYM)  # fmt: skip
+            m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
+                                    KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _extra_tiles(q, m_i, l_i, acc, x_end, b64, h, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st,
+                 qk_scale, D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """_decode_split_kernel's online softmax over the first x_end tokens of KV head h's full-precision extra
+    segment in batch row b64: (m_i, l_i, acc) after them. kx_ptr, vx_ptr (B, Hkv, Tx, D), with strides."""
+    D_B: tl.constexpr = acc.shape[1]
+    d = tl.arange(0, D_B)
+    for n0 in range(0, x_end, BLOCK_N):
+        n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+        mask_n = n < x_end
+        xm = mask_n & (d[None, :] < D)
+        k = tl.load(kx_ptr + b64 * kx_sb + h * kx_sh + n * kx_st + d[None, :], mask=xm, other=0.0)
+        v = tl.load(vx_ptr + b64 * vx_sb + h * vx_sh + n * vx_st + d[None, :], mask=xm, other=0.0)
+        p, m_i, alpha = _scores(q, k.to(q.dtype), tl.trans(mask_n), m_i, qk_scale, INPUT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_split(m_ptr, l_ptr, o_ptr, m_i, l_i, acc, b64, h, sp, S, HKV: tl.constexpr, QG: tl.constexpr):
+    """Write one program's partials: m_i, l_i (QG_B,) and acc (QG_B, D_B) of the QG query heads reading KV
+    head h, at split column sp of S. m, l (B, Hq, S); o (B, Hq, S, D_B), all contiguous. A split past the
+    stored tokens writes m = -inf, l = 0, o = 0, which the combine weighs 0."""
+    QG_B: tl.constexpr = m_i.shape[0]
+    D_B: tl.constexpr = acc.shape[1]
+    i = tl.arange(0, QG_B)
+    d = tl.arange(0, D_B)
+    row = (b64 * HKV * QG + h * QG + i) * S + sp  # (QG_B,)
+    tl.store(m_ptr + row, m_i, mask=i < QG)
+    tl.store(l_ptr + row, l_i, mask=i < QG)
+    tl.store(o_ptr + row[:, None] * D_B + d[None, :], acc, mask=i[:, None] < QG)
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr,
-    stride_qb,
-    stride_qh,
-    kp_ptr,
-    kp_sb,
-    kp_sh,
-    kp_st,
-    ks_ptr,
-    kz_ptr,
-    ks_sb,
-    ks_sh,
-    ks_st,
-    kslot_ptr,
-    vp_ptr,
-    vp_sb,
-    vp_sh,
-    vp_st,
-    vs_ptr,
-    vz_ptr,
-    vs_sb,
-    vs_sh,
-    vs_st,
-    vslot_ptr,
-    kx_ptr,
-    kx_sb,
-    kx_sh,
-    kx_st,
-    vx_ptr,
-    vx_sb,
-    vx_sh,
-    vx_st,
-    Tx,
-    heads_ptr,
-    m_ptr,
-    l_ptr,
-    o_ptr,
-    L_arg,
-    len_ptr,
-    chunk,
-    qk_scale,
-    num_splits,
-    NH: tl.constexpr,
-    HKV: tl.constexpr,
-    QG: tl.constexpr,
-    QG_B: tl.constexpr,
-    D: tl.constexpr,
-    D_B: tl.constexpr,
-    KW: tl.constexpr,
-    VW: tl.constexpr,
-    KG: tl.constexpr,
-    VG: tl.constexpr,
-    K_SYM: tl.constexpr,
-    V_SYM: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
-    L_FROM_PTR: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    PREFETCH: tl.constexpr,
-):
+    q_ptr, stride_qb, stride_qh,
+    kp_ptr, kp_sb, kp_sh, kp_st, ks_ptr, kz_ptr, ks_sb, ks_sh, ks_st, kslot_ptr,
+    vp_ptr, vp_sb, vp_sh, vp_st, vs_ptr, vz_ptr, vs_sb, vs_sh, vs_st, vslot_ptr,
+    kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx,
+    heads_ptr, m_ptr, l_ptr, o_ptr, L_arg, len_ptr, chunk, qk_scale, num_splits,
+    NH: tl.constexpr, HKV: tl.constexpr, QG: tl.constexpr, QG_B: tl.constexpr, D: tl.constexpr,
+    D_B: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
+    K_SYM: tl.constexpr, V_SYM: tl.constexpr, HAS_EXTRA: tl.constexpr, L_FROM_PTR: tl.constexpr,
+    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+):  # fmt: skip
+    # Arguments by line: q and its strides; the key store (payload or 16-bit values with batch, head and token
+    # strides; scales, zeros and their strides; slot table); the value store, likewise; the extra segments and
+    # their length Tx; the bucket's heads, the partials, the length and the split.
     # grid: (B * NH, num_splits + HAS_EXTRA) over the NH KV heads whose keys are stored at KW bits and values
     # at VW bits (heads_ptr lists them). A program owns one KV head and all QG query heads reading it (their
     # K/V bytes are loaded once), over one chunk of stored tokens; the last split column, when there is an
@@ -300,55 +339,15 @@ def _decode_split_kernel(
 
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
-    if PREFETCH:
-        # A tile's K and V bytes are requested one iteration ahead, so they are in flight while the tile before
-        # is dequantized and attended. Loads that are dequantized before a dot are not staged by Triton's
-        # pipeliner, and without this each program waited on every tile's loads.
-        n = (start + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
-        k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kp_ptr,
-                                 kp_base + n * kp_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
-        v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vp_ptr,
-                                 vp_base + n * vp_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
-        for n0 in range(start, end, BLOCK_N):
-            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
-            nx = n + BLOCK_N  # the next tile (masked out past the split's end)
-            k_raw_nx, k_s_nx, k_z_nx = _fetch(kp_ptr, kp_base + nx * kp_st, ks_ptr, kz_ptr, ks_base + nx * ks_st,
-                                              kp_ptr, kp_base + nx * kp_st, nx < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
-            v_raw_nx, v_s_nx, v_z_nx = _fetch(vp_ptr, vp_base + nx * vp_st, vs_ptr, vz_ptr, vs_base + nx * vs_st,
-                                              vp_ptr, vp_base + nx * vp_st, nx < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
-            m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
-                                    KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
-            k_raw, k_s, k_z, v_raw, v_s, v_z = k_raw_nx, k_s_nx, k_z_nx, v_raw_nx, v_s_nx, v_z_nx
-    else:
-        # 16-bit K and V go to the dots as loaded, and Triton's pipeliner stages those loads itself.
-        for n0 in range(start, end, BLOCK_N):
-            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
-            k_raw, k_s, k_z = _fetch(kp_ptr, kp_base + n * kp_st, ks_ptr, kz_ptr, ks_base + n * ks_st, kp_ptr,
-                                     kp_base + n * kp_st, n < end, KW, D, D_B, KG, K_SYM)  # fmt: skip
-            v_raw, v_s, v_z = _fetch(vp_ptr, vp_base + n * vp_st, vs_ptr, vz_ptr, vs_base + n * vs_st, vp_ptr,
-                                     vp_base + n * vp_st, n < end, VW, D, D_B, VG, V_SYM)  # fmt: skip
-            m_i, l_i, acc = _attend(q, k_raw, k_s, k_z, v_raw, v_s, v_z, n < end, m_i, l_i, acc, qk_scale,
-                                    KW, VW, D_B, KG, VG, INPUT_PRECISION)  # fmt: skip
-
+    m_i, l_i, acc = _split_tiles(q, m_i, l_i, acc, start, end, qk_scale, kp_ptr, kp_base, kp_st, ks_ptr,
+                                 kz_ptr, ks_base, ks_st, vp_ptr, vp_base, vp_st, vs_ptr, vz_ptr, vs_base,
+                                 vs_st, KW, VW, D, D_B, KG, VG, K_SYM, V_SYM, BLOCK_N, INPUT_PRECISION,
+                                 PREFETCH)  # fmt: skip
     if HAS_EXTRA:
         x_end = tl.where(sp == num_splits, Tx, 0)
-        for n0 in range(0, x_end, BLOCK_N):
-            n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
-            mask_n = n < x_end
-            xm = mask_n & (d[None, :] < D)
-            k = tl.load(kx_ptr + b64 * kx_sb + h * kx_sh + n * kx_st + d[None, :], mask=xm, other=0.0)
-            v = tl.load(vx_ptr + b64 * vx_sb + h * vx_sh + n * vx_st + d[None, :], mask=xm, other=0.0)
-            p, m_i, alpha = _scores(q, k.to(q.dtype), tl.trans(mask_n), m_i, qk_scale, INPUT_PRECISION)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=INPUT_PRECISION)
-
-    # partials: m, l (B, Hq, S); o (B, Hq, S, D_B), S = num_splits + HAS_EXTRA, all contiguous. A split past
-    # the stored tokens writes m = -inf, l = 0, o = 0, which the combine weighs 0.
-    S = num_splits + HAS_EXTRA
-    row = (b64 * HKV * QG + h * QG + i) * S + sp  # (QG_B,)
-    tl.store(m_ptr + row, m_i, mask=i < QG)
-    tl.store(l_ptr + row, l_i, mask=i < QG)
-    tl.store(o_ptr + row[:, None] * D_B + d[None, :], acc, mask=i[:, None] < QG)
+        m_i, l_i, acc = _extra_tiles(q, m_i, l_i, acc, x_end, b64, h, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr,
+                                     vx_sb, vx_sh, vx_st, qk_scale, D, BLOCK_N, INPUT_PRECISION)  # fmt: skip
+    _store_split(m_ptr, l_ptr, o_ptr, m_i, l_i, acc, b64, h, sp, num_splits + HAS_EXTRA, HKV, QG)
 
 
 @triton.jit
@@ -947,6 +946,28 @@ def decode_attention(
     Returns out (B, Hq, D). The matmuls run in q's dtype (fp32: IEEE, no TF32), accumulation in fp32.
     """
     B, Hq, D = q.shape
+    has_extra, span = _check_inputs(q, k_store, v_store, k_extra, v_extra, length)
+    map_plan = _store_map_plan(k_store, v_store, q.device, q.dtype)
+    plans, splits = _split_plans(map_plan, k_store, span, block_n, q.device, num_splits)
+    n_cols = splits + int(has_extra)
+    workspace = _workspace(q.device, B, Hq, n_cols, next_power_of_2(D))
+    options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
+    given = tuple((k, v) for k, v in options if v is not None)
+    shared = _stage1_args(q, k_store, v_store, (k_extra, v_extra) if has_extra else None, length, workspace)
+    qk_scale = sm_scale * LOG2E  # scores in log2 units
+    launches = _stage1_launches(q, k_store, v_store, map_plan, plans, shared, length, qk_scale, splits, given)
+    _run_launches(launches, q)
+    if out is None:
+        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
+    assert out.shape == (B, Hq, D) and out.stride(-1) == 1
+    _combine(workspace, out)
+    return out
+
+
+def _check_inputs(q, k_store, v_store, k_extra, v_extra, length) -> tuple[bool, int]:
+    """decode_attention's arguments checked against each other -> (whether there is an extra segment, the
+    token range the splits cover: the stored tokens, or the whole capacity when L is read on the device)."""
+    B, Hq, D = q.shape
     Hkv = len(k_store.bits)
     assert len(v_store.bits) == Hkv and Hq % Hkv == 0, (Hq, k_store.bits, v_store.bits)
     assert v_store.length == k_store.length and k_store.head_dim == v_store.head_dim == D
@@ -960,47 +981,61 @@ def decode_attention(
     if has_extra:
         assert k_extra.shape == v_extra.shape and k_extra.shape[:2] == (B, Hkv) and k_extra.shape[3] == D
         assert k_extra.stride(-1) == 1 and v_extra.stride(-1) == 1
-    # The token range the splits cover: the stored tokens, or the whole capacity when L is read on the device.
     span = k_store.length if length is None else min(k_store.capacity, v_store.capacity)
     if span == 0 and not has_extra:
         raise ValueError("nothing to attend to: the stores are empty and there is no extra segment")
+    return has_extra, span
 
-    d_b = next_power_of_2(D)
-    qg = Hq // Hkv
-    map_plan = _store_map_plan(k_store, v_store, q.device, q.dtype)
-    buckets, fast, fast_pairs, fast_heads, starts = map_plan
-    plans, splits = _split_plans(map_plan, k_store, span, block_n, q.device, num_splits)
-    n_cols = splits + int(has_extra)
 
-    m_part, l_part, o_part = _workspace(q.device, B, Hq, n_cols, d_b)
-    kx, vx = (k_extra, v_extra) if has_extra else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
-    options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
-    given = tuple((k, v) for k, v in options if v is not None)
-    extra = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if has_extra else 0]
+def _stage1_args(q, k_store, v_store, extra, length, workspace: tuple) -> tuple[list, list, tuple]:
+    """What every stage-1 launch of a call takes: (the extra segments' arguments, from `extra` (k_extra,
+    v_extra) or placeholders; the partials' (the workspace and L_arg); the compile-time constants as (name,
+    value) pairs)."""
+    Hq, D = q.shape[1:]
+    Hkv, d_b = len(k_store.bits), workspace[2].shape[3]
+    kx, vx = extra if extra is not None else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
+    extra_args = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if extra is not None else 0]
     # L_arg is 0 where the kernel reads the length (a replayed launch must not change with the host's)
-    partials = [m_part, l_part, o_part, k_store.length if length is None else 0]
-    common = (("HKV", Hkv), ("QG", qg), ("D", D), ("D_B", d_b), ("KG", _kernel_group(k_store, d_b)),
+    partials = [*workspace, k_store.length if length is None else 0]
+    common = (("HKV", Hkv), ("QG", Hq // Hkv), ("D", D), ("D_B", d_b), ("KG", _kernel_group(k_store, d_b)),
               ("VG", _kernel_group(v_store, d_b)), ("K_SYM", k_store.symmetric), ("V_SYM", v_store.symmetric),
-              ("HAS_EXTRA", has_extra), ("L_FROM_PTR", length is not None))  # fmt: skip
-    launches = []  # (kernel, grid, arguments, keyword arguments): every fast bucket in one, a generic one each
+              ("HAS_EXTRA", extra is not None), ("L_FROM_PTR", length is not None))  # fmt: skip
+    return extra_args, partials, common
+
+
+def _stage1_launches(q, k_store, v_store, map_plan, plans, shared, length, qk_scale: float, splits: int,
+                     given: tuple) -> list:  # fmt: skip
+    """(kernel, grid, arguments, keyword arguments) of every stage-1 launch: every fast bucket in one launch
+    of _decode_packed_kernel, each other bucket in one of _decode_split_kernel. shared: _stage1_args'."""
+    B, Hq, D = q.shape
+    buckets, fast, fast_pairs, fast_heads, starts = map_plan
+    extra, partials, common = shared
+    n_cols, qg = partials[0].shape[2], dict(common)["QG"]
+    launches = []
     if fast_pairs:
         chunks = tuple(chunk for (_, chunk), f in zip(plans, fast) if f)
         tiles = tuple(tile for (tile, _), f in zip(plans, fast) if f)
         args = [q, q.stride(0), q.stride(1), *_packed_args(k_store, tuple(kw for kw, _ in fast_pairs)),
                 *_packed_args(v_store, tuple(vw for _, vw in fast_pairs)), *extra, fast_heads, starts, chunks,
-                *partials, fast_heads if length is None else length, sm_scale * LOG2E, splits]  # fmt: skip
+                *partials, fast_heads if length is None else length, qk_scale, splits]  # fmt: skip
         launches.append((_decode_packed_kernel, (B * starts[-1], n_cols), args,
                          _fast_constants(fast_pairs, starts[-1], qg, tiles, D, given, common,
                                          os.environ.get("TRITON_INTERPRET") != "1")))  # fmt: skip
     for (kw, vw, heads), (tile, chunk), f in zip(buckets, plans, fast):
         if not f:
             args = [q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra,
-                    heads, *partials, heads if length is None else length, chunk, sm_scale * LOG2E, splits]  # fmt: skip
+                    heads, *partials, heads if length is None else length, chunk, qk_scale, splits]  # fmt: skip
             kwargs = dict(NH=len(heads), KW=kw, VW=vw, BLOCK_N=tile,
                           QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows
                           INPUT_PRECISION="ieee" if q.dtype == torch.float32 else None,
                           PREFETCH=(kw, vw) != (16, 16), **dict(common), **_launch_options(D, (), given)[0])  # fmt: skip
             launches.append((_decode_split_kernel, (B * len(heads), n_cols), args, kwargs))
+    return launches
+
+
+def _run_launches(launches: list, q: torch.Tensor) -> None:
+    """Run the stage-1 launches: in turn, or concurrently while a CUDA graph captures them
+    (CONCURRENT_BUCKETS)."""
     concurrent = (
         CONCURRENT_BUCKETS and len(launches) > 1 and q.is_cuda and torch.cuda.is_current_stream_capturing()
     )
@@ -1021,9 +1056,13 @@ def decode_attention(
             for side, done in sides:
                 done.record(side)
                 main.wait_event(done)
-    if out is None:
-        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
-    assert out.shape == (B, Hq, D) and out.stride(-1) == 1
+
+
+def _combine(workspace: tuple, out: torch.Tensor) -> None:
+    """Stage 2: merge the split partials of `workspace` (_workspace's) into out (B, Hq, D)."""
+    m_part, l_part, o_part = workspace
+    B, Hq, D = out.shape
+    n_cols, d_b = o_part.shape[2:]
     _combine_kernel[(B * Hq,)](
         m_part,
         l_part,
@@ -1038,4 +1077,3 @@ def decode_attention(
         D=D,
         D_B=d_b,
     )
-    return out

@@ -53,6 +53,57 @@ def _store_packed3(codes, out_ptrs_row, mask_t, D: tl.constexpr, D_B: tl.constex
 
 
 @triton.jit
+def _store_codes(codes, prow, pmask, W: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr):
+    """Pack int32 codes (BLOCK_T, D_B) at W in {2, 3, 4, 8} and store each token's packed row: prow
+    (BLOCK_T, 1) points at byte 0 of the rows, pmask (BLOCK_T, 1) says which tokens are written."""
+    if W == 8:
+        d = tl.arange(0, D_B)
+        tl.store(prow + d[None, :], codes.to(tl.uint8), mask=pmask & (d[None, :] < D))
+    elif W == 3:
+        _store_packed3(codes, prow, pmask, D, D_B)
+    else:
+        _store_packed(codes, prow, pmask, D, D_B, W)
+
+
+@triton.jit
+def _sym_codes(x, mask3, W: tl.constexpr):
+    """Symmetric (absmax) quantization of x (BLOCK_T, NG_B, G) float32 per group: (fp16 scales
+    (BLOCK_T, NG_B), float codes of x's shape in [1, 2**W - 1]: q + 2**(W-1) for q in
+    [-(2**(W-1) - 1), 2**(W-1) - 1])."""
+    qmax: tl.constexpr = (1 << (W - 1)) - 1
+    amax = tl.max(tl.where(mask3, tl.abs(x), 0.0), axis=2)  # (BLOCK_T, NG_B)
+    scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)).to(tl.float16)
+    s = scale.to(tl.float32)[:, :, None]
+    safe = tl.where(s == 0.0, 1.0, s)
+    q = tl.floor(tl.math.div_rn(x, safe) + 0.5)
+    q = tl.minimum(tl.maximum(q, -qmax), qmax)
+    q = tl.where(s == 0.0, 0.0, q) + (qmax + 1.0)
+    return scale, q
+
+
+@triton.jit
+def _asym_codes(x, mask3, valid, W: tl.constexpr):
+    """Asymmetric (min/max) quantization of x (BLOCK_T, NG_B, G) float32 per group: (fp16 scales and zeros
+    (BLOCK_T, NG_B), float codes of x's shape in [0, 2**W - 1]). valid (BLOCK_T, NG_B): the groups of stored
+    tokens within D."""
+    qmax: tl.constexpr = (1 << W) - 1
+    # Padding lanes (tokens >= Tn, groups past D) get lo = hi = 0 so no inf - inf arithmetic happens.
+    lo = tl.min(tl.where(mask3, x, float("inf")), axis=2)
+    hi = tl.max(tl.where(mask3, x, float("-inf")), axis=2)
+    lo = tl.where(valid, lo, 0.0)
+    hi = tl.where(valid, hi, 0.0)
+    scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, qmax, tl.float32)).to(tl.float16)
+    zero = lo.to(tl.float16)
+    s = scale.to(tl.float32)[:, :, None]
+    z = zero.to(tl.float32)[:, :, None]
+    safe = tl.where(s == 0.0, 1.0, s)
+    q = tl.floor(tl.math.div_rn(x - z, safe) + 0.5)
+    q = tl.minimum(tl.maximum(q, 0.0), qmax)
+    q = tl.where(s == 0.0, 0.0, q)
+    return scale, zero, q
+
+
+@triton.jit
 def _quantize_head(
     x_ptr,
     stride_xb,
@@ -109,30 +160,9 @@ def _quantize_head(
     else:
         x = tl.minimum(tl.maximum(x_raw.to(tl.float32), -FP16_MAX), FP16_MAX)
         if SYM:
-            qmax: tl.constexpr = (1 << (W - 1)) - 1
-            amax = tl.max(tl.where(mask3, tl.abs(x), 0.0), axis=2)  # (BLOCK_T, NG_B)
-            scale = tl.math.div_rn(amax, tl.full(amax.shape, qmax, tl.float32)).to(tl.float16)
-            s = scale.to(tl.float32)[:, :, None]
-            safe = tl.where(s == 0.0, 1.0, s)
-            q = tl.floor(tl.math.div_rn(x, safe) + 0.5)
-            q = tl.minimum(tl.maximum(q, -qmax), qmax)
-            q = tl.where(s == 0.0, 0.0, q) + (qmax + 1.0)
+            scale, q = _sym_codes(x, mask3, W)
         else:
-            qmax: tl.constexpr = (1 << W) - 1
-            # Padding lanes (tokens >= Tn, groups past D) get lo = hi = 0 so no inf - inf arithmetic happens.
-            lo = tl.min(tl.where(mask3, x, float("inf")), axis=2)
-            hi = tl.max(tl.where(mask3, x, float("-inf")), axis=2)
-            valid = mask_t[:, None] & (grp[None, :] < NG)
-            lo = tl.where(valid, lo, 0.0)
-            hi = tl.where(valid, hi, 0.0)
-            scale = tl.math.div_rn(hi - lo, tl.full(lo.shape, qmax, tl.float32)).to(tl.float16)
-            zero = lo.to(tl.float16)
-            s = scale.to(tl.float32)[:, :, None]
-            z = zero.to(tl.float32)[:, :, None]
-            safe = tl.where(s == 0.0, 1.0, s)
-            q = tl.floor(tl.math.div_rn(x - z, safe) + 0.5)
-            q = tl.minimum(tl.maximum(q, 0.0), qmax)
-            q = tl.where(s == 0.0, 0.0, q)
+            scale, zero, q = _asym_codes(x, mask3, mask_t[:, None] & (grp[None, :] < NG), W)
         codes = tl.reshape(tl.where(mask3, q, 0.0).to(tl.int32), (BLOCK_T, D_B))
 
         soff = bj * cap * NG + row[:, None] * NG + grp[None, :]
@@ -140,16 +170,8 @@ def _quantize_head(
         tl.store(scale_ptr + soff, scale, mask=smask)
         if not SYM:
             tl.store(zero_ptr + soff, zero, mask=smask)
-
         prow = orow + row[:, None] * ROW  # (BLOCK_T, 1): byte 0 of each token's packed row
-        pmask = mask_t[:, None]
-        if W == 8:
-            d = tl.arange(0, D_B)
-            tl.store(prow + d[None, :], codes.to(tl.uint8), mask=pmask & (d[None, :] < D))
-        elif W == 3:
-            _store_packed3(codes, prow, pmask, D, D_B)
-        else:
-            _store_packed(codes, prow, pmask, D, D_B, W)
+        _store_codes(codes, prow, mask_t[:, None], W, D, D_B)
 
 
 @triton.jit

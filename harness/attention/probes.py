@@ -4,9 +4,9 @@
   its probabilities (B, Hq, T, T) handed to the state's `record(layer, weights)` and then discarded, layer by
   layer. In a bfloat16 model the queries, keys, values and additive mask are upcast first (no-ops in float32),
   and the output is rounded back to the model's dtype for the layers after it.
-- SENSITIVITY_PROBE ("harness_sensitivity_probe"; harness/sensitivity.py): the module's own eager attention,
-  which the state's `record(layer, attend, query, key, value)` calls on the real K/V and on quantized ones; its
-  return value is the layer's output.
+- SENSITIVITY_PROBE ("harness_sensitivity_probe"; harness/sensitivity/proxy.py): the module's own eager
+  attention, which the state's `record(layer, attend, query, key, value)` calls on the real K/V and on
+  quantized ones; its return value is the layer's output.
 Both use the eager mask, so masks, sliding windows and softcapping are the model's.
 """
 

@@ -1,8 +1,9 @@
 """`sensitivity` and `layerwise`: widths from measured errors (DESIGN.md 3.6), by a greedy within the budget.
 
-harness/sensitivity.py measures each head's attention-output error at each quantized width (`head_errors` reads
-that table). Every non-sink head starts at the smallest width; then the promotion with the largest error
-reduction per extra bit that the budget still allows, until none fits (harness.policies.budget.greedy).
+harness/sensitivity/proxy.py measures each head's attention-output error at each quantized width
+(`head_errors` reads that table). Every non-sink head starts at the smallest width; then the promotion with the
+largest error reduction per extra bit that the budget still allows, until none fits
+(harness.policies.budget.greedy).
 `layerwise` does the same with one width per layer, on the layer's summed error. 16 is a candidate width only
 when `widths` lists it; the entropy table still decides which heads are cached and which are sinks (no sink
 rule by default). alpha is unused.

@@ -206,25 +206,39 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> str:
     return f"{((got.float() - want.float()).norm() / want.float().norm()).item():.2e}"
 
 
+def io_bytes(shape: dict) -> tuple[int, int]:
+    """(bytes of q read and the output written, bytes of 16-bit K and V) of one decode call at `shape`."""
+    B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
+    return 2 * B * hq * D * 2, 2 * B * hkv * L * D * 2
+
+
 def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
     """Every method at one (head shape, batch, context); out-of-memory shapes are noted and skipped."""
-    from kernels import reference
-    from kernels.decode_attention import decode_attention, plan_splits
-
     B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
-    dev, g, scale = run.device, args.group_size, D**-0.5
-    headline_cfg = shape["config"] == HEADLINE["config"]
-    qkv_bytes = 2 * B * hq * D * 2  # q read, out written
-    kv_bytes = 2 * B * hkv * L * D * 2
+    scale = D**-0.5
     try:
-        q = torch.randn(B, hq, D, dtype=run.dtype, device=dev)
-        k = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
-        v = torch.randn(B, hkv, L, D, dtype=run.dtype, device=dev)
+        q = torch.randn(B, hq, D, dtype=run.dtype, device=run.device)
+        k = torch.randn(B, hkv, L, D, dtype=run.dtype, device=run.device)
+        v = torch.randn(B, hkv, L, D, dtype=run.dtype, device=run.device)
     except torch.OutOfMemoryError:
-        run.add(shape, "sdpa_default", "16", 16, None, kv_bytes, note="oom")
+        run.add(shape, "sdpa_default", "16", 16, None, io_bytes(shape)[1], note="oom")
         return
+    bench_sdpa(run, shape, q, k, v, scale, flex, args.dry_run)
+    bench_fp8(run, shape, q, k, v, scale)
+    if shape["config"] == HEADLINE["config"]:
+        step_16bit(run, shape, q, k, v, scale)
+    for name, bits in list(maps.items()):
+        if run.out_of_time():
+            return
+        bench_map(run, shape, name, bits, q, k, v, args)
+
+
+def bench_sdpa(run: Bench, shape: dict, q, k, v, scale: float, flex, dry_run: bool) -> None:
+    """The 16-bit baselines: SDPA with each backend that takes the shape, torch's default backend (named in
+    the note) and, at the headline head shape and batch, FlexAttention."""
     from torch.nn.attention import SDPBackend
 
+    qkv_bytes, kv_bytes = io_bytes(shape)
     for name, backend in SDPA_BACKENDS.items():
         try:
             sdpa(q, k, v, scale, getattr(SDPBackend, backend))
@@ -248,7 +262,8 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
         kv_bytes + qkv_bytes,
         note=picked,
     )
-    if flex is not None and headline_cfg and (shape["batch"] == HEADLINE["batch"] or args.dry_run):
+    headline_cfg = shape["config"] == HEADLINE["config"]
+    if flex is not None and headline_cfg and (shape["batch"] == HEADLINE["batch"] or dry_run):
         try:
             run.add(
                 shape,
@@ -261,7 +276,13 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
         except Exception as err:  # noqa: BLE001 - a compile failure is a result to report, not a crash
             run.add(shape, "flex_decode", "16", 16, None, kv_bytes, note=f"failed: {type(err).__name__}")
 
-    # fp8 (e4m3, per-token scale) K/V: dequantize to bf16, then the default SDPA.
+
+def bench_fp8(run: Bench, shape: dict, q, k, v, scale: float) -> None:
+    """fp8 (e4m3, per-token scale) K/V: dequantize to bf16, then the default SDPA."""
+    from kernels import reference
+
+    B, hkv, L, D = k.shape  # (B, Hkv, L, D)
+    qkv_bytes, kv_bytes = io_bytes(shape)
     try:
         kp, ks, _ = reference.fp8_quantize_dequantize(k, run.dtype)
         vp, vs, _ = reference.fp8_quantize_dequantize(v, run.dtype)
@@ -272,57 +293,61 @@ def bench_shape(run: Bench, shape: dict, maps: dict, args, flex) -> None:
     except torch.OutOfMemoryError:
         run.add(shape, "fp8_dequant_sdpa", "fp8", 8, None, kv_bytes, note="oom")
 
-    if headline_cfg:
-        step_16bit(run, shape, q, k, v, scale)
-    for name, bits in list(maps.items()):
-        if run.out_of_time():
-            return
-        t, mean = tag(name, bits), sum(bits) / len(bits)
+
+def bench_map(run: Bench, shape: dict, name: str, bits: list[int], q, k, v, args) -> None:
+    """The fused kernel over stores of one width map; at the headline head shape also the torch path
+    (dequant_sdpa), a whole decode step and, at 2, 3 and 4 bits at the headline batch and context, the tuning
+    grid."""
+    from kernels.decode_attention import decode_attention, plan_splits
+
+    B, hq, D, L = (shape[x] for x in ("batch", "hq", "head_dim", "context"))
+    scale, headline_cfg = D**-0.5, shape["config"] == HEADLINE["config"]
+    qkv_bytes, kv_bytes = io_bytes(shape)
+    t, mean = tag(name, bits), sum(bits) / len(bits)
+    try:
+        kst, vst = fill(bits, k, args.group_size), fill(bits, v, args.group_size)
+    except torch.OutOfMemoryError:
+        run.add(shape, "fused", t, mean, None, 0, note="oom")
+        return
+    splits = plan_splits(kst, vst, L, 32, run.device)[2]
+    fetched = kst.nbytes() + vst.nbytes() + qkv_bytes + partial_bytes(B, hq, splits, D)
+    # Against SDPA over the dequantized stores (a guard against timing a broken kernel), where it fits.
+    err = (
+        rel_err(decode_attention(q, kst, vst, scale), dequant_sdpa(q, kst, vst, scale))
+        if B * L <= 8 * 32768
+        else ""
+    )
+    ms = run.time_ms(partial(decode_attention, q, kst, vst, scale))
+    run.add(shape, "fused", t, mean, ms, fetched, rel_err=err, note=f"splits={splits}")
+    if headline_cfg and name != "16":
+        deq_bytes = kst.nbytes() + vst.nbytes() + 2 * kv_bytes + qkv_bytes
         try:
-            kst, vst = fill(bits, k, g), fill(bits, v, g)
-        except torch.OutOfMemoryError:
-            run.add(shape, "fused", t, mean, None, 0, note="oom")
-            continue
-        splits = plan_splits(kst, vst, L, 32, dev)[2]
-        fetched = kst.nbytes() + vst.nbytes() + qkv_bytes + partial_bytes(B, hq, splits, D)
-        # Against SDPA over the dequantized stores (a guard against timing a broken kernel), where it fits.
-        err = (
-            rel_err(decode_attention(q, kst, vst, scale), dequant_sdpa(q, kst, vst, scale))
-            if B * L <= 8 * 32768
-            else ""
-        )
-        ms = run.time_ms(partial(decode_attention, q, kst, vst, scale))
-        run.add(shape, "fused", t, mean, ms, fetched, rel_err=err, note=f"splits={splits}")
-        if headline_cfg and name != "16":
-            deq_bytes = kst.nbytes() + vst.nbytes() + 2 * kv_bytes + qkv_bytes
-            try:
-                run.add(
-                    shape,
-                    "dequant_sdpa",
-                    t,
-                    mean,
-                    run.time_ms(partial(dequant_sdpa, q, kst, vst, scale)),
-                    deq_bytes,
-                )
-            except torch.OutOfMemoryError:
-                run.add(shape, "dequant_sdpa", t, mean, None, deq_bytes, note="oom")
-        if headline_cfg:
-            step_fused(run, shape, t, mean, q, kst, vst, k, v, scale, fetched)
-        at_headline = args.dry_run or all(shape[x] == HEADLINE[x] for x in ("batch", "context"))
-        if headline_cfg and name in ("2", "3", "4") and at_headline:
-            tune(
-                run,
+            run.add(
                 shape,
+                "dequant_sdpa",
                 t,
                 mean,
-                q,
-                kst,
-                vst,
-                scale,
-                fetched - partial_bytes(B, hq, splits, D),
-                args.dry_run,
+                run.time_ms(partial(dequant_sdpa, q, kst, vst, scale)),
+                deq_bytes,
             )
-        del kst, vst
+        except torch.OutOfMemoryError:
+            run.add(shape, "dequant_sdpa", t, mean, None, deq_bytes, note="oom")
+    if headline_cfg:
+        step_fused(run, shape, t, mean, q, kst, vst, k, v, scale, fetched)
+    at_headline = args.dry_run or all(shape[x] == HEADLINE[x] for x in ("batch", "context"))
+    if headline_cfg and name in ("2", "3", "4") and at_headline:
+        tune(
+            run,
+            shape,
+            t,
+            mean,
+            q,
+            kst,
+            vst,
+            scale,
+            fetched - partial_bytes(B, hq, splits, D),
+            args.dry_run,
+        )
 
 
 def step_fused(run: Bench, shape, t, mean, q, kst, vst, k, v, scale, attn_bytes) -> None:

@@ -67,26 +67,14 @@ GPU_TEST_FILES = (
 TARGETS = {"speedup_4bit": 2.5, "frac_bw_4bit": 0.60, "speedup_2bit": 4.0, "mixed_vs_uniform": 1.10}
 
 
-def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]]:
-    py = sys.executable
+def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
+    """The arguments of the stages that run otherwise in a dry run (tiny sizes on CPU under the interpreter)
+    than on a GPU: bench, e2e, runner, tests and ab."""
     if dry:
         bench = ["--dry-run", "--configs", "32x8", "--batch", "2", "--context", "40", "--widths", "2", "mixed",
                  "--quantize-tokens", "8"]  # fmt: skip
-        e2e = [
-            "--dry-run",
-            "--context",
-            "20",
-            "--batch",
-            "2",
-            "--new-tokens",
-            "3",
-            "--chunk",
-            "8",
-            "--caches",
-            "dynamic",
-            "mixed",
-            "mixed-graph",
-        ]
+        e2e = ["--dry-run", "--context", "20", "--batch", "2", "--new-tokens", "3", "--chunk", "8",
+               "--caches", "dynamic", "mixed", "mixed-graph"]  # fmt: skip
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
         tests = ["tests/kernels/test_triton_kernels.py"]
         ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16"]
@@ -95,19 +83,16 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
         # four test processes: most of the stage is Triton compiling kernels, on the CPU
         bench, tests = [], ["-n", "4", *GPU_TEST_FILES]
         # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt; not the graph replays)
-        e2e = [
-            "--caches",
-            "dynamic",
-            "4",
-            "4-graph",
-            "mixed-graph",
-            "mixed",
-            "--new-tokens",
-            "24",
-            "--profile",
-            "3",
-        ]
+        e2e = ["--caches", "dynamic", "4", "4-graph", "mixed-graph", "mixed", "--new-tokens", "24",
+               "--profile", "3"]  # fmt: skip
         ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3"]
+    return {"bench": bench, "e2e": e2e, "runner": runner, "tests": tests, "ab": ab}
+
+
+def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]]:
+    """Each stage's command line, writing into `folder`, for a dry run or a GPU run with `budget`'s limits."""
+    py = sys.executable
+    args = stage_arguments(dry, budget)
     return {
         "install": [
             py,
@@ -136,7 +121,7 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
             "no:cacheprovider",
             "--junitxml",
             str(folder / "tests.xml"),
-            *tests,
+            *args["tests"],
         ],
         "bench": [
             py,
@@ -146,7 +131,7 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
             str(folder),
             "--time-budget",
             str(max(budget["bench"] - 45, budget["bench"] // 2)),  # the rest: plot, quantize bench
-            *bench,
+            *args["bench"],
         ],
         "ab": [
             py,
@@ -155,11 +140,11 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
             *map(str, ab_versions(folder, dry)),
             "--out",
             str(folder / "ab.csv"),
-            *ab,
+            *args["ab"],
         ],
         "ncu": [py, "-m", "kernels.gpu.ncu", "--widths", "4", "2", "8", "--out", str(folder)],
-        "e2e": [py, "-m", "kernels.gpu.e2e", "--out", str(folder), *e2e],
-        "runner": [py, "-m", "kernels.gpu.runner_check", "--out", str(folder / "runner"), *runner],
+        "e2e": [py, "-m", "kernels.gpu.e2e", "--out", str(folder), *args["e2e"]],
+        "runner": [py, "-m", "kernels.gpu.runner_check", "--out", str(folder / "runner"), *args["runner"]],
     }
 
 

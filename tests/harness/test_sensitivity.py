@@ -245,7 +245,7 @@ def test_disk_cache_returns_the_same_table(tmp_path, monkeypatch, packed):
     packed(model)  # quantized caches are attended from their packed form
     ids, scheme = torch.randint(0, 256, (2, 33)), get_scheme("asym_token", 32)
     first = cached_sensitivity(model, "tiny-llama", ids, scheme, (2, 4))
-    monkeypatch.setattr(sensitivity, "head_sensitivity", lambda *a, **k: pytest.fail("measured again"))
+    monkeypatch.setattr(sensitivity.proxy, "head_sensitivity", lambda *a, **k: pytest.fail("measured again"))
     again = cached_sensitivity(model, "tiny-llama", ids, scheme, (4, 16, 2))  # same quantized widths
     pd.testing.assert_frame_equal(first, again)
     assert again.attrs == {"num_layers": 3, "num_kv_heads": 3}

@@ -1,0 +1,33 @@
+"""The measured tables a policy may declare (`Policy.measurement`), by name, under one signature."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from harness.schemes import Scheme
+from harness.sensitivity.proxy import cached_sensitivity
+from harness.sensitivity.unit_kl import cached_unit_kl
+
+
+def _proxy(
+    model,
+    model_name: str,
+    calib_ids: torch.Tensor,
+    scheme: Scheme,
+    widths: Sequence[int],
+    chunk: int,
+    source: str | None = None,
+):
+    """cached_sensitivity under the measurements' common signature (one forward pass: no chunks)."""
+    return cached_sensitivity(model, model_name, calib_ids, scheme, widths, source)
+
+
+# The tables a policy may declare (Policy.measurement): name -> f(model, model name, calibration ids (C, T),
+# scheme, widths, chunk[, key_calibration=][, source=]) -> the table, measured once and cached on disk (source:
+# the calibration source the ids were cut from, harness.calibrate.disk.source_identity).
+MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
+# Those that measure through caches, and so take a scheme's fitted parts (key_calibration=: calkey, pca, ...); the
+# proxy stores each head through the scheme alone, without them.
+READS_KEY_TABLES = frozenset({"unit_kl"})
