@@ -3,8 +3,9 @@
 
 Bit k of a row is bit k - start[c] of code c, start[c] the sum of the widths before c; byte j holds bits
 8 j .. 8 j + 7, bit 8 j + i at value 2**i. With every width equal to b in (2, 3, 4, 8) a row is exactly
-kernels.reference.pack's (code j at bits [b j, b j + b)). A width of 0 stores nothing (its code is 0). Every head of
-a layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
+kernels.reference.pack's (code j at bits [b j, b j + b)), and `pack`/`unpack` take that path (`Layout.width`):
+the bit-by-bit gather is for rows of mixed widths. A width of 0 stores nothing (its code is 0). Every head of a
+layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import reference
+
 MAX_WIDTH = 8
+REFERENCE_WIDTHS = (2, 3, 4, 8)  # one width for every element: kernels.reference's rows
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +31,14 @@ class Layout:
     @property
     def bits(self) -> int:
         return self.element.shape[1]
+
+    @property
+    def width(self) -> int | None:
+        """The one width of every element of every head where it is one of REFERENCE_WIDTHS, else None."""
+        if not self.widths.numel():
+            return None
+        w = int(self.widths.flatten()[0])
+        return w if w in REFERENCE_WIDTHS and bool((self.widths == w).all()) else None
 
     @property
     def nbytes(self) -> int:
@@ -57,6 +69,13 @@ def layout(widths: torch.Tensor) -> Layout:
 
 def pack(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
     """codes (B, H, T, D) (integers in [0, 2**width)) -> uint8 (B, H, T, lay.nbytes)."""
+    if lay.width is not None:
+        return reference.pack(codes, lay.width)
+    return pack_bits(codes, lay)
+
+
+def pack_bits(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """pack, bit by bit through the layout's gather (any widths)."""
     B, H, T, _ = codes.shape
     element = lay.element[None, :, None].expand(B, H, T, -1)  # (B, H, T, bits)
     bits = (codes.long().gather(-1, element) >> lay.bit[None, :, None]) & 1
@@ -66,6 +85,13 @@ def pack(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
     """uint8 (B, H, T, lay.nbytes) -> codes (B, H, T, D) int64 (0 where a width is 0)."""
+    if lay.width is not None:
+        return reference.unpack(packed, lay.width, lay.widths.shape[1]).long()
+    return unpack_bits(packed, lay)
+
+
+def unpack_bits(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """unpack, bit by bit through the layout's scatter (any widths)."""
     B, H, T, _ = packed.shape
     bits = (packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1  # (B, H, T, nbytes, 8)
     values = bits.view(B, H, T, -1) << lay.bit[None, :, None]  # (B, H, T, bits)

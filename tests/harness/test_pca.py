@@ -150,8 +150,11 @@ def oracle(
 def test_uniform_rows_are_kernels_reference_packing(bits):
     codes = torch.randint(0, 1 << bits, (2, 3, 5, 64))
     lay = bitstream.layout(torch.full((3, 64), bits))
-    packed = bitstream.pack(codes, lay)
+    assert lay.width == bits
+    packed = bitstream.pack_bits(codes, lay)  # the general path gives the reference's rows
     assert torch.equal(packed, reference.pack(codes.to(torch.uint8), bits))
+    assert torch.equal(bitstream.unpack_bits(packed, lay), codes)
+    assert torch.equal(bitstream.pack(codes, lay), packed)  # and so does the path through the reference
     assert torch.equal(bitstream.unpack(packed, lay), codes)
 
 
