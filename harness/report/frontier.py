@@ -72,6 +72,7 @@ FUSED_STEPS = (
     ("every component at the unit's width (no plan), after RoPE", "pca_post_ug", "pca_post_uf"),
     ("every component at the unit's width (no plan), block frame", "pca_block_ug", "pca_block_uf"),
     ("today's kernel's format with pca's transform (pca_post_uf) against pca", "pca", "pca_post_uf"),
+    ("blocks of 32 tokens instead of 128 (flat, evenly spaced)", "pca_block_uf", "pca_block32_uf"),
 )
 FUSED_INGREDIENTS = tuple(
     (

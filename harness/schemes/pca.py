@@ -318,6 +318,18 @@ class PcaBlockUniformFlat(Pca):
 
 @register
 @dataclass(frozen=True)
+class PcaBlock32UniformFlat(Pca):
+    """pca_block_uf with blocks of 32 tokens (BLOCK_TOKENS // 4): keys nearer their pre-RoPE frame, four times the
+    queries a kernel turns."""
+
+    name: str = "pca_block32_uf"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(
+        key_frame=BLOCK, block=BLOCK_TOKENS // 4, levels=UNIFORM, group=0
+    )
+
+
+@register
+@dataclass(frozen=True)
 class PcaPostUniformGroups(Pca):
     """pca_post with evenly spaced levels and one width per group of 16 components, from GROUP_WIDTHS."""
 
