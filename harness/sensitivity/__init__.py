@@ -44,7 +44,7 @@ from harness import evaluate
 from harness.attention import SENSITIVITY_PROBE, installed
 from harness.calibrate.disk import disk_cached, model_identity, source_identity
 from harness.calibrate.windows import layer_types
-from harness.policies import quantized_widths
+from harness.policies import Policy, quantized_widths
 from harness.schemes import Scheme
 from harness.sensitivity.common import cache_shape, quantized_factory, spearman
 from harness.sensitivity.unit_kl import (
@@ -251,6 +251,17 @@ MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
 # proxy stores each head through the scheme alone, without them.
 READS_KEY_TABLES = frozenset({"unit_kl"})
 
+
+def check_reads_fitted(policy: Policy, scheme: Scheme) -> None:
+    """ValueError naming policy.name where `policy` measures its table without the fitted parts that `scheme`
+    reads (its measurement is not in READS_KEY_TABLES)."""
+    if scheme.key_tables and policy.measurement not in (None, *READS_KEY_TABLES):
+        raise ValueError(
+            f"policy.name: {policy.name} measures its table without fitted key tables, which quant.scheme "
+            f"{scheme.name} needs; allowed with {scheme.name}: measured, or a policy that measures nothing"
+        )
+
+
 __all__ = [
     "MEASUREMENTS",
     "READS_KEY_TABLES",
@@ -258,6 +269,7 @@ __all__ = [
     "allocation_kl",
     "cached_sensitivity",
     "cached_unit_kl",
+    "check_reads_fitted",
     "head_sensitivity",
     "measured_widths",
     "predicted_kl",
