@@ -204,9 +204,10 @@ def calibration(
 # ------------------------------------------------------------------------------------------------ allocate
 
 
-def make_policy(name: str = "entropy", **options) -> Policy:
+def make_policy(name: str = "entropy", scheme: str | Scheme | None = None, **options) -> Policy:
     """A registered allocation policy (harness.policies.POLICIES) with its options (alpha, widths, sink_threshold,
-    budget_unit, ... as in conf/policy); ValueError naming a bad one."""
+    budget_unit, ... as in conf/policy); ValueError naming a bad one. Without `widths` it may assign every width
+    `scheme` stores (Scheme.widths), or 2, 3, 4, 8 where no scheme is given."""
     if name not in POLICIES:
         raise ValueError(unknown_name_message("policy", name, POLICIES.names()))
     cls = POLICIES.get(name)
@@ -214,6 +215,8 @@ def make_policy(name: str = "entropy", **options) -> Policy:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"{unknown[0]}: not an option of policy {name}; allowed: {', '.join(known)}")
+    if scheme is not None and "widths" not in options:
+        options["widths"] = _as_scheme(scheme).widths
     try:
         return cls(**options)
     except ValueError as err:
@@ -249,8 +252,8 @@ def allocate(
     """Widths per (layer, KV head, K|V) for `model` under `budget`: bits per element, met in the true bytes of
     `scheme` (its byte model prices every head; budget_unit="bits" for equal mean bits instead).
 
-    `policy`: a registered name with its `options` (alpha, widths, sink_threshold, ...), or a Policy object (then
-    no options). A policy that allocates from measured errors measures
+    `policy`: a registered name with its `options` (alpha, widths, sink_threshold, ...; widths default to those
+    `scheme` stores), or a Policy object (then no options). A policy that allocates from measured errors measures
     them once on the calibration windows (cached on disk; `chunk`: teacher-forced chunk), through the parts the
     scheme fits there (Calibration.fitted; `span`: the key tables' positions). Returns an Allocation: key_bits and
     value_bits int64 [num_layers, num_kv_heads] (16: unquantized, 0: no cache), sinks bool, continuous float64
@@ -261,7 +264,7 @@ def allocate(
         if options:
             raise ValueError(f"{sorted(options)[0]}: a Policy object carries its options; leave it out")
     else:
-        policy = make_policy(policy, **options)
+        policy = make_policy(policy, scheme, **options)
     try:
         scheme.check_widths(policy.widths)
         policy.check_budget(budget)
