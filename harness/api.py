@@ -3,7 +3,7 @@
     model, tokenizer = load("smollm2-135m")        # a registry name, a local model folder, or a model object
     calibration = calibration(model, tokenizer)    # per-head attention entropy on calibration text, cached on disk
     allocation = allocate(model, calibration, budget=3, policy="entropy", scheme="asym_token")
-    cache = quantized_cache(model, allocation, "asym_token", calibration)
+    cache = quantized_cache(model, allocation, "asym_token", calibration)  # any registered scheme
     with packed_attention(model):                  # attend the packed form: memory saved
         out = model.generate(ids, past_key_values=cache, max_new_tokens=32)
 
@@ -28,8 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from harness import data
 from harness.attention import PACKED, installed
 from harness.cache import OUTSIDE_PACKED, QuantizedKVCache, check_backend_device, check_served
-from harness.calibrate import cached_head_entropies
-from harness.calibrate.keys import cached_key_calibration
+from harness.calibrate import cached_fit, cached_head_entropies
 from harness.capacity import element_price, shape_from_config
 from harness.models import (
     DOWNLOAD_FLAG,
@@ -45,10 +44,11 @@ from harness.models import (
 from harness.policies import POLICIES, Allocation, Policy
 from harness.precision import torch_dtype
 from harness.registry import unknown_name_message
-from harness.schemes import SCHEMES, KeyCalibration, Scheme, get_scheme
-from harness.sensitivity import MEASUREMENTS, READS_KEY_TABLES
+from harness.schemes import SCHEMES, FittedParts, Scheme, get_scheme
+from harness.sensitivity import MEASUREMENTS, READS_KEY_TABLES, check_reads_fitted
 
-KEY_SPAN = 1024  # positions [0, span) that fitted key tables cover by default (calkey, nuqkey)
+# the positions [0, span) that fitted key tables cover by default: every committed point's longest window
+KEY_SPAN = 1024
 # An option's config key less its group is its argument here (policy.budget -> budget; policy.name -> policy).
 _CONFIG_KEY = re.compile(r"^(?:policy|quant|model)\.\w+")
 _RENAMED = {"policy.name": "policy"}
@@ -160,7 +160,7 @@ def packed_attention(model) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What allocation and the fitted key tables read about a model, measured on calibration text.
+    """What allocation and every scheme's fitted parts read about a model, measured on calibration text.
 
     `name`: the model's name in the on-disk caches (its type and a digest of its weights); `ids`: the calibration
     windows, int64 (C, T); `entropy`: one row per (layer, query head) with H2, H1 (nats), kv_head, layer_type,
@@ -171,12 +171,14 @@ class Calibration:
     ids: torch.Tensor
     entropy: pd.DataFrame
 
-    def key_tables(self, model, span: int = KEY_SPAN, levels: str = "kmeans") -> KeyCalibration:
-        """The fitted key tables of calkey and nuqkey for positions [0, span), levels fitted as `levels`
-        (kmeans, fisher, fisher_sqrt); cached on disk."""
+    def fitted(self, model, scheme: str | Scheme, span: int = KEY_SPAN) -> FittedParts | None:
+        """The parts `scheme` reads, fitted on these windows as a sweep fits them (harness.calibrate.cached_fit,
+        cached on disk): calkey's and nuqkey's key tables for positions [0, span) with the scheme's key_levels,
+        pca's and vq's transforms, xlayer's predictors, cq's codebooks; None for a scheme that reads none."""
         if isinstance(span, bool) or not isinstance(span, int) or span < 1:
             raise ValueError(f"span: {span!r} is not a positive integer")
-        return cached_key_calibration(model, self.name, self.ids, span, levels)
+        scheme = _as_scheme(scheme)
+        return cached_fit(scheme, model, self.name, self.ids, span, scheme.key_levels)
 
 
 def weights_digest(model) -> str:
@@ -234,9 +236,10 @@ def calibration(
 # ------------------------------------------------------------------------------------------------ allocate
 
 
-def make_policy(name: str = "entropy", **options) -> Policy:
+def make_policy(name: str = "entropy", scheme: str | Scheme | None = None, **options) -> Policy:
     """A registered allocation policy (harness.policies.POLICIES) with its options (alpha, widths, sink_threshold,
-    budget_unit, ... as in conf/policy); ValueError naming a bad one."""
+    budget_unit, ... as in conf/policy); ValueError naming a bad one. Without `widths` it may assign every width
+    `scheme` stores (Scheme.widths), or 2, 3, 4, 8 where no scheme is given."""
     if name not in POLICIES:
         raise ValueError(unknown_name_message("policy", name, POLICIES.names()))
     cls = POLICIES.get(name)
@@ -244,6 +247,8 @@ def make_policy(name: str = "entropy", **options) -> Policy:
     unknown = sorted(set(options) - set(known))
     if unknown:
         raise ValueError(f"{unknown[0]}: not an option of policy {name}; allowed: {', '.join(known)}")
+    if scheme is not None and "widths" not in options:
+        options["widths"] = _as_scheme(scheme).widths
     try:
         return cls(**options)
     except ValueError as err:
@@ -279,28 +284,30 @@ def allocate(
     """Widths per (layer, KV head, K|V) for `model` under `budget`: bits per element, met in the true bytes of
     `scheme` (its byte model prices every head; budget_unit="bits" for equal mean bits instead).
 
-    `policy`: a registered name with its `options` (alpha, widths, sink_threshold, ...), or a Policy object (then
-    no options). A policy that allocates from measured errors measures them once on the calibration windows
-    (cached on disk; `chunk`: teacher-forced chunk, `span`: the key tables' positions where the scheme fits
-    them). Returns an Allocation: key_bits and value_bits int64 [num_layers, num_kv_heads] (16: unquantized, 0:
-    no cache), sinks bool, continuous float64 levels.
+    `policy`: a registered name with its `options` (alpha, widths, sink_threshold, ...; widths default to those
+    `scheme` stores), or a Policy object (then no options). A policy that allocates from measured errors measures
+    them once on the calibration windows (cached on disk; `chunk`: teacher-forced chunk), through the parts the
+    scheme fits there (Calibration.fitted; `span`: the key tables' positions). Returns an Allocation: key_bits and
+    value_bits int64 [num_layers, num_kv_heads] (16: unquantized, 0: no cache), sinks bool, continuous float64
+    levels.
     """
+    scheme = _as_scheme(scheme)
     if isinstance(policy, Policy):
         if options:
             raise ValueError(f"{sorted(options)[0]}: a Policy object carries its options; leave it out")
     else:
-        policy = make_policy(policy, **options)
-    scheme = _as_scheme(scheme)
+        policy = make_policy(policy, scheme, **options)
     try:
         scheme.check_widths(policy.widths)
         policy.check_budget(budget)
+        check_reads_fitted(policy, scheme)
     except ValueError as err:
         raise _argument_error(err) from None
     table = None
     if policy.measurement is not None:
         extra = {}
-        if scheme.key_tables and policy.measurement in READS_KEY_TABLES:
-            extra["key_calibration"] = calibration.key_tables(model, span, scheme.key_levels)
+        if policy.measurement in READS_KEY_TABLES:
+            extra["key_calibration"] = calibration.fitted(model, scheme, span)
         measure = MEASUREMENTS[policy.measurement]
         table = measure(model, calibration.name, calibration.ids, scheme, policy.widths, chunk, **extra)
     price = element_price(shape_from_config(model.config), scheme)
@@ -323,26 +330,34 @@ def quantized_cache(
     prefill: str = "exact",
     backend: str = "auto",
     outside_packed: str = "dequantize",
+    simulate: bool | None = None,
 ) -> QuantizedKVCache:
     """An empty QuantizedKVCache for `model` storing `allocation`'s widths in `scheme`; pass it to generate() or a
     forward call as past_key_values (inside `packed_attention(model)` to save memory).
 
-    `calibration`: needed by a scheme whose keys read fitted tables (calkey, nuqkey), fitted for positions
-    [0, span). `prefill`: exact (the prompt attends its own full-precision K/V, then is stored quantized) or
-    quantized; `backend`: auto, torch, triton; `outside_packed`: dequantize or raise (QuantizedKVCache).
+    `calibration`: needed by a scheme that reads parts fitted on calibration windows (Scheme.key_tables: calkey,
+    nuqkey, nuqkey_codebook, pca, xlayer, vq, cq), fitted there as a sweep fits them (Calibration.fitted; key
+    tables for positions [0, span)). `prefill`: exact (the prompt attends its own full-precision K/V, then is
+    stored quantized) or quantized; `backend`: auto, torch, triton; `outside_packed`: dequantize or raise
+    (QuantizedKVCache);
+    `simulate`: keep a full-precision working copy beside the stored form (quant.simulate: the memory of an
+    unquantized cache); None: only for a scheme that runs nowhere else (xlayer, which reads the layer below's
+    reconstruction).
     """
     scheme = _as_scheme(scheme)
     if not isinstance(allocation, Allocation):
         raise ValueError(f"allocation: expected an Allocation; got {type(allocation).__name__}")
     if outside_packed not in OUTSIDE_PACKED:
         raise ValueError(f"outside_packed: unknown {outside_packed!r}; allowed: {', '.join(OUTSIDE_PACKED)}")
-    tables = None
+    simulate = _simulate(simulate, scheme)
+    parts = None
     if scheme.key_tables:
-        if calibration is None:
+        if not isinstance(calibration, Calibration):
             raise ValueError(
-                f"calibration: scheme {scheme.name} reads key tables fitted on calibration text; pass calibration(model, tokenizer)"
+                f"calibration: scheme {scheme.name} reads parts fitted on calibration windows ({scheme.fit}); "
+                "pass calibration=harness.calibration(model, tokenizer)"
             )
-        tables = calibration.key_tables(model, span, scheme.key_levels)
+        parts = calibration.fitted(model, scheme, span)
     try:
         check_backend_device(backend, model.device, key="backend")
         return QuantizedKVCache(
@@ -351,8 +366,23 @@ def quantized_cache(
             scheme,
             prefill=prefill,
             backend=backend,
-            key_calibration=tables,
+            simulate=simulate,
+            key_calibration=parts,
             outside_packed=outside_packed,
         )
     except ValueError as err:
         raise _argument_error(err) from None
+
+
+def _simulate(simulate: bool | None, scheme: Scheme) -> bool:
+    """quantized_cache's `simulate` resolved for `scheme`; ValueError naming it where the scheme cannot run so."""
+    if simulate is None:
+        return scheme.reads_previous_layer
+    if not isinstance(simulate, bool):
+        raise ValueError(f"simulate: {simulate!r} is not allowed; allowed: True, False, None")
+    if scheme.reads_previous_layer and not simulate:
+        raise ValueError(
+            f"simulate: False with scheme {scheme.name}, whose layers are predicted from the reconstruction of "
+            "the layer below, which only a simulated cache keeps; allowed: True, None"
+        )
+    return simulate

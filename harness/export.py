@@ -5,7 +5,9 @@ The point's record (RUN_DIR/points/KEY.json) holds its widths (key_bits, value_b
 which the scheme is rebuilt (harness.schemes.from_point). Which 16-bit heads are sinks follows from the policy:
 with no 16 among its widths only a sink is kept at 16; with 16 among them and no sink rule there are none; with both,
 the record does not say (sinks null). Pre-rounding levels are not recorded (null). `source` in the file names the
-run, the point, its commit and its headline metrics.
+run, the point, its commit and its headline metrics, and where the parts its scheme reads were fitted:
+`calibration` (harness.calibration's keywords for the point's calibration windows), `calibration_source` (their
+text) and `span` (quantized_cache's: the key tables' positions), so that the same model fits the same parts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import torch
 
 from harness.allocation_file import save_allocation
 from harness.config import HARNESS, Point
+from harness.data import calibration_source, source_name
 from harness.policies import Allocation, SinkPolicy, from_point
+from harness.run.measure import key_span
 from harness.schemes import from_point as scheme_from_point
 from kernels.layout import FULL_WIDTH
 
@@ -83,6 +87,15 @@ def exported(record: dict) -> tuple[Allocation, object, dict]:
         "git_commit": record.get("git_commit"),
         "sinks_recorded": sinks is not None,
         "metrics": {m: record["metrics"][m] for m in METRICS if m in record.get("metrics", {})},
+        "calibration": {
+            "sequences": point.calibration_sequences,
+            "tokens": point.calibration_tokens,
+            "i0": point.i0,
+            "seed": point.seed,
+            "bos": point.bos,
+        },
+        "calibration_source": source_name(calibration_source(point)[0]),
+        "span": key_span(point),
     }
     return allocation, scheme_from_point(point.group("quant")), source
 

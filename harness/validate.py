@@ -31,7 +31,7 @@ from harness.protocols.sweep import expand
 from harness.registry import unknown_name_message
 from harness.run.measure import point_scheme
 from harness.schemes import ROLES, SCHEMES, Scheme, check_backend, get_scheme
-from harness.sensitivity import READS_KEY_TABLES
+from harness.sensitivity import check_reads_fitted
 from kernels.layout import FULL_WIDTH
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
@@ -85,11 +85,7 @@ def _check_point(point: Point, backend: str = "auto") -> None:
         scheme = point_scheme(point)
         scheme.check_widths(point.widths)  # before the budget, which lies between the widths
         policy.check_budget(point.budget)
-        if scheme.key_tables and policy.measurement not in (None, *READS_KEY_TABLES):
-            raise ValueError(
-                f"policy.name: {point.policy} measures its table without fitted key tables, which quant.scheme "
-                f"{point.scheme} needs; allowed with {point.scheme}: measured, or a policy that measures nothing"
-            )
+        check_reads_fitted(policy, scheme)
         check_backend(scheme, backend)
         if point.prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {point.prefill!r}; allowed: {', '.join(PREFILL_MODES)}")

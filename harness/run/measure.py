@@ -107,11 +107,15 @@ def measure(ctx: ModelContext, point: Point, alloc) -> dict:
         return _measure(ctx, point, alloc, spec)
 
 
+def cache_options(ctx: ModelContext, point: Point) -> dict:
+    """What every cache of a point is built with besides its allocation, scheme and prefill mode (keywords of
+    QuantizedKVCache): the context's backend and simulate flag, and the parts the point's scheme fitted."""
+    return dict(backend=ctx.backend, simulate=ctx.simulate, key_calibration=key_calibration(ctx, point))
+
+
 def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict:
     config = ctx.model.config
-    cache_kwargs = dict(
-        backend=ctx.backend, simulate=ctx.simulate, key_calibration=key_calibration(ctx, point)
-    )
+    cache_kwargs = cache_options(ctx, point)
     scheme = point_scheme(point)
     caches = []
 

@@ -16,7 +16,7 @@ common.py holds what they share (allocation shape, cached heads, a cache at chos
 from __future__ import annotations
 
 from harness.sensitivity.common import spearman
-from harness.sensitivity.measurements import MEASUREMENTS, READS_KEY_TABLES
+from harness.sensitivity.measurements import MEASUREMENTS, READS_KEY_TABLES, check_reads_fitted
 from harness.sensitivity.proxy import cached_sensitivity, head_sensitivity, measured_widths, scheme_quantizer
 from harness.sensitivity.proxy_check import proxy_check, sample_heads
 from harness.sensitivity.unit_kl import (
@@ -36,6 +36,7 @@ __all__ = [
     "allocation_kl",
     "cached_sensitivity",
     "cached_unit_kl",
+    "check_reads_fitted",
     "head_sensitivity",
     "measured_widths",
     "predicted_kl",

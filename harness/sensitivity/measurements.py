@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
+from harness.policies import Policy
 from harness.schemes import Scheme
 from harness.sensitivity.proxy import cached_sensitivity
 from harness.sensitivity.unit_kl import cached_unit_kl
@@ -31,3 +32,13 @@ MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
 # Those that measure through caches, and so take a scheme's fitted parts (key_calibration=: calkey, pca, ...); the
 # proxy stores each head through the scheme alone, without them.
 READS_KEY_TABLES = frozenset({"unit_kl"})
+
+
+def check_reads_fitted(policy: Policy, scheme: Scheme) -> None:
+    """ValueError naming policy.name where `policy` measures its table without the fitted parts that `scheme`
+    reads (its measurement is not in READS_KEY_TABLES)."""
+    if scheme.key_tables and policy.measurement not in (None, *READS_KEY_TABLES):
+        raise ValueError(
+            f"policy.name: {policy.name} measures its table without fitted key tables, which quant.scheme "
+            f"{scheme.name} needs; allowed with {scheme.name}: measured, or a policy that measures nothing"
+        )

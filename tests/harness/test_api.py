@@ -246,6 +246,11 @@ BAD_ARGUMENTS = [
     (lambda m, c: harness.make_scheme("asym_token", bits=4), "bits: not an option of a scheme"),
     (lambda m, c: harness.quantized_cache(m, c, "asym_token"), "allocation: expected an Allocation"),
     (lambda m, c: harness.quantized_cache(m, harness.allocate(m, c, 3), "nuqkey"), "calibration: scheme nuqkey"),
+    (lambda m, c: harness.quantized_cache(m, harness.allocate(m, c, 3), "pca"), "calibration: scheme pca reads parts fitted on calibration windows (pca)"),
+    (lambda m, c: harness.quantized_cache(m, harness.allocate(m, c, 3), "xlayer", c, simulate=False), "simulate: False with scheme xlayer"),
+    (lambda m, c: harness.quantized_cache(m, harness.allocate(m, c, 3), simulate="yes"), "simulate: 'yes' is not allowed; allowed: True, False, None"),
+    (lambda m, c: c.fitted(m, "calkey", span=0), "span: 0 is not a positive integer"),
+    (lambda m, c: harness.allocate(m, c, 3, policy="sensitivity", scheme="calkey"), "policy: sensitivity measures its table without fitted key tables, which quant.scheme calkey needs"),
     (lambda m, c: harness.quantized_cache(m, harness.allocate(m, c, 3), outside_packed="x"), "outside_packed: unknown"),
     (lambda m, c: harness.calibration(m), "tokenizer: needed"),
     (lambda m, c: harness.calibration(m, ids=torch.zeros(2, 8, dtype=torch.long), i0=8), "i0: 8 must be"),
@@ -254,6 +259,9 @@ BAD_ARGUMENTS = [
     # the command line's bad inputs, as arguments
     (lambda m, c: harness.allocate(m, c, 4, widths=[4, 4]), "widths: 4 appears twice in [4, 4]; allowed: each width once"),
     (lambda m, c: harness.allocate(m, c, 4, scheme="nuqkey", widths=[8]), "widths: [8] with quant.scheme nuqkey, which stores quantized heads at 2, 3, 4 bits; allowed: 2, 3, 4, 16"),
+    (lambda m, c: harness.allocate(m, c, 4, policy="uniform", scheme="nuqkey_codebook", widths=[2, 8]), "widths: [8] with quant.scheme nuqkey_codebook"),
+    # a Policy object carries its widths (2, 3, 4, 8 unless made with the scheme): none is replaced
+    (lambda m, c: harness.allocate(m, c, 4, policy=harness.make_policy("uniform"), scheme="nuqkey_codebook"), "widths: [8] with quant.scheme nuqkey_codebook"),
     (lambda m, c: harness.load("tiny-llama", device="tpu"), "device: 'tpu' is not allowed; allowed here: cpu"),
     *([] if torch.cuda.is_available() else [
         (lambda m, c: harness.load("tiny-llama", device="cuda"), "device: cuda but this machine has no CUDA device"),
