@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from transformers import DynamicCache
 
@@ -25,6 +25,7 @@ from harness.calibrate.pca import (
     fit_pca_calibration,
     fit_table,
     plan_bits,
+    plan_group,
     plan_groups,
     plans_for,
 )
@@ -213,31 +214,45 @@ def test_the_plan_is_the_least_distortion_brute_force_finds(seed, dim, options):
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from([1, 2, 4]))
-def test_a_grouped_plan_is_the_least_distortion_over_whole_groups_of_allowed_widths(seed, groups, group):
+@given(st.integers(0, 10_000), st.sampled_from([1, 2, 3, 4, 8, 12, 16]), st.sampled_from([2, 4, 16]))
+def test_a_grouped_plan_is_the_least_distortion_over_whole_groups_of_allowed_widths(seed, dim, group):
     g = torch.Generator().manual_seed(seed)
     fmt = PcaFormat(group=group, group_widths=GROUP_WIDTHS)
-    distortion = torch.rand(groups * group, MAX_COMPONENT_BITS + 1, generator=g, dtype=torch.float64)
+    size = plan_group(fmt, dim)  # a quarter of the head at most
+    assert size == min(group, max(dim // 4, 1))
+    groups = dim // size
+    assume(groups <= 4)  # the brute force below tries every plan
+    distortion = torch.rand(dim, MAX_COMPONENT_BITS + 1, generator=g, dtype=torch.float64)
     picks = torch.randint(0, len(GROUP_WIDTHS), (groups,), generator=g)
-    total = group * sum(GROUP_WIDTHS[i] for i in picks.tolist())  # a total some grouped plan reaches
+    total = size * sum(GROUP_WIDTHS[i] for i in picks.tolist())  # a total some grouped plan reaches
     bits = plan_groups(distortion, total, fmt)
     assert int(bits.sum()) == total
-    per_group = bits.view(groups, group)
+    per_group = bits.view(groups, size)
     assert (per_group == per_group[:, :1]).all() and set(per_group[:, 0].tolist()) <= set(GROUP_WIDTHS)
     cost = lambda combo: sum(
-        float(distortion[i * group : (i + 1) * group, b].sum()) for i, b in enumerate(combo)
+        float(distortion[i * size : (i + 1) * size, b].sum()) for i, b in enumerate(combo)
     )  # noqa: E731
     combos = [
-        c for c in np.ndindex(*([9] * groups)) if set(c) <= set(GROUP_WIDTHS) and group * sum(c) == total
+        c for c in np.ndindex(*([9] * groups)) if set(c) <= set(GROUP_WIDTHS) and size * sum(c) == total
     ]
     assert cost(per_group[:, 0].tolist()) == pytest.approx(min(cost(c) for c in combos))
 
 
+def test_a_head_of_four_groups_or_more_has_a_plan_at_every_unit_width():
+    fmt = PcaFormat(group=16, group_widths=GROUP_WIDTHS)
+    for dim in (16, 32, 64, 128, 256):
+        for w in PCA_WIDTHS:
+            assert int(plan_groups(torch.rand(dim, 9, dtype=torch.float64), w * dim, fmt).sum()) == w * dim
+
+
 def test_a_grouped_plan_refuses_bits_it_cannot_group():
-    with pytest.raises(ValueError, match="groups of 16"):
-        plan_groups(
-            torch.rand(32, 9, dtype=torch.float64), 40, PcaFormat(group=16, group_widths=GROUP_WIDTHS)
-        )
+    fmt = PcaFormat(group=16, group_widths=GROUP_WIDTHS)
+    with pytest.raises(ValueError, match="groups of 4"):  # 18 channels: groups of a quarter, 4, do not fit
+        plan_groups(torch.rand(18, 9, dtype=torch.float64), 36, fmt)
+    with pytest.raises(
+        ValueError, match="at the widths allowed"
+    ):  # one channel at 3 bits: no width of 0/1/2/4/8
+        plan_groups(torch.rand(1, 9, dtype=torch.float64), 3, fmt)
 
 
 def test_the_fit_finds_the_principal_axes_least_squares_scales_and_spends_the_width():
@@ -353,7 +368,7 @@ def test_a_variants_store_is_the_oracle_across_blocks(name, role):
         assert not torch.allclose(want, other, atol=1e-2)
     if fmt.group > 1:
         for w in PCA_WIDTHS:
-            plan = layer.key.plans[w].long().view(len(BITS), -1, fmt.group)
+            plan = layer.key.plans[w].long().view(len(BITS), -1, plan_group(fmt, D))
             assert (plan == plan[..., :1]).all() and set(plan.unique().tolist()) <= set(GROUP_WIDTHS)
 
 
