@@ -1,10 +1,15 @@
 """The frontier report (harness.report.frontier) on synthetic records whose answers are known."""
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
+import pytest
 
+from harness.capacity import cache_bytes, shape_from_registry
 from harness.report import frontier
+from harness.schemes import from_point
 
 
 def _record(key, policy, scheme, group_size, compression, ppl_shift, kl_shift, n=16, model="m"):
@@ -51,6 +56,27 @@ def test_the_frontier_takes_the_best_point_that_compresses_at_least_the_target()
     assert table.loc["3.5x", "point"] == "asym_token g64, 4 bits: uniform"
     cell = table.loc["3.5x", "ppl_ratio"]
     assert cell.startswith(f"{math.exp(0.03):.4g} [") and cell.endswith("n=16")
+
+
+def test_one_sequences_compression_counts_every_fitted_table_in_full():
+    """The committed pca headline point (results/frontier): the byte model at the evaluation's 32 generation caches
+    of 320 tokens gives the compression the run measured; one sequence of 4K tokens holds each table once."""
+    path = (
+        Path(__file__).resolve().parents[2]
+        / "results/frontier/2026-11-24_frontier/points/4920dc41e55f5d07.json"
+    )
+    record = json.loads(path.read_text())
+    shape = shape_from_registry("smollm2-135m")
+    scheme = from_point(record["config"])
+    bits = record["allocation"]["key_bits"], record["allocation"]["value_bits"]
+    batch = cache_bytes(shape, 320, bits[0], scheme, 32, bits[1])
+    assert batch.compression_true == pytest.approx(record["metrics"]["compression_true"], rel=1e-3)
+    one = frontier.one_sequence_compression(record)
+    assert one == pytest.approx(cache_bytes(shape, 4096, bits[0], scheme, 1, bits[1]).compression_true)
+    assert 3.3 < one < record["metrics"]["compression_true"]  # the tables weigh more on one sequence
+    table = frontier.frontier_table([record], "smollm2-135m", n_boot=100).set_index("at least")
+    assert table.loc["3.5x", "at 1 x 4096"] == pytest.approx(one)
+    assert math.isnan(frontier.frontier_table(RECORDS, "m", n_boot=100).iloc[0]["at 1 x 4096"])  # no model
 
 
 def test_the_frontier_gives_no_interval_below_16_sequences():
