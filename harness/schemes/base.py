@@ -214,7 +214,8 @@ class Scheme:
 
     @property
     def fit_variant(self) -> object:
-        """What distinguishes this scheme's fitted parts from another of the same `fit` (xlayer: the rank); None."""
+        """What distinguishes this scheme's fitted parts from another of the same `fit` (xlayer: the rank; pca's
+        family: its PcaFormat); None. A run keeps one fit per fit, fit_variant, span and levels in memory."""
         return None
 
     @property

@@ -74,6 +74,11 @@ class Pca(Scheme):
     fit: ClassVar[str] = "pca"  # which: harness.calibrate.FITS
     pca_format: ClassVar[PcaFormat] = PCA_FORMAT  # what the fit and the store code against
 
+    @property
+    def fit_variant(self) -> PcaFormat:
+        """The format its fit codes against: schemes of one format share a fit, others never do."""
+        return self.pca_format
+
     def for_layer(self, layer: int, key_calibration) -> Pca:
         if not isinstance(key_calibration, PcaCalibration):
             raise ValueError(UNBOUND)

@@ -73,6 +73,11 @@ class Vq(Scheme):
     def dim(self) -> int:
         return DIMENSIONS[self.name]
 
+    @property
+    def fit_variant(self) -> PcaFormat:
+        """The format of the pca fit it reads: pca's own (so pca and vq share one fit)."""
+        return self.pca_format
+
     def for_layer(self, layer: int, key_calibration) -> Vq:
         if not isinstance(key_calibration, PcaCalibration):
             raise ValueError(UNBOUND.format(name=self.name))

@@ -537,6 +537,29 @@ def test_the_fit_is_each_layers_keys_before_rope_and_values_from_the_calibration
     assert again.digest() == cached_pca_calibration(model, "tiny-llama", calib).digest()
 
 
+@torch.no_grad()
+def test_one_run_keeps_a_fit_per_format(tmp_path, monkeypatch):
+    """Points of pca's family measured in one context each read their own format's fit (a run once handed every
+    pca variant the first one's fit); schemes of one format (pca, vq2) share one."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    model, _ = load_model("tiny-llama")
+    calib = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(8))
+    ctx = SimpleNamespace(
+        model=model, name="tiny-llama", calib_ids=calib, sequences=None, key_calibration={}, calibration_source=None
+    )
+
+    def fitted(scheme):
+        point = base_point(compose_point(["model=tiny-llama", f"quant.scheme={scheme}", "eval=tiny"]))
+        return key_calibration(ctx, point)
+
+    got = {name: fitted(name).digest() for name in ("pca", "pca_block_u", "pca_block_uf", "pca_post", "vq2")}
+    for name in ("pca", "pca_block_u", "pca_block_uf", "pca_post"):
+        want = fit_pca_calibration(model, calib, get_scheme(name).pca_format).digest()
+        assert got[name] == want, name
+    assert len({got[n] for n in ("pca", "pca_block_u", "pca_block_uf", "pca_post")}) == 4
+    assert got["vq2"] == got["pca"]
+
+
 def test_shared_plans_are_one_plan_a_width_of_least_distortion_over_every_head(tmp_path, monkeypatch):
     """pca_block_ugs: every head of every layer takes one plan per role and width, the grouped plan of least
     distortion summed over them all; the block frame turns the keys back to their block's first position."""
