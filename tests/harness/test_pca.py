@@ -545,7 +545,12 @@ def test_one_run_keeps_a_fit_per_format(tmp_path, monkeypatch):
     model, _ = load_model("tiny-llama")
     calib = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(8))
     ctx = SimpleNamespace(
-        model=model, name="tiny-llama", calib_ids=calib, sequences=None, key_calibration={}, calibration_source=None
+        model=model,
+        name="tiny-llama",
+        calib_ids=calib,
+        sequences=None,
+        key_calibration={},
+        calibration_source=None,
     )
 
     def fitted(scheme):
