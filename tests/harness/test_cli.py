@@ -165,6 +165,9 @@ def short_text(tmp_path_factory):
     return path
 
 
+# Each is a whole `python -m harness` process (about 15 s of imports): the checks a config alone decides are
+# test_invalid_config_gives_one_line_naming_the_key's, in this process; these are the ones that read the data, the
+# model's config, the file system or the machine, and one config check (policy.widths=[2,5]) for the command's path.
 BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it must name)
     (["eval.data.path={short}", "eval.num_prompts=4"], "eval.calibration.num_sequences",
      ["eval.calibration.tokens", "calibration split", "evaluation split"]),
@@ -178,16 +181,7 @@ BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it
     (["run_dir=/proc/nope"], "run_dir", ["not writable"]),
     (["threads=0"], "threads", ["positive integer"]),
     (["model=nope"], "model", ["allowed: "]),
-    (["policy.widths=[2,7]"], "policy.widths", ["allowed: 1, 2, 3, 4, 5, 6, 8, 16"]),
     (["policy.widths=[2,5]"], "policy.widths", ["asym_token", "2, 3, 4, 8 bits", "allowed: 2, 3, 4, 8, 16"]),
-    (["policy.budget=9"], "policy.budget", []),
-    (["policy.alpha=abc"], "policy.alpha", ["'abc'"]),
-    (["policy.sink_fraction=1.5"], "policy.sink_fraction", ["[0, 1]"]),
-    (["tracking.wandb.mode=bogus"], "tracking.wandb.mode", ["allowed: online, offline, disabled"]),
-    (["device=tpu"], "device", ["allowed here: cpu"]),
-    (["quant=nuqkey", "policy.widths=[8]"], "policy.widths", ["nuqkey", "2, 3, 4 bits", "allowed: 2, 3, 4, 16"]),
-    (["policy.widths=[4,4]"], "policy.widths", ["appears twice", "allowed: each width once"]),
-    (["+sweep=smoke", "sweep.name=../x"], "sweep.name", ["'../x' is not a plain name"]),
     *([] if torch.cuda.is_available() else [
         (["device=cuda"], "device", ["no CUDA device", "allowed here: cpu"]),
         (["quant.backend=triton"], "quant.backend", ["TRITON_INTERPRET=1", "allowed here: auto, torch"]),

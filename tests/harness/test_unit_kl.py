@@ -232,19 +232,24 @@ def test_the_policy_is_the_brute_force_optimum_within_the_bytes_budget(case):
     assert (alloc.key_bits[alloc.sinks] == UNQUANTIZED).all() and (
         alloc.value_bits[alloc.sinks] == UNQUANTIZED
     ).all()
-    # brute force over every unit's width (sinks at 16): the least summed KL that fits
+    # brute force over every unit's width (sinks at 16): the least summed KL that fits. Each unit adds its own bytes
+    # and KL, so a choice's totals are the sinks' (fixed) plus the sums of the free units' own.
+    every = widths + ([] if UNQUANTIZED in widths else [UNQUANTIZED])
+    got = total_kl(table, alloc, every)
+    costs = unit_costs(table, tuple(alloc.cached.shape), every)  # [2, L, Hkv, |W|]
     free = [(r, layer, h) for r in range(2) for layer, h in (alloc.cached & ~alloc.sinks).nonzero().tolist()]
+    role = ("key", "value")
+    chosen = [int((alloc.key_bits, alloc.value_bits)[r][layer, h]) for r, layer, h in free]
+    fixed_bytes = held_bytes(alloc, price) - sum(price(w, role[u[0]]) for u, w in zip(free, chosen))
+    fixed_kl = got - sum(costs[r, layer, h, every.index(w)].item() for (r, layer, h), w in zip(free, chosen))
+    options = [
+        [(price(w, role[r]), costs[r, layer, h, every.index(w)].item()) for w in widths]
+        for r, layer, h in free
+    ]
     best = math.inf
-    for choice in itertools.product(widths, repeat=len(free)):
-        trial = [alloc.key_bits.clone(), alloc.value_bits.clone()]
-        for (r, layer, h), width in zip(free, choice):
-            trial[r][layer, h] = width
-        probe = SimpleNamespace(key_bits=trial[0], value_bits=trial[1], cached=alloc.cached)
-        if held_bytes(probe, price) <= allowed + 1e-9:
-            best = min(
-                best, total_kl(table, probe, widths + ([] if UNQUANTIZED in widths else [UNQUANTIZED]))
-            )
-    got = total_kl(table, alloc, widths + ([] if UNQUANTIZED in widths else [UNQUANTIZED]))
+    for choice in itertools.product(*options):
+        if fixed_bytes + sum(b for b, _ in choice) <= allowed + 1e-9:
+            best = min(best, fixed_kl + sum(kl for _, kl in choice))
     assert got == pytest.approx(best, rel=1e-6, abs=1e-6)
 
 
