@@ -286,10 +286,17 @@ class CacheBytes:
 
 
 def cache_bytes(
-    shape: ModelShape, tokens: int, bits, scheme: Scheme = DEFAULT_SCHEME, batch: int = 1, value_bits=None
+    shape: ModelShape,
+    tokens: int,
+    bits,
+    scheme: Scheme = DEFAULT_SCHEME,
+    batch: int = 1,
+    value_bits=None,
+    count_tables: bool = True,
 ) -> CacheBytes:
     """True, fp16 and nominal bytes of `batch` sequences after `tokens` tokens; `bits` (the keys', and the values'
-    unless `value_bits` gives theirs) as in layer_bits."""
+    unless `value_bits` gives theirs) as in layer_bits. count_tables False: the fitted tables left out (a scheme whose
+    tables' size only its fit knows, unbound, can still be priced per token)."""
     for key, value in (("capacity.context", tokens), ("capacity.batch", batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{key}: {value!r} is not a non-negative integer")
@@ -315,7 +322,7 @@ def cache_bytes(
         # fitted tables (calkey's keys): once per layer and quantized head, whatever the tokens and batch
         tables = (
             sum(scheme.table_bytes(b, layer.head_dim, r) for r, w in roles.items() for b in w[i])
-            if tokens
+            if tokens and count_tables
             else 0
         )
         layer_true = round(batch * held) + tables  # a per-channel role's whole groups: an integer

@@ -318,17 +318,24 @@ def best_at(records: list[dict], target: float) -> dict | None:
 
 
 def one_sequence_compression(record: dict, tokens: int = ONE_SEQUENCE) -> float:
-    """True compression of a point's allocation and scheme for one sequence of `tokens` tokens, from the byte model
-    (harness.capacity.cache_bytes: every fitted table counted in full for that one sequence, where the evaluation
-    spreads it over its batch of generation caches); NaN for a record without an allocation or of a model that is not
-    registered (conf/model)."""
+    """True compression of a point's allocation and scheme for one sequence of `tokens` tokens: the byte model's
+    payload (harness.capacity.cache_bytes, tables left out) plus the fitted tables the run measured in full (its held
+    bytes less the byte model's payload of its generation caches), where the evaluation spread them over its batch;
+    NaN for a record without an allocation or of a model that is not registered (conf/model)."""
     allocation = record.get("allocation")
-    if allocation is None or record["config"]["model"] not in model_names():
+    config = record["config"]
+    if allocation is None or config["model"] not in model_names():
         return math.nan
-    shape = shape_from_registry(record["config"]["model"])
-    scheme = from_point(record["config"])
-    held = cache_bytes(shape, tokens, allocation["key_bits"], scheme, 1, allocation["value_bits"])
-    return held.compression_true
+    shape = shape_from_registry(config["model"])
+    scheme = from_point(config)
+    bits = allocation["key_bits"], allocation["value_bits"]
+    per_cache, caches = config["prompt_tokens"] + config["new_tokens"], config["num_prompts"]
+    held = record["metrics"]["bytes_per_token"] * caches * per_cache  # bytes_per_token's own denominator
+    # the generation caches hold one token less: the last generated token is never fed back
+    run = cache_bytes(shape, per_cache - 1, bits[0], scheme, caches, bits[1], count_tables=False)
+    tables = held - run.true_bytes
+    one = cache_bytes(shape, tokens, bits[0], scheme, 1, bits[1], count_tables=False)
+    return one.fp16_bytes / (one.true_bytes + tables)
 
 
 def frontier_table(records: list[dict], model: str, n_boot: int, seed: int = 0) -> pd.DataFrame:

@@ -69,14 +69,22 @@ def test_one_sequences_compression_counts_every_fitted_table_in_full():
     shape = shape_from_registry("smollm2-135m")
     scheme = from_point(record["config"])
     bits = record["allocation"]["key_bits"], record["allocation"]["value_bits"]
-    batch = cache_bytes(shape, 320, bits[0], scheme, 32, bits[1])
-    assert batch.compression_true == pytest.approx(record["metrics"]["compression_true"], rel=1e-3)
+    batch = cache_bytes(shape, 319, bits[0], scheme, 32, bits[1])  # 256 + 64 tokens, the last never fed back
+    assert batch.compression_true == pytest.approx(record["metrics"]["compression_true"], rel=1e-9)
     one = frontier.one_sequence_compression(record)
     assert one == pytest.approx(cache_bytes(shape, 4096, bits[0], scheme, 1, bits[1]).compression_true)
     assert 3.3 < one < record["metrics"]["compression_true"]  # the tables weigh more on one sequence
     table = frontier.frontier_table([record], "smollm2-135m", n_boot=100).set_index("at least")
     assert table.loc["3.5x", "at 1 x 4096"] == pytest.approx(one)
     assert math.isnan(frontier.frontier_table(RECORDS, "m", n_boot=100).iloc[0]["at 1 x 4096"])  # no model
+    # xlayer's tables' size only its fit knows: the run's measured tables (its held bytes less the payload) counted
+    # once on one sequence; one sequence of all 32 x 319 tokens holds what the run held
+    xlayer = json.loads((path.parent / "b98189ce3dc9f1c7.json").read_text())
+    whole = frontier.one_sequence_compression(xlayer, 319 * 32)
+    measured = xlayer["metrics"]["compression_true"]
+    assert measured < whole < 1.02 * measured  # the same tokens with one fp16 sink token instead of 32
+    spread = frontier.one_sequence_compression(xlayer, 319)  # one of the run's 32 caches, holding every table
+    assert 1 < spread < frontier.one_sequence_compression(xlayer) < xlayer["metrics"]["compression_true"]
 
 
 def test_the_frontier_gives_no_interval_below_16_sequences():
