@@ -7,8 +7,8 @@ kernels/reference.py's; this file decides where the rows of all heads of one lay
 Layout: the KV heads of one width form a `Bucket`, held head-major, so that each head's packed rows are one
 contiguous block of memory (a tile of tokens is one run of bytes that a kernel reads in 16-byte vectors):
     payload  uint8    (B, Hw, cap, packed_dim(D, w))   the Hw heads stored at width w, in KV-head order
-    scale    float16  (B, Hw, cap, D // g)
-    zero     float16  (B, Hw, cap, D // g)              None when symmetric
+    scale    float16  (B, Hw, cap, D // g)              None in a codes-only store
+    zero     float16  (B, Hw, cap, D // g)              None when symmetric or codes-only
     values   dtype    (B, Hw, cap, D)                   the bucket of 16-bit heads (kept in the model's dtype)
     slot     int32 (Hkv,)                               head h's index inside its bucket, read by the kernels
     bucket_heads int32 (Hkv,)                           the heads in bucket order (the quantize kernel's jobs)
@@ -17,6 +17,11 @@ and every tile of a multiple of TOKEN_BLOCK tokens starts 16-byte aligned. A ful
 max(TOKEN_BLOCK, length / GROWTH_DIVISOR) tokens, rounded up to whole blocks: appending a decode token is
 amortized O(1) (a copy of the store every length / 32 steps), and from 1K tokens on the capacity stays within
 1.05x of the stored tokens (a prefill reserves its tokens rounded up to a block).
+
+A codes-only store (`codes_only=True`) holds each token's unsigned codes at its head's width and nothing else: no
+scale or zero, no 16-bit heads. What makes the codes keys or values (a per-head basis, steps and offsets, a frame per
+block of tokens) lives with its caller (harness/schemes/pca_fold.py), folded into the query and the output; the
+kernels attend over the codes as numbers (kernels/decode_attention.py's decode_attention_blocks).
 """
 
 from __future__ import annotations
@@ -55,8 +60,8 @@ class Bucket:
     width: int
     heads: torch.Tensor  # int64 (Hw,): the KV heads stored at this width, ascending
     payload: torch.Tensor | None  # uint8 (B, Hw, cap, packed_dim); None at 16 bits
-    scale: torch.Tensor | None  # float16 (B, Hw, cap, D // g); None at 16 bits
-    zero: torch.Tensor | None  # float16 (B, Hw, cap, D // g); None when symmetric or at 16 bits
+    scale: torch.Tensor | None  # float16 (B, Hw, cap, D // g); None at 16 bits or codes-only
+    zero: torch.Tensor | None  # float16 (B, Hw, cap, D // g); None when symmetric, codes-only or at 16 bits
     values: torch.Tensor | None  # dtype (B, Hw, cap, D) at 16 bits, else None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -117,15 +122,23 @@ class PackedStore:
         device: torch.device | str = "cpu",
         capacity: int = 0,
         simulate: bool = True,
+        codes_only: bool = False,
     ):
         bits = [int(b) for b in bits]
         for b in bits:
             if b != FULL_WIDTH and b not in reference.WIDTHS:
                 raise ValueError(f"bits: {b} is not an allowed width; allowed: 2, 3, 4, 8, 16")
         quantized = [b for b in bits if b != FULL_WIDTH]
+        if codes_only:
+            # the codes alone: no group holds a scale, so the whole row is one group (what the kernels compile)
+            if FULL_WIDTH in bits:
+                raise ValueError("bits: a codes-only store holds no 16-bit head; allowed: 2, 3, 4, 8")
+            if symmetric:
+                raise ValueError("symmetric: a codes-only store has no scales; allowed: False")
+            group_size = head_dim
         if quantized and head_dim % group_size:
             raise ValueError(f"quant.group_size: {group_size} does not divide head_dim {head_dim}")
-        self.bits = tuple(bits)
+        self.bits, self.codes_only = tuple(bits), codes_only
         self.head_dim, self.batch, self.group_size, self.symmetric = head_dim, batch, group_size, symmetric
         self.dtype, self.device = dtype, torch.device(device)
         self.length, self.simulate = 0, simulate
@@ -151,8 +164,8 @@ class PackedStore:
                     width=w,
                     heads=torch.tensor(heads, device=self.device),
                     payload=None if full else empty(reference.packed_dim(head_dim, w), dt=torch.uint8),
-                    scale=None if full else empty(ng, dt=torch.float16),
-                    zero=None if full or symmetric else empty(ng, dt=torch.float16),
+                    scale=None if full or codes_only else empty(ng, dt=torch.float16),
+                    zero=None if full or symmetric or codes_only else empty(ng, dt=torch.float16),
                     values=empty(head_dim, dt=dtype) if full else None,
                 )
             )
@@ -207,6 +220,8 @@ class PackedStore:
 
         Returns (B, Hkv, length, D) in the store's dtype when `keep_dequantized` (default: `simulate`), else None.
         """
+        if self.codes_only:
+            raise ValueError("append: a codes-only store takes codes, not values; use append_codes")
         if keep_dequantized is None:
             keep_dequantized = self.simulate
         B, H, Tn, D = x.shape
@@ -238,6 +253,29 @@ class PackedStore:
         self._append_dequantized(new_deq)
         return self._dequantized[:, :, : self.length]
 
+    def append_codes(self, codes: torch.Tensor) -> None:
+        """Store new tokens of a codes-only store: codes (B, Hkv, Tn, D), an integer tensor, head h's in [0, 2**w)
+        at its width w, packed as kernels.reference.pack packs them."""
+        if not self.codes_only:
+            raise ValueError("append_codes: this store quantizes values (append); codes need codes_only=True")
+        B, H, Tn, D = codes.shape
+        assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (
+            codes.shape,
+            self.bits,
+            self.head_dim,
+        )
+        start, end = self.length, self.length + Tn
+        self.reserve(end)
+        for bk in self.buckets:
+            bk.payload[:, :, start:end] = reference.pack(codes.index_select(1, bk.heads), bk.width)
+        self.length = end
+
+    def head_codes(self, h: int) -> torch.Tensor:
+        """The stored codes of quantized KV head h, uint8 (B, length, D) (a codes-only store's tokens)."""
+        bk = self.bucket_of[self.bits[h]]
+        assert bk.width != FULL_WIDTH, "head is stored unquantized"
+        return reference.unpack(bk.payload[:, int(self.slot[h]), : self.length], bk.width, self.head_dim)
+
     def _append_dequantized(self, new: torch.Tensor) -> None:
         if self._dequantized is None:
             self._dequantized = torch.empty(
@@ -251,6 +289,7 @@ class PackedStore:
         """The stored tokens of quantized KV head h as a reference.Packed (payload (B, length, packed_dim))."""
         bk = self.bucket_of[self.bits[h]]
         assert bk.width != FULL_WIDTH, "head is stored unquantized"
+        assert not self.codes_only, "a codes-only store has no scales: head_codes"
         j, n = int(self.slot[h]), self.length
         return reference.Packed(
             payload=bk.payload[:, j, :n],
@@ -263,7 +302,8 @@ class PackedStore:
         )
 
     def dequantize(self) -> torch.Tensor:
-        """Dequantize every stored token from the packed form: (B, Hkv, length, D) in the store's dtype."""
+        """Dequantize every stored token from the packed form: (B, Hkv, length, D) in the store's dtype (a
+        codes-only store's codes, as numbers)."""
         out = torch.empty(
             self.batch, len(self.bits), self.length, self.head_dim, dtype=self.dtype, device=self.device
         )
@@ -271,6 +311,8 @@ class PackedStore:
             for j, h in enumerate(bk.heads.tolist()):
                 if bk.width == FULL_WIDTH:
                     out[:, h] = bk.values[:, j, : self.length]
+                elif self.codes_only:
+                    out[:, h] = self.head_codes(h).to(self.dtype)
                 else:
                     out[:, h] = reference.dequantize(self.head_packed(h), dtype=self.dtype)
         return out
@@ -338,8 +380,8 @@ class PackedStore:
             if bk.width == FULL_WIDTH:
                 total += len(bk.heads) * self.head_dim * FP16_BYTES
             else:
-                row = bk.payload.shape[-1] + bk.scale.shape[-1] * FP16_BYTES * (1 if bk.zero is None else 2)
-                total += len(bk.heads) * row
+                groups = sum(t.shape[-1] for t in (bk.scale, bk.zero) if t is not None)  # none: codes-only
+                total += len(bk.heads) * (bk.payload.shape[-1] + groups * FP16_BYTES)
         return total
 
     def nbytes(self) -> int:

@@ -36,7 +36,8 @@ Packing of the codes of one row (D codes), little-endian within bytes:
 scale, zero: float16 (..., D // g); zero is None for sym.
 
 Per-channel keys (KIVI), fp8 (e4m3) and the Hadamard rotation have their own contracts in the last
-quantization section below.
+quantization section below. attention_blocks_reference is the oracle of attention over codes alone (a codes-only
+store: kernels/layout.py), with a query and a bias per block of tokens.
 """
 
 from __future__ import annotations
@@ -391,3 +392,48 @@ def attention_reference(
         j = torch.arange(Tk, device=q.device)  # (Tk,)
         scores = scores.masked_fill(j > i + causal_offset, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v64  # (B, Hq, Tq, Dv)
+
+
+def attention_blocks_reference(
+    qb: torch.Tensor,
+    bias: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    qblock: int | None,
+    k_extra: torch.Tensor | None = None,
+    v_extra: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float64 attention of one decode step over codes, with a query and a bias per block of `qblock` tokens.
+
+    qb (B, Hq, NB, D), bias (B, Hq, NB); k, v (B, Hkv, L, D): the stored tokens' codes as numbers (query head i reads
+    KV head i // (Hq // Hkv)); qblock None: one block (NB >= 1, block 0 read). Token t is scored
+    qb[b, i, t // qblock] . k_t + bias[b, i, t // qblock]; the extra tokens k_extra, v_extra (B, Hkv, Tx, D) (codes'
+    domain) with block 0's query and bias. Returns sum_t softmax(score * scale)_t v_t, (B, Hq, D) float64.
+    """
+    B, Hq, NB, D = qb.shape
+    Hkv, L = k.shape[1], k.shape[2]
+    if tuple(k.shape) != (B, Hkv, L, D) or k.shape != v.shape or tuple(bias.shape) != (B, Hq, NB):
+        raise ValueError(
+            f"shapes: qb {tuple(qb.shape)}, bias {tuple(bias.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if Hq % Hkv:
+        raise ValueError(f"k: {Hkv} KV heads do not divide {Hq} query heads; allowed: a divisor of {Hq}")
+    blk = (
+        torch.arange(L, device=k.device) // qblock
+        if qblock
+        else torch.zeros(L, dtype=torch.long, device=k.device)
+    )
+    if L and int(blk.max()) >= NB:
+        raise ValueError(f"qb: {NB} blocks for {L} tokens of {qblock} a block")
+    rep = Hq // Hkv
+    keys, values = k.double(), v.double()
+    blocks = blk
+    if k_extra is not None and k_extra.shape[2]:
+        keys, values = torch.cat([keys, k_extra.double()], 2), torch.cat([values, v_extra.double()], 2)
+        blocks = torch.cat([blk, torch.zeros(k_extra.shape[2], dtype=torch.long, device=k.device)])
+    queries = qb.double()[:, :, blocks]  # (B, Hq, T, D): each token's block's query
+    scores = (queries * keys.repeat_interleave(rep, 1)).sum(-1) + bias.double()[:, :, blocks]  # (B, Hq, T)
+    return (
+        torch.softmax(scores * scale, dim=-1).unsqueeze(2).matmul(values.repeat_interleave(rep, 1)).squeeze(2)
+    )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -74,3 +75,40 @@ def test_heads_of_a_width_share_a_bucket_and_round_trip():
     assert [bk.width for bk in store.buckets] == [2, 3, 4, 8, 16]
     assert store.slot.tolist() == [0, 0, 0, 0, 1, 0, 1]
     assert _aligned(store)
+
+
+def test_a_codes_only_store_holds_the_codes_and_nothing_else():
+    """Codes appended in pieces (a growth between them) read back exactly, head by head and through dequantize();
+    no bucket holds scales or zeros, and the bytes are the packed rows alone."""
+    gen = torch.Generator().manual_seed(1)
+    bits, D, B = (8, 2, 4, 3, 2), 64, 2
+    # (B, H, T, D)
+    codes = torch.stack([torch.randint(0, 1 << b, (B, 1100, D), generator=gen) for b in bits], 1)
+    store = PackedStore(bits, D, B, codes_only=True, capacity=40)
+    store.append_codes(codes[:, :, :30])
+    store.append_codes(codes[:, :, 30:])
+    assert store.length == 1100 and store.capacity >= 1100
+    assert torch.equal(store.dequantize(), codes.float())
+    for h in range(len(bits)):
+        assert torch.equal(store.head_codes(h), codes[:, h].to(torch.uint8))
+    assert all(bk.scale is None and bk.zero is None for bk in store.buckets)
+    assert store.token_bytes() == sum(D * b // 8 for b in bits) and store.group_size == D
+    assert store.nbytes() == B * 1100 * store.token_bytes()
+    assert resident_bytes(store) / store.nbytes() <= 1.05
+    assert _aligned(store)
+    store.keep_last(100)
+    assert torch.equal(store.dequantize(), codes[:, :, -100:].float())
+
+
+def test_a_codes_only_store_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="16-bit"):
+        PackedStore((4, 16), 64, 1, codes_only=True)
+    with pytest.raises(ValueError, match="symmetric"):
+        PackedStore((4,), 64, 1, codes_only=True, symmetric=True)
+    store = PackedStore((4, 2), 64, 1, codes_only=True)
+    with pytest.raises(ValueError, match="append_codes"):
+        store.append(torch.zeros(1, 2, 1, 64))
+    with pytest.raises(ValueError, match=r"\[0, 3\]"):
+        store.append_codes(torch.full((1, 2, 1, 64), 3).index_fill_(1, torch.tensor([1]), 4))
+    with pytest.raises(ValueError, match="codes_only"):
+        PackedStore((4,), 64, 1).append_codes(torch.zeros(1, 1, 1, 64, dtype=torch.long))

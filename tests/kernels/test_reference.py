@@ -507,3 +507,38 @@ def test_attention_decode_and_gqa_head_mapping():
 def test_attention_rejects_bad_heads():
     with pytest.raises(ValueError):
         R.attention_reference(torch.randn(1, 6, 2, 8), torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8), 1.0)
+
+
+@pytest.mark.parametrize("qblock, L, tx", [(4, 10, 0), (4, 12, 3), (None, 7, 2), (16, 5, 1)])
+def test_attention_blocks_scores_each_token_with_its_blocks_query(qblock, L, tx):
+    """Token by token in Python: token t's score is its block's query . k_t plus its block's bias, the extra
+    tokens' block 0's; a softmax over them all weighs the values. Query head i reads KV head i // 3."""
+    g = _gen(L + tx)
+    B, Hq, Hkv, D = 2, 6, 2, 8
+    nb = -(-L // qblock) if qblock else 1
+    qb, bias = torch.randn(B, Hq, nb, D, generator=g).double(), torch.randn(B, Hq, nb, generator=g).double()
+    k, v = (torch.randint(0, 16, (B, Hkv, L, D), generator=g).double() for _ in "kv")
+    kx, vx = (torch.randn(B, Hkv, tx, D, generator=g).double() * 4 for _ in "kv")
+    got = R.attention_blocks_reference(qb, bias, k, v, 0.3, qblock, kx, vx)
+    for b in range(B):
+        for i in range(Hq):
+            h = i // 3
+            keys = [(k[b, h, t], t // qblock if qblock else 0) for t in range(L)] + [(x, 0) for x in kx[b, h]]
+            scores = torch.tensor(
+                [float(qb[b, i, n] @ key + bias[b, i, n]) for key, n in keys], dtype=torch.float64
+            )
+            p = torch.softmax(scores * 0.3, 0)
+            want = p @ torch.cat([v[b, h], vx[b, h]])
+            torch.testing.assert_close(got[b, i], want, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_blocks_of_one_block_is_attention_over_the_codes():
+    """One block and no bias: attention_reference over the codes (the bias of one block cancels in the softmax)."""
+    g = _gen(3)
+    qb = torch.randn(1, 4, 1, 16, generator=g)
+    k, v = (torch.randint(0, 4, (1, 2, 9, 16), generator=g).float() for _ in "kv")
+    want = R.attention_reference(qb, k, v, 0.25)[:, :, 0]
+    for bias in (torch.zeros(1, 4, 1), torch.full((1, 4, 1), 7.0)):
+        torch.testing.assert_close(R.attention_blocks_reference(qb, bias, k, v, 0.25, None), want)
+    with pytest.raises(ValueError, match="blocks"):
+        R.attention_blocks_reference(qb, torch.zeros(1, 4, 1), k, v, 0.25, 4)  # 9 tokens need 3 blocks of 4
