@@ -112,6 +112,17 @@ def test_quantize_keys_and_values_in_one_launch(device, k_bits, v_bits, k_dim, v
     _assert_written(vs, _torch_quantized(v, pos, v_bits, **v_kw), pos, tn)
 
 
+def test_quantize_refuses_a_codes_only_store():
+    """A codes-only store has no scales to write: quantize_into would put them in its payload."""
+    x = torch.zeros(1, 2, 1, 64)
+    with pytest.raises(ValueError, match="append_codes"):
+        quantize_into(PackedStore((4, 2), 64, 1, codes_only=True), x, 0)
+    with pytest.raises(ValueError, match="append_codes"):
+        quantize_into(
+            PackedStore((4, 2), 64, 1), x, 0, v_store=PackedStore((4, 2), 64, 1, codes_only=True), v=x
+        )
+
+
 def test_quantize_rejects_unsupported_group_size():
     st = PackedStore((4, 4), head_dim=96, batch=1, group_size=48)
     x = torch.zeros(1, 2, 1, 96)
