@@ -1348,6 +1348,8 @@ def decode_attention_blocks(
         raise ValueError(f"qblock: {qblock} tokens a block; allowed: a positive multiple of 16, or None")
     if qblock is not None and block_n is not None and qblock % block_n:
         raise ValueError(f"block_n: {block_n} does not divide qblock {qblock}")
+    if length is None and qblock and NB < cdiv(k_store.length, qblock):
+        raise ValueError(f"qb: {NB} blocks for {k_store.length} stored tokens of {qblock} a block")
     options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
     given = tuple((k, v) for k, v in options if v is not None)
     if out is None:

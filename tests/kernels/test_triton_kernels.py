@@ -696,6 +696,10 @@ def test_decode_attention_blocks_extra_only_and_refusals(device):
         decode_attention_blocks(qb, bias, ks, vs, 0.5, 40, k_extra=kx, v_extra=vx)
     with pytest.raises(ValueError, match="block_n: 64 does not divide qblock 32"):
         decode_attention_blocks(qb, bias, ks, vs, 0.5, 32, block_n=64, k_extra=kx, v_extra=vx)
+    for st in (ks, vs):
+        st.append_codes(torch.zeros(B, 2, 33, 64, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="qb: 1 blocks for 33 stored tokens of 32 a block"):
+        decode_attention_blocks(qb, bias, ks, vs, 0.5, 32)
 
 
 @pytest.mark.gpu
