@@ -11,6 +11,11 @@ any other bucket (16 bits, float32 queries) in a launch of the generic kernel of
 splits with log-sum-exp. With `length` given as a device tensor the
 launches read the token count on the device and depend on no host value that changes from step to step: a
 decode step can be captured in a CUDA graph and replayed as the stores grow (within their capacity).
+
+decode_attention_blocks does the same over codes-only stores (no scales or zeros: formats whose transforms are folded
+into the query and the output), with a query and a bias per block of stored tokens, in the codes' domain: a launch of
+_block_query_kernel first makes each block's query the fast kernel's operand, then each kernel runs a codes-only
+branch of its own.
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ import triton.language as tl
 from kernels.host import cdiv, next_power_of_2, sm_count
 from kernels.quantize import check_group_size, check_widths
 from kernels.unpack import (
+    EXACT_CODES,
+    OFFSET_CODES,
     code_of_column_jit,
     code_of_columns_jit,
+    code_offsets_jit,
     dequant_tile,
     dequant_tile3,
     fast_path_fits,
@@ -70,6 +78,22 @@ FAST_LAUNCH_SMALL_HEADS = {
     2: {"block_n": 64, "num_stages": 2, "maxnreg": 128},
     8: {"block_n": 128, "num_stages": 2, "maxnreg": 128},
 }
+# The codes-only path's launch (decode_attention_blocks; its own loop, so its own figures: `python -m
+# kernels.gpu.inspect --codes --widths 4 3 2 8 --block-n 64 128 --stages 2 3 --maxnreg 0`, Triton 3.6, sm_90a, 32
+# query / 8 KV heads, head_dim 128, blocks of 128 tokens): 128-token tiles at every width (two 64-token tiles took
+# 664 / 570 / 720 / 638 loop instructions against 568 / 470 / 597 / 549 at 4 / 2 / 3 / 8 bits), 2 stages (3: 578 at 4
+# bits), and no register cap but at 8 bits: capped at 128, ptxas spent 128 registers and 18 more instructions at 4
+# bits, and left the predicates of the pipelined copies to be rebuilt before each (96 uncapped); 8 bits uncapped
+# took 168 registers. Heads of 64 channels (9 query / 3 KV heads): 2 bits at 64-token tiles (193 instructions
+# against 410 for 128); heads of 256 (8 / 1): the cap at 2, 3 and 4 bits (4 bits: 1070 instructions at 128
+# registers, 168 uncapped), 8 bits at 64-token tiles and no cap (154 registers; capped, 56 bytes of spills).
+CODES_LAUNCH = {w: {"block_n": 128, "num_stages": 2} for w in (2, 3, 4)} | {
+    8: {"block_n": 128, "num_stages": 2, "maxnreg": 128}
+}
+CODES_LAUNCH_SMALL_HEADS = {**CODES_LAUNCH, 2: {"block_n": 64, "num_stages": 2}}
+CODES_LAUNCH_LARGE_HEADS = {w: {"block_n": 128, "num_stages": 2, "maxnreg": 128} for w in (2, 3, 4)} | {
+    8: {"block_n": 64, "num_stages": 2}
+}
 # Captured in a CUDA graph, a call's stage-1 launches run concurrently, one stream each, so that one launch fills
 # the SMs that another's last wave leaves idle. Measured when every width bucket had a launch of its own (09710ae,
 # the H100, 2,2,2,2,4,4,8,8, shape above): a replay took 155 us against 170 with the buckets in turn (uniform 4
@@ -84,6 +108,8 @@ CONCURRENT_BUCKETS = True
 PROGRAMS_PER_SM = 16
 MAX_SPLITS = 256
 COMBINE_BLOCK = 16  # splits merged per step of the combine kernel
+# rows past the end of _block_query_kernel's outputs: more than a query group's padding (QG_B - QG)
+PAD_ROWS = 64
 CPU_SMS = 4  # what _default_splits assumes off CUDA (the interpreter)
 
 
@@ -102,8 +128,10 @@ def _fetch(
     D_B: tl.constexpr,
     G: tl.constexpr,
     SYM: tl.constexpr,
+    CODES: tl.constexpr = False,
 ):
-    """One KV head's tile as stored, loaded into registers: (raw, scales, zeros), for `_dequant`.
+    """One KV head's tile as stored, loaded into registers: (raw, scales, zeros), for `_dequant` (CODES: a
+    codes-only store's, whose scales and zeros are placeholders, raw again).
 
     raw: at W 16 the values (BLOCK_N, D_B); else the packed bytes as int32 (BLOCK_N, D_B // codes per unit),
     a unit being a byte (2, 4, 8 bits) or a 3-byte little-endian word of 8 codes (3 bits); bytes are loaded as
@@ -134,21 +162,25 @@ def _fetch(
         else:
             k = tl.arange(0, D_B // (8 // W))
             raw = tl.load(prow + k[None, :], mask=mask_n & (k[None, :] < D // (8 // W)), other=0).to(tl.int32)
-        grp = tl.arange(0, D_B // G)
-        gm = mask_n & (grp[None, :] < D // G)
-        s = tl.load(scale_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
-        if SYM:
-            # (code - 2**(W-1)) * s == code * s + z with z = -2**(W-1) * s: one FMA per element either way.
-            z = s * -(1 << (W - 1))
+        if CODES:
+            s = raw
+            z = raw
         else:
-            z = tl.load(zero_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
+            grp = tl.arange(0, D_B // G)
+            gm = mask_n & (grp[None, :] < D // G)
+            s = tl.load(scale_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
+            if SYM:
+                # (code - 2**(W-1)) * s == code * s + z with z = -2**(W-1) * s: one FMA per element either way.
+                z = s * -(1 << (W - 1))
+            else:
+                z = tl.load(zero_ptr + s_off + grp[None, :], mask=gm, other=0.0).to(tl.float32)
     return raw, s, z
 
 
 @triton.jit
-def _dequant(raw, s, z, W: tl.constexpr, D_B: tl.constexpr, G: tl.constexpr):
+def _dequant(raw, s, z, W: tl.constexpr, D_B: tl.constexpr, G: tl.constexpr, CODES: tl.constexpr = False):
     """float32 values (BLOCK_N, D_B) of a tile `_fetch` loaded: codes split out of their units (code
-    j * per + i is piece i of unit j), times the group's scale plus its zero."""
+    j * per + i is piece i of unit j), times the group's scale plus its zero (CODES: the codes themselves)."""
     BLOCK_N: tl.constexpr = raw.shape[0]
     if W == 16:
         x = raw.to(tl.float32)
@@ -161,13 +193,16 @@ def _dequant(raw, s, z, W: tl.constexpr, D_B: tl.constexpr, G: tl.constexpr):
             PER: tl.constexpr = 8 // W
             c = (raw[:, :, None] >> (tl.arange(0, PER) * W)[None, None, :]) & ((1 << W) - 1)
             codes = tl.reshape(c, (BLOCK_N, D_B))
-        NG_B: tl.constexpr = D_B // G
-        # Per-group scale/zero are broadcast in registers to their G lanes. With the scale applied per
-        # element, the zero point rides along in the same FMA; folding it into a per-group sum of q instead
-        # would add a (queries x tokens x groups) term and save nothing per element.
-        s_e = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
-        z_e = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
-        x = codes.to(tl.float32) * s_e + z_e
+        if CODES:
+            x = codes.to(tl.float32)
+        else:
+            NG_B: tl.constexpr = D_B // G
+            # Per-group scale/zero are broadcast in registers to their G lanes. With the scale applied per
+            # element, the zero point rides along in the same FMA; folding it into a per-group sum of q instead
+            # would add a (queries x tokens x groups) term and save nothing per element.
+            s_e = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
+            z_e = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, NG_B, G)), (BLOCK_N, D_B))
+            x = codes.to(tl.float32) * s_e + z_e
     return x
 
 
@@ -299,8 +334,74 @@ def _store_split(m_ptr, l_ptr, o_ptr, m_i, l_i, acc, b64, h, sp, S, HKV: tl.cons
 
 
 @triton.jit
+def _codes_tile(q, b, k, v, mask_n, m_i, l_i, acc, qk_scale, INPUT_PRECISION: tl.constexpr):
+    """One tile of _codes_program's online softmax: codes-domain k, v (BLOCK_N, D_B) in q's dtype, scores
+    q k^T + b (q (QG_B, D_B), b (QG_B,)) times qk_scale; mask_n (BLOCK_N, 1) -> (m_i, l_i, acc) after it."""
+    s = (tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) + b[:, None]) * qk_scale  # (QG_B, BLOCK_N)
+    s = tl.where(tl.trans(mask_n), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _codes_program(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, b64, h, sp, L, kp_ptr,
+                   kp_sb, kp_sh, kp_st, kslot_ptr, vp_ptr, vp_sb, vp_sh, vp_st, vslot_ptr, kx_ptr, kx_sb, kx_sh,
+                   kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunk, qk_scale, num_splits,
+                   HKV: tl.constexpr, QG: tl.constexpr, QG_B: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr,
+                   KW: tl.constexpr, VW: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
+                   QBLOCK: tl.constexpr, INPUT_PRECISION: tl.constexpr):  # fmt: skip
+    """One program of _decode_split_kernel over codes-only stores (decode_attention_blocks), for any width, head
+    dim and query dtype: each tile's codes as numbers, scored against its block's query q_ptr (B, Hq, NB, D) plus
+    its bias bias_ptr (B, Hq, NB) (QBLOCK tokens a block; 0: one block); the extra segment with block 0's."""
+    i = tl.arange(0, QG_B)
+    d = tl.arange(0, D_B)
+    imask = i < QG
+    qmask = imask[:, None] & (d[None, :] < D)
+    q_rows = q_ptr + b64 * stride_qb + (h * QG + i[:, None]) * stride_qh + d[None, :]  # (QG_B, D_B): block 0
+    b_rows = bias_ptr + b64 * stride_bb + (h * QG + i) * stride_bh  # (QG_B,)
+    m_i = tl.full((QG_B,), float("-inf"), tl.float32)
+    l_i = tl.zeros((QG_B,), tl.float32)
+    acc = tl.zeros((QG_B, D_B), tl.float32)
+    kp_base = b64 * kp_sb + tl.load(kslot_ptr + h).to(tl.int64) * kp_sh
+    vp_base = b64 * vp_sb + tl.load(vslot_ptr + h).to(tl.int64) * vp_sh
+    start = tl.minimum(sp * chunk, L)
+    end = tl.minimum(start + chunk, L)
+    for n0 in range(start, end, BLOCK_N):
+        if QBLOCK > 0:
+            blk = n0 // QBLOCK
+        else:
+            blk = 0
+        q = tl.load(q_rows + blk * stride_qn, mask=qmask, other=0.0)
+        b = tl.load(b_rows + blk, mask=imask, other=0.0)
+        n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]  # (BLOCK_N, 1)
+        k, _, _ = _fetch(kp_ptr, kp_base + n * kp_st, kp_ptr, kp_ptr, 0, kp_ptr, 0, n < end, KW, D, D_B, D_B, False,
+                         True)  # fmt: skip
+        v, _, _ = _fetch(vp_ptr, vp_base + n * vp_st, vp_ptr, vp_ptr, 0, vp_ptr, 0, n < end, VW, D, D_B, D_B, False,
+                         True)  # fmt: skip
+        k = _dequant(k, k, k, KW, D_B, D_B, True).to(q.dtype)
+        v = _dequant(v, v, v, VW, D_B, D_B, True).to(q.dtype)
+        m_i, l_i, acc = _codes_tile(q, b, k, v, n < end, m_i, l_i, acc, qk_scale, INPUT_PRECISION)
+    if HAS_EXTRA:
+        if sp == num_splits:
+            q = tl.load(q_rows, mask=qmask, other=0.0)
+            b = tl.load(b_rows, mask=imask, other=0.0)
+            for n0 in range(0, Tx, BLOCK_N):
+                n = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)[:, None]
+                xm = (n < Tx) & (d[None, :] < D)
+                k = tl.load(kx_ptr + b64 * kx_sb + h * kx_sh + n * kx_st + d[None, :], mask=xm, other=0.0)
+                v = tl.load(vx_ptr + b64 * vx_sb + h * vx_sh + n * vx_st + d[None, :], mask=xm, other=0.0)
+                m_i, l_i, acc = _codes_tile(q, b, k.to(q.dtype), v.to(q.dtype), n < Tx, m_i, l_i, acc, qk_scale,
+                                            INPUT_PRECISION)  # fmt: skip
+    _store_split(m_ptr, l_ptr, o_ptr, m_i, l_i, acc, b64, h, sp, num_splits + HAS_EXTRA, HKV, QG)
+
+
+@triton.jit
 def _decode_split_kernel(
-    q_ptr, stride_qb, stride_qh,
+    q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh,
     kp_ptr, kp_sb, kp_sh, kp_st, ks_ptr, kz_ptr, ks_sb, ks_sh, ks_st, kslot_ptr,
     vp_ptr, vp_sb, vp_sh, vp_st, vs_ptr, vz_ptr, vs_sb, vs_sh, vs_st, vslot_ptr,
     kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx,
@@ -308,7 +409,8 @@ def _decode_split_kernel(
     NH: tl.constexpr, HKV: tl.constexpr, QG: tl.constexpr, QG_B: tl.constexpr, D: tl.constexpr,
     D_B: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
     K_SYM: tl.constexpr, V_SYM: tl.constexpr, HAS_EXTRA: tl.constexpr, L_FROM_PTR: tl.constexpr,
-    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+    BLOCK_N: tl.constexpr, INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr, CODES: tl.constexpr = False,
+    QBLOCK: tl.constexpr = 0,
 ):  # fmt: skip
     # Arguments by line: q and its strides; the key store (payload or 16-bit values with batch, head and token
     # strides; scales, zeros and their strides; slot table); the value store, likewise; the extra segments and
@@ -316,9 +418,32 @@ def _decode_split_kernel(
     # grid: (B * NH, num_splits + HAS_EXTRA) over the NH KV heads whose keys are stored at KW bits and values
     # at VW bits (heads_ptr lists them). A program owns one KV head and all QG query heads reading it (their
     # K/V bytes are loaded once), over one chunk of stored tokens; the last split column, when there is an
-    # extra segment, attends over that segment instead.
+    # extra segment, attends over that segment instead. With CODES (codes-only stores) q_ptr holds a query per
+    # block of QBLOCK tokens and bias_ptr a bias each (_codes_program).
     sp, b64, _, h, L = _program(heads_ptr, len_ptr, L_arg, NH, L_FROM_PTR)
+    if CODES:
+        _codes_program(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, b64, h, sp, L, kp_ptr,
+                       kp_sb, kp_sh, kp_st, kslot_ptr, vp_ptr, vp_sb, vp_sh, vp_st, vslot_ptr, kx_ptr, kx_sb, kx_sh,
+                       kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunk, qk_scale, num_splits, HKV,
+                       QG, QG_B, D, D_B, KW, VW, HAS_EXTRA, BLOCK_N, QBLOCK, INPUT_PRECISION)  # fmt: skip
+    else:
+        _split_program(q_ptr, stride_qb, stride_qh, b64, h, sp, L, kp_ptr, kp_sb, kp_sh, kp_st, ks_ptr, kz_ptr, ks_sb,
+                       ks_sh, ks_st, kslot_ptr, vp_ptr, vp_sb, vp_sh, vp_st, vs_ptr, vz_ptr, vs_sb, vs_sh, vs_st,
+                       vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr,
+                       chunk, qk_scale, num_splits, HKV, QG, QG_B, D, D_B, KW, VW, KG, VG, K_SYM, V_SYM, HAS_EXTRA,
+                       BLOCK_N, INPUT_PRECISION, PREFETCH)  # fmt: skip
 
+
+@triton.jit
+def _split_program(q_ptr, stride_qb, stride_qh, b64, h, sp, L, kp_ptr, kp_sb, kp_sh, kp_st, ks_ptr, kz_ptr, ks_sb,
+                   ks_sh, ks_st, kslot_ptr, vp_ptr, vp_sb, vp_sh, vp_st, vs_ptr, vz_ptr, vs_sb, vs_sh, vs_st,
+                   vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunk,
+                   qk_scale, num_splits, HKV: tl.constexpr, QG: tl.constexpr, QG_B: tl.constexpr, D: tl.constexpr,
+                   D_B: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr,
+                   K_SYM: tl.constexpr, V_SYM: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    """One program of _decode_split_kernel over packed (or 16-bit) stores: KV head h of batch row b64 over split
+    sp (L stored tokens), and the extra segment in the last split column."""
     i = tl.arange(0, QG_B)
     d = tl.arange(0, D_B)
     qmask = (i[:, None] < QG) & (d[None, :] < D)
@@ -358,6 +483,14 @@ def _load_fp16(ptr, offsets, mask):
 
 
 @triton.jit
+def _load_shifted(ptr, offsets, mask, shift):
+    """A load of codes-domain K or V in full precision plus `shift` (each column's code offset) as fp16 operands,
+    clamped to fp16's finite range."""
+    x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32) + shift
+    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
+
+
+@triton.jit
 def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
     """q at columns `cols` (n,) of each row times `scale` as float32, clamped to fp16's finite range: rows
     row_ptr (QG_B, 1) -> (QG_B, n), or with ROWS=False row_ptr (1, QG_B) -> (n, QG_B)."""
@@ -367,19 +500,39 @@ def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
 
 
 @triton.jit
-def _q_piece(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr):
+def _q_piece(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, REV: tl.constexpr, ASM: tl.constexpr,
+             READY: tl.constexpr):  # fmt: skip
     """The column pairs m = 8 j + REV (j < D / 16) of the scores operand, as int32 (QG_B, D / 16) of two fp16
-    lanes: column 2m in the low, 2m + 1 in the high half."""
+    lanes: column 2m in the low, 2m + 1 in the high half (READY: read as they are, row_ptr int32 rows of D / 2
+    pairs in that order)."""
     m = 8 * tl.arange(0, D // 16) + REV
-    lo = _q_half(row_ptr, code_of_columns_jit(2 * m, W, D, True), mask, scale)
-    hi = _q_half(row_ptr, code_of_columns_jit(2 * m + 1, W, D, True), mask, scale)
-    return pack_f16x2(lo, hi, ASM)
+    if READY:
+        pairs = _load_words(row_ptr + m[None, :], mask, ASM)
+    else:
+        lo = _q_half(row_ptr, code_of_columns_jit(2 * m, W, D, True), mask, scale)
+        hi = _q_half(row_ptr, code_of_columns_jit(2 * m + 1, W, D, True), mask, scale)
+        pairs = pack_f16x2(lo, hi, ASM)
+    return pairs
 
 
 @triton.jit
-def _load_q_pairs(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+def _load_words(ptr, mask, ASM: tl.constexpr):
+    """int32 words at ptr: with ASM unmasked, each one a plain ld.global (which Triton lays out as the registers of
+    the mma operand it makes, as _load_q_pairs' loads); in the interpreter those under `mask` (0 elsewhere)."""
+    if ASM:
+        words = tl.inline_asm_elementwise("ld.global.nc.b32 $0, [$1];", "=r,l", [ptr], tl.int32, True, 1)
+    else:
+        words = tl.load(ptr, mask=mask, other=0)
+    return words
+
+
+@triton.jit
+def _load_q_pairs(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr,
+                  READY: tl.constexpr = False):  # fmt: skip
     """The queries times `scale` as the scores mma's operand qT (D, QG_B) fp16 in kernels.unpack's lane order for
-    width W, clamped to fp16's finite range: row_ptr (QG_B, 1) each query's row, mask (QG_B, 1).
+    width W, clamped to fp16's finite range: row_ptr (QG_B, 1) each query's row, mask (QG_B, 1). READY: the rows
+    hold that operand already (int32 pairs, _block_query_kernel's), read as they are, unmasked when compiled
+    (_load_words).
 
     Each pair of logical columns (2m, 2m + 1) is made as one int32 of two fp16 lanes and split by bitcasts, a
     chain that Triton lays out as the mma operand itself, so q stays in registers across the loop, each pair
@@ -391,18 +544,22 @@ def _load_q_pairs(row_ptr, mask, scale, W: tl.constexpr, D: tl.constexpr, ASM: t
     x = tl.join(
         tl.join(
             tl.join(
-                _q_piece(row_ptr, mask, scale, W, D, 0, ASM), _q_piece(row_ptr, mask, scale, W, D, 4, ASM)
+                _q_piece(row_ptr, mask, scale, W, D, 0, ASM, READY),
+                _q_piece(row_ptr, mask, scale, W, D, 4, ASM, READY),
             ),
             tl.join(
-                _q_piece(row_ptr, mask, scale, W, D, 2, ASM), _q_piece(row_ptr, mask, scale, W, D, 6, ASM)
+                _q_piece(row_ptr, mask, scale, W, D, 2, ASM, READY),
+                _q_piece(row_ptr, mask, scale, W, D, 6, ASM, READY),
             ),
         ),
         tl.join(
             tl.join(
-                _q_piece(row_ptr, mask, scale, W, D, 1, ASM), _q_piece(row_ptr, mask, scale, W, D, 5, ASM)
+                _q_piece(row_ptr, mask, scale, W, D, 1, ASM, READY),
+                _q_piece(row_ptr, mask, scale, W, D, 5, ASM, READY),
             ),
             tl.join(
-                _q_piece(row_ptr, mask, scale, W, D, 3, ASM), _q_piece(row_ptr, mask, scale, W, D, 7, ASM)
+                _q_piece(row_ptr, mask, scale, W, D, 3, ASM, READY),
+                _q_piece(row_ptr, mask, scale, W, D, 7, ASM, READY),
             ),
         ),
     )  # (QG_B, D / 16, 2, 2, 2)
@@ -425,12 +582,14 @@ def _opaque(x):
 
 @triton.jit
 def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
-                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                 SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr, MASKED: tl.constexpr,
+                 CODES: tl.constexpr = 0):  # fmt: skip
     """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
 
     p_ptr: the head's payload as int32 words, rows of NW = D * W / 32 words; s_ptr, z_ptr: its fp16 scales
     and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored (read
-    only when MASKED; a tile without it loads every row).
+    only when MASKED; a tile without it loads every row). With CODES (a codes-only store: kernels.unpack's
+    OFFSET_CODES or EXACT_CODES) s_ptr and z_ptr are not read and the tile holds the codes.
     """
     NW: tl.constexpr = D * W // 32
     NU: tl.constexpr = D // 32 if W == 3 else NW  # units: words, or at 3 bits 3 words of 32 codes
@@ -456,21 +615,27 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
             words = tl.load(w_ptr, mask=mask_n[:, None], other=0)
         else:
             words = tl.load(w_ptr)
-    sc_ptr = s_ptr + r64[:, None] * NG + g[None, :]  # (BLOCK_N, NG)
-    zc_ptr = z_ptr + r64[:, None] * NG + g[None, :]
-    if MASKED:
-        s = tl.load(sc_ptr, mask=mask_n[:, None], other=0.0)
-        z = s if SYM else tl.load(zc_ptr, mask=mask_n[:, None], other=0.0)  # symmetric: unused
+    if CODES:  # the lanes as unpacked: no scale or zero to read
+        if W == 3:
+            tile = dequant_tile3(u0, u1, u2, u0, u0, False, ASM, LANES, CODES)
+        else:
+            tile = dequant_tile(words, words, words, words, W, False, ASM, LANES, CODES)
     else:
-        s = tl.load(sc_ptr)
-        z = s if SYM else tl.load(zc_ptr)
-    s2, z2, z2o = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
-    s2, z2 = _per_unit(s2, NU), _per_unit(z2, NU)
-    if W == 3:
-        tile = dequant_tile3(u0, u1, u2, s2, z2, SYM, ASM, LANES)
-    else:
-        z2o = _per_unit(z2o, NU) if W == 2 else z2  # odd pairs' constant (else the same as z2)
-        tile = dequant_tile(words, s2, z2, z2o, W, SYM, ASM, LANES)
+        sc_ptr = s_ptr + r64[:, None] * NG + g[None, :]  # (BLOCK_N, NG)
+        zc_ptr = z_ptr + r64[:, None] * NG + g[None, :]
+        if MASKED:
+            s = tl.load(sc_ptr, mask=mask_n[:, None], other=0.0)
+            z = s if SYM else tl.load(zc_ptr, mask=mask_n[:, None], other=0.0)  # symmetric: unused
+        else:
+            s = tl.load(sc_ptr)
+            z = s if SYM else tl.load(zc_ptr)
+        s2, z2, z2o = group_constants(s, z, W, SYM, ASM)  # (BLOCK_N, NG) int32 each
+        s2, z2 = _per_unit(s2, NU), _per_unit(z2, NU)
+        if W == 3:
+            tile = dequant_tile3(u0, u1, u2, s2, z2, SYM, ASM, LANES)
+        else:
+            z2o = _per_unit(z2o, NU) if W == 2 else z2  # odd pairs' constant (else the same as z2)
+            tile = dequant_tile(words, s2, z2, z2o, W, SYM, ASM, LANES)
     return tile
 
 
@@ -590,83 +755,207 @@ def _packed_head(q_ptr, stride_qb, stride_qh, b64, h, sp, L, kp, kp_sb, kp_sh, k
     tl.store(o_ptr + row[None, :] * D_B + vcol[:, None], acc, mask=(i < QG)[None, :])
 
 
+@triton.jit
+def _block_query(head, blk, QG: tl.constexpr, QG_B: tl.constexpr, D: tl.constexpr, ASM: tl.constexpr):
+    """Block blk's scores operand qT (D, QG_B) fp16 and bias (QG_B,) float32 from a KV head's records (head: an int32
+    pointer to its block 0), as _block_query_kernel wrote them. Rows past the QG heads are read unmasked (the
+    record's bias and the next record, or the buffer's padding): their columns of the scores are never stored
+    (the interpreter, without ASM, masks them: numpy warns of the NaNs that garbage may make)."""
+    rec = head + blk * _record_words(QG, D)
+    i = tl.arange(0, QG_B)
+    rows = rec + i[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+    if ASM:
+        pairs = tl.load(rows)  # (QG_B, D / 2)
+    else:
+        pairs = tl.load(rows, mask=(i < QG)[:, None], other=0)
+    q_lo = pairs.to(tl.int16).to(tl.float16, bitcast=True)
+    q_hi = (pairs >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    qT = tl.trans(tl.reshape(tl.join(q_lo, q_hi), (QG_B, D)))  # (D, QG_B)
+    return qT, tl.load((rec + QG * D // 2 + i).to(tl.pointer_type(tl.float32), bitcast=True))
+
+
+@triton.jit
+def _record_words(QG: tl.constexpr, D: tl.constexpr):
+    """int32 words of one block's record of a KV head: QG rows of D / 2 query pairs, then QG float32 biases,
+    rounded up to 16 bytes."""
+    return QG * D // 2 + (QG + 3) // 4 * 4
+
+
+@triton.jit(do_not_specialize=["NB"])
+def _block_query_kernel(qb_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, widths_ptr, out, NB,
+                        qk_scale, HQ: tl.constexpr, QG: tl.constexpr, D: tl.constexpr, KWS: tl.constexpr,
+                        BLOCK_NB: tl.constexpr):  # fmt: skip
+    """decode_attention_blocks' queries and biases made into what the fast kernel's codes-only tiles read, for
+    query head i = h QG + g of batch row b over blocks n: out (B, Hkv, NB) records of _record_words int32 words,
+    block n's of KV head h one run of memory: row g holds qb times qk_scale as fp16, clamped to fp16's finite
+    range, in the lane order of the head's key width (widths_ptr: int32 per KV head; the widths KWS), and after
+    the QG rows bias g the bias times qk_scale less that row . code_offset, the share of every score that the
+    tiles' code offsets add (kernels.unpack). qb (B, Hq, NB, D), bias (B, Hq, NB) with their strides.
+    grid: (B * Hq, cdiv(NB, BLOCK_NB))."""
+    pid = tl.program_id(0)
+    b64, i = (pid // HQ).to(tl.int64), pid % HQ
+    n = tl.program_id(1) * BLOCK_NB + tl.arange(0, BLOCK_NB)
+    nmask = n < NB
+    rec = ((b64 * (HQ // QG) + i // QG) * NB + n) * _record_words(QG, D)  # (BLOCK_NB,) in words
+    d = tl.arange(0, D)
+    kw = tl.load(widths_ptr + i // QG)
+    for k in tl.static_range(len(KWS)):
+        if kw == KWS[k]:
+            cols = code_of_column_jit(KWS[k], D, True)
+            x = tl.load(qb_ptr + b64 * stride_qb + i * stride_qh + n[:, None] * stride_qn + cols[None, :],
+                        mask=nmask[:, None], other=0.0)  # fmt: skip
+            q16 = tl.minimum(tl.maximum(x.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(tl.float16)
+            rows = (out + rec + (i % QG) * (D // 2)).to(tl.pointer_type(tl.float16), bitcast=True)
+            tl.store(rows[:, None] + d[None, :], q16, mask=nmask[:, None])
+            offsets = tl.sum(q16.to(tl.float32) * code_offsets_jit(d, KWS[k])[None, :], axis=1)  # (BLOCK_NB,)
+            bias = tl.load(bias_ptr + b64 * stride_bb + i * stride_bh + n, mask=nmask, other=0.0)
+            biases = (out + rec + QG * D // 2 + i % QG).to(tl.pointer_type(tl.float32), bitcast=True)
+            tl.store(biases, bias.to(tl.float32) * qk_scale - offsets, mask=nmask)
+
+
+@triton.jit
+def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, VW: tl.constexpr, D: tl.constexpr,
+                ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One tile of _codes_head's online softmax over codes-only K and V (kp, vp: the head's words): tokens
+    n0 .. n0 + BLOCK_N (those from `end` on masked out when MASKED) with the block's qT and bias (_block_query)
+    -> the updated (m_i, l_rows, acc). K's lanes keep their code offsets (the bias takes them out of the scores);
+    V's are the codes themselves (one sub.f16x2 a pair, which costs what the moves into the shared-memory stores'
+    register quads cost with the offsets left in: ptxas puts lop3 results elsewhere, sm_90a)."""
+    BLOCK_N: tl.constexpr = l_rows.shape[0]
+    rows = n0 + tl.arange(0, BLOCK_N)
+    mask_n = rows < end
+    # (BLOCK_N, D) fp16
+    k = _packed_tile(kp, kp, kp, rows, mask_n, KW, D, D, False, ASM, True, MASKED, OFFSET_CODES)
+    s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units, without the bias
+    if MASKED:
+        s = tl.where(mask_n[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=0) + bias)
+    p = tl.exp2(s - (m_new - bias)[None, :])
+    alpha = tl.exp2(m_i - m_new)
+    l_rows = l_rows * alpha[None, :] + p
+    v = _packed_tile(vp, vp, vp, rows, mask_n, VW, D, D, False, ASM, False, MASKED, EXACT_CODES)
+    vT = tl.trans(v)
+    if ASM:  # an identity Triton cannot look through: see _opaque
+        vT = _opaque(vT)
+    acc = acc * alpha[None, :] + tl.dot(vT, p.to(tl.float16))
+    return m_new, l_rows, acc
+
+
+@triton.jit
+def _codes_extra(qT, bias, m_i, l_rows, acc, x_end, kx_h, kx_st, vx_h, vx_st, kcol, koff, vcol):
+    """The online softmax over the first x_end tokens of a KV head's extra segment, floats in the codes' domain
+    (kx_h, vx_h its rows, token strides kx_st, vx_st; keys shifted by their columns' code offsets koff as the
+    stored tiles' are), with block 0's qT and bias -> the updated (m_i, l_rows, acc)."""
+    BLOCK_N: tl.constexpr = l_rows.shape[0]
+    for n0 in range(0, x_end, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = n < x_end
+        n64 = n.to(tl.int64)[:, None]
+        k = _load_shifted(kx_h, n64 * kx_st + kcol[None, :], mask_n[:, None], koff[None, :])
+        v = _load_fp16(vx_h, n64 * vx_st + vcol[None, :], mask_n[:, None])
+        s = tl.where(mask_n[:, None], tl.dot(k, qT), float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=0) + bias)
+        p = tl.exp2(s - (m_new - bias)[None, :])
+        alpha = tl.exp2(m_i - m_new)
+        l_rows = l_rows * alpha[None, :] + p
+        m_i = m_new
+        acc = acc * alpha[None, :] + tl.dot(tl.trans(v), p.to(tl.float16))
+    return m_i, l_rows, acc
+
+
+@triton.jit
+def _codes_head(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, b64, h, sp, L, kp, kp_sb,
+                kp_sh, kslot_ptr, vp, vp_sb, vp_sh, vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh,
+                vx_st, Tx, m_ptr, l_ptr, o_ptr, chunk, qk_scale, num_splits, HKV: tl.constexpr, QG: tl.constexpr,
+                QG_B: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
+                HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, QBLOCK: tl.constexpr,
+                ASM: tl.constexpr):  # fmt: skip
+    """One program of _decode_packed_kernel over codes-only stores (decode_attention_blocks): as _packed_head, but
+    the tiles hold the codes (no scale or zero read; K's with their code offsets), and the scores take the query
+    and bias of the tile's block of QBLOCK tokens (0: one block, loaded once) from q_ptr's records
+    (_block_query_kernel's; stride_qb, stride_qh: a batch row's and a KV head's strides)."""
+    i = tl.arange(0, QG_B)
+    kcol = code_of_column_jit(KW, D, True)
+    vcol = code_of_column_jit(VW, D, False)
+    koff = code_offsets_jit(tl.arange(0, D), KW)  # (D,) by logical column
+    head = q_ptr + b64 * stride_qb + h * stride_qh  # int32: the head's record of block 0
+    m_i = tl.full((QG_B,), float("-inf"), tl.float32)
+    l_rows = tl.zeros((BLOCK_N, QG_B), tl.float32)
+    acc = tl.zeros((D, QG_B), tl.float32)
+    kp = kp + b64 * kp_sb + tl.load(kslot_ptr + h).to(tl.int64) * kp_sh
+    vp = vp + b64 * vp_sb + tl.load(vslot_ptr + h).to(tl.int64) * vp_sh
+
+    start = tl.minimum(sp * chunk, L)
+    end = tl.minimum(start + chunk, L)
+    full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    if QBLOCK == 0:  # one block: its query for every tile, held in registers as the mma's operand
+        qT = _load_q_pairs(head + i[:, None] * (D // 2), (i < QG)[:, None], 1.0, 0, D, ASM, True)
+        bias = tl.load((head + QG * D // 2 + i).to(tl.pointer_type(tl.float32), bitcast=True))
+    for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
+        if QBLOCK > 0:
+            qT, bias = _block_query(head, tl.cast(n0, tl.uint32) // QBLOCK, QG, QG_B, D, ASM)
+        m_i, l_rows, acc = _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW, VW, D, ASM, False)
+    if full_end < end:
+        if QBLOCK > 0:
+            qT, bias = _block_query(head, tl.cast(full_end, tl.uint32) // QBLOCK, QG, QG_B, D, ASM)
+        m_i, l_rows, acc = _codes_step(
+            qT, bias, kp, vp, full_end, end, m_i, l_rows, acc, KW, VW, D, ASM, True
+        )
+    if HAS_EXTRA:
+        if sp == num_splits:
+            if QBLOCK > 0:
+                qT, bias = _block_query(head, 0, QG, QG_B, D, ASM)
+            m_i, l_rows, acc = _codes_extra(qT, bias, m_i, l_rows, acc, Tx, kx_ptr + b64 * kx_sb + h * kx_sh, kx_st,
+                                            vx_ptr + b64 * vx_sb + h * vx_sh, vx_st, kcol, koff, vcol)  # fmt: skip
+
+    l_i = tl.sum(l_rows, axis=0)
+    row = (b64 * HKV * QG + h * QG + i) * (num_splits + HAS_EXTRA) + sp  # (QG_B,)
+    tl.store(m_ptr + row, m_i, mask=i < QG)
+    tl.store(l_ptr + row, l_i, mask=i < QG)
+    tl.store(o_ptr + row[None, :] * D_B + vcol[:, None], acc, mask=(i < QG)[None, :])
+
+
 # L_arg, the stored length of an eager step, is not specialized on divisibility by 16: it changes every step, and
 # so each bucket compiled twice in a generation's first 16 steps (a compiling 4-bit step took 2.2 s on the H100,
 # check-5317e84). The main loop compiles to the same instructions either way (make inspect, sm_90a); the single
 # specialization key is checked in tests/kernels/gpu/test_inspect.py.
 @triton.jit(do_not_specialize=["L_arg"])
 def _decode_packed_kernel(
-    q_ptr,
-    stride_qb,
-    stride_qh,
-    k_words,
-    k_words_sb,
-    k_words_sh,
-    k_scales,
-    k_zeros,
-    k_scales_sb,
-    k_scales_sh,
-    kslot_ptr,
-    v_words,
-    v_words_sb,
-    v_words_sh,
-    v_scales,
-    v_zeros,
-    v_scales_sb,
-    v_scales_sh,
-    vslot_ptr,
-    kx_ptr,
-    kx_sb,
-    kx_sh,
-    kx_st,
-    vx_ptr,
-    vx_sb,
-    vx_sh,
-    vx_st,
-    Tx,
-    heads_ptr,
-    starts,
-    chunks,
-    m_ptr,
-    l_ptr,
-    o_ptr,
-    L_arg,
-    len_ptr,
-    qk_scale,
-    num_splits,
-    NH: tl.constexpr,
-    HKV: tl.constexpr,
-    QG: tl.constexpr,
-    QG_B: tl.constexpr,
-    D: tl.constexpr,
-    D_B: tl.constexpr,
-    KWS: tl.constexpr,
-    VWS: tl.constexpr,
-    KG: tl.constexpr,
-    VG: tl.constexpr,
-    K_SYM: tl.constexpr,
-    V_SYM: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
-    L_FROM_PTR: tl.constexpr,
-    BLOCK_NS: tl.constexpr,
-    STAGES: tl.constexpr,
-    ASM: tl.constexpr,
-):
+    q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, k_words, k_words_sb, k_words_sh,
+    k_scales, k_zeros, k_scales_sb, k_scales_sh, kslot_ptr, v_words, v_words_sb, v_words_sh, v_scales, v_zeros,
+    v_scales_sb, v_scales_sh, vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx, heads_ptr,
+    starts, chunks, m_ptr, l_ptr, o_ptr, L_arg, len_ptr, qk_scale, num_splits, NH: tl.constexpr,
+    HKV: tl.constexpr, QG: tl.constexpr, QG_B: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr,
+    KWS: tl.constexpr, VWS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, K_SYM: tl.constexpr,
+    V_SYM: tl.constexpr, HAS_EXTRA: tl.constexpr, L_FROM_PTR: tl.constexpr, BLOCK_NS: tl.constexpr,
+    STAGES: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr = False, QBLOCK: tl.constexpr = 0,
+):  # fmt: skip
     # grid: (B * NH, num_splits + HAS_EXTRA) over the NH KV heads of every width bucket whose keys and values are
     # both packed at 2, 3, 4 or 8 bits, as _decode_split_kernel's for one bucket: heads_ptr lists them in bucket
     # order, bucket i's at [starts[i], starts[i + 1]). Bucket i is a branch of its own, compiled for its widths
     # KWS[i] (keys) and VWS[i] (values), its tile BLOCK_NS[i] and pipeline STAGES[i], reading tuple entry i of the
     # store arguments (that width's words, scales, zeros and strides) and splitting its tokens into chunks[i].
+    # With CODES (codes-only stores, decode_attention_blocks) q_ptr holds _block_query_kernel's records, a query and
+    # a bias per block of QBLOCK tokens (QBLOCK 0: one block), stride_qb and stride_qh apart by batch row and KV head;
+    # bias_ptr and the scales and zeros are placeholders.
     sp, b64, j, h, L = _program(heads_ptr, len_ptr, L_arg, NH, L_FROM_PTR)
     for k in tl.static_range(len(KWS)):
         if (j >= starts[k]) & (j < starts[k + 1]):
-            _packed_head(
-                q_ptr, stride_qb, stride_qh, b64, h, sp, L, k_words[k], k_words_sb[k], k_words_sh[k], k_scales[k],
-                k_zeros[k], k_scales_sb[k], k_scales_sh[k], kslot_ptr, v_words[k], v_words_sb[k], v_words_sh[k],
-                v_scales[k], v_zeros[k], v_scales_sb[k], v_scales_sh[k], vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st,
-                vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunks[k], qk_scale, num_splits, HKV, QG,
-                QG_B, D, D_B, KWS[k], VWS[k], KG, VG, K_SYM, V_SYM, HAS_EXTRA, BLOCK_NS[k], STAGES[k], ASM,
-            )  # fmt: skip
+            if CODES:
+                _codes_head(
+                    q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, b64, h, sp, L, k_words[k],
+                    k_words_sb[k], k_words_sh[k], kslot_ptr, v_words[k], v_words_sb[k], v_words_sh[k], vslot_ptr, kx_ptr,
+                    kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunks[k], qk_scale,
+                    num_splits, HKV, QG, QG_B, D, D_B, KWS[k], VWS[k], HAS_EXTRA, BLOCK_NS[k], STAGES[k], QBLOCK, ASM,
+                )  # fmt: skip
+            else:
+                _packed_head(
+                    q_ptr, stride_qb, stride_qh, b64, h, sp, L, k_words[k], k_words_sb[k], k_words_sh[k], k_scales[k],
+                    k_zeros[k], k_scales_sb[k], k_scales_sh[k], kslot_ptr, v_words[k], v_words_sb[k], v_words_sh[k],
+                    v_scales[k], v_zeros[k], v_scales_sb[k], v_scales_sh[k], vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st,
+                    vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunks[k], qk_scale, num_splits, HKV, QG,
+                    QG_B, D, D_B, KWS[k], VWS[k], KG, VG, K_SYM, V_SYM, HAS_EXTRA, BLOCK_NS[k], STAGES[k], ASM,
+                )  # fmt: skip
 
 
 @triton.jit
@@ -716,28 +1005,36 @@ def _default_splits(length: int, n_programs: int, block_n: int, device: torch.de
     return max(1, min(cdiv(max(length, 1), block_n), want, MAX_SPLITS))
 
 
-def _fast_launch(kw: int, vw: int, head_dim: int) -> dict:
-    """The launch (FAST_LAUNCH, FAST_LAUNCH_SMALL_HEADS at head_dim 64 and below) of a bucket of kw-bit keys and
-    vw-bit values: that of the width with the smaller tile (at equal tiles, the wider width's), so that a 3-bit
+def _fast_launch(kw: int, vw: int, head_dim: int, codes: bool = False) -> dict:
+    """The launch (FAST_LAUNCH, FAST_LAUNCH_SMALL_HEADS at head_dim 64 and below; for codes-only stores
+    CODES_LAUNCH, and its tables for heads of 64 channels and fewer and of more than 128) of a bucket of kw-bit keys
+    and vw-bit values: that of the width with the smaller tile (at equal tiles, the wider width's), so that a 3-bit
     side keeps its 64-token tile (3 and 4 bits at 128 tokens under the cap spill a register, sm_90a)."""
-    table = FAST_LAUNCH_SMALL_HEADS if head_dim <= 64 else FAST_LAUNCH
+    if codes:
+        small, large = head_dim <= 64, head_dim > 128
+        table = CODES_LAUNCH_SMALL_HEADS if small else CODES_LAUNCH_LARGE_HEADS if large else CODES_LAUNCH
+    else:
+        table = FAST_LAUNCH_SMALL_HEADS if head_dim <= 64 else FAST_LAUNCH
     narrow, wide = table[min(kw, vw)], table[max(kw, vw)]
     return narrow if narrow["block_n"] < wide["block_n"] else wide
 
 
-def fast_block_n(kw: int, vw: int, head_dim: int) -> int:
-    """The fast kernel's default tokens per tile for a bucket of keys at kw bits and values at vw."""
-    return _fast_launch(kw, vw, head_dim)["block_n"]
+def fast_block_n(kw: int, vw: int, head_dim: int, codes: bool = False) -> int:
+    """The fast kernel's default tokens per tile for a bucket of keys at kw bits and values at vw (codes: of
+    codes-only stores)."""
+    return _fast_launch(kw, vw, head_dim, codes)["block_n"]
 
 
-def fast_options(kw: int, vw: int, head_dim: int) -> dict:
+def fast_options(kw: int, vw: int, head_dim: int, codes: bool = False) -> dict:
     """The fast kernel's default Triton launch options (num_stages, maxnreg) for a bucket of kw-bit keys and vw-bit
-    values."""
-    return {k: v for k, v in _fast_launch(kw, vw, head_dim).items() if k != "block_n"}
+    values (codes: of codes-only stores)."""
+    return {k: v for k, v in _fast_launch(kw, vw, head_dim, codes).items() if k != "block_n"}
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_options(head_dim: int, fast_pairs: tuple, given: tuple) -> tuple[dict, tuple]:
+def _launch_options(
+    head_dim: int, fast_pairs: tuple, given: tuple, codes: bool = False
+) -> tuple[dict, tuple]:
     """Stage 1's Triton launch options and each fast bucket's pipeline stages, for one launch: the generic
     kernel's (fast_pairs empty) or the fast kernel's over its (key width, value width) buckets.
 
@@ -746,7 +1043,7 @@ def _launch_options(head_dim: int, fast_pairs: tuple, given: tuple) -> tuple[dic
     holds every bucket's branch) and the fewest stages. The caller's `given` ((name, value) pairs) wins over all
     of them, maxnreg 0 meaning no cap. Cached: built once per map and call signature (the eager decode step is
     host-bound); read-only."""
-    defaults = [fast_options(kw, vw, head_dim) for kw, vw in fast_pairs]
+    defaults = [fast_options(kw, vw, head_dim, codes) for kw, vw in fast_pairs]
     merged = {}
     if defaults:
         merged["num_stages"] = min(d["num_stages"] for d in defaults)
@@ -789,14 +1086,19 @@ def _store_map_plan(k_store, v_store, device: torch.device, q_dtype: torch.dtype
 
 
 def _split_plans(map_plan, k_store, span: int, block_n: int | None, device: torch.device,
-                 num_splits: int | None) -> tuple[list, int]:  # fmt: skip
-    """((tokens per tile, tokens per split) of each bucket, split columns of the partials table): plan_splits'."""
+                 num_splits: int | None, qblock: int | None = None) -> tuple[list, int]:  # fmt: skip
+    """((tokens per tile, tokens per split) of each bucket, split columns of the partials table): plan_splits'.
+    With `qblock` (tokens a query block of decode_attention_blocks; 0: one block) a tile divides the block and a
+    split holds whole blocks."""
     plans = []
     for (kw, vw, heads), fast in zip(map_plan[0], map_plan[1]):
-        tile = block_n or (fast_block_n(kw, vw, k_store.head_dim) if fast else BLOCK_N)
+        tile = block_n or (fast_block_n(kw, vw, k_store.head_dim, qblock is not None) if fast else BLOCK_N)
+        while qblock and qblock % tile:  # the largest power of two below the default that divides the block
+            tile //= 2
         programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
         n = num_splits or _default_splits(span, programs, tile, device)
-        plans.append((tile, cdiv(cdiv(max(span, 1), n), tile) * tile))  # whole tiles
+        step = max(tile, qblock or 0)
+        plans.append((tile, cdiv(cdiv(max(span, 1), n), step) * step))  # whole tiles (and blocks)
     return plans, max(cdiv(max(span, 1), chunk) for _, chunk in plans)
 
 
@@ -841,7 +1143,7 @@ def _packed_args(st, widths: tuple[int, ...]) -> list:
 
 def _kernel_group(st, d_b: int) -> int:
     """The group size the kernel is compiled with (any power of two <= D_B when no head is quantized)."""
-    if all(w == 16 for w in st.bits):
+    if all(w == 16 for w in st.bits) or st.codes_only:
         return d_b
     check_group_size(st.group_size, st.head_dim)
     return st.group_size
@@ -864,6 +1166,50 @@ def width_buckets(k_bits: tuple[int, ...], v_bits: tuple[int, ...], device: torc
         )
         for kw, vw in pairs
     )
+
+
+@functools.lru_cache(maxsize=64)
+def _width_table(bits: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int32 (Hkv,) on `device`: each KV head's width (made and copied once per map)."""
+    return torch.tensor(bits, dtype=torch.int32, device=device)
+
+
+_BLOCK_WORKSPACE: dict[tuple, torch.Tensor] = {}
+
+
+def _block_workspace(device: torch.device, B: int, Hkv: int, NB: int, QG: int, D: int) -> torch.Tensor:
+    """_block_query_kernel's output, int32 (B, Hkv, NB, record_words(QG, D)), a view of a buffer kept per (device,
+    B, Hkv, QG, D) and grown to the largest NB asked for (a growing cache adds a block now and then; a CUDA graph's
+    calls ask for one NB). PAD_ROWS query rows of padding follow, which the fast kernel's unmasked loads of a block's
+    rows may read."""
+    key, words = (device, B, Hkv, QG, D), B * Hkv * NB * record_words(QG, D)
+    buf = _BLOCK_WORKSPACE.get(key)
+    pad = PAD_ROWS * D // 2
+    if buf is None or buf.numel() < words + pad:
+        grown = 0 if buf is None else 2 * (buf.numel() - pad)
+        buf = torch.zeros(max(words, grown) + pad, dtype=torch.int32, device=device)
+        _BLOCK_WORKSPACE[key] = buf
+    return buf[:words].view(B, Hkv, NB, record_words(QG, D))
+
+
+def record_words(qg: int, head_dim: int) -> int:
+    """_record_words on the host: int32 words of one block's queries and biases of a KV head."""
+    return qg * head_dim // 2 + -(-qg // 4) * 4
+
+
+def _block_queries(qb: torch.Tensor, bias: torch.Tensor, k_store, map_plan, qk_scale: float) -> torch.Tensor:
+    """decode_attention_blocks' qb (B, Hq, NB, D) and bias (B, Hq, NB) as the fast kernel's codes-only tiles read
+    them (_block_query_kernel, one launch): int32 (B, Hkv, NB, record_words) records, each block's queries (fp16 in
+    its KV head's lane order, times qk_scale) and biases (float32, less the code offsets' share)."""
+    B, Hq, NB, D = qb.shape
+    Hkv = len(k_store.bits)
+    out = _block_workspace(qb.device, B, Hkv, NB, Hq // Hkv, D)
+    block_nb = min(16, next_power_of_2(NB))
+    _block_query_kernel[(B * Hq, cdiv(NB, block_nb))](
+        qb, *qb.stride()[:3], bias, *bias.stride()[:2], _width_table(k_store.bits, qb.device), out, NB, qk_scale,
+        HQ=Hq, QG=Hq // Hkv, D=D, KWS=tuple(sorted({kw for kw, _ in map_plan[2]})), BLOCK_NB=block_nb,
+    )  # fmt: skip
+    return out
 
 
 _SIDE_STREAMS: dict[torch.device, tuple] = {}
@@ -903,7 +1249,7 @@ def _fast_constants(pairs: tuple, n_heads: int, qg: int, tiles: tuple, head_dim:
     """The fast launch's compile-time constants and options: its buckets' widths `pairs`, tiles and stages, on
     top of the constants `common` ((name, value) pairs) to both kernels. Cached per map and call signature;
     read-only."""
-    launch, stages = _launch_options(head_dim, pairs, given)
+    launch, stages = _launch_options(head_dim, pairs, given, dict(common).get("CODES", False))
     return dict(NH=n_heads, QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                 KWS=tuple(kw for kw, _ in pairs), VWS=tuple(vw for _, vw in pairs), BLOCK_NS=tiles, STAGES=stages,
                 ASM=asm, **dict(common), **launch)  # fmt: skip
@@ -945,20 +1291,94 @@ def decode_attention(
             else Triton's); maxnreg 0 sets no register cap.
     Returns out (B, Hq, D). The matmuls run in q's dtype (fp32: IEEE, no TF32), accumulation in fp32.
     """
-    B, Hq, D = q.shape
-    has_extra, span = _check_inputs(q, k_store, v_store, k_extra, v_extra, length)
-    map_plan = _store_map_plan(k_store, v_store, q.device, q.dtype)
-    plans, splits = _split_plans(map_plan, k_store, span, block_n, q.device, num_splits)
-    n_cols = splits + int(has_extra)
-    workspace = _workspace(q.device, B, Hq, n_cols, next_power_of_2(D))
+    assert not k_store.codes_only and not v_store.codes_only, "codes-only stores: decode_attention_blocks"
     options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
     given = tuple((k, v) for k, v in options if v is not None)
-    shared = _stage1_args(q, k_store, v_store, (k_extra, v_extra) if has_extra else None, length, workspace)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return _decode(
+        q, None, k_store, v_store, sm_scale, (k_extra, v_extra), num_splits, out, block_n, length, given
+    )
+
+
+def decode_attention_blocks(
+    qb: torch.Tensor,
+    bias: torch.Tensor,
+    k_store,
+    v_store,
+    sm_scale: float,
+    qblock: int | None,
+    k_extra: torch.Tensor | None = None,
+    v_extra: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    length: torch.Tensor | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    maxnreg: int | None = None,
+) -> torch.Tensor:
+    """One decode step over codes-only stores (kernels/layout.py), in the codes' domain, with a query and a bias
+    per block of `qblock` stored tokens (kernels/reference.py's attention_blocks_reference):
+
+        score_t = qb[b, i, t // qblock] . c_t + bias[b, i, t // qblock],  out[b, i] = sum_t softmax(score * sm_scale)_t c_t
+
+    c_t the codes of token t as numbers (keys and values each at their head's width); the extra segment's tokens
+    are scored with block 0's query and bias.
+
+    Args (B batch, Hq query heads, Hkv KV heads with Hq % Hkv == 0, D head_dim, L stored tokens):
+        qb: float32/float16/bfloat16 (B, Hq, NB, D), last dim contiguous: NB >= ceil(L / qblock) (with `length`
+            a device tensor, the blocks of the stores' capacity). fp16 and bf16 take the fast kernel (the mmas
+            in fp16, qb clamped to its finite range); float32 the generic one (IEEE fp32 products).
+        bias: float32 (B, Hq, NB), last dim contiguous.
+        k_store, v_store: codes-only PackedStores (codes_only=True) of one layer, same B, Hkv, D and length.
+        sm_scale: softmax scale.
+        qblock: tokens per block, a multiple of 16; None: one block (qb and bias hold block 0 only).
+        k_extra, v_extra: optional float (B, Hkv, Tx, D), last dim contiguous: tokens in the codes' domain.
+        num_splits, block_n, length, num_warps, num_stages, maxnreg: as decode_attention's; a tile divides
+            qblock (default: the kernel's tile, or the largest power of two dividing qblock below it), and a split
+            holds whole blocks.
+        out: optional float32 (B, Hq, D), last dim contiguous.
+    Returns out (B, Hq, D) float32.
+    """
+    B, Hq, NB, D = qb.shape
+    assert k_store.codes_only and v_store.codes_only, "decode_attention_blocks reads codes-only stores"
+    assert bias.shape == (B, Hq, NB) and bias.dtype == torch.float32 and bias.stride(-1) == 1, bias.shape
+    if qblock is not None and (qblock <= 0 or qblock % 16):
+        raise ValueError(f"qblock: {qblock} tokens a block; allowed: a positive multiple of 16, or None")
+    if qblock is not None and block_n is not None and qblock % block_n:
+        raise ValueError(f"block_n: {block_n} does not divide qblock {qblock}")
+    if length is None and qblock and NB < cdiv(k_store.length, qblock):
+        raise ValueError(f"qb: {NB} blocks for {k_store.length} stored tokens of {qblock} a block")
+    options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))
+    given = tuple((k, v) for k, v in options if v is not None)
+    if out is None:
+        out = torch.empty(B, Hq, D, dtype=torch.float32, device=qb.device)
+    assert out.dtype == torch.float32, out.dtype
+    return _decode(qb[:, :, 0], (qb, bias, qblock or 0), k_store, v_store, sm_scale, (k_extra, v_extra), num_splits,
+                   out, block_n, length, given)  # fmt: skip
+
+
+def _decode(q, blocks, k_store, v_store, sm_scale: float, extra: tuple, num_splits, out, block_n, length,
+            given: tuple) -> torch.Tensor:  # fmt: skip
+    """decode_attention's and decode_attention_blocks' step: q (B, Hq, D) (block 0's queries with `blocks`, else
+    None: (qb (B, Hq, NB, D), bias (B, Hq, NB), tokens a block or 0)) -> out (B, Hq, D)."""
+    B, Hq, D = q.shape
+    has_extra, span = _check_inputs(q, k_store, v_store, *extra, length)
+    map_plan = _store_map_plan(k_store, v_store, q.device, q.dtype)
+    qblock = None if blocks is None else blocks[2]
+    plans, splits = _split_plans(map_plan, k_store, span, block_n, q.device, num_splits, qblock)
+    n_cols = splits + int(has_extra)
+    workspace = _workspace(q.device, B, Hq, n_cols, next_power_of_2(D))
     qk_scale = sm_scale * LOG2E  # scores in log2 units
+    ready = (
+        None
+        if blocks is None or not map_plan[2]
+        else _block_queries(*blocks[:2], k_store, map_plan, qk_scale)
+    )
+    shared = _stage1_args(q, blocks, ready, k_store, v_store, extra if has_extra else None, length, workspace)
     launches = _stage1_launches(q, k_store, v_store, map_plan, plans, shared, length, qk_scale, splits, given)
     _run_launches(launches, q)
-    if out is None:
-        out = torch.empty(B, Hq, D, dtype=q.dtype, device=q.device)
     assert out.shape == (B, Hq, D) and out.stride(-1) == 1
     _combine(workspace, out)
     return out
@@ -987,11 +1407,29 @@ def _check_inputs(q, k_store, v_store, k_extra, v_extra, length) -> tuple[bool, 
     return has_extra, span
 
 
-def _stage1_args(q, k_store, v_store, extra, length, workspace: tuple) -> tuple[list, list, tuple]:
-    """What every stage-1 launch of a call takes: (the extra segments' arguments, from `extra` (k_extra,
-    v_extra) or placeholders; the partials' (the workspace and L_arg); the compile-time constants as (name,
-    value) pairs)."""
+def _query_args(qb: torch.Tensor, bias: torch.Tensor | None) -> list:
+    """A launch's query arguments: qb (B, Hq, NB, D) (or (B, Hq, D), one block) and bias (B, Hq, NB) with their
+    strides (bias None: placeholders the kernels do not read)."""
+    if bias is None:
+        return [qb, qb.stride(0), qb.stride(1), 0, qb, 0, 0]
+    return [qb, *qb.stride()[:3], bias, *bias.stride()[:2]]
+
+
+def _stage1_args(
+    q, blocks, ready, k_store, v_store, extra, length, workspace: tuple
+) -> tuple[tuple, list, list, tuple]:
+    """What every stage-1 launch of a call takes: (the queries' arguments of the fast and of the generic kernel:
+    q's, or with `blocks` (qb, bias, qblock) the fast kernel's from `ready` (_block_queries') and the generic
+    one's from qb and bias; the extra segments', from `extra` (k_extra, v_extra) or placeholders; the partials'
+    (the workspace and L_arg); the compile-time constants as (name, value) pairs)."""
     Hq, D = q.shape[1:]
+    if blocks is None:
+        queries = (_query_args(q, None),) * 2
+    else:
+        generic = _query_args(*blocks[:2])
+        if ready is not None:  # the fast kernel's: records (B, Hkv, NB, words), the biases inside them
+            ready = [ready, *ready.stride()[:3], ready, 0, 0]
+        queries = (generic if ready is None else ready, generic)
     Hkv, d_b = len(k_store.bits), workspace[2].shape[3]
     kx, vx = extra if extra is not None else (q.unsqueeze(2), q.unsqueeze(2))  # unused placeholders
     extra_args = [kx, *kx.stride()[:3], vx, *vx.stride()[:3], kx.shape[2] if extra is not None else 0]
@@ -1000,7 +1438,9 @@ def _stage1_args(q, k_store, v_store, extra, length, workspace: tuple) -> tuple[
     common = (("HKV", Hkv), ("QG", Hq // Hkv), ("D", D), ("D_B", d_b), ("KG", _kernel_group(k_store, d_b)),
               ("VG", _kernel_group(v_store, d_b)), ("K_SYM", k_store.symmetric), ("V_SYM", v_store.symmetric),
               ("HAS_EXTRA", extra is not None), ("L_FROM_PTR", length is not None))  # fmt: skip
-    return extra_args, partials, common
+    if blocks is not None:
+        common += (("CODES", True), ("QBLOCK", blocks[2]))
+    return queries, extra_args, partials, common
 
 
 def _stage1_launches(q, k_store, v_store, map_plan, plans, shared, length, qk_scale: float, splits: int,
@@ -1009,13 +1449,13 @@ def _stage1_launches(q, k_store, v_store, map_plan, plans, shared, length, qk_sc
     of _decode_packed_kernel, each other bucket in one of _decode_split_kernel. shared: _stage1_args'."""
     B, Hq, D = q.shape
     buckets, fast, fast_pairs, fast_heads, starts = map_plan
-    extra, partials, common = shared
+    (fast_queries, queries), extra, partials, common = shared
     n_cols, qg = partials[0].shape[2], dict(common)["QG"]
     launches = []
     if fast_pairs:
         chunks = tuple(chunk for (_, chunk), f in zip(plans, fast) if f)
         tiles = tuple(tile for (tile, _), f in zip(plans, fast) if f)
-        args = [q, q.stride(0), q.stride(1), *_packed_args(k_store, tuple(kw for kw, _ in fast_pairs)),
+        args = [*fast_queries, *_packed_args(k_store, tuple(kw for kw, _ in fast_pairs)),
                 *_packed_args(v_store, tuple(vw for _, vw in fast_pairs)), *extra, fast_heads, starts, chunks,
                 *partials, fast_heads if length is None else length, qk_scale, splits]  # fmt: skip
         launches.append((_decode_packed_kernel, (B * starts[-1], n_cols), args,
@@ -1023,7 +1463,7 @@ def _stage1_launches(q, k_store, v_store, map_plan, plans, shared, length, qk_sc
                                          os.environ.get("TRITON_INTERPRET") != "1")))  # fmt: skip
     for (kw, vw, heads), (tile, chunk), f in zip(buckets, plans, fast):
         if not f:
-            args = [q, q.stride(0), q.stride(1), *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra,
+            args = [*queries, *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra,
                     heads, *partials, heads if length is None else length, chunk, qk_scale, splits]  # fmt: skip
             kwargs = dict(NH=len(heads), KW=kw, VW=vw, BLOCK_N=tile,
                           QG_B=max(16, next_power_of_2(qg)),  # tl.dot needs at least 16 rows

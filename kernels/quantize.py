@@ -347,6 +347,10 @@ def quantize_into(
     """
     if (v_store is None) != (v is None):
         raise ValueError("v_store and v must be given together")
+    if any(st is not None and st.codes_only for st in (store, v_store)):
+        raise ValueError(
+            "quantize_into: a codes-only store holds codes, not values (PackedStore.append_codes)"
+        )
     Tn = x.shape[2]
     k_args, k_const = _store_args(store, x, pos)
     if v_store is None:

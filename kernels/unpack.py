@@ -28,6 +28,9 @@ into place and OR-ing an exponent (one lop3 for mask and OR):
   1024 + code), sub.f16x2 takes the 1024 off exactly and fma.rn.f16x2 applies scale and zero: the value
   fp16(code * scale + zero) in one rounding.
 The reference computes a value in float32 and rounds it to the model's dtype (fp16 keeps 11 bits of it, bf16 8).
+A codes-only tile (CODES: kernels/layout.py's codes-only stores) has no fma: each lane is exactly code_offset + code
+(16 + code at 4 bits, and so on; OFFSET_CODES), whose offsets the kernel takes out of the sums it makes, or one
+sub.f16x2 makes the codes themselves (EXACT_CODES).
 
 Logical order. A tile of R tokens x NU units becomes (R, D) fp16 in a permuted channel order that makes every
 pair a register of the mma operand without moving it: with WL = NU / 4 units per lane and P = CPU / 2 pairs
@@ -47,6 +50,10 @@ import triton
 import triton.language as tl
 
 FAST_WIDTHS = (2, 3, 4, 8)  # packed widths the fast path reads; 16 takes the generic path
+# What a codes-only tile holds (dequant_tile's CODES; 0: scale and zero applied): each lane's code_offset + code as
+# the bit trick makes it (the offsets then leave the sums the kernel makes), or the code itself (one sub.f16x2 a pair)
+OFFSET_CODES = tl.constexpr(1)
+EXACT_CODES = tl.constexpr(2)
 # 2 bits: the pairs (low code, high code) of a word (16 codes), in their order in the word's tile
 PAIRS2 = tuple((i, i + 8) for i in range(7)) + ((15, 7),)
 # 3 bits: the pairs (low code, high code) of a 96-bit unit (32 codes), in their order in the unit's tile
@@ -114,6 +121,25 @@ def code_of_columns_jit(k, W: tl.constexpr, D: tl.constexpr, LANES: tl.constexpr
     else:
         code = i + P * h
     return (32 // W) * word + code
+
+
+def code_offset(width: int, column: int) -> float:
+    """What a lane adds to its code before any scale (the exponent's value under which the code lies), at
+    logical column `column` of either order: 16 at 4 bits, 1024 at 8, at 2 bits 4 (even pairs) or 16 (odd ones),
+    at 3 bits 8 (low lanes) or 16 (high ones). A codes-only tile (CODES) holds code_offset + code exactly."""
+    h, odd_pair = column % 2, (column // 2) % 2
+    return {2: 16.0 if odd_pair else 4.0, 3: 16.0 if h else 8.0, 4: 16.0, 8: 1024.0}[width]
+
+
+@triton.jit
+def code_offsets_jit(k, W: tl.constexpr):
+    """`code_offset` at the logical columns k (an int32 tensor) as float32, in the kernel."""
+    if W == 2:
+        return tl.where((k // 2) % 2 == 1, 16.0, 4.0)
+    elif W == 3:
+        return tl.where(k % 2 == 1, 16.0, 8.0)
+    else:
+        return tl.full(k.shape, 16.0 if W == 4 else 1024.0, tl.float32)
 
 
 @triton.jit
@@ -388,9 +414,41 @@ def _affine(t, s2, z2, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _values(words, PAIR: tl.constexpr, s2, z2, z2o, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr):
-    """Pair PAIR of every word as two fp16 values (int32 bits): the constant z2 for even pairs, z2o for odd."""
+def _values(words, PAIR: tl.constexpr, s2, z2, z2o, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr,
+            CODES: tl.constexpr = 0):  # fmt: skip
+    """Pair PAIR of every word as two fp16 values (int32 bits): the constant z2 for even pairs, z2o for odd; with
+    CODES (s2, z2, z2o unused) OFFSET_CODES: the lanes as `_pair` makes them, code_offset + code; EXACT_CODES: the
+    codes themselves."""
+    if CODES == EXACT_CODES:
+        return _minus_offsets(_pair(words, PAIR, W, ASM), W, PAIR, ASM)
+    if CODES == OFFSET_CODES:
+        return _pair(words, PAIR, W, ASM)
     return _affine(_pair(words, PAIR, W, ASM), s2, z2 if PAIR % 2 == 0 else z2o, W, SYM, ASM)
+
+
+@triton.jit
+def _minus_offsets(t, W: tl.constexpr, PAIR: tl.constexpr, ASM: tl.constexpr):
+    """A pair of lanes code_offset + code (pair PAIR of a W-bit unit) -> the codes themselves as fp16, exactly (one
+    sub.f16x2 with ASM)."""
+    if W == 2:  # even pairs 4 + code, odd ones 16 + code
+        lo: tl.constexpr = 16.0 if PAIR % 2 else 4.0
+        hi: tl.constexpr = lo
+        bits: tl.constexpr = "1275087872" if PAIR % 2 else "1140868096"  # 0x4C004C00, 0x44004400
+    elif W == 3:  # low lanes 8 + code, high ones 16 + code
+        lo: tl.constexpr = 8.0
+        hi: tl.constexpr = 16.0
+        bits: tl.constexpr = "1275086848"  # 0x4C004800
+    else:
+        lo: tl.constexpr = 16.0 if W == 4 else 1024.0
+        hi: tl.constexpr = lo
+        bits: tl.constexpr = "1275087872" if W == 4 else "1677747200"  # 0x4C004C00, 0x64006400
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{.reg .b32 k; mov.b32 k, " + bits + "; sub.f16x2 $0, $1, k;}", "=r,r", [t], tl.int32, True, 1
+        )
+    else:
+        t_lo, t_hi = _halves(t)
+        return _bits((t_lo.to(tl.float32) - lo).to(tl.float16), (t_hi.to(tl.float32) - hi).to(tl.float16))
 
 
 @triton.jit
@@ -410,32 +468,36 @@ def _stack8(a, b, c, d, e, f, g, h):
 
 @triton.jit
 def dequant_tile(words, s2, z2, z2o, W: tl.constexpr, SYM: tl.constexpr, ASM: tl.constexpr,
-                 LANES: tl.constexpr):  # fmt: skip
-    """words int32 (R, NW) of W-bit codes; s2, z2, z2o int32 (R, NW): `group_constants` of each word's group.
+                 LANES: tl.constexpr, CODES: tl.constexpr = 0):  # fmt: skip
+    """words int32 (R, NW) of W-bit codes; s2, z2, z2o int32 (R, NW): `group_constants` of each word's group (with
+    CODES unused: the tile holds the codes, OFFSET_CODES or EXACT_CODES as `_values`, no scale or zero applied).
 
     Returns fp16 (R, NW * 32 / W) in the lane order of the module docstring (LANES: an mma operand read from
     registers), or in word order (a tile that goes through shared memory: each word's values contiguous).
     """
     P: tl.constexpr = 16 // W
     if P == 2:
-        x = _stack2(_values(words, 0, s2, z2, z2o, W, SYM, ASM), _values(words, 1, s2, z2, z2o, W, SYM, ASM))
+        x = _stack2(
+            _values(words, 0, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 1, s2, z2, z2o, W, SYM, ASM, CODES),
+        )
     elif P == 4:
         x = _stack4(
-            _values(words, 0, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 1, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 2, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 3, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 0, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 1, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 2, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 3, s2, z2, z2o, W, SYM, ASM, CODES),
         )
     else:
         x = _stack8(
-            _values(words, 0, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 1, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 2, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 3, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 4, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 5, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 6, s2, z2, z2o, W, SYM, ASM),
-            _values(words, 7, s2, z2, z2o, W, SYM, ASM),
+            _values(words, 0, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 1, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 2, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 3, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 4, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 5, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 6, s2, z2, z2o, W, SYM, ASM, CODES),
+            _values(words, 7, s2, z2, z2o, W, SYM, ASM, CODES),
         )
     return _in_order(x, P, LANES)
 
@@ -456,34 +518,43 @@ def _in_order(x, P: tl.constexpr, LANES: tl.constexpr):
 
 
 @triton.jit
-def _values3(u0, u1, u2, PAIR: tl.constexpr, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr):
-    """Pair PAIR of every 3-bit unit as two fp16 values (int32 bits)."""
+def _values3(
+    u0, u1, u2, PAIR: tl.constexpr, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr
+):
+    """Pair PAIR of every 3-bit unit as two fp16 values (int32 bits; CODES as `_values`)."""
+    if CODES == EXACT_CODES:
+        return _minus_offsets(_pair3(u0, u1, u2, PAIR, ASM), 3, PAIR, ASM)
+    if CODES == OFFSET_CODES:
+        return _pair3(u0, u1, u2, PAIR, ASM)
     return _affine(_pair3(u0, u1, u2, PAIR, ASM), s2, z2, 3, SYM, ASM)
 
 
 @triton.jit
-def _every_other3(u0, u1, u2, FIRST: tl.constexpr, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr):
+def _every_other3(u0, u1, u2, FIRST: tl.constexpr, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr,
+                  CODES: tl.constexpr):  # fmt: skip
     """Pairs FIRST, FIRST + 2, .., FIRST + 14 of every 3-bit unit as fp16 values, stacked (R, NU, 2, 2, 2)."""
     return _stack8(
-        _values3(u0, u1, u2, FIRST, s2, z2, SYM, ASM),
-        _values3(u0, u1, u2, FIRST + 2, s2, z2, SYM, ASM),
-        _values3(u0, u1, u2, FIRST + 4, s2, z2, SYM, ASM),
-        _values3(u0, u1, u2, FIRST + 6, s2, z2, SYM, ASM),
-        _values3(u0, u1, u2, FIRST + 8, s2, z2, SYM, ASM),
-        _values3(u0, u1, u2, FIRST + 10, s2, z2, SYM, ASM),
-        _values3(u0, u1, u2, FIRST + 12, s2, z2, SYM, ASM),
-        _values3(u0, u1, u2, FIRST + 14, s2, z2, SYM, ASM),
+        _values3(u0, u1, u2, FIRST, s2, z2, SYM, ASM, CODES),
+        _values3(u0, u1, u2, FIRST + 2, s2, z2, SYM, ASM, CODES),
+        _values3(u0, u1, u2, FIRST + 4, s2, z2, SYM, ASM, CODES),
+        _values3(u0, u1, u2, FIRST + 6, s2, z2, SYM, ASM, CODES),
+        _values3(u0, u1, u2, FIRST + 8, s2, z2, SYM, ASM, CODES),
+        _values3(u0, u1, u2, FIRST + 10, s2, z2, SYM, ASM, CODES),
+        _values3(u0, u1, u2, FIRST + 12, s2, z2, SYM, ASM, CODES),
+        _values3(u0, u1, u2, FIRST + 14, s2, z2, SYM, ASM, CODES),
     )
 
 
 @triton.jit
-def dequant_tile3(u0, u1, u2, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr):
+def dequant_tile3(u0, u1, u2, s2, z2, SYM: tl.constexpr, ASM: tl.constexpr, LANES: tl.constexpr,
+                  CODES: tl.constexpr = 0):  # fmt: skip
     """u0, u1, u2 int32 (R, NU): words 3 j, 3 j + 1, 3 j + 2 of each row's 3-bit unit j (32 codes); s2, z2 int32
-    (R, NU) from `group_constants` (W = 3) of each unit's group.
+    (R, NU) from `group_constants` (W = 3) of each unit's group (with CODES unused: the codes, as `dequant_tile`).
 
     Returns fp16 (R, 32 * NU) in the lane order of the module docstring (LANES) or in unit order.
     """
     x = tl.join(
-        _every_other3(u0, u1, u2, 0, s2, z2, SYM, ASM), _every_other3(u0, u1, u2, 1, s2, z2, SYM, ASM)
+        _every_other3(u0, u1, u2, 0, s2, z2, SYM, ASM, CODES),
+        _every_other3(u0, u1, u2, 1, s2, z2, SYM, ASM, CODES),
     )  # (R, NU, 2, 2, 2, 2): pair 8 m + 4 n + 2 o + j
     return _in_order(x, 16, LANES)

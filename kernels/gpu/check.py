@@ -337,7 +337,8 @@ def kernel_table(ab: list[dict], static: list[dict], counters: list[dict]) -> li
         return []
     sdpa = [_num(r["time_us"]) for r in ab if r["method"].startswith("sdpa_")]
     base = min(sdpa) if sdpa else float("nan")
-    fresh = [r for r in static if r.get("kernel_sha") == current_kernel_sha()]  # figures of this kernel only
+    # figures of this kernel only, and of the formats the A/B times (not inspect --codes rows)
+    fresh = [r for r in static if r.get("kernel_sha") == current_kernel_sha() and r.get("format") != "codes"]
     per_byte = {r["key_bits"]: _num(r["instr_per_byte"]) for r in fresh if r["key_bits"] == r["value_bits"]}
     ncu = {r["widths"]: r for r in counters}
     graph = {

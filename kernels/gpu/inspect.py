@@ -20,7 +20,21 @@ ptxas and cuobjdump (both ship in Triton's wheel) then give:
   byte-wide load).
 With --map (per-KV-head widths) it reads the launches of one mixed map instead: the fast kernel runs every
 packed bucket in one launch, a branch each, so the figures of a row are its branch's loop's beside the whole
-kernel's registers and shared memory. It prints a table and writes a CSV. The Triton that compiles is the one imported: `make inspect-env` makes
+kernel's registers and shared memory. With --codes it compiles the codes-only path (decode_attention_blocks over
+codes-only stores: no scales or zeros, a query and a bias per block of --qblock tokens, 0 for one block), whose
+KV bytes are the payload alone. Its figures at the default shape, each width at CODES_LAUNCH (Triton 3.6, sm_90a;
+loop instructions a tile / thread-instructions per KV byte, registers; no spills, no byte-wide loads anywhere):
+
+    qblock   4 bits            3 bits            2 bits            8 bits
+    128      568 / 4.44, 96    597 / 6.22, 96    470 / 7.34, 125   549 / 2.14, 128    (128-token tiles)
+    0        517 / 4.04, 128   555 / 5.78, 96    428 / 6.69, 124   487 / 1.90, 128    (one block: q held)
+    32       256 / 8.00, 80    276 / 11.5, 72    223 / 13.9, 92    242 / 3.78, 95     (32-token tiles)
+
+DESIGN.md's static targets (4.5 at 4 bits, 6 at 2) hold at 4 bits, not at 2: a 2-bit tile of 128 tokens has 64
+bytes a token to spend 384 instructions on, and its dequantization (8 lop3 and 3 shifts a word for K; the same and
+a sub.f16x2 a pair for V, or as many moves into the shared-memory stores' register quads without it), the mmas,
+V's transpose and the softmax take about 430 of them before a block's query (40-50 more a tile) is read.
+It prints a table and writes a CSV. The Triton that compiles is the one imported: `make inspect-env` makes
 .venv-triton36 with the GPU machine's Triton (3.6.0), and every row names the version that compiled it.
 """
 
@@ -49,9 +63,12 @@ COLUMNS = [
     "triton", "kernel_sha", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
     "shared_bytes", "loop_instr", "kv_bytes_per_tile", "instr_per_byte", "payload_load_bytes", "mma", "i2f",
     "f2f", "lds", "sts", "bar", "lop3", "shf", "prmt", "ffma", "ldg", "ldgsts", "static_targets", "note",
+    "format", "qblock",
 ]  # fmt: skip
 # DESIGN.md section 8's static targets: main-loop thread-instructions per KV byte by width (uniform K and V)
 INSTR_PER_BYTE_TARGET = {4: 4.0, 2: 5.0, 8: 3.0}
+# the codes-only path's (the frontier formats' kernel: 3.5x point at 4 bits, 6x point at 2 bits)
+CODES_INSTR_PER_BYTE_TARGET = {4: 4.5, 2: 6.0}
 MAX_REGISTERS = 128
 # SASS opcode (before the first dot) -> the mix column that counts it
 MIX = {
@@ -73,18 +90,21 @@ class Launch:
 
 def catch_launches(
     k_bits: tuple[int, ...], v_bits: tuple[int, ...], block_n: int | None, num_warps: int, num_stages: int | None,
-    shape: dict, length: int | None = None, maxnreg: int | None = None,
+    shape: dict, length: int | None = None, maxnreg: int | None = None, qblock: int | None = None,
 ) -> list[Launch]:  # fmt: skip
     """The stage-1 launches that decode_attention makes for per-head widths k_bits (keys) and v_bits (values) at
     `shape` (its hkv taken from the maps), stores of shape["context"] tokens' capacity holding `length` of them
-    (default: full): one for the map's packed buckets, one for each generic bucket."""
+    (default: full): one for the map's packed buckets, one for each generic bucket. With `qblock` (0: one block)
+    decode_attention_blocks' over codes-only stores instead."""
     from kernels import decode_attention as da
     from kernels.layout import PackedStore
 
     B, hq, D, L = (shape[k] for k in ("batch", "hq", "head_dim", "context"))
     dev = torch.device("meta")
+    codes = qblock is not None
     stores = [
-        PackedStore(list(b), D, B, dtype=torch.bfloat16, device=dev, capacity=L) for b in (k_bits, v_bits)
+        PackedStore(list(b), D, B, dtype=torch.bfloat16, device=dev, capacity=L, codes_only=codes)
+        for b in (k_bits, v_bits)
     ]
     for st in stores:
         st.length = L if length is None else length
@@ -96,24 +116,34 @@ def catch_launches(
     stage1 = (da._decode_split_kernel, da._decode_packed_kernel)
     for kernel in stage1:
         kernel.run = catcher(kernel)
-    da._combine_kernel.run = lambda *args, grid, warmup, **kwargs: None
+    helpers = (da._combine_kernel, da._block_query_kernel)  # launches around stage 1, not inspected
+    for kernel in helpers:
+        kernel.run = lambda *args, grid, warmup, **kwargs: None
     try:
-        q = torch.empty(B, hq, D, dtype=torch.bfloat16, device=dev)
-        da.decode_attention(q, *stores, D**-0.5, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                            maxnreg=maxnreg)  # fmt: skip
+        options = dict(block_n=block_n, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+        if codes:
+            nb = -(-L // qblock) if qblock else 1
+            qb = torch.empty(B, hq, nb, D, dtype=torch.bfloat16, device=dev)
+            bias = torch.empty(B, hq, nb, dtype=torch.float32, device=dev)
+            da.decode_attention_blocks(qb, bias, *stores, D**-0.5, qblock or None, **options)
+        else:
+            q = torch.empty(B, hq, D, dtype=torch.bfloat16, device=dev)
+            da.decode_attention(q, *stores, D**-0.5, **options)
     finally:
-        for kernel in (*stage1, da._combine_kernel):
+        for kernel in (*stage1, *helpers):
             del kernel.run
     return caught
 
 
 def catch_stage1(
     kw: int, vw: int, block_n: int | None, num_warps: int, num_stages: int | None, shape: dict,
-    length: int | None = None, maxnreg: int | None = None,
+    length: int | None = None, maxnreg: int | None = None, qblock: int | None = None,
 ) -> Launch:  # fmt: skip
-    """The one stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values)."""
+    """The one stage-1 launch that decode_attention makes for uniform widths kw (keys) and vw (values) (with
+    `qblock`, decode_attention_blocks' over codes-only stores)."""
     hkv = shape["hkv"]
-    caught = catch_launches((kw,) * hkv, (vw,) * hkv, block_n, num_warps, num_stages, shape, length, maxnreg)
+    caught = catch_launches((kw,) * hkv, (vw,) * hkv, block_n, num_warps, num_stages, shape, length, maxnreg,
+                            qblock)  # fmt: skip
     assert len(caught) == 1, f"expected one stage-1 launch, caught {len(caught)}"
     return caught[0]
 
@@ -202,11 +232,12 @@ def load_width(op: str) -> int | None:
     return 4
 
 
-def kv_bytes_per_token(bits: int, head_dim: int, group_size: int = 32) -> int:
-    """Bytes of one token of one head as stored: packed row and fp16 scale and zero per group (16 bits: 2/elem)."""
+def kv_bytes_per_token(bits: int, head_dim: int, group_size: int = 32, codes: bool = False) -> int:
+    """Bytes of one token of one head as stored: packed row and fp16 scale and zero per group (16 bits: 2/elem;
+    a codes-only store's: the packed row)."""
     if bits == 16:
         return 2 * head_dim
-    return head_dim * bits // 8 + 2 * 2 * head_dim // group_size
+    return head_dim * bits // 8 + (0 if codes else 2 * 2 * head_dim // group_size)
 
 
 def inspect_variant(
@@ -217,10 +248,11 @@ def inspect_variant(
     num_stages: int | None,
     shape: dict,
     maxnreg: int | None = None,
+    qblock: int | None = None,
 ) -> dict:
     """One row of the table: the compiled variant's resources, main loop and instruction mix (block_n None:
-    the kernel's default tile)."""
-    launch = catch_stage1(kw, vw, block_n, num_warps, num_stages, shape, maxnreg=maxnreg)
+    the kernel's default tile; qblock: the codes-only path's, 0 for one block)."""
+    launch = catch_stage1(kw, vw, block_n, num_warps, num_stages, shape, maxnreg=maxnreg, qblock=qblock)
     return inspect_launch(launch, num_warps, shape)[0]
 
 
@@ -231,6 +263,7 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
     cubin, meta, _ = compile_for_hopper(launch)
     sass, usage = sass_and_resources(cubin)
     kwargs, instrs = launch.kwargs, instructions(sass)
+    codes = bool(kwargs.get("CODES"))
     fast = "KWS" in kwargs
     if fast:
         buckets = list(zip(kwargs["KWS"], kwargs["VWS"], kwargs["BLOCK_NS"], kwargs["STAGES"]))
@@ -244,7 +277,8 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
         mix = Counter(MIX.get(op.split(".")[0]) for _, op, _ in loop)
         widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
         tile = block_n * (
-            kv_bytes_per_token(kw, shape["head_dim"]) + kv_bytes_per_token(vw, shape["head_dim"])
+            kv_bytes_per_token(kw, shape["head_dim"], codes=codes)
+            + kv_bytes_per_token(vw, shape["head_dim"], codes=codes)
         )
         notes = []
         if label:
@@ -259,7 +293,8 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
             "num_stages": stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
             "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
             "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
-            "payload_load_bytes": " ".join(map(str, widths)), "note": note,
+            "payload_load_bytes": " ".join(map(str, widths)), "note": note, "format": "codes" if codes else "affine",
+            "qblock": kwargs.get("QBLOCK", "") if codes else "",
         }  # fmt: skip
         row.update({col: mix.get(col, 0) for col in set(MIX.values())})
         row["static_targets"] = static_targets(row)
@@ -297,8 +332,9 @@ def static_targets(row: dict) -> str:
     if width == 16 or row["key_bits"] != row["value_bits"]:
         return ""
     missed = []
-    if width in INSTR_PER_BYTE_TARGET and not float(row["instr_per_byte"]) <= INSTR_PER_BYTE_TARGET[width]:
-        missed.append(f"instr/byte {row['instr_per_byte']} > {INSTR_PER_BYTE_TARGET[width]:g}")
+    targets = CODES_INSTR_PER_BYTE_TARGET if row.get("format") == "codes" else INSTR_PER_BYTE_TARGET
+    if width in targets and not float(row["instr_per_byte"]) <= targets[width]:
+        missed.append(f"instr/byte {row['instr_per_byte']} > {targets[width]:g}")
     if int(row["registers"]) > MAX_REGISTERS:
         missed.append(f"registers {row['registers']} > {MAX_REGISTERS}")
     if int(row["spill_bytes"]):
@@ -311,7 +347,7 @@ def static_targets(row: dict) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = ["key_bits", "value_bits", "block_n", "num_warps", "registers", "spill_bytes", "shared_bytes",
+    cols = ["format", "qblock", "key_bits", "value_bits", "block_n", "num_warps", "registers", "spill_bytes", "shared_bytes",
             "loop_instr", "instr_per_byte", "payload_load_bytes", "mma", "i2f", "lds", "sts", "bar",
             "static_targets"]  # fmt: skip
     lines = [" ".join(f"{c:>10}" for c in cols)]
@@ -343,6 +379,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--value-map", type=_widths_list, default=None, help="per-head value widths (default: --map)"
     )
+    p.add_argument(
+        "--codes", action="store_true", help="the codes-only path (decode_attention_blocks) at --qblock"
+    )
+    p.add_argument("--qblock", type=int, default=128, help="tokens a query block with --codes (0: one block)")
     p.add_argument("--out", type=Path, help="CSV to write")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
@@ -357,6 +397,11 @@ def main(argv: list[str] | None = None) -> None:
         if m is not None and len(m) != args.hkv:
             p.error(f"{name}: {len(m)} widths for --hkv {args.hkv} KV heads; give one width a KV head")
     shape = {k: getattr(args, k) for k in SHAPE}
+    qblock = args.qblock if args.codes else None
+    if args.map is not None and args.codes:
+        p.error("--codes: uniform widths only (--widths)")
+    if args.codes and 16 in args.widths:
+        p.error("--codes: a codes-only store holds no 16-bit heads; give --widths from 2, 3, 4, 8")
     rows = []
     if args.map is not None:
         for nw in args.warps:
@@ -365,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     for kw, vw, n, nw in (
         [] if args.map is not None else variants(args.widths, args.block_n or [None], args.warps)
     ):
-        rows.append(inspect_variant(kw, vw, n, nw, args.stages, shape, args.maxnreg))
+        rows.append(inspect_variant(kw, vw, n, nw, args.stages, shape, args.maxnreg, qblock))
         print(f"compiled K{kw}V{vw} BLOCK_N={rows[-1]['block_n']} warps={nw}", file=sys.stderr, flush=True)
     print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")
     print(format_table(rows))

@@ -112,6 +112,17 @@ def test_quantize_keys_and_values_in_one_launch(device, k_bits, v_bits, k_dim, v
     _assert_written(vs, _torch_quantized(v, pos, v_bits, **v_kw), pos, tn)
 
 
+def test_quantize_refuses_a_codes_only_store():
+    """A codes-only store has no scales to write: quantize_into would put them in its payload."""
+    x = torch.zeros(1, 2, 1, 64)
+    with pytest.raises(ValueError, match="append_codes"):
+        quantize_into(PackedStore((4, 2), 64, 1, codes_only=True), x, 0)
+    with pytest.raises(ValueError, match="append_codes"):
+        quantize_into(
+            PackedStore((4, 2), 64, 1), x, 0, v_store=PackedStore((4, 2), 64, 1, codes_only=True), v=x
+        )
+
+
 def test_quantize_rejects_unsupported_group_size():
     st = PackedStore((4, 4), head_dim=96, batch=1, group_size=48)
     x = torch.zeros(1, 2, 1, 96)
@@ -575,3 +586,193 @@ def test_fast_buckets_of_a_mixed_map_split_as_long_as_a_uniform_map():
     assert {chunk for _, chunk in fast.values()} == {plan[1]}
     tile, chunk = plans[1]  # (3, 3): the generic kernel, one head: more, shorter splits
     assert tile == 32 and chunk < plan[1]
+
+
+def _codes_stores(k_bits, v_bits, head_dim, length, capacity, device, seed):
+    """Codes-only K and V stores of `length` random tokens each (B batch rows), garbage in the capacity past them."""
+    gen = torch.Generator().manual_seed(seed)
+    stores = []
+    for bits in (k_bits, v_bits):
+        st = PackedStore(bits, head_dim, B, codes_only=True, device=device, capacity=capacity)
+        _fill_garbage(st)
+        codes = torch.stack([torch.randint(0, 1 << b, (B, length, head_dim), generator=gen) for b in bits], 1)
+        st.append_codes(codes.to(device))
+        stores.append(st)
+    return stores
+
+
+def _block_queries(hq, blocks, head_dim, dtype, device, seed):
+    """A query (B, hq, blocks, D) in `dtype` and a float32 bias (B, hq, blocks) per block, of the sizes the codes'
+    domain gives them (scores of a few units over codes up to 255)."""
+    gen = torch.Generator().manual_seed(seed)
+    qb = torch.randn(B, hq, blocks, head_dim, generator=gen) * head_dim**-0.5
+    return qb.to(device, dtype), (torch.randn(B, hq, blocks, generator=gen) * 4).to(device)
+
+
+@pytest.mark.parametrize(
+    "k_bits, v_bits, head_dim, qblock, hq, q_dtype, n_extra, fast",
+    [
+        ((4, 4, 4), (4, 4, 4), 128, 128, 12, torch.float16, 5, True),  # the default tile, 4 queries a KV head
+        ((2, 4, 8), (8, 2, 4), 128, 64, 6, torch.bfloat16, 17, True),  # widths mixed per head and role
+        ((3, 3), (3, 4), 128, 32, 8, torch.float16, 0, True),  # 32-token tiles
+        ((2, 2), (4, 2), 64, 16, 2, torch.float16, 3, True),  # one query a KV head, 16-token blocks
+        ((8,), (4,), 256, None, 3, torch.bfloat16, 2, True),  # one block; a group of 3
+        (
+            (2, 4, 3),
+            (4, 3, 2),
+            64,
+            48,
+            6,
+            torch.float32,
+            5,
+            False,
+        ),  # the generic kernel: float32, 3 bits at D 64
+        ((4, 2), (4, 3), 96, 32, 4, torch.float16, 5, False),  # a head_dim the fast kernel does not tile
+    ],
+)
+def test_decode_attention_blocks(device, k_bits, v_bits, head_dim, qblock, hq, q_dtype, n_extra, fast,
+                                 monkeypatch):  # fmt: skip
+    """Codes-only stores, a query and a bias per block of qblock tokens: the output matches the float64 oracle over
+    the codes at one split and at several (301 tokens: no whole number of blocks), with and without an extra
+    segment in the codes' domain, each bucket in the kernel its widths and dtype take."""
+    from kernels import decode_attention as da
+
+    spy = _LaunchSpy(da._decode_packed_kernel)
+    monkeypatch.setattr(da, "_decode_packed_kernel", spy)
+    L = 301
+    ks, vs = _codes_stores(k_bits, v_bits, head_dim, L, L + 20, device, seed=head_dim + hq)
+    blocks = -(-L // qblock) if qblock else 1
+    qb, bias = _block_queries(hq, blocks, head_dim, q_dtype, device, seed=hq)
+    gen = torch.Generator().manual_seed(5)
+    kx, vx = (torch.rand(B, len(k_bits), n_extra, head_dim, generator=gen).to(device) * 15 for _ in "kv")
+    ref = reference.attention_blocks_reference(
+        qb, bias, ks.dequantize(), vs.dequantize(), 0.7, qblock, kx, vx
+    )
+    extra = dict(k_extra=kx, v_extra=vx) if n_extra else {}
+    bound = 1e-5 if q_dtype == torch.float32 else 2e-3
+    for num_splits in (1, 3):
+        out = torch.full((B, hq, head_dim), float("nan"), device=device)
+        da.decode_attention_blocks(qb, bias, ks, vs, 0.7, qblock, num_splits=num_splits, out=out, **extra)
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < bound, (num_splits, err)
+    assert spy.launches == (2 if fast else 0)
+
+
+def test_decode_attention_blocks_length_on_device(device):
+    """length as a device tensor (a CUDA graph's): the splits cover the capacity (its blocks in qb), most of it
+    garbage past the stored tokens, and the output is the host length's."""
+    from kernels.decode_attention import decode_attention_blocks
+
+    L, cap, qblock = 150, 400, 32
+    ks, vs = _codes_stores((4, 2), (2, 4), 128, L, cap, device, seed=8)
+    assert ks.capacity >= cap
+    qb, bias = _block_queries(8, -(-ks.capacity // qblock), 128, torch.float16, device, seed=8)
+    want = decode_attention_blocks(qb, bias, ks, vs, 1.0, qblock, num_splits=1)
+    length = torch.tensor([L], dtype=torch.int32, device=device)
+    got = decode_attention_blocks(qb, bias, ks, vs, 1.0, qblock, length=length)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    ref = reference.attention_blocks_reference(qb, bias, ks.dequantize(), vs.dequantize(), 1.0, qblock)
+    assert ((got.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+def test_decode_attention_blocks_extra_only_and_refusals(device):
+    """Empty codes-only stores with an extra segment attend to it alone, with block 0's query and bias; stores of
+    the other kind, a block of no whole number of 16 tokens and a tile that does not divide the block are refused."""
+    from kernels.decode_attention import decode_attention, decode_attention_blocks
+
+    ks, vs = (PackedStore((4, 2), 64, B, codes_only=True, device=device) for _ in "kv")
+    qb, bias = _block_queries(4, 1, 64, torch.float16, device, seed=2)
+    gen = torch.Generator().manual_seed(2)
+    kx, vx = (torch.randn(B, 2, 7, 64, generator=gen).to(device) * 3 for _ in "kv")
+    out = decode_attention_blocks(qb, bias, ks, vs, 0.5, 128, k_extra=kx, v_extra=vx)
+    ref = reference.attention_blocks_reference(qb, bias, ks.dequantize(), vs.dequantize(), 0.5, 128, kx, vx)
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+    with pytest.raises(AssertionError, match="decode_attention_blocks"):
+        decode_attention(qb[:, :, 0], ks, vs, 0.5)
+    plain = PackedStore((4, 2), 64, B, device=device)
+    with pytest.raises(AssertionError, match="codes-only"):
+        decode_attention_blocks(qb, bias, plain, plain, 0.5, 128)
+    with pytest.raises(ValueError, match="qblock: 40"):
+        decode_attention_blocks(qb, bias, ks, vs, 0.5, 40, k_extra=kx, v_extra=vx)
+    with pytest.raises(ValueError, match="block_n: 64 does not divide qblock 32"):
+        decode_attention_blocks(qb, bias, ks, vs, 0.5, 32, block_n=64, k_extra=kx, v_extra=vx)
+    for st in (ks, vs):
+        st.append_codes(torch.zeros(B, 2, 33, 64, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match="qb: 1 blocks for 33 stored tokens of 32 a block"):
+        decode_attention_blocks(qb, bias, ks, vs, 0.5, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton")
+@pytest.mark.parametrize(
+    "bits, qblock",
+    [((4,) * 8, 128), ((4,) * 8, None), ((2,) * 8, 32), ((3,) * 8, 128), ((8,) * 8, None),
+     ((2, 2, 2, 2, 4, 4, 8, 8), 128)],
+)  # fmt: skip
+def test_decode_attention_blocks_compiled_at_the_benchmark_grouping(bits, qblock):
+    """Codes-only stores at the benchmark's grouping (32 query / 8 KV heads, head_dim 128), bf16 queries, every width
+    at its own default launch (CODES_LAUNCH): the compiled fast kernel (inline PTX: the lanes' code offsets, the
+    values' sub.f16x2, the unmasked reads of a block's records) matches the float64 oracle, whole tiles and a part."""
+    from kernels.decode_attention import decode_attention_blocks
+
+    L, hq, D = 4099, 32, 128
+    gen = torch.Generator().manual_seed(sum(bits) + (qblock or 0))
+    ks, vs = (PackedStore(bits, D, 2, codes_only=True, device="cuda", capacity=L) for _ in "kv")
+    for st in (ks, vs):
+        st.append_codes(
+            torch.stack([torch.randint(0, 1 << b, (2, L, D), generator=gen) for b in bits], 1).cuda()
+        )
+    blocks = -(-L // qblock) if qblock else 1
+    qb = (torch.randn(2, hq, blocks, D, generator=gen) * D**-0.5).to("cuda", torch.bfloat16)
+    bias = (torch.randn(2, hq, blocks, generator=gen) * 4).cuda()
+    kx, vx = (torch.rand(2, len(bits), 4, D, generator=gen).cuda() * 7 for _ in "kv")
+    out = decode_attention_blocks(qb, bias, ks, vs, 0.5, qblock, k_extra=kx, v_extra=vx)
+    ref = reference.attention_blocks_reference(
+        qb, bias, ks.dequantize(), vs.dequantize(), 0.5, qblock, kx, vx
+    )
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or INTERPRET, reason="needs CUDA, compiled Triton")
+def test_decode_attention_blocks_replays_in_a_cuda_graph():
+    """decode_attention_blocks at a device-side length, captured once and replayed as the stores grow within their
+    capacity (qb holds the capacity's blocks): each replay matches the oracle over the tokens stored."""
+    from kernels.decode_attention import decode_attention_blocks
+
+    bits, D, hq, cap, qblock, batch = (2, 4, 8, 3), 128, 16, 512, 128, 2
+    gen = torch.Generator().manual_seed(12)
+    ks, vs = (PackedStore(bits, D, batch, codes_only=True, device="cuda", capacity=cap) for _ in "kv")
+    codes = [
+        torch.stack([torch.randint(0, 1 << b, (batch, cap, D), generator=gen) for b in bits], 1) for _ in "kv"
+    ]
+    for st, c in zip((ks, vs), codes):
+        st.append_codes(c[:, :, :200].cuda())
+    blocks = -(-ks.capacity // qblock)
+    qb = torch.empty(batch, hq, blocks, D, dtype=torch.bfloat16, device="cuda")
+    bias = torch.empty(batch, hq, blocks, device="cuda")
+    out = torch.empty(batch, hq, D, device="cuda")
+    length = torch.tensor([200], dtype=torch.int32, device="cuda")
+
+    def step():
+        decode_attention_blocks(qb, bias, ks, vs, D**-0.5, qblock, out=out, length=length)
+
+    side = torch.cuda.Stream()  # warm-up (compiles, allocates the workspaces) outside the capture
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for n in (201, 260, 384, 385):
+        for st, c in zip((ks, vs), codes):
+            st.append_codes(c[:, :, st.length : n].cuda())
+        length.fill_(n)
+        qb.copy_((torch.randn(batch, hq, blocks, D, generator=gen) * D**-0.5).to("cuda", torch.bfloat16))
+        bias.copy_(torch.randn(batch, hq, blocks, generator=gen) * 4)
+        graph.replay()
+        ref = reference.attention_blocks_reference(
+            qb, bias, ks.dequantize(), vs.dequantize(), D**-0.5, qblock
+        )
+        assert ((out.double() - ref).norm() / ref.norm()).item() < 2e-3, n

@@ -20,10 +20,13 @@ import triton.language as tl
 
 from kernels import reference
 from kernels.unpack import (
+    EXACT_CODES,
+    OFFSET_CODES,
     PAIRS2,
     PAIRS3,
     code_of_column,
     code_of_column_jit,
+    code_offset,
     dequant_tile,
     dequant_tile3,
     fast_path_fits,
@@ -60,6 +63,22 @@ def _tile_kernel(p_ptr, s_ptr, z_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr,
         words = tl.load(p_ptr + r[:, None] * NW + tl.arange(0, NW)[None, :])
         tile = dequant_tile(words, s2, z2, z2o, W, SYM, ASM, LANES)  # (R, D) in lane or unit order
     tl.store(out_ptr + r[:, None] * D + code_of_column_jit(W, D, LANES)[None, :], tile)
+
+
+@triton.jit
+def _codes_kernel(p_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, W: tl.constexpr, CODES: tl.constexpr,
+                  LANES: tl.constexpr):  # fmt: skip
+    # One (R, D) codes-only tile, as _tile_kernel's but with no scale or zero: out (R, D) fp16 in column order.
+    NW: tl.constexpr = D * W // 32
+    r = tl.arange(0, R)
+    if W == 3:
+        u = p_ptr + r[:, None] * NW + 3 * tl.arange(0, D // 32)[None, :]
+        u0 = tl.load(u)
+        tile = dequant_tile3(u0, tl.load(u + 1), tl.load(u + 2), u0, u0, False, False, LANES, CODES)
+    else:
+        words = tl.load(p_ptr + r[:, None] * NW + tl.arange(0, NW)[None, :])
+        tile = dequant_tile(words, words, words, words, W, False, False, LANES, CODES)
+    tl.store(out_ptr + r[:, None] * D + tl.arange(0, D)[None, :], tile)
 
 
 @triton.jit
@@ -175,6 +194,25 @@ def test_dequant_tile_equals_the_reference(width, head_dim, group_size, symmetri
     assert (err <= bound).all(), (err - bound).max()
     step = s.clamp_min(1e-30)
     assert (err / step).max() < 0.02  # at most 2% of a quantization step
+
+
+@pytest.mark.parametrize("width, head_dim", [(2, 64), (3, 128), (4, 128), (8, 64), (4, 256)])
+@pytest.mark.parametrize("lanes", [True, False])
+def test_codes_only_tiles_hold_the_codes(width, head_dim, lanes):
+    """A codes-only tile: with OFFSET_CODES logical column k holds code_offset(width, k) + its code exactly (the
+    bit trick's exponent, no fma), with EXACT_CODES the code itself (every code of the width appears)."""
+    gen = torch.Generator().manual_seed(width + head_dim)
+    R = 16
+    codes = torch.randint(0, 1 << width, (R, head_dim), generator=gen)
+    codes[0] = torch.arange(head_dim) % (1 << width)
+    payload = reference.pack(codes, width).view(torch.int32)
+    cols = code_of_column(width, head_dim, lanes)
+    want = codes[:, cols].float()  # (R, D) in column order
+    offset = torch.tensor([code_offset(width, k) for k in range(head_dim)])
+    for mode, shift in ((OFFSET_CODES, offset), (EXACT_CODES, 0.0)):
+        out = torch.full((R, head_dim), float("nan"), dtype=torch.float16)
+        _codes_kernel[(1,)](payload, out, R=R, D=head_dim, W=width, CODES=mode, LANES=lanes)
+        assert torch.equal(out.float(), want + shift), mode
 
 
 @pytest.mark.parametrize(

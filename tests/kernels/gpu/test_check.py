@@ -167,7 +167,9 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
             "kernel_sha": gpu_check.current_kernel_sha(),
         },
         {"key_bits": "2", "value_bits": "2", "instr_per_byte": "9.0", "kernel_sha": "stale0000000"},
-    ]
+        {"key_bits": "4", "value_bits": "4", "instr_per_byte": "4.4", "kernel_sha": gpu_check.current_kernel_sha(),
+         "format": "codes"},  # inspect --codes: not the format the A/B times
+    ]  # fmt: skip
     counters = [
         {"widths": "4", "dram_pct_of_peak": "71", "thread_instr_per_dram_byte": "4.2", "top_stalls": "wait=1"}
     ]

@@ -167,3 +167,38 @@ def test_inspector_refuses_a_map_of_the_wrong_length(cli):
         env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"},
     )
     assert proc.returncode == 2 and "--map: 3 widths for --hkv 8 KV heads" in proc.stderr
+
+
+def test_inspector_compiles_the_codes_only_path(cli, tmp_path):
+    """--codes compiles decode_attention_blocks' stage 1 over codes-only stores (blocks of --qblock tokens): its
+    default tile and launch (CODES_LAUNCH), and instructions per KV byte over the payload alone."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "codes.csv"
+    proc = cli("kernels.gpu.inspect", "--codes", "--qblock", "128", "--widths", "4", "--out", str(out), env=env,
+               timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = list(csv.DictReader(open(out)))
+    from kernels.decode_attention import CODES_LAUNCH
+
+    assert (row["format"], row["qblock"], row["kernel"]) == ("codes", "128", "_decode_packed_kernel")
+    assert row["block_n"] == str(CODES_LAUNCH[4]["block_n"]) and int(row["mma"]) > 0
+    assert float(row["instr_per_byte"]) == pytest.approx(
+        int(row["loop_instr"]) * 32 * 4 / (CODES_LAUNCH[4]["block_n"] * 2 * 64), rel=1e-2
+    )
+    assert "1" not in row["payload_load_bytes"].split() and int(row["i2f"]) == 0
+    proc = cli("kernels.gpu.inspect", "--codes", "--widths", "16", env=env)
+    assert proc.returncode == 2 and "no 16-bit heads" in proc.stderr
+
+
+def test_codes_rows_count_the_payload_and_take_their_own_targets():
+    assert (
+        insp.kv_bytes_per_token(4, 128, codes=True) == 64 and insp.kv_bytes_per_token(2, 64, codes=True) == 16
+    )
+    row = {"key_bits": "2", "value_bits": "2", "instr_per_byte": "5.9", "registers": "120", "spill_bytes": "0",
+           "payload_load_bytes": "8 16", "i2f": "0"}  # fmt: skip
+    assert insp.static_targets(row) == "missed: instr/byte 5.9 > 5"
+    assert insp.static_targets({**row, "format": "codes"}) == "met"
+    assert (
+        insp.static_targets({**row, "format": "codes", "instr_per_byte": "6.2"})
+        == "missed: instr/byte 6.2 > 6"
+    )
