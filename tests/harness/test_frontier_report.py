@@ -83,8 +83,17 @@ def test_one_sequences_compression_counts_every_fitted_table_in_full():
     whole = frontier.one_sequence_compression(xlayer, 319 * 32)
     measured = xlayer["metrics"]["compression_true"]
     assert measured < whole < 1.02 * measured  # the same tokens with one fp16 sink token instead of 32
-    spread = frontier.one_sequence_compression(xlayer, 319)  # one of the run's 32 caches, holding every table
-    assert 1 < spread < frontier.one_sequence_compression(xlayer) < xlayer["metrics"]["compression_true"]
+    # one of the run's 32 caches holding every table by hand: the run held bytes_per_token x 32 x 320 bytes, of which
+    # the payload of 32 x 319 tokens; the rest (the tables) joins one cache's payload. xlayer's tables outweigh 319
+    # fp16 tokens (a compression below 1): they pay off only over long or many sequences
+    config, bits = xlayer["config"], (xlayer["allocation"]["key_bits"], xlayer["allocation"]["value_bits"])
+    xscheme = from_point(config)
+    payload = cache_bytes(shape, 319, bits[0], xscheme, 32, bits[1], count_tables=False).true_bytes
+    tables = xlayer["metrics"]["bytes_per_token"] * 32 * 320 - payload
+    one_cache = cache_bytes(shape, 319, bits[0], xscheme, 1, bits[1], count_tables=False)
+    spread = frontier.one_sequence_compression(xlayer, 319)
+    assert spread == pytest.approx(one_cache.fp16_bytes / (one_cache.true_bytes + tables), rel=1e-12)
+    assert spread < 1 < frontier.one_sequence_compression(xlayer) < measured
 
 
 def test_the_frontier_gives_no_interval_below_16_sequences():
