@@ -6,7 +6,8 @@ K/V themselves as placeholders and posts a step for them (`post_step`) on the in
 - `PackedStep` (the torch backend without quant.simulate, any number of new tokens): this attention hands it
   to kernels/packed_attention.py, which reads the stores blockwise (softcapping included);
 - `DecodeStep` (the triton backend, one new token): this attention runs the fused split-KV kernel
-  kernels/decode_attention.py over the stores; nothing is dequantized into memory.
+  kernels/decode_attention.py over the stores (or the step the scheme gives: pca's fold around it,
+  harness/schemes/pca_fold.py); nothing is dequantized into memory.
 The attention of layer l reads the step of the layer whose K/V it attends (`kv_source_layer`: itself, or the
 layer a KV-sharing layer reuses), and only for the very key tensor that step was posted with: every other call
 (prefill, other caches, the exact-prefill first step, a step left from an earlier forward) goes to
@@ -38,9 +39,12 @@ class DecodeStep:
     every layer that attends them: the owning layer, and the layers that reuse its K/V (Gemma 4's KV sharing).
     """
 
-    def __init__(self, k_store: PackedStore, v_store: PackedStore, length: torch.Tensor | None = None):
+    def __init__(self, k_store, v_store, length: torch.Tensor | None = None, decode=None):
         self.stores = (k_store, v_store)
         self.length = length  # None, or the attended token count as an int32 device tensor (CUDA graphs)
+        # the fused step over the stores: f(q (B, Hq, D), k_store, v_store, sm_scale, length=) -> (B, Hq, D);
+        # None: kernels.decode_attention.decode_attention (PackedStores; a scheme's own: Scheme.decode_kernel)
+        self.decode = decode
         self.attended = False
 
     def take(self) -> tuple[PackedStore, PackedStore]:
@@ -151,8 +155,10 @@ def packed_forward(
         return step.attend(query, attention_mask, sm_scale, kwargs.get("softcap")), None
     if kwargs.get("softcap") is not None:
         raise ValueError("kv_packed: the fused decode kernel does not support attention logit softcapping")
-    from kernels.decode_attention import decode_attention  # imports triton: only for the triton backend
+    if step.decode is None:
+        from kernels.decode_attention import decode_attention  # imports triton: only for the triton backend
 
+        step.decode = decode_attention
     k_store, v_store = step.take()
     if attention_mask is not None and step.length is not None:
         raise ValueError(
@@ -171,7 +177,7 @@ def packed_forward(
         visible = attention_mask if attention_mask.dtype == torch.bool else attention_mask == 0
         torch._assert_async(visible.all(), "kv_packed: the fused decode kernel attends to every stored token")
     sm_scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = decode_attention(query[:, :, 0], k_store, v_store, sm_scale, length=step.length)  # (B, Hq, D)
+    out = step.decode(query[:, :, 0], k_store, v_store, sm_scale, length=step.length)  # (B, Hq, D)
     return out.unsqueeze(1), None
 
 

@@ -31,8 +31,11 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
   placeholders and posts a `DecodeStep` holding the layer's stores, which harness/attention/packed.py's
   attention hands to kernels.decode_attention;
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
-The kernels store only plain asym_token / sym_token (no sink tokens, residual window or rotation): for other
-schemes auto is torch and an explicit triton is a ValueError (harness.schemes.check_backend).
+The kernels store plain asym_token / sym_token (no sink tokens, residual window or rotation) and the foldable
+pca formats (pca_post_uf, pca_block_uf, pca_block32_uf; sink tokens beside them; full-attention layers, no
+graphed decoding yet), whose codes the torch quantizer still writes and whose decode step is
+harness/schemes/pca_fold.py's `decode`: for other schemes auto is torch and an explicit triton is a ValueError
+(harness.schemes.check_backend).
 The placeholders of both backends need the packed attention: the model runs inside
 `harness.attention.installed(model, PACKED)`, where steps are posted, by layer index, on the state installed there
 (a step left unattended makes the layer's next update raise). Outside every such block no attention would read
@@ -84,7 +87,7 @@ from harness.attention.base import active
 from harness.attention.packed import DecodeStep, PackedStep, Steps, post_step
 from harness.policies.base import Allocation
 from harness.schemes import KeyCalibration, Scheme, check_backend, get_scheme, starts_at
-from kernels.layout import FULL_WIDTH
+from kernels.layout import PackedStore
 
 PREFILL_MODES = ("exact", "quantized")
 BACKENDS = ("auto", "torch", "triton")
@@ -178,39 +181,26 @@ def check_served(config, model_class: type | None = None, key: str = "model") ->
 def resolve_backend(
     backend: str,
     device: torch.device,
-    bits: list[int],
+    scheme: Scheme,
+    key_bits: list[int],
+    value_bits: list[int],
     k_dim: int,
     v_dim: int,
-    group_size: int,
-    value_bits: list[int] | None = None,
-    key_group_size: int | None = None,
+    sliding: bool = False,
 ) -> str:
     """'torch' or 'triton' for one layer on `device`; auto takes triton on CUDA when the kernels support the layer.
 
-    `bits`: the keys' widths per KV head, `value_bits` the values' (None: the same); `group_size` the values'
-    group, `key_group_size` the keys' (None: the same). The kernels read each store at its own widths and group
-    size, so keys and values may differ in both.
+    The layer: its keys' and values' widths per KV head and head_dims, a sliding window or not; what the kernels
+    support of it the scheme says (Scheme.check_kernel: each store at its own widths and group size, so keys and
+    values may differ in both).
 
     An explicit triton raises NotImplementedError for what the kernels cannot do, and ValueError for CPU tensors
     unless Triton runs in its interpreter (TRITON_INTERPRET=1).
     """
     if backend == "torch" or (backend == "auto" and device.type != "cuda"):
         return "torch"
-    from kernels.quantize import check_group_size, check_widths  # imports triton: only for the triton backend
-
-    roles = (
-        (bits, k_dim, group_size if key_group_size is None else key_group_size),
-        (bits if value_bits is None else value_bits, v_dim, group_size),
-    )
     try:
-        for widths, dim, group in roles:
-            check_widths(widths, dim)
-            if any(b != FULL_WIDTH for b in widths):
-                check_group_size(group, dim)
-        if v_dim != k_dim:
-            raise NotImplementedError(
-                f"the Triton kernels need key and value head_dim equal; got {k_dim}, {v_dim}"
-            )
+        scheme.check_kernel(key_bits, value_bits, k_dim, v_dim, sliding)
     except NotImplementedError:
         if backend == "auto":
             return "torch"
@@ -317,30 +307,16 @@ class QuantizedLayer(CacheLayerMixin):
         B, H, _, D = key_states.shape  # (B, Hkv, T, D)
         assert H == len(self.key_bits), f"layer has {H} KV heads but {len(self.key_bits)} widths were given"
         self.dtype, self.device = key_states.dtype, key_states.device
-        backend = resolve_backend(
-            self.backend,
-            key_states.device,
-            self.key_bits,
-            D,
-            value_states.shape[-1],
-            self.scheme.group_size,
-            self.value_bits,
-            self.scheme.key_group_size,
-        )
-        self.fused = backend == "triton"
+        widths = (self.key_bits, self.value_bits, D, value_states.shape[-1], self.is_sliding)
+        self.fused = resolve_backend(self.backend, key_states.device, self.scheme, *widths) == "triton"
         simulate = self.simulate and not self.fused
         self.k_store = self.scheme.new_store(
-            self.key_bits, D, B, key_states.dtype, key_states.device, role="key", simulate=simulate
+            self.key_bits, D, B, key_states.dtype, key_states.device, "key", simulate, self.fused
         )
         self.v_store = self.scheme.new_store(
-            self.value_bits,
-            value_states.shape[-1],
-            B,
-            value_states.dtype,
-            key_states.device,
-            "value",
-            simulate,
-        )
+            self.value_bits, value_states.shape[-1], B, value_states.dtype, key_states.device, "value", simulate,
+            self.fused,
+        )  # fmt: skip
         self.is_initialized = True
 
     def append(
@@ -353,6 +329,10 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.fused:
             keys, values = self.k_store.append(key_states), self.v_store.append(value_states)
             return (keys, values) if self.simulate else None
+        if not isinstance(self.k_store, PackedStore):  # a scheme's own kernel store (pca): written by torch
+            self.k_store.append(key_states)
+            self.v_store.append(value_states)
+            return None
         from kernels.quantize import quantize_into
 
         if self.device_pos is not None and key_states.shape[-2] == 1:
@@ -406,7 +386,8 @@ class QuantizedLayer(CacheLayerMixin):
             keys, values = self.k_store.dequantize(), self.v_store.dequantize()
         else:
             length = None if self.device_pos is None else self.device_pos[1]
-            self._step = DecodeStep(copy.copy(self.k_store), copy.copy(self.v_store), length)
+            stores = copy.copy(self.k_store), copy.copy(self.v_store)
+            self._step = DecodeStep(*stores, length, self.scheme.decode_kernel())
             keys, values = key_states, value_states
         post_step(self.layer_idx, keys, self._step)
         return keys, values
@@ -701,6 +682,11 @@ class QuantizedKVCache(Cache):
                 raise NotImplementedError(
                     f"QuantizedKVCache: layer {layer.layer_idx} is a {type(layer).__name__}, whose stores are "
                     "rebuilt as tokens leave it; device-side positions need plain full-attention layers"
+                )
+            if layer.fused and not isinstance(layer.k_store, PackedStore):
+                raise NotImplementedError(
+                    f"QuantizedKVCache: layer {layer.layer_idx} holds {self.scheme.name}'s stores, which the Triton "
+                    "kernels do not yet write at device-side positions; decode without graphed_decoding"
                 )
             if not layer.fused:
                 raise ValueError(

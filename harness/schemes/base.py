@@ -237,8 +237,35 @@ class Scheme:
 
     @property
     def fusable(self) -> bool:
-        """Whether the Triton kernels can write and read this scheme (plain per-token formats only)."""
+        """Whether the Triton kernels can write and read this scheme (plain per-token formats, and the
+        foldable pca formats: harness/schemes/pca.py)."""
         return self.packed and self.sink_tokens == 0 and self.residual == 0
+
+    def check_kernel(self, key_bits, value_bits, k_dim: int, v_dim: int, sliding: bool) -> None:
+        """NotImplementedError naming what the Triton kernels cannot store of one layer of this (fusable) scheme:
+        keys and values at their widths and head_dims, `sliding` for a sliding-window layer."""
+        from kernels.quantize import check_group_size, check_widths  # imports triton: the triton backend only
+
+        for widths, dim, group in (
+            (key_bits, k_dim, self.key_group_size),
+            (value_bits, v_dim, self.group_size),
+        ):
+            check_widths(widths, dim)
+            if any(b != FULL_WIDTH for b in widths):
+                check_group_size(group, dim)
+        if v_dim != k_dim:
+            raise NotImplementedError(
+                f"the Triton kernels need key and value head_dim equal; got {k_dim}, {v_dim}"
+            )
+
+    def kernel_store(self, bits, head_dim: int, batch: int, dtype: torch.dtype, device, role: str) -> Store:
+        """The base store the triton backend writes and its decode kernel reads (a packed format's own)."""
+        return self.base_store(bits, head_dim, batch, dtype, device, role, False)
+
+    def decode_kernel(self):
+        """The fused decode step over this scheme's triton stores, f(q (B, Hq, D), k_store, v_store, sm_scale,
+        length=None) -> (B, Hq, D); None: the kernels' own (kernels.decode_attention.decode_attention)."""
+        return None
 
     def label(self) -> str:
         """A short readable name, e.g. 'asym_token g32', 'kivi g32 kg128', 'kivi g32 sink_tokens=4 residual=16' or
@@ -308,18 +335,23 @@ class Scheme:
         device,
         role: str,
         simulate: bool = False,
+        kernel: bool = False,
     ) -> Store:
         """The store of one layer's keys or values (`role`): the family's base store, wrapped for sink tokens
         and the residual window.
 
         `simulate`: the store also keeps a full-precision working copy and append returns it (quant.simulate);
         otherwise it holds only the stored form and attention reads that (kernels/packed_attention.py).
+        `kernel`: the base store is the one the Triton kernels read (kernel_store; the triton backend).
         """
         if role not in ROLES:
             raise ValueError(f"role: unknown {role!r}; allowed: {', '.join(ROLES)}")
         self.check_head_dim(bits, head_dim, role)
         self.check_widths(bits, "bits")
-        store = self.base_store(bits, head_dim, batch, dtype, device, role, simulate)
+        if kernel:
+            store = self.kernel_store(bits, head_dim, batch, dtype, device, role)
+        else:
+            store = self.base_store(bits, head_dim, batch, dtype, device, role, simulate)
         shape = (len(bits), head_dim, batch, dtype, device)
         per_channel = self.per_channel(role)
         if self.residual or per_channel:
@@ -383,8 +415,9 @@ def check_backend(scheme: Scheme, backend: str) -> str:
         return backend
     if backend != "triton":
         return "torch"
+    fused = [name for name in SCHEMES.names() if get_scheme(name).fusable and not get_scheme(name).packed]
     raise ValueError(
         f"quant.backend: triton supports only {' and '.join(packed_names())} without sink_tokens, residual or "
-        f"rotation; got quant.scheme={scheme.name} sink_tokens={scheme.sink_tokens} residual={scheme.residual}; "
-        "allowed: auto, torch"
+        f"rotation, and {', '.join(fused)} without residual; got quant.scheme={scheme.name} "
+        f"sink_tokens={scheme.sink_tokens} residual={scheme.residual}; allowed: auto, torch"
     )

@@ -34,6 +34,7 @@ import torch
 from harness.schemes.base import Scheme, Store, register
 from harness.schemes.bitstream import layout, pack, unpack
 from harness.schemes.calkey import saturating_cast
+from harness.schemes.pca_fold import decode, format_reason
 from harness.schemes.pca_table import (
     BLOCK,
     PCA_FORMAT,
@@ -50,13 +51,25 @@ from harness.schemes.pca_table import (
 from harness.schemes.rotary import TokenPositions, turn
 from harness.schemes.wrappers import PositionedBlockStore, head_index
 from kernels import reference
-from kernels.layout import FP16_BYTES, FULL_WIDTH
+from kernels.layout import FP16_BYTES, FULL_WIDTH, PackedStore
 
 PLAN_BYTES = 1  # a component's width, uint8
+KERNEL_WIDTHS = (2, 3, 4, 8)  # the widths a codes-only store holds (kernels/layout.py)
 UNBOUND = (
     "quant.scheme: pca stores keys and values against transforms fitted on the calibration windows; none were "
     "given (QuantizedKVCache key_calibration: harness.calibrate.cached_fit)"
 )
+
+
+def kernel_reason(fmt: PcaFormat, bits) -> str | None:
+    """Why heads at widths `bits` in format `fmt` cannot be the triton backend's (PcaCodesStore), or None."""
+    reason = format_reason(fmt)
+    if reason is not None:
+        return reason
+    other = sorted({int(b) for b in bits} - set(KERNEL_WIDTHS))
+    if other:
+        return f"a head at {other[0]} bits; the kernels decode codes of {', '.join(map(str, KERNEL_WIDTHS))} bits"
+    return None
 
 
 @register
@@ -111,13 +124,47 @@ class Pca(Scheme):
         role: str,
         simulate: bool,
     ) -> Store:
+        return self._store(PcaStore, bits, head_dim, batch, dtype, device, role, simulate)
+
+    def _store(
+        self, store_type: type, bits, head_dim: int, batch: int, dtype, device, role: str, simulate: bool
+    ):
+        """A store_type (PcaStore or PcaCodesStore) of `role` bound to the layer's fitted table."""
         if self.fitted is None:
             raise ValueError(UNBOUND)
         keys = role == "key"
         theta = self.fitted.rotary_frequencies if keys else torch.zeros(0)
         first = self.sink_tokens if keys else 0
         table = self.fitted.role(role)
-        return PcaStore(bits, head_dim, batch, dtype, device, table, theta, first, simulate, self.pca_format)
+        return store_type(
+            bits, head_dim, batch, dtype, device, table, theta, first, simulate, self.pca_format
+        )
+
+    @property
+    def fusable(self) -> bool:
+        """The flat, evenly spaced formats (pca_fold.format_reason), sink tokens beside them, no residual."""
+        return format_reason(self.pca_format) is None and self.residual == 0
+
+    def check_kernel(self, key_bits, value_bits, k_dim: int, v_dim: int, sliding: bool) -> None:
+        for bits in (key_bits, value_bits):
+            reason = kernel_reason(self.pca_format, bits)
+            if reason is not None:
+                raise NotImplementedError(reason)
+        if sliding:
+            raise NotImplementedError(
+                "pca on the triton backend: sliding-window layers are not supported (a window drops keys from the "
+                "front of the blocks the kernel's queries are turned for)"
+            )
+        if k_dim != v_dim:
+            raise NotImplementedError(
+                f"the Triton kernels need key and value head_dim equal; got {k_dim}, {v_dim}"
+            )
+
+    def kernel_store(self, bits, head_dim: int, batch: int, dtype: torch.dtype, device, role: str) -> Store:
+        return self._store(PcaCodesStore, bits, head_dim, batch, dtype, device, role, False)
+
+    def decode_kernel(self):
+        return decode
 
 
 class PcaStore(PositionedBlockStore):
@@ -189,20 +236,27 @@ class PcaStore(PositionedBlockStore):
         """The angles (B or 1, 1, T, R / 2) keys at positions (B or 1, T) are turned by into the format's frame."""
         return self.positions.angle(self.fmt.reference_positions(positions, self.first))
 
+    def _quantize(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> (codes (B, Hw, Tn, D) int64,
+        their component values (B, Hw, Tn, D) float32) of the heads at width w (the module docstring's code, zq)."""
+        part = (
+            x.index_select(1, self.heads[w]).to(torch.float32).clamp(-reference.FP16_MAX, reference.FP16_MAX)
+        )
+        y = turn(part, -angle) - self.mean[w].float()[None, :, None]  # (B, Hw, Tn, D)
+        z = torch.einsum("bhtd,hdc->bhtc", y, self.basis[w].float())
+        return quantize_components(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
+
+    def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
+        """The codes (B, Hw, end - start, D) of tokens [start, end) of the heads at width w."""
+        return unpack(self.codes[w][:, :, start:end], self.layout[w])
+
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
         angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
         new = torch.empty_like(x, dtype=self.dtype) if self.simulate else None  # (B, H, Tn, D)
         for w in self.widths:
-            part = (
-                x.index_select(1, self.heads[w])
-                .to(torch.float32)
-                .clamp(-reference.FP16_MAX, reference.FP16_MAX)
-            )
-            y = turn(part, -angle) - self.mean[w].float()[None, :, None]  # (B, Hw, Tn, D)
-            z = torch.einsum("bhtd,hdc->bhtc", y, self.basis[w].float())
-            code, zq = quantize_components(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
+            code, zq = self._quantize(x, w, angle)
             self.codes[w] = torch.cat([self.codes[w], pack(code, self.layout[w])], 2)
             if new is not None:
                 new.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
@@ -221,10 +275,13 @@ class PcaStore(PositionedBlockStore):
         )
         angle = self._angle(self.positions.held(start, end, self.length))
         for w in self.widths:
-            code = unpack(self.codes[w][:, :, start:end], self.layout[w])
-            zq = component_values(code, self.plan[w], self.scale[w].float(), self.fmt.levels)
+            zq = component_values(
+                self._codes(w, start, end), self.plan[w], self.scale[w].float(), self.fmt.levels
+            )
             out.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
-        return out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
+        if len(self.full_heads):
+            out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
+        return out
 
     def table_nbytes(self) -> int:
         """Bytes of the fitted transforms the quantized heads read (held once)."""
@@ -237,6 +294,67 @@ class PcaStore(PositionedBlockStore):
 
     def nbytes_fp16(self) -> int:
         return self.batch * len(self.bits) * self.length * self.head_dim * FP16_BYTES
+
+
+class PcaCodesStore(PcaStore):
+    """A PcaStore of a foldable format (harness/schemes/pca_fold.py) whose codes live in a codes-only
+    kernels.layout.PackedStore (`packed`), where the Triton decode kernel reads them: the triton backend's store.
+    The same codes, packing (a flat plan's rows are kernels.reference.pack's), bytes and dequantized tokens as
+    PcaStore's; every head quantized at a width the kernels decode (KERNEL_WIDTHS), nothing simulated."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        reason = kernel_reason(self.fmt, self.bits)
+        if reason is not None:
+            raise NotImplementedError(f"pca on the triton backend: {reason}")
+        if self.simulate:
+            raise ValueError(
+                "quant.simulate: the triton backend's pca store keeps no working copy; allowed: false"
+            )
+        self.codes = None  # the codes are `packed`'s
+        self.packed = PackedStore(
+            self.bits, self.head_dim, self.batch, dtype=self.dtype, device=self.device, simulate=False,
+            codes_only=True,
+        )  # fmt: skip
+
+    def append(self, x: torch.Tensor) -> None:
+        B, H, Tn, D = x.shape
+        assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
+        angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
+        codes = torch.empty(B, H, Tn, D, dtype=torch.uint8, device=x.device)
+        for w in self.widths:
+            code, _ = self._quantize(x, w, angle)
+            codes.index_copy_(1, self.heads[w], code.to(torch.uint8))
+        self.packed.append_codes(codes)
+        self.length += Tn
+
+    def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
+        bucket = self.packed.bucket_of[w]
+        return reference.unpack(bucket.payload[:, :, start:end], w, self.head_dim)
+
+    # rows and tokens: the positions as PositionedBlockStore keeps them, the codes as the PackedStore does
+    def take_rows(self, index: torch.Tensor) -> None:
+        self.positions.take_rows(index)
+        self.packed.take_rows(index)
+        self.batch = index.shape[0]
+
+    def keep_first(self, n: int) -> None:
+        self.positions.keep_first(n, self.length)
+        self.packed.keep_first(n)
+        self.length = n
+
+    def keep_last(self, n: int) -> None:
+        self.positions.keep_last(n, self.length)
+        self.packed.keep_last(n)
+        self.length = self.packed.length
+
+    def select(self, index: torch.Tensor) -> None:
+        self.positions.select(index, self.length)
+        self.packed.select(index)
+        self.length = index.shape[1]
+
+    def nbytes(self) -> int:
+        return self.packed.nbytes() + self.table_nbytes() + self.positions.nbytes()
 
 
 # Variants of the format, measured as candidates for a fused GPU kernel (issue: the frontier at kernel speed):

@@ -18,31 +18,44 @@ accumulates the codes and `unfold_output` maps the sum out (U applied once a ste
 
 Tokens kept in 16 bits beside the store (sink tokens) join the same softmax expressed in the codes' domain
 (`to_codes`, real-valued codes of block 0's frame: each one's score and value are exactly its own).
+
+`decode` is one decode step of the triton backend over such stores (PcaStore with `codes_only`: the codes in
+kernels.layout codes-only stores): the fold around kernels/decode_attention.py's decode_attention_blocks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from harness.schemes.pca import PcaStore
-from harness.schemes.pca_table import BLOCK, POST, UNIFORM, level_tables
+from harness.schemes.pca_table import BLOCK, POST, UNIFORM, PcaFormat, level_tables
 from harness.schemes.rotary import turn
+from harness.schemes.wrappers import SinkStore
 from kernels.layout import FULL_WIDTH
 
 
-def foldable(store) -> str | None:
-    """Why `store` cannot be folded (module docstring), or None when it can."""
-    if not isinstance(store, PcaStore):
-        return f"a {type(store).__name__} is not a pca-family store"
-    fmt = store.fmt
+def format_reason(fmt: PcaFormat) -> str | None:
+    """Why a store of format `fmt` cannot be folded whatever it holds, or None when it can."""
     if fmt.levels != UNIFORM or fmt.group != 0:
         return f"{fmt}: a fold needs evenly spaced levels and one width a head (levels=uniform, group=0)"
+    return None
+
+
+def foldable(store) -> str | None:
+    """Why `store` (a harness.schemes.pca.PcaStore) cannot be folded (module docstring), or None when it can."""
+    fmt = getattr(store, "fmt", None)
+    if not isinstance(fmt, PcaFormat):
+        return f"a {type(store).__name__} is not a pca-family store"
+    if format_reason(fmt) is not None:
+        return format_reason(fmt)
     if fmt.key_frame not in (POST, BLOCK) and len(store.positions.theta):
         return "keys coded before RoPE turn by each token's own position: no query can hold that"
     if FULL_WIDTH in store.bits:
         return "a 16-bit head inside the store"
     if store.positions.kept is not None:
         return "positions left scattered by an eviction"
+    turned_blocks = fmt.key_frame == BLOCK and len(store.positions.theta)
+    if turned_blocks and store.positions.next - store.length != store.first:
+        return "a window that has dropped the store's first keys (its blocks no longer start at token 0)"
     return None
 
 
@@ -52,7 +65,7 @@ def _check(store) -> None:
         raise ValueError(f"pca fold: {reason}")
 
 
-def code_steps(store: PcaStore, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+def code_steps(store, w: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(offset, step) (Hw, D) float32 of the heads at width w: component c stands for offset_c + code * step_c."""
     levels, _ = level_tables(torch.device(store.device), UNIFORM)
     low, spacing = levels[w, 0], levels[w, 1] - levels[w, 0]
@@ -60,22 +73,20 @@ def code_steps(store: PcaStore, w: int) -> tuple[torch.Tensor, torch.Tensor]:
     return low * scale, spacing * scale
 
 
-def block_count(store: PcaStore) -> int:
+def block_count(store) -> int:
     """The blocks of store.fmt.block tokens that the store's tokens fall in (1 in the POST frame)."""
     if store.fmt.key_frame == POST or not len(store.positions.theta):
         return 1
     return max(-(-store.length // store.fmt.block), 1)
 
 
-def _block_angles(store: PcaStore, blocks: int) -> torch.Tensor:
+def _block_angles(store, blocks: int) -> torch.Tensor:
     """The angles (1, 1, NB, R / 2) the keys of each block were turned back by (block b starts at first + b B)."""
     starts = torch.arange(blocks, device=store.device)[None] * max(store.fmt.block, 1) + store.first
     return store.positions.angle(store.fmt.reference_positions(starts, store.first))
 
 
-def fold_queries(
-    store: PcaStore, q: torch.Tensor, blocks: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fold_queries(store, q: torch.Tensor, blocks: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys' store, q (B, Hq, D) (query head i reads KV head i // (Hq / Hkv)) -> (query (B, Hq, NB, D), bias
     (B, Hq, NB)) float32 per block of the store (module docstring); NB = `blocks` or block_count(store)."""
     _check(store)
@@ -99,7 +110,7 @@ def fold_queries(
     return query.view(B, Hq, blocks, D), bias.view(B, Hq, blocks)
 
 
-def unfold_output(store: PcaStore, acc: torch.Tensor) -> torch.Tensor:
+def unfold_output(store, acc: torch.Tensor) -> torch.Tensor:
     """Values' store, acc (B, Hq, D) float32: the probability-weighted sum of the codes (probabilities summing to
     1) -> the attention output (B, Hq, D) float32 (module docstring)."""
     _check(store)
@@ -116,7 +127,7 @@ def unfold_output(store: PcaStore, acc: torch.Tensor) -> torch.Tensor:
     return out.view(B, Hq, D)
 
 
-def to_codes(store: PcaStore, x: torch.Tensor, role: str) -> torch.Tensor:
+def to_codes(store, x: torch.Tensor, role: str) -> torch.Tensor:
     """Tokens x (B, Hkv, T, D) kept in 16 bits beside `store` (keys turned by their own positions, as the model
     gives them) -> float32 (B, Hkv, T, D) real-valued codes of block 0's frame whose scores against fold_queries'
     block-0 query and bias, and whose values through unfold_output, are exactly x's own."""
@@ -133,3 +144,51 @@ def to_codes(store: PcaStore, x: torch.Tensor, role: str) -> torch.Tensor:
         z = torch.linalg.solve(basis[None], centred.double().transpose(-1, -2)).transpose(-1, -2)
         out.index_copy_(1, heads, ((z.float() - offset[None, :, None]) / step[None, :, None]))
     return out
+
+
+def split_sinks(store) -> tuple:
+    """A layer's keys or values store -> (its pca store, the sink tokens (B, Hkv, S, D) kept in 16 bits beside
+    it, or None)."""
+    if isinstance(store, SinkStore):
+        sinks, base = store.parts
+        return base, (sinks.tokens if sinks.length else None)
+    return store, None
+
+
+def _sinks_only(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Attention of q (B, Hq, D) over 16-bit tokens alone (B, Hkv, S, D) each: (B, Hq, D) float32."""
+    group = q.shape[1] // keys.shape[1]
+    k, v = keys.float().repeat_interleave(group, 1), values.float().repeat_interleave(group, 1)
+    p = torch.softmax(torch.einsum("bhd,bhsd->bhs", q.float(), k) * sm_scale, -1)
+    return torch.einsum("bhs,bhsd->bhd", p, v)
+
+
+def decode(
+    q: torch.Tensor, k_store, v_store, sm_scale: float, length: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One decode step of a layer whose stores are the triton backend's pca stores (codes in codes-only
+    kernels.layout stores; sink tokens beside them): q (B, Hq, D) -> the attention output (B, Hq, D) in q's dtype.
+
+    The fold (fold_queries, to_codes for the sinks) around kernels.decode_attention.decode_attention_blocks, then
+    unfold_output: no stored token is dequantized."""
+    from kernels.decode_attention import decode_attention_blocks  # imports triton: only on the triton backend
+
+    if length is not None:
+        raise NotImplementedError(
+            "pca stores on the triton backend: device-side lengths (graphed decoding) are not supported"
+        )
+    keys, k_sinks = split_sinks(k_store)
+    values, v_sinks = split_sinks(v_store)
+    if keys.length == 0:  # every token so far is a sink
+        return _sinks_only(q, k_sinks, v_sinks, sm_scale).to(q.dtype)
+    query, bias = fold_queries(keys, q)  # (B, Hq, NB, D), (B, Hq, NB)
+    if q.dtype in (torch.float16, torch.bfloat16):
+        query = query.to(torch.float16)  # the fast kernel's mmas run in fp16
+    blocked = keys.fmt.key_frame == BLOCK and len(keys.positions.theta)
+    extra = (None, None)
+    if k_sinks is not None:
+        extra = (to_codes(keys, k_sinks, "key"), to_codes(values, v_sinks, "value"))
+    acc = decode_attention_blocks(
+        query, bias, keys.packed, values.packed, sm_scale, keys.fmt.block if blocked else None, *extra
+    )
+    return unfold_output(values, acc).to(q.dtype)

@@ -13,7 +13,9 @@ import kernels.decode_attention as decode_attention
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, resolve_backend
 from harness.cache.quantized import UnpackedReadWarning
+from harness.calibrate.pca import fit_pca_calibration
 from harness.models import load_model
+from harness.schemes import get_scheme
 
 # (model, bits [layers, KV heads], group size, scheme, prefill, batch, value bits (None: bits), key group size
 # (None: group size)); tiny-gemma3's window is 16 and the generations below reach 30 tokens, so its sliding
@@ -121,18 +123,36 @@ def test_backend_names_and_resolution(monkeypatch):
     model(input_ids=torch.randint(0, 256, (1, 5)), past_key_values=cache, use_cache=True)
     assert not any(layer.fused for layer in cache.quantized_layers())  # auto on CPU: torch
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_backend("auto", cpu, [4, 16], 32, 32, 16) == "torch"
-    assert resolve_backend("auto", cuda, [4, 16], 32, 32, 16) == "triton"
-    assert resolve_backend("auto", cuda, [4, 16], 96, 96, 48) == "torch"  # group size the kernels lack
+    g16, g48 = get_scheme("asym_token", 16), get_scheme("asym_token", 48)
+    assert resolve_backend("auto", cpu, g16, [4, 16], [4, 16], 32, 32) == "torch"
+    assert resolve_backend("auto", cuda, g16, [4, 16], [4, 16], 32, 32) == "triton"
+    assert (
+        resolve_backend("auto", cuda, g48, [4, 16], [4, 16], 96, 96) == "torch"
+    )  # group size the kernels lack
     with pytest.raises(NotImplementedError, match="group_size: 48"):
-        resolve_backend("triton", cuda, [4, 16], 96, 96, 48)
-    assert resolve_backend("auto", cuda, [8, 16], 32, 32, 16, [2, 4], 8) == "triton"  # keys and values apart
-    assert resolve_backend("auto", cuda, [4, 16], 96, 96, 32, [4, 4], 48) == "torch"  # the keys' group
+        resolve_backend("triton", cuda, g48, [4, 16], [4, 16], 96, 96)
+    apart = get_scheme("asym_token", 16, key_group_size=8)  # keys and values apart
+    assert resolve_backend("auto", cuda, apart, [8, 16], [2, 4], 32, 32) == "triton"
+    keys48 = get_scheme("asym_token", 32, key_group_size=48)
+    assert resolve_backend("auto", cuda, keys48, [4, 16], [4, 4], 96, 96) == "torch"  # the keys' group
     with pytest.raises(NotImplementedError, match="group_size: 48"):
-        resolve_backend("triton", cuda, [4, 16], 96, 96, 32, None, 48)
+        resolve_backend("triton", cuda, keys48, [4, 16], [4, 16], 96, 96)
+    # pca's flat formats: the codes-only widths, full-attention layers only
+    flat = get_scheme("pca_block_uf", sink_tokens=1)
+    assert resolve_backend("auto", cuda, flat, [4, 2], [8, 3], 64, 64) == "triton"
+    assert resolve_backend("auto", cuda, flat, [4, 16], [4, 4], 64, 64) == "torch"
+    assert resolve_backend("auto", cuda, flat, [4, 4], [4, 4], 64, 64, sliding=True) == "torch"
+    with pytest.raises(
+        NotImplementedError, match="a head at 5 bits; the kernels decode codes of 2, 3, 4, 8 bits"
+    ):
+        resolve_backend("triton", cuda, flat, [4, 4], [5, 4], 64, 64)
+    with pytest.raises(NotImplementedError, match="sliding-window layers are not supported"):
+        resolve_backend("triton", cuda, flat, [4, 4], [4, 4], 64, 64, sliding=True)
+    with pytest.raises(NotImplementedError, match="levels=uniform, group=0"):
+        get_scheme("pca_block_u").check_kernel([4], [4], 64, 64, False)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="triton needs CUDA tensors"):
-        resolve_backend("triton", cpu, [4, 16], 32, 32, 16)
+        resolve_backend("triton", cpu, g16, [4, 16], [4, 16], 32, 32)
 
 
 @torch.no_grad()
@@ -152,3 +172,46 @@ def test_fused_decode_refuses_a_mask_that_hides_tokens(device, packed):
     mask[1, 0] = 0  # the second sequence's first token is padding
     with pytest.raises(RuntimeError, match="attends to every stored token"):
         model(input_ids=ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+@torch.no_grad()
+def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, monkeypatch, packed):
+    """pca_block_uf on the triton backend (codes in codes-only stores, each decode step pca_fold.decode around
+    decode_attention_blocks, the sink token beside the codes) generates what the torch backend's packed path
+    does: the same tokens, logits within float summation order, the same bytes. A prompt of 131 tokens puts the
+    decode steps in the second block of 128 (two queries a head); heads at 2, 3, 4 and 8 bits, keys and values
+    apart."""
+    model, _ = load_model("tiny-llama", device=device)
+    g = torch.Generator().manual_seed(3)
+    fmt = get_scheme("pca_block_uf").pca_format
+    cal = fit_pca_calibration(model, torch.randint(0, 256, (8, 64), generator=g).to(device), fmt)
+    prompt = torch.randint(0, 256, (1, 131), generator=g).to(device)
+    bits, value_bits = (
+        torch.tensor([[4, 2, 8], [3, 4, 4], [2, 8, 3]]),
+        torch.tensor([[4, 4, 3], [8, 2, 4], [4, 3, 2]]),
+    )
+    options = dict(scheme="pca_block_uf", sink_tokens=1, prefill="quantized", key_calibration=cal)
+    options.update(value_bits=value_bits)
+    kw = dict(
+        max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
+    packed(model)
+    torch_cache = QuantizedKVCache(model.config, bits, backend="torch", **options)
+    want = model.generate(prompt, past_key_values=torch_cache, **kw)
+
+    calls = []
+    blocks = decode_attention.decode_attention_blocks
+    spy = lambda *a, **k: calls.append(a[5]) or blocks(*a, **k)  # noqa: E731  a[5]: qblock
+    monkeypatch.setattr(decode_attention, "decode_attention_blocks", spy)
+    triton_cache = QuantizedKVCache(model.config, bits, backend="triton", **options)
+    got = model.generate(prompt, past_key_values=triton_cache, **kw)
+
+    assert all(layer.fused for layer in triton_cache.quantized_layers())
+    assert calls == [128] * 3 * model.config.num_hidden_layers  # every decode step of every layer
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
+        err = ((a - b).norm() / a.norm()).item()
+        assert err < 1e-4, (step, err)
+    assert triton_cache.nbytes() == torch_cache.nbytes() > 0
+    k_store = triton_cache.quantized_layers()[0].k_store.parts[1]
+    assert k_store.packed.codes_only and k_store.length == 131 + 3 - 1  # the sink token apart
