@@ -1,9 +1,7 @@
 """Bad input stops before any model loads: one line naming the key and what is allowed, exit code 2."""
 
-import os
 import re
 import shutil
-import textwrap
 import uuid
 from pathlib import Path
 
@@ -129,30 +127,43 @@ def test_random_control_draws_apart_from_the_text_seed():
 # --------------------------------------------------------------------------- bad input through the real CLI
 
 
-@pytest.fixture(scope="module")
-def guarded(tmp_path_factory, cli):
-    """Run `python -m harness ARGS` in a process where loading any model exits with REFUSED_LOAD.
+class LoadAttempted(BaseException):
+    """Raised by the guard where a model load was attempted (a BaseException: Hydra's handler lets it through)."""
 
-    The guard is a sitecustomize module (imported by Python at start-up) that replaces
-    harness.models.load_model, through which every weight load goes; disk caches live in a fresh folder.
-    """
-    folder = tmp_path_factory.mktemp("guard")
-    (folder / "sitecustomize.py").write_text(
-        textwrap.dedent(f"""
-            import sys
-            import harness.models
 
-            def refuse(*args, **kwargs):
-                print("a model load was attempted", file=sys.stderr)
-                sys.exit({REFUSED_LOAD})
+@pytest.fixture
+def guarded(monkeypatch, tmp_path, capsys):
+    """guarded(*ARGS) -> (exit code, stderr): `python -m harness ARGS` run in this process (harness.__main__.entry)
+    with every model load the command can reach (harness.run.context's, the claim protocol's) raising
+    LoadAttempted, disk caches in a fresh folder, and TRITON_INTERPRET unset as a user's shell has it
+    (tests/conftest.py sets it for this process). test_the_command_line_exits_2_with_one_line runs one case as a
+    real process."""
+    from harness import __main__ as cli_main
+    from harness.protocols import claim
+    from harness.run import context
 
-            harness.models.load_model = refuse
-        """)
-    )
-    env = {**os.environ, "PYTHONPATH": f"{folder}{os.pathsep}{ROOT}", "KVBITS_CACHE": str(folder / "cache")}
-    env.pop("TRITON_INTERPRET", None)  # as a user's shell has it (tests/conftest.py sets it for this process)
+    def refuse(*args, **kwargs):
+        raise LoadAttempted("a model load was attempted")
 
-    return lambda *args: cli("harness", "tracking.wandb.mode=disabled", *args, env=env, timeout=600)
+    for module in (context, claim):
+        monkeypatch.setattr(module, "load_model", refuse)
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    threads = torch.get_num_threads()
+
+    def run(*args):
+        monkeypatch.setattr("sys.argv", ["harness", "tracking.wandb.mode=disabled", *args])
+        capsys.readouterr()
+        try:
+            cli_main.entry()
+            code = 0
+        except SystemExit as done:
+            code = done.code
+        finally:
+            torch.set_num_threads(threads)  # the command sets `threads`
+        return code, capsys.readouterr().err
+
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -165,9 +176,9 @@ def short_text(tmp_path_factory):
     return path
 
 
-# Each is a whole `python -m harness` process (about 15 s of imports): the checks a config alone decides are
-# test_invalid_config_gives_one_line_naming_the_key's, in this process; these are the ones that read the data, the
-# model's config, the file system or the machine, and one config check (policy.widths=[2,5]) for the command's path.
+# The checks a config alone decides are test_invalid_config_gives_one_line_naming_the_key's; these are the ones
+# that read the data, the model's config, the file system or the machine, and one config check
+# (policy.widths=[2,5]) for the command's path.
 BAD_INPUT = [  # (overrides, the key the one line must start with, other keys it must name)
     (["eval.data.path={short}", "eval.num_prompts=4"], "eval.calibration.num_sequences",
      ["eval.calibration.tokens", "calibration split", "evaluation split"]),
@@ -195,21 +206,34 @@ def test_bad_input_stops_before_any_weights_load(guarded, short_text, tmp_path, 
     args = [a.format(short=short_text) for a in args]
     if not any(a.startswith("run_dir=") for a in args):
         args.append(f"run_dir={run_dir}")
-    proc = guarded(*args)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and re.match(rf"error: {re.escape(key)}( / [\w.]+)*: ", lines[0]), proc.stderr
+    code, err = guarded(*args)
+    assert code == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and re.match(rf"error: {re.escape(key)}( / [\w.]+)*: ", lines[0]), err
     assert all(name in lines[0] for name in names), lines[0]
     assert not run_dir.exists()  # nothing ran
+
+
+def test_the_command_line_exits_2_with_one_line(cli, tmp_path):
+    """The same refusal through a real `python -m harness` process: exit code 2, one line on stderr."""
+    proc = cli(
+        "harness", "tracking.wandb.mode=disabled", "policy.widths=[2,5]", f"run_dir={tmp_path / 'run'}"
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: policy.widths: [5] with quant.scheme asym_token, which stores quantized heads at 2, 3, 4, 8 bits; "
+        "allowed: 2, 3, 4, 8, 16"
+    ]
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_name_that_leads_out_of_results_is_refused_before_anything_is_written(guarded):
     name = f"escaped-{uuid.uuid4().hex[:8]}"  # results/single/../../NAME is the repository root's NAME
     escaped = ROOT / name
     try:
-        proc = guarded("model=tiny-llama", "eval=tiny", f"run_name=../../{name}")
-        assert proc.returncode == 2, proc.stderr[-2000:]
-        assert proc.stderr.strip().splitlines() == [
+        code, err = guarded("model=tiny-llama", "eval=tiny", f"run_name=../../{name}")
+        assert code == 2, err[-2000:]
+        assert err.strip().splitlines() == [
             f"error: run_name: '../../{name}' is not a plain name; allowed: a folder name without / or \\ that "
             "is not . or .."
         ]
@@ -219,9 +243,7 @@ def test_a_run_name_that_leads_out_of_results_is_refused_before_anything_is_writ
 
 
 def test_the_guard_catches_a_model_load(guarded, tmp_path):
-    proc = guarded("model=tiny-llama", "eval=tiny", f"run_dir={tmp_path / 'run'}")
-    assert proc.returncode == REFUSED_LOAD and "a model load was attempted" in proc.stderr, proc.stderr[
-        -2000:
-    ]
+    with pytest.raises(LoadAttempted):
+        guarded("model=tiny-llama", "eval=tiny", f"run_dir={tmp_path / 'run'}")
     # The run's record was written when it started, before the (refused) load.
     assert (tmp_path / "run" / "env.json").exists() and (tmp_path / "run" / "config.yaml").exists()
