@@ -35,7 +35,7 @@ import pandas as pd
 from transformers import AutoConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from harness.models import ModelUnavailable, gguf_path, hf_folder, model_spec
+from harness.models import ModelUnavailable, gguf_config, gguf_path, hf_folder, model_spec
 from harness.registry import unknown_name_message
 from harness.schemes import KMEANS, ROLES, SCHEME_OPTIONS, SCHEMES, AsymToken, Scheme, from_point
 from kernels.layout import FP16_BYTES, FULL_WIDTH
@@ -138,7 +138,7 @@ def shape_from_registry(name: str) -> ModelShape:
         config = AutoConfig.for_model(spec["arch"], **spec["config"])
     elif spec["source"] == "gguf_package":
         path = gguf_path(spec)
-        config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        config = gguf_config(name, path)  # kept on disk after the first parse of the metadata
     else:
         try:
             config = AutoConfig.from_pretrained(hf_folder(spec), local_files_only=True)

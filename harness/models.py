@@ -17,8 +17,10 @@ A load is quiet (quiet_loading): transformers' own progress bars stay off, so th
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import sys
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -37,9 +39,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers import modeling_gguf_pytorch_utils as gguf_reader
 from transformers.utils import logging as hf_logging
 
+from harness.io import cache_root, write_dir_atomic
 from harness.precision import torch_dtype
 from harness.registry import unknown_name_message
 
+KEPT_VERSION = 1  # of the tokenizers, configs (here) and token counts (harness/preload.py) kept on disk
 CONF_MODEL_DIR = Path(__file__).resolve().parent.parent / "conf" / "model"
 DOWNLOAD_FLAG = (
     "model.download=true"  # named by the errors of a missing hf model (harness.api names download=True)
@@ -135,16 +139,50 @@ def _dequantized_at_load() -> dict:
     return {} if gguf_config is None else {"quantization_config": gguf_config(dequantize=True)}
 
 
-def load_gguf(spec: dict, dtype: torch.dtype):
+def spec_identity(name: str) -> str:
+    """What a derivative of a model's files kept on disk depends on: its registry entry and transformers' version."""
+    return json.dumps([KEPT_VERSION, model_spec(name), transformers.__version__], sort_keys=True)
 
+
+def _kept(name: str, what: str, convert, read):
+    """A GGUF's `what` (tokenizers, configs), converted from its metadata once (convert() -> an object with
+    save_pretrained) and read back from the disk cache after (read(folder))."""
+    key = hashlib.sha256(spec_identity(name).encode()).hexdigest()[:20]
+    saved = cache_root() / what / f"{name}-{key}"
+    if saved.is_dir():
+        return read(str(saved))
+    made = convert()
+    write_dir_atomic(saved, lambda tmp: made.save_pretrained(str(tmp)))
+    return made
+
+
+def gguf_tokenizer(name: str, path: Path):
+    """A GGUF's tokenizer. transformers converts it from the GGUF's metadata (5-50 s: the reader parses every
+    entry of the vocabulary); the converted tokenizer is kept under the disk cache and read back from there."""
+    convert = partial(
+        AutoTokenizer.from_pretrained, str(path.parent), gguf_file=path.name, local_files_only=True
+    )
+    return _kept(name, "tokenizers", convert, partial(AutoTokenizer.from_pretrained, local_files_only=True))
+
+
+def gguf_config(name: str, path: Path):
+    """A GGUF's transformers config, kept as gguf_tokenizer keeps the tokenizer (the same parse of the metadata)."""
+    convert = partial(
+        AutoConfig.from_pretrained, str(path.parent), gguf_file=path.name, local_files_only=True
+    )
+    return _kept(name, "configs", convert, partial(AutoConfig.from_pretrained, local_files_only=True))
+
+
+def load_gguf(spec: dict, dtype: torch.dtype):
+    """A GGUF's model and tokenizer: the config and tokenizer kept on disk (gguf_config, gguf_tokenizer), so the
+    file's metadata is parsed once a load (for its tensors) instead of three times."""
     path = gguf_path(spec)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            str(path.parent), gguf_file=path.name, local_files_only=True
-        )
+        tokenizer = gguf_tokenizer(spec["name"], path)
         model = AutoModelForCausalLM.from_pretrained(
             str(path.parent),
             gguf_file=path.name,
+            config=gguf_config(spec["name"], path),
             dtype=dtype,
             local_files_only=True,
             **_dequantized_at_load(),

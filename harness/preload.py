@@ -4,7 +4,8 @@ tokens its tokenizer makes of the calibration and evaluation text.
 harness/validate.py asks these to stop bad input in seconds instead of after a 50-100 s load. A GGUF's head
 dimensions come from its metadata header alone (`gguf_metadata`: the tensors are never read; the `gguf`
 package's reader builds every tensor's description and takes 5-20 s on these files). A GGUF's tokenizer, which
-transformers converts in 5-50 s, is converted once and kept in the disk cache, and token counts are cached per
+transformers converts in 5-50 s, is converted once and kept in the disk cache (harness.models.gguf_tokenizer, as
+the model load reads it), and token counts are cached per
 model, text and transformers version.
 """
 
@@ -17,17 +18,23 @@ import struct
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
-from transformers import __version__ as transformers_version
 
 from harness.capacity import shape_from_config
-from harness.io import cache_root, write_dir_atomic, write_json_atomic
-from harness.models import ModelUnavailable, byte_tokenizer, gguf_path, hf_folder, model_spec
+from harness.io import cache_root, write_json_atomic
+from harness.models import (
+    ModelUnavailable,
+    byte_tokenizer,
+    gguf_path,
+    gguf_tokenizer,
+    hf_folder,
+    model_spec,
+    spec_identity,
+)
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types (ggml's gguf.h): id -> struct format of one scalar; 8 = string, 9 = array.
 SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
-CACHE_VERSION = 1  # of the token counts and tokenizers cached on disk
 
 
 def _read_value(buf, pos: int, kind: int, keep: bool):
@@ -112,30 +119,13 @@ def head_dims(name: str) -> set[int]:
     return {layer.head_dim for layer in shape.layers if layer.cached}
 
 
-def _identity(name: str) -> str:
-    """What a cached derivative of a model's files depends on: its registry entry and transformers' version."""
-    return json.dumps([CACHE_VERSION, model_spec(name), transformers_version], sort_keys=True)
-
-
-def _gguf_tokenizer(name: str, path: Path):
-    """A GGUF's tokenizer. transformers converts it from the GGUF's metadata (5-50 s); the converted tokenizer
-    is saved once under the disk cache and read back from there (under a second to a few)."""
-    key = hashlib.sha256(_identity(name).encode()).hexdigest()[:20]
-    saved = cache_root() / "tokenizers" / f"{name}-{key}"
-    if saved.is_dir():
-        return AutoTokenizer.from_pretrained(str(saved), local_files_only=True)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    write_dir_atomic(saved, lambda tmp: tok.save_pretrained(str(tmp)))
-    return tok
-
-
 def tokenizer(name: str):
     """The registered model's tokenizer alone, as harness.models.load_model builds it."""
     spec = model_spec(name)
     if spec["source"] == "tiny":
         return byte_tokenizer()
     if spec["source"] == "gguf_package":
-        return _gguf_tokenizer(name, gguf_path(spec))
+        return gguf_tokenizer(name, gguf_path(spec))
 
     try:
         return AutoTokenizer.from_pretrained(hf_folder(spec), local_files_only=True)
@@ -152,7 +142,7 @@ def token_counts(name: str, texts: dict[str, str]) -> dict[str, int]:
     Cached on disk under the model's registry entry, the texts and the transformers version: the first call
     for a text loads the tokenizer (seconds), later ones read a small JSON.
     """
-    digest = hashlib.sha256(_identity(name).encode())
+    digest = hashlib.sha256(spec_identity(name).encode())
     for split in sorted(texts):
         digest.update(split.encode() + b"\0" + texts[split].encode() + b"\0")
     path = cache_root() / "token_counts" / f"{name}-{digest.hexdigest()[:20]}.json"
