@@ -22,7 +22,7 @@ from harness.calibrate.pca import fit_pca_calibration
 from harness.models import load_model
 from harness.schemes import SCHEMES, KeyCalibration, Rotated, get_scheme
 
-PREFILL, DECODE = 1024, 100
+PREFILL, DECODE = 1024, 25  # 25 decode steps grow each packed store past its prefill capacity once
 
 
 def widths(scheme: str) -> list[int]:
@@ -40,10 +40,20 @@ CASES = [
 ]
 
 
+_FITTED: dict = {}  # (config, scheme) -> fitted_parts: one fit for every width of a scheme
+
+
 def fitted_parts(config, scheme: str):
     """What `scheme` reads fitted on calibration text (harness.calibrate), fitted here on random data: calkey's and
     nuqkey's key tables on keys like the ones fed below (every rotary pair turning a full circle), pca's and vq's
     transforms and cq's codebooks on a random model of `config` over random tokens; None for other schemes."""
+    key = (config.to_json_string(), scheme)
+    if key not in _FITTED:
+        _FITTED[key] = _fit(config, scheme)
+    return _FITTED[key]
+
+
+def _fit(config, scheme: str):
     bound = get_scheme(scheme)
     if not bound.key_tables:
         return None
