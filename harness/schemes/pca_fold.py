@@ -45,8 +45,9 @@ def foldable(store) -> str | None:
     fmt = getattr(store, "fmt", None)
     if not isinstance(fmt, PcaFormat):
         return f"a {type(store).__name__} is not a pca-family store"
-    if format_reason(fmt) is not None:
-        return format_reason(fmt)
+    reason = format_reason(fmt)
+    if reason is not None:
+        return reason
     if fmt.key_frame not in (POST, BLOCK) and len(store.positions.theta):
         return "keys coded before RoPE turn by each token's own position: no query can hold that"
     if FULL_WIDTH in store.bits:
