@@ -6,7 +6,8 @@ kernels/layout.py is a branch of its own, its width a compile-time constant, so 
 width's code: 2, 3, 4 or 8 bits packed into the bucket's `payload`, with fp16 `scale`/`zero`; 16-bit heads
 copied into the 16-bit bucket's `values`. The bit format is
 kernels/reference.py's (the kernel is bit-exact with reference.quantize); where rows live is
-kernels/layout.py's."""
+kernels/layout.py's. quantize_codes_into does the same for a codes-only store from components a transform made
+(the pca family's, harness/schemes/pca.py): each code the index of its cell among a table of boundaries."""
 
 from __future__ import annotations
 
@@ -271,6 +272,96 @@ def _quantize_kernel(
             v_ptr, stride_vb, stride_vh, stride_vt, stride_vd, v_outs, v_scales, v_zeros, v_heads, v_starts,
             v_cap, job - n_k, b, pos, Tn, pid_t, V_WIDTHS, V_D, V_G, V_NG_B, BLOCK_T, V_SYM,
         )  # fmt: skip
+
+
+@triton.jit
+def _codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bounds_ptr, stride_bounds, h, b, j,
+                n_heads, cap, pos, Tn, pid_t, out_ptr, W: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr,
+                BLOCK_T: tl.constexpr):  # fmt: skip
+    """Tokens [pid_t * BLOCK_T, + BLOCK_T) of KV head h's components z in batch row b into slot j of a codes-only
+    bucket of n_heads heads at width W (out_ptr: its payload, uint8 (B, n_heads, cap, D * W // 8)). A component's
+    code is the number of width W's boundaries (bounds_ptr's row W, sorted, 2**W - 1 of them) below z / scale
+    (scale_ptr: float32 (H, D)), found by a binary search of W steps: exactly what searchsorted(side="left")
+    returns for finite and infinite quotients."""
+    ROW: tl.constexpr = D * W // 8
+    orow = out_ptr + (b.to(tl.int64) * n_heads + j) * cap * ROW
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D_B)
+    mask_t = t < Tn
+    mask = mask_t[:, None] & (d[None, :] < D)
+    z = tl.load(z_ptr + b.to(tl.int64) * stride_zb + h * stride_zh + t[:, None].to(tl.int64) * stride_zt
+                + d[None, :] * stride_zd, mask=mask, other=0.0)  # fmt: skip
+    s = tl.load(scale_ptr + h * D + d, mask=d < D, other=1.0)
+    y = tl.math.div_rn(z, s[None, :])  # (BLOCK_T, D_B), as torch divides
+    code = tl.zeros((BLOCK_T, D_B), tl.int32)
+    row_bounds = bounds_ptr + W * stride_bounds
+    for k in tl.static_range(W):  # bit W - 1 - k of the code: is the boundary below that half's first level?
+        probe = code + (1 << (W - 1 - k))
+        code = tl.where(tl.load(row_bounds + probe - 1) < y, probe, code)
+    prow = orow + (pos + t).to(tl.int64)[:, None] * ROW  # (BLOCK_T, 1): byte 0 of each token's packed row
+    _store_codes(tl.where(mask, code, 0), prow, mask_t[:, None], W, D, D_B)
+
+
+@triton.jit
+def _quantize_codes_kernel(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bounds_ptr,
+                           stride_bounds, outs, heads_ptr, starts, cap, Tn, pos_arg, pos_ptr,
+                           WIDTHS: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, BLOCK_T: tl.constexpr,
+                           POS_FROM_PTR: tl.constexpr):  # fmt: skip
+    # grid: (cdiv(Tn, BLOCK_T), B, H); a program codes BLOCK_T tokens of one KV head, job j the head heads_ptr[j]
+    # in the bucket i whose jobs are [starts[i], starts[i + 1]), each bucket's width a branch of its own.
+    pid_t, b, job = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pos = tl.load(pos_ptr) if POS_FROM_PTR else pos_arg
+    h = tl.load(heads_ptr + job)
+    for i in tl.static_range(len(WIDTHS)):
+        if (job >= starts[i]) & (job < starts[i + 1]):
+            _codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bounds_ptr, stride_bounds, h, b,
+                        job - starts[i], starts[i + 1] - starts[i], cap, pos, Tn, pid_t, outs[i], WIDTHS[i], D, D_B,
+                        BLOCK_T)  # fmt: skip
+
+
+def quantize_codes_into(
+    store, z: torch.Tensor, pos: int | torch.Tensor, scale: torch.Tensor, bounds: torch.Tensor,
+    block_t: int | None = None,
+) -> None:  # fmt: skip
+    """Code components z into positions [pos, pos + Tn) of a codes-only PackedStore, every width bucket in one
+    launch: component d of head h stored at its head's width w is the number of bounds[w]'s boundaries below
+    z / scale[h, d] (searchsorted(bounds[w], z / scale, side="left") bit for bit), packed as
+    kernels.reference.pack packs codes (what PackedStore.append_codes stores).
+
+    Args (B batch, H KV heads, Tn new tokens, D head_dim):
+        store: a kernels.layout.PackedStore with codes_only (its buckets' payloads are written in place).
+        z: float32 (B, H, Tn, D), any strides: the components (a transform's outputs, as the caller computes them).
+        pos: the first destination position, an int with pos + Tn <= capacity or an int32/int64 tensor of one
+            element on z's device (read by the kernel; the caller guarantees the capacity).
+        scale: float32 (H, D): each head's component scales.
+        bounds: float32 (R, N), contiguous: row w the 2**w - 1 sorted boundaries of width w (entries past them
+            unread), for every width the store holds.
+        block_t: tokens per program (a power of two); default min(16, next_pow2(Tn)).
+    """
+    if not store.codes_only:
+        raise ValueError(
+            "quantize_codes_into: the store quantizes values (quantize_into); codes need codes_only=True"
+        )
+    B, H, Tn, D = z.shape
+    assert (B, H, D) == (store.batch, len(store.bits), store.head_dim), (z.shape, store.bits, store.head_dim)
+    assert z.dtype == scale.dtype == bounds.dtype == torch.float32, (z.dtype, scale.dtype, bounds.dtype)
+    assert scale.shape == (H, D) and scale.is_contiguous(), scale.shape
+    assert bounds.is_contiguous(), bounds.stride()
+    assert bounds.shape[0] > max(store.bits) and bounds.shape[1] >= (1 << max(store.bits)) - 1, bounds.shape
+    check_widths(store.bits, D)
+    if not isinstance(pos, torch.Tensor) and (pos < 0 or pos + Tn > store.capacity):
+        raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
+    if Tn == 0:
+        return
+    pos_from_ptr = isinstance(pos, torch.Tensor)
+    bt = block_t or min(16, next_power_of_2(Tn))
+    _quantize_codes_kernel[(cdiv(Tn, bt), B, H)](
+        z, *z.stride(), scale, bounds, bounds.stride(0), tuple(bk.payload for bk in store.buckets),
+        store.bucket_heads, store.bucket_starts, store.capacity, Tn, 0 if pos_from_ptr else pos,
+        pos if pos_from_ptr else store.bucket_heads,  # unused when the position is an int
+        WIDTHS=tuple(bk.width for bk in store.buckets), D=D, D_B=next_power_of_2(D), BLOCK_T=bt,
+        POS_FROM_PTR=pos_from_ptr,
+    )  # fmt: skip
 
 
 def check_group_size(group_size: int, head_dim: int) -> None:

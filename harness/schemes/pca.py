@@ -46,6 +46,7 @@ from harness.schemes.pca_table import (
     PcaLayer,
     PcaTable,
     component_values,
+    level_tables,
     quantize_components,
 )
 from harness.schemes.rotary import TokenPositions, turn
@@ -236,14 +237,19 @@ class PcaStore(PositionedBlockStore):
         """The angles (B or 1, 1, T, R / 2) keys at positions (B or 1, T) are turned by into the format's frame."""
         return self.positions.angle(self.fmt.reference_positions(positions, self.first))
 
-    def _quantize(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> (codes (B, Hw, Tn, D) int64,
-        their component values (B, Hw, Tn, D) float32) of the heads at width w (the module docstring's code, zq)."""
+    def _components(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> torch.Tensor:
+        """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> the components z (B, Hw, Tn, D)
+        float32 of the heads at width w (the module docstring's z)."""
         part = (
             x.index_select(1, self.heads[w]).to(torch.float32).clamp(-reference.FP16_MAX, reference.FP16_MAX)
         )
         y = turn(part, -angle) - self.mean[w].float()[None, :, None]  # (B, Hw, Tn, D)
-        z = torch.einsum("bhtd,hdc->bhtc", y, self.basis[w].float())
+        return torch.einsum("bhtd,hdc->bhtc", y, self.basis[w].float())
+
+    def _quantize(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> (codes (B, Hw, Tn, D) int64,
+        their component values (B, Hw, Tn, D) float32) of the heads at width w (the module docstring's code, zq)."""
+        z = self._components(x, w, angle)
         return quantize_components(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
 
     def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
@@ -300,7 +306,9 @@ class PcaCodesStore(PcaStore):
     """A PcaStore of a foldable format (harness/schemes/pca_fold.py) whose codes live in a codes-only
     kernels.layout.PackedStore (`packed`), where the Triton decode kernel reads them: the triton backend's store.
     The same codes, packing (a flat plan's rows are kernels.reference.pack's), bytes and dequantized tokens as
-    PcaStore's; every head quantized at a width the kernels decode (KERNEL_WIDTHS), nothing simulated."""
+    PcaStore's; every head quantized at a width the kernels decode (KERNEL_WIDTHS), nothing simulated. New tokens'
+    components are computed by torch (as PcaStore computes them) and coded and packed by the Triton kernel
+    kernels.quantize.quantize_codes_into, one launch a store, bit for bit PcaStore's codes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -316,16 +324,23 @@ class PcaCodesStore(PcaStore):
             self.bits, self.head_dim, self.batch, dtype=self.dtype, device=self.device, simulate=False,
             codes_only=True,
         )  # fmt: skip
+        from kernels.quantize import quantize_codes_into  # Triton, imported where a kernel store is made
+
+        # what the write kernel reads: every head's component scales (H, D) and the levels' boundaries per width
+        scales = torch.empty(len(self.bits), self.head_dim, dtype=torch.float32, device=self.device)
+        for w in self.widths:
+            scales.index_copy_(0, self.heads[w], self.scale[w].float())
+        _, bounds = level_tables(torch.device(self.device), self.fmt.levels)
+        self._write = functools.partial(quantize_codes_into, scale=scales, bounds=bounds)
 
     def append(self, x: torch.Tensor) -> None:
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
         angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
-        codes = torch.empty(B, H, Tn, D, dtype=torch.uint8, device=x.device)
+        z = torch.empty(B, H, Tn, D, dtype=torch.float32, device=x.device)
         for w in self.widths:
-            code, _ = self._quantize(x, w, angle)
-            codes.index_copy_(1, self.heads[w], code.to(torch.uint8))
-        self.packed.append_codes(codes)
+            z.index_copy_(1, self.heads[w], self._components(x, w, angle))
+        self.packed.append_with(z, self._write)
         self.length += Tn
 
     def _codes(self, w: int, start: int, end: int) -> torch.Tensor:

@@ -178,9 +178,9 @@ def test_fused_decode_refuses_a_mask_that_hides_tokens(device, packed):
 def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, monkeypatch, packed):
     """pca_block_uf on the triton backend (codes in codes-only stores, each decode step pca_fold.decode around
     decode_attention_blocks, the sink token beside the codes) generates what the torch backend's packed path
-    does: the same tokens, logits within float summation order, the same bytes. A prompt of 131 tokens puts the
-    decode steps in the second block of 128 (two queries a head); heads at 2, 3, 4 and 8 bits, keys and values
-    apart."""
+    does: the same tokens, logits within float summation order, the same bytes, layer 0's codes (written by the
+    Triton kernel) bit for bit. A prompt of 131 tokens puts the decode steps in the second block of 128 (two
+    queries a head); heads at 2, 3, 4 and 8 bits, keys and values apart."""
     model, _ = load_model("tiny-llama", device=device)
     g = torch.Generator().manual_seed(3)
     fmt = get_scheme("pca_block_uf").pca_format
@@ -215,3 +215,9 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
     assert triton_cache.nbytes() == torch_cache.nbytes() > 0
     k_store = triton_cache.quantized_layers()[0].k_store.parts[1]
     assert k_store.packed.codes_only and k_store.length == 131 + 3 - 1  # the sink token apart
+    # the write kernel's codes are torch's, bit for bit, where both saw the same inputs: layer 0's every token
+    first_layers = (triton_cache.quantized_layers()[0], torch_cache.quantized_layers()[0])
+    for role in ("k_store", "v_store"):
+        ours, theirs = (getattr(layer, role).parts[1] for layer in first_layers)
+        for w in ours.widths:
+            assert torch.equal(ours._codes(w, 0, ours.length), theirs._codes(w, 0, theirs.length)), (role, w)
