@@ -20,7 +20,10 @@ ptxas and cuobjdump (both ship in Triton's wheel) then give:
   byte-wide load).
 With --map (per-KV-head widths) it reads the launches of one mixed map instead: the fast kernel runs every
 packed bucket in one launch, a branch each, so the figures of a row are its branch's loop's beside the whole
-kernel's registers and shared memory. With --codes it compiles the codes-only path (decode_attention_blocks over
+kernel's registers and shared memory. --allocation FILE... (recorded points or allocation files) inspects, for
+each, the map of its (key, value) width pairs, one KV head each, and gives the thread-instructions per KV byte over
+the whole allocation, each pair's branch weighted by the (layer, KV head) units that hold it. With --codes it
+compiles the codes-only path (decode_attention_blocks over
 codes-only stores: no scales or zeros, a query and a bias per block of --qblock tokens, 0 for one block), whose
 KV bytes are the payload alone. Its figures at the default shape, each width at CODES_LAUNCH (Triton 3.6, sm_90a;
 loop instructions a tile / thread-instructions per KV byte, registers; no spills, no byte-wide loads anywhere):
@@ -43,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import json
 import os
 import re
 import subprocess
@@ -302,14 +306,70 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
     return rows
 
 
-def inspect_map(k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_warps: int, shape: dict) -> list[dict]:
+def inspect_map(
+    k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_warps: int, shape: dict, qblock: int | None = None
+) -> list[dict]:
     """The rows of every stage-1 launch of one per-head map (default tiles and stages): the fast kernel's one
-    launch, a row per bucket, and each generic bucket's launch."""
+    launch, a row per bucket, and each generic bucket's launch (with `qblock`, the codes-only path's one launch)."""
     label = (
         "map " + ",".join(map(str, k_bits)) + ("" if v_bits == k_bits else " / " + ",".join(map(str, v_bits)))
     )
-    launches = catch_launches(k_bits, v_bits, None, num_warps, None, shape)
+    launches = catch_launches(k_bits, v_bits, None, num_warps, None, shape, qblock=qblock)
     return [row for launch in launches for row in inspect_launch(launch, num_warps, shape, label)]
+
+
+def allocation_pairs(path: Path) -> Counter:
+    """(key width, value width) -> how many (layer, KV head) units hold that pair in the allocation of `path`: a
+    recorded point (results/.../points/*.json) or an allocation file (python -m harness.export), both
+    {"allocation": {"key_bits": per layer a width per KV head, "value_bits": the same}}. ValueError naming the
+    file for anything else."""
+    try:
+        alloc = json.loads(Path(path).read_text())["allocation"]
+        pairs = Counter(
+            (int(kw), int(vw))
+            for k_layer, v_layer in zip(alloc["key_bits"], alloc["value_bits"], strict=True)
+            for kw, vw in zip(k_layer, v_layer, strict=True)
+        )
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"--allocation: {path} holds no allocation with key_bits and value_bits ({type(err).__name__})"
+        ) from None
+    if not pairs:
+        raise ValueError(f"--allocation: {path} allocates no KV head")
+    return pairs
+
+
+def inspect_allocation(
+    path: Path, pairs: Counter, num_warps: int, shape: dict, qblock: int | None
+) -> list[dict]:
+    """The rows of the launch of one allocation's map (allocation_pairs: a KV head each pair, shape's query heads
+    per KV head kept), each row's note naming the file, its pair's share of the units and the whole allocation's
+    thread-instructions per KV byte (mix_instr_per_byte), which is also printed."""
+    qg = shape["hq"] // shape["hkv"]
+    k_bits, v_bits = tuple(k for k, _ in sorted(pairs)), tuple(v for _, v in sorted(pairs))
+    rows = inspect_map(k_bits, v_bits, num_warps, {**shape, "hkv": len(pairs), "hq": len(pairs) * qg}, qblock)
+    mix, total = mix_instr_per_byte(rows, pairs), sum(pairs.values())
+    for row in rows:
+        units = pairs[(int(row["key_bits"]), int(row["value_bits"]))]
+        row["note"] = (
+            f"{path.name}: {units} of {total} units; allocation {mix} thread-instructions per KV byte"
+        )
+    print(f"{path}: {total} (layer, KV head) units, warps={num_warps}: {mix} thread-instructions per KV byte")
+    return rows
+
+
+def mix_instr_per_byte(rows: list[dict], pairs: Counter) -> float:
+    """Thread-instructions per KV byte over a whole allocation: each bucket's loop instructions per token and KV
+    bytes per token (its row's, at its own tile), weighted by the units that hold its widths (`pairs`), summed
+    and divided. A program decodes its head's bucket alone, so this is the launch's count per byte of the
+    allocation's bytes."""
+    instr = nbytes = 0.0
+    for row in rows:
+        n = pairs[(int(row["key_bits"]), int(row["value_bits"]))]
+        block_n = int(row["block_n"])
+        instr += n * int(row["loop_instr"]) * 32 * int(row["num_warps"]) / block_n
+        nbytes += n * int(row["kv_bytes_per_tile"]) / block_n
+    return round(instr / nbytes, 2)
 
 
 def kernel_sha() -> str:
@@ -383,29 +443,49 @@ def main(argv: list[str] | None = None) -> None:
         "--codes", action="store_true", help="the codes-only path (decode_attention_blocks) at --qblock"
     )
     p.add_argument("--qblock", type=int, default=128, help="tokens a query block with --codes (0: one block)")
+    p.add_argument(
+        "--allocation", type=Path, nargs="+", default=None,
+        help="recorded points' or allocation files' JSON: inspect, for each, a map of its (key, value) width pairs, "
+        "one KV head each, and print thread-instructions per KV byte over the whole allocation",
+    )  # fmt: skip
     p.add_argument("--out", type=Path, help="CSV to write")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("error: TRITON_INTERPRET=1 is set; the inspector compiles, so unset it")
+    allocations = {}  # path -> its width pairs' unit counts
+    if args.allocation is not None:
+        if args.map is not None:
+            p.error("--allocation: the map is the allocation's; give --map or --allocation, not both")
+        try:
+            allocations = {path: allocation_pairs(path) for path in args.allocation}
+        except ValueError as err:
+            p.error(str(err))
+        args.map = args.value_map = ()  # the allocations' maps, checked here and inspected below
+        for pairs in allocations.values():
+            args.map, args.value_map = (
+                (*args.map, *(k for k, _ in pairs)),
+                (*args.value_map, *(v for _, v in pairs)),
+            )
     for w in (*args.widths, *(args.map or ()), *(args.value_map or ())):
         if w not in (2, 3, 4, 8, 16):
             p.error(f"--widths/--map: {w} is not a width; allowed: 2, 3, 4, 8, 16")
     v_map = args.value_map or args.map
     for name, m in (("--map", args.map), ("--value-map", v_map)):
-        if m is not None and len(m) != args.hkv:
+        if m is not None and not allocations and len(m) != args.hkv:
             p.error(f"{name}: {len(m)} widths for --hkv {args.hkv} KV heads; give one width a KV head")
     shape = {k: getattr(args, k) for k in SHAPE}
     qblock = args.qblock if args.codes else None
-    if args.map is not None and args.codes:
-        p.error("--codes: uniform widths only (--widths)")
-    if args.codes and 16 in args.widths:
-        p.error("--codes: a codes-only store holds no 16-bit heads; give --widths from 2, 3, 4, 8")
+    if args.codes and 16 in (args.widths if args.map is None else (*args.map, *v_map)):
+        p.error("--codes: a codes-only store holds no 16-bit heads; give widths from 2, 3, 4, 8")
     rows = []
-    if args.map is not None:
+    for path, pairs in allocations.items():
         for nw in args.warps:
-            rows += inspect_map(args.map, v_map, nw, shape)
+            rows += inspect_allocation(path, pairs, nw, shape, qblock)
+    if args.map is not None and not allocations:
+        for nw in args.warps:
+            rows += inspect_map(args.map, v_map, nw, shape, qblock)
             print(f"compiled map warps={nw}", file=sys.stderr, flush=True)
     for kw, vw, n, nw in (
         [] if args.map is not None else variants(args.widths, args.block_n or [None], args.warps)

@@ -202,3 +202,25 @@ def test_codes_rows_count_the_payload_and_take_their_own_targets():
         insp.static_targets({**row, "format": "codes", "instr_per_byte": "6.2"})
         == "missed: instr/byte 6.2 > 6"
     )
+
+
+def test_an_allocation_weighs_each_branch_by_the_heads_that_hold_its_widths(cli, tmp_path):
+    """--allocation: the (key, value) width pairs of a recorded point, counted over its (layer, KV head) units,
+    and the launch's thread-instructions per KV byte over them (by hand: 3 units of a 4-bit pair, 568
+    instructions a 128-token tile of 128 bytes a token; 1 unit of a 2-bit pair, 470 a tile of 64 bytes a token)."""
+    point = tmp_path / "point.json"
+    point.write_text('{"allocation": {"key_bits": [[4, 2], [4, 4]], "value_bits": [[4, 2], [4, 4]]}}')
+    pairs = insp.allocation_pairs(point)
+    assert pairs == {(4, 4): 3, (2, 2): 1}
+    row = {"block_n": "128", "num_warps": "4"}
+    rows = [
+        {**row, "key_bits": "4", "value_bits": "4", "loop_instr": "568", "kv_bytes_per_tile": str(128 * 128)},
+        {**row, "key_bits": "2", "value_bits": "2", "loop_instr": "470", "kv_bytes_per_tile": str(128 * 64)},
+    ]
+    assert insp.mix_instr_per_byte(rows, pairs) == round((3 * 568 + 470) * 128 / (128 * (3 * 128 + 64)), 2)
+    point.write_text('{"allocation": {"key_bits": [[4, 2]], "value_bits": [[4]]}}')
+    with pytest.raises(ValueError, match="holds no allocation"):
+        insp.allocation_pairs(point)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = cli("kernels.gpu.inspect", "--codes", "--allocation", str(point), env=env)
+    assert proc.returncode == 2 and "point.json holds no allocation with key_bits and value_bits" in proc.stderr
