@@ -223,4 +223,6 @@ def test_an_allocation_weighs_each_branch_by_the_heads_that_hold_its_widths(cli,
         insp.allocation_pairs(point)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = cli("kernels.gpu.inspect", "--codes", "--allocation", str(point), env=env)
-    assert proc.returncode == 2 and "point.json holds no allocation with key_bits and value_bits" in proc.stderr
+    assert (
+        proc.returncode == 2 and "point.json holds no allocation with key_bits and value_bits" in proc.stderr
+    )
