@@ -215,6 +215,14 @@ class PcaStore(PositionedBlockStore):
         # simulate only: the full-precision working copy of the dequantized tokens (not stored bytes).
         self._values = empty(len(self.bits), 0, head_dim, dtype=dtype)
         self.length = 0
+        self._inverse: dict[int, torch.Tensor] = {}  # inverse_basis's, per width
+
+    def inverse_basis(self, w: int) -> torch.Tensor:
+        """float64 (Hw, D, D): the inverse of the fp16 basis of the heads at width w (nearly orthogonal, not exactly),
+        computed at its first use and kept (pca_fold.to_codes maps sink tokens through it at every decode step)."""
+        if w not in self._inverse:
+            self._inverse[w] = torch.linalg.inv(self.basis[w].double())
+        return self._inverse[w]
 
     def starts_at(self, position: int) -> None:
         """The next token appended sits at sequence position `position`."""

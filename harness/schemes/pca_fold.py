@@ -141,8 +141,7 @@ def to_codes(store, x: torch.Tensor, role: str) -> torch.Tensor:
         heads = store.heads[w]
         offset, step = code_steps(store, w)
         centred = y.index_select(1, heads) - store.mean[w].float()[None, :, None]  # (B, Hw, T, D)
-        basis = store.basis[w].double()  # (Hw, D, D): z solves U z = centred (U is fp16, nearly orthogonal)
-        z = torch.linalg.solve(basis[None], centred.double().transpose(-1, -2)).transpose(-1, -2)
+        z = torch.einsum("hcd,bhtd->bhtc", store.inverse_basis(w), centred.double())  # U z = centred
         out.index_copy_(1, heads, ((z.float() - offset[None, :, None]) / step[None, :, None]))
     return out
 
