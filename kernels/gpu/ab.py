@@ -18,7 +18,10 @@ TRITON_INTERPRET=1 at a tiny shape: a check that the code runs, no figure. `--ho
 any machine (no GPU needed): each version's call with every Triton launch stubbed out (host_us: the call's own
 Python), and with the JIT's argument binding for an sm_90 launch run in place of each launch (host_bind_us: the
 Python Triton runs before it launches), the versions interleaved on the same stores. Its file checks and module
-loading also serve harness/bench/perf_ab.py (the CPU read path's comparison).
+loading also serve harness/bench/perf_ab.py (the CPU read path's comparison). `--codes` and `--codes-allocation`
+add the codes-only path (decode_attention_blocks over random codes, a query and a bias per block of `--qblock`
+tokens: the pca family's kernel) at uniform and mixed maps and at the proportions of recorded allocations, in the
+same CSV as the affine kernel's and SDPA's rows, each row with its bytes (methods `codes:` and `codes-graph:`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 
@@ -48,6 +52,7 @@ from kernels.gpu.bench import (
     tag,
     width_maps,
 )
+from kernels.layout import PackedStore
 
 
 def check_version_files(p: argparse.ArgumentParser, files: list[Path], original: str) -> None:
@@ -182,6 +187,101 @@ def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: 
                             write_launches(run.csv_path, shape, stem, t, launch_times(fn, LAUNCH_REPS))
                         except Exception as e:  # noqa: BLE001 - a diagnostic that fails is said, not fatal
                             print(f"warning: {stem} {t}: no launch profile ({type(e).__name__}: {e})"[:300])
+        del kst, vst
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def allocation_map(pairs: Counter, hkv: int) -> tuple[list[int], list[int]]:
+    """hkv KV heads' (key widths, value widths) in the proportions of an allocation's width pairs (kernels.gpu.
+    inspect.allocation_pairs: pair -> units), by largest remainders, pairs in sorted order."""
+    total = sum(pairs.values())
+    share = {pair: hkv * n / total for pair, n in pairs.items()}
+    count = {pair: int(x) for pair, x in share.items()}
+    for pair in sorted(share, key=lambda pair: (count[pair] - share[pair], pair))[
+        : hkv - sum(count.values())
+    ]:
+        count[pair] += 1
+    heads = [pair for pair in sorted(count) for _ in range(count[pair])]
+    return [k for k, _ in heads], [v for _, v in heads]
+
+
+def codes_maps(hkv: int, names: list[str], allocations: list[Path]) -> dict[str, tuple[list[int], list[int]]]:
+    """The codes-only path's (key widths, value widths) per KV head: each of `names` as width_maps makes it (keys
+    and values alike), and each allocation file's proportions (allocation_map), under its file's stem."""
+    from kernels.gpu.inspect import allocation_pairs
+
+    for name in names:
+        if name not in ("2", "3", "4", "8", "mixed"):
+            raise ValueError(f"{name!r} is not a codes-only width map; allowed: 2, 3, 4, 8, mixed")
+    maps = {name: (bits, bits) for name, bits in width_maps(hkv, names).items()}
+    for path in allocations:
+        maps[path.stem] = allocation_map(allocation_pairs(path), hkv)
+    return maps
+
+
+def fill_codes(bits: list[int], B: int, L: int, D: int, device) -> PackedStore:
+    """A codes-only PackedStore of L random tokens (B, len(bits) heads, D), each head's codes uniform over its
+    width's, written in chunks."""
+    st = PackedStore(bits, D, B, device=device, capacity=L + 1, codes_only=True, simulate=False)
+    mask = torch.tensor([(1 << w) - 1 for w in bits], dtype=torch.uint8, device=device)[None, :, None, None]
+    chunk = max(1, (1 << 26) // (B * len(bits) * D))
+    for pos in range(0, L, chunk):
+        n = min(chunk, L - pos)
+        st.append_codes(torch.randint(0, 256, (B, len(bits), n, D), dtype=torch.uint8, device=device) & mask)
+    return st
+
+
+def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: int) -> None:
+    """Every version with a codes-only path (decode_attention_blocks) at every map of `maps` (codes_maps), on the
+    same stores, a query and a bias per block of `qblock` tokens (method `codes:<stem>`, and `codes-graph:<stem>`
+    replayed from a CUDA graph); rel_err against kernels.reference.attention_blocks_reference where it fits. Its
+    rows sit beside compare's (SDPA's and the affine kernel's) in the same CSV, so bytes can be matched."""
+    from kernels import reference
+
+    B, hq, D, L = (shape[k] for k in ("batch", "hq", "head_dim", "context"))
+    dev, scale = run.device, D**-0.5
+    nb = -(-L // qblock)
+    qb = (torch.randn(B, hq, nb, D, device=dev) * D**-0.5).to(run.dtype)
+    bias = torch.randn(B, hq, nb, device=dev)
+    query_bytes = qb.numel() * qb.element_size() + bias.numel() * 4 + B * hq * D * 4  # and the output
+    for name, (k_bits, v_bits) in maps.items():
+        kst, vst = fill_codes(k_bits, B, L, D, dev), fill_codes(v_bits, B, L, D, dev)
+        want = None
+        if B * L <= 8 * 32768:
+            want = reference.attention_blocks_reference(
+                qb, bias, kst.dequantize(), vst.dequantize(), scale, qblock
+            )
+        widths = (
+            tag(name, k_bits)
+            if v_bits == k_bits
+            else ",".join(map(str, k_bits)) + "/" + ",".join(map(str, v_bits))
+        )
+        mean = (sum(k_bits) + sum(v_bits)) / (2 * len(k_bits))
+        for stem, mod in versions.items():
+            if not hasattr(mod, "decode_attention_blocks"):
+                continue
+            fn = partial(mod.decode_attention_blocks, qb, bias, kst, vst, scale, qblock)
+            plan = mod._store_map_plan(kst, vst, dev, qb.dtype)
+            used = mod._split_plans(plan, kst, L, None, dev, None, qblock)[1]  # the default splits
+            fetched = kst.nbytes() + vst.nbytes() + query_bytes + partial_bytes(B, hq, used, D)
+            note = f"{name}; qblock={qblock}; splits={used}"
+            try:
+                err = rel_err(fn(), want) if want is not None else ""
+                run.add(
+                    shape, f"codes:{stem}", widths, mean, run.time_ms(fn), fetched, rel_err=err, note=note
+                )
+                run.add(shape, f"codes-graph:{stem}", widths, mean, run.time_graph_ms(fn), fetched, note=note)
+            except Exception as e:  # noqa: BLE001 - a version that does not compile is a row, not a crash
+                run.add(
+                    shape,
+                    f"codes:{stem}",
+                    widths,
+                    mean,
+                    None,
+                    fetched,
+                    note=f"failed: {type(e).__name__}: {e}"[:200],
+                )
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -357,6 +457,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--widths", nargs="+", default=["2", "3", "4", "8", "mixed", "16"])
     p.add_argument("--splits", nargs="*", type=int, default=[], help="split counts tried besides the default")
     p.add_argument("--group-size", type=int, default=32)
+    p.add_argument(
+        "--codes",
+        nargs="*",
+        default=[],
+        help="width maps (as --widths) of the codes-only path (decode_attention_blocks)",
+    )
+    p.add_argument(
+        "--codes-allocation", nargs="*", type=Path, default=[],
+        help="recorded points or allocation files: the codes-only path at a map of each one's width pairs",
+    )  # fmt: skip
+    p.add_argument("--qblock", type=int, default=128, help="tokens a query block on the codes-only path")
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny shape")
     p.add_argument("--host", action="store_true", help="the host side alone, launches stubbed (any machine)")
     args = p.parse_args(argv)
@@ -364,6 +475,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.config not in shapes:
         p.error(f"--config: {args.config!r} is not a head shape; allowed: {', '.join(shapes)}")
     check_version_files(p, args.files, "kernels/decode_attention.py")
+    try:
+        codes = codes_maps(shapes[args.config][1], args.codes, args.codes_allocation)
+    except ValueError as err:
+        p.error(f"--codes: {err}")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if args.host and os.environ.get("TRITON_INTERPRET") == "1":
@@ -381,6 +496,7 @@ def main(argv: list[str] | None = None) -> None:
         shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
                  "context": context}  # fmt: skip
         compare(run, versions, shape, args.widths, args.splits, args.group_size)
+        compare_codes(run, versions, shape, codes, args.qblock)
     print(f"wrote {args.out} ({len(run.rows)} rows)")
 
 

@@ -60,11 +60,18 @@ STAGES = tuple(BUDGET)
 GPU_TEST_FILES = (
     "tests/kernels/test_reference.py",
     "tests/kernels/test_triton_kernels.py",
+    "tests/kernels/test_quantize_codes.py",
     "tests/harness/test_fused_backend.py",
     "tests/harness/test_eviction.py",
     "tests/harness/test_graphed.py",
 )
 TARGETS = {"speedup_4bit": 2.5, "frac_bw_4bit": 0.60, "speedup_2bit": 4.0, "mixed_vs_uniform": 1.10}
+# The codes-only path (the pca family's kernel, issue 45) at the width proportions of the frontier's measured
+# knapsacks over pca_block_uf (results/frontier, section "The format the decode kernel reads"), and its targets
+# against the fastest 16-bit attention
+FRONTIER = Path("results/frontier/2026-11-24_frontier/points")
+CODES_POINTS = {"3.5x": FRONTIER / "f7becda42284dfac.json", "6x": FRONTIER / "0ba2efcd0b14a3b4.json"}
+CODES_TARGETS = {"3.5x": 2.3, "6x": 3.5}
 
 
 def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
@@ -74,18 +81,20 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
         bench = ["--dry-run", "--configs", "32x8", "--batch", "2", "--context", "40", "--widths", "2", "mixed",
                  "--quantize-tokens", "8"]  # fmt: skip
         e2e = ["--dry-run", "--context", "20", "--batch", "2", "--new-tokens", "3", "--chunk", "8",
-               "--caches", "dynamic", "mixed", "mixed-graph"]  # fmt: skip
+               "--caches", "dynamic", "mixed", "pca4", "mixed-graph"]  # fmt: skip
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
         tests = ["tests/kernels/test_triton_kernels.py"]
-        ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16"]
+        ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16", "--codes", "4",
+              "--codes-allocation", str(CODES_POINTS["3.5x"])]  # fmt: skip
     else:
         runner = ["--timeout", str(budget["runner"] - 10)]
         # four test processes: most of the stage is Triton compiling kernels, on the CPU
         bench, tests = [], ["-n", "4", *GPU_TEST_FILES]
         # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt; not the graph replays)
-        e2e = ["--caches", "dynamic", "4", "4-graph", "mixed-graph", "mixed", "--new-tokens", "24",
+        e2e = ["--caches", "dynamic", "4", "pca4", "4-graph", "mixed-graph", "mixed", "--new-tokens", "24",
                "--profile", "3"]  # fmt: skip
-        ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3"]
+        ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3", "--codes", "4", "2",
+              "--codes-allocation", *map(str, CODES_POINTS.values())]  # fmt: skip
     return {"bench": bench, "e2e": e2e, "runner": runner, "tests": tests, "ab": ab}
 
 
@@ -304,6 +313,25 @@ def targets(rows: list[dict]) -> list[tuple[str, float, str, str]]:
     return [(n, v, t, "yes" if met(v, t) else "no") for n, v, t in out]
 
 
+def codes_targets(rows: list[dict], kind: str = "codes") -> list[tuple[str, float, str, str]]:
+    """The codes-only path's targets from ab.csv at 32x8, batch 8, context 32K: its time at each CODES_POINTS map
+    (method <kind>:<KERNEL stem>, kind "codes" as launched, "codes-graph" replayed) against the fastest 16-bit
+    attention, as `targets` gives them."""
+    at = [r for r in rows if (r["config"], r["batch"], r["context"]) == ("32x8", "8", "32768")]
+    at = [r for r in at if _num(r["time_us"]) > 0]
+    base = [_num(r["time_us"]) for r in at if r["method"].startswith("sdpa_")]
+    out = []
+    for point, path in CODES_POINTS.items():
+        rows_at = [
+            r for r in at if r["method"] == f"{kind}:{KERNEL.stem}" and r["note"].split(";")[0] == path.stem
+        ]
+        if base and rows_at:
+            speedup, wanted = min(base) / _num(rows_at[0]["time_us"]), CODES_TARGETS[point]
+            name = f"codes-only at the {point} point's widths ({rows_at[0]['widths']}) vs fastest 16-bit"
+            out.append((name, speedup, f">= {wanted}x", "yes" if speedup >= wanted else "no"))
+    return out
+
+
 def ab_as_decode(rows: list[dict], kind: str = "fused") -> list[dict]:
     """ab.csv's rows of the current kernel (method <kind>:<KERNEL stem>, default splits; kind "fused" as launched
     from Python, "graph" as replayed from a CUDA graph) as decode.csv's fused rows, beside its SDPA rows, so that
@@ -390,14 +418,14 @@ def write_readme(folder: Path, meta: dict, outcomes: list[dict], dry: bool, comm
               f"{o['limit']:.0f} | logs/{o['stage']}.log |" for o in outcomes]  # fmt: skip
     decode = read_csv(folder / "decode.csv")
     ab = read_csv(folder / "ab.csv")
-    found = targets(decode) or targets(ab_as_decode(ab))
+    found = (targets(decode) or targets(ab_as_decode(ab))) + codes_targets(ab)
     lines += ["", "## Targets (32 query / 8 KV heads, head_dim 128, batch 8, context 32K)", ""]
     if found:
         lines += ["| target | measured | wanted | met |", "|---|---|---|---|"]
         lines += [f"| {n} | {v:.3g} | {t} | {m} |" for n, v, t, m in found]
     else:
         lines += ["Not measured in this run (decode.csv has no fused and 16-bit rows at that shape)."]
-    replayed = targets(ab_as_decode(ab, "graph"))
+    replayed = targets(ab_as_decode(ab, "graph")) + codes_targets(ab, "codes-graph")
     if replayed:
         lines += ["", "The same targets read off the A/B's CUDA-graph replays (the GPU's own time, without the host's "
                   "launches; SDPA as launched):", "", "| target | measured | wanted | met |", "|---|---|---|---|"]  # fmt: skip

@@ -1,6 +1,6 @@
 """End-to-end generate() on a random-weight model of Llama-3-8B's shape: decode tokens/s and peak GPU memory
-with transformers' DynamicCache against QuantizedKVCache on the triton backend at 8, 4 and 2 bits and a mixed
-allocation (mean 4 bits).
+with transformers' DynamicCache against QuantizedKVCache on the triton backend at 8, 4 and 2 bits, a mixed
+allocation (mean 4 bits) and pca's flat block format at 4 bits (pca4).
 
 This module owns that measurement. The model is built on the GPU from Llama-3-8B's configuration (32 layers,
 32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocabulary 128256) in bf16 with random weights: speed
@@ -42,7 +42,13 @@ DRY = dict(
 )  # fmt: skip
 # a run cut short by its time limit still has the headline ones; "-graph": greedy decoding whose steps replay
 # from a CUDA graph (harness.cache.graphed), the rest model.generate
-CACHES = ("dynamic", "4", "4-graph", "mixed-graph", "mixed", "2", "8")
+CACHES = ("dynamic", "4", "pca4", "4-graph", "mixed-graph", "mixed", "2", "8")
+# pca4: pca_block_uf at 4 bits with one sink token (the pca family's fused path: codes-only stores, each decode step
+# folded around decode_attention_blocks), its transforms fitted on CALIBRATION random windows of the same model
+CALIBRATION = (4, 256)  # windows x tokens
+MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4}  # the rest: the kind is the width
+# caches not yet run on a GPU: one that fails is a row with the error in its note, and the caches after it still run
+TRIAL = ("pca4",)
 COLUMNS = [
     "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "step_ms_median", "step_ms_max",
     "tokens_per_s",
@@ -80,8 +86,21 @@ def make_cache(kind: str, model, group_size: int):
     cfg = model.config
     if kind == "dynamic":
         return DynamicCache(config=cfg)
+    if kind == "pca4":
+        return QuantizedKVCache(cfg, 4, scheme="pca_block_uf", sink_tokens=1, backend="triton",
+                                key_calibration=pca_fit(model))  # fmt: skip
     bits = mixed_bits(cfg.num_hidden_layers, cfg.num_key_value_heads) if kind == "mixed" else int(kind)
     return QuantizedKVCache(cfg, bits, group_size=group_size, backend="triton")
+
+
+def pca_fit(model):
+    """pca_block_uf's transforms for `model`, fitted on CALIBRATION random windows (speed does not depend on them)."""
+    from harness.calibrate.pca import fit_pca_calibration
+    from harness.schemes import get_scheme
+
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.config.vocab_size, CALIBRATION, generator=gen).to(model.device)
+    return fit_pca_calibration(model, ids, get_scheme("pca_block_uf").pca_format)
 
 
 def cache_bytes(cache) -> int:
@@ -220,7 +239,7 @@ def main(argv: list[str] | None = None) -> None:
         row = {"cache": kind, "batch": args.batch, "context": args.context, "new_tokens": args.new_tokens,
                "weights_gib": weights / 2**30, "note": ""}  # fmt: skip
         base = kind.removesuffix("-graph")
-        row["mean_bits"] = 16 if base == "dynamic" else 4 if base == "mixed" else int(base)
+        row["mean_bits"] = MEAN_BITS.get(base) or int(base)
         try:
             # decode steps of the triton caches read the packed K/V; the rest is SDPA
             with installed(model, PACKED):
@@ -239,8 +258,10 @@ def main(argv: list[str] | None = None) -> None:
             del m
         except torch.OutOfMemoryError:
             row["note"] = "oom"
-        except Exception as error:  # a graph-replayed cache failing (its capture, say) leaves the rest to run
-            if base == kind:
+        except (
+            Exception
+        ) as error:  # a graph-replayed or trial cache failing (its capture, say) leaves the rest
+            if base == kind and kind not in TRIAL:
                 raise
             traceback.print_exc()
             row["note"] = " ".join(f"error: {type(error).__name__}: {error}".split())[:300]

@@ -18,8 +18,11 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
     shutil.copy(KERNEL, other)
     out = tmp_path / "ab.csv"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    point = tmp_path / "point.json"  # 2 units at K4V4 and 1 at K8V2: on 2 KV heads, one head each
+    point.write_text('{"allocation": {"key_bits": [[4, 4, 8]], "value_bits": [[4, 4, 2]]}}')
     proc = cli("kernels.gpu.ab", str(KERNEL), str(other), "--dry-run", "--batch", "2", "--context", "40",
-               "--widths", "4", "16", "--splits", "3", "--out", str(out), env=env, timeout=600)  # fmt: skip
+               "--widths", "4", "16", "--splits", "3", "--codes", "2", "--codes-allocation", str(point), "--out",
+               str(out), env=env, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(out) as f:
         rows = list(csv.DictReader(f))
@@ -39,6 +42,14 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
     for r in fused:  # the same code on the same stores: the same outputs
         by_version.setdefault((r["widths"], r["note"]), set()).add(r["rel_err"])
     assert all(len(errs) == 1 for errs in by_version.values())
+    # the codes-only path of each version, against the float64 oracle over the same random codes
+    codes = [r for r in rows if r["method"].startswith("codes:")]
+    assert sorted((r["method"], r["widths"]) for r in codes) == sorted(
+        (f"codes:{v}", w) for v in ("decode_attention", "copy") for w in ("2", "4,8/4,2")
+    )
+    assert all(0 < float(r["rel_err"]) < 1e-2 for r in codes)
+    assert {r["note"].split(";")[0] for r in codes} == {"2", "point"}
+    assert len([r for r in rows if r["method"].startswith("codes-graph:")]) == 4
 
 
 def test_host_mode_times_each_version_with_its_launches_stubbed(tmp_path, cli):

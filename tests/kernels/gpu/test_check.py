@@ -42,13 +42,16 @@ def test_dry_run_exercises_every_stage(tmp_path, cli):
     assert "fused:decode_attention" in versions and len(versions) >= 2
     assert all(float(r["rel_err"]) < 2e-2 for r in ab if r["method"].startswith("fused:"))
     assert "## Kernel versions" in readme
+    codes = [r for r in ab if r["method"] == "codes:decode_attention"]  # the pca family's path, at its maps
+    assert {r["note"].split(";")[0] for r in codes} == {"4", gpu_check.CODES_POINTS["3.5x"].stem}
+    assert all(float(r["rel_err"]) < 1e-2 for r in codes)
     methods = {r["method"] for r in _rows(folder / "decode.csv")}
     assert {"sdpa_default", "flex_decode", "fp8_dequant_sdpa", "fused", "dequant_sdpa", "step_fused", "step_bf16",
             "fused_tuned", "quantize"} <= methods  # fmt: skip
     fused = [r for r in _rows(folder / "decode.csv") if r["method"] == "fused"]
     assert {r["widths"] for r in fused} == {"2", "2,8"} and all(float(r["rel_err"]) < 2e-2 for r in fused)
     e2e = _rows(folder / "e2e.csv")
-    assert [r["cache"] for r in e2e] == ["dynamic", "mixed", "mixed-graph"] and all(
+    assert [r["cache"] for r in e2e] == ["dynamic", "mixed", "pca4", "mixed-graph"] and all(
         float(r["tokens_per_s"]) > 0 for r in e2e
     )
     runner = _rows(folder / "runner" / "runner.csv")
@@ -179,6 +182,28 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
     assert (
         "| decode_attention | 2 | 75 | nan | 4.00 | 0.500 | nan |" in table
     )  # static figures of another kernel: left out
+
+
+def test_codes_targets_read_the_frontier_points_maps_off_the_ab():
+    """The codes-only path's rows at the frontier points' maps (named in each row's note) against the fastest
+    16-bit row: 300 / 120 = 2.5 >= 2.3 met at 3.5x, 300 / 100 = 3.0 < 3.5 missed at 6x; other maps and kinds
+    ignored."""
+    points = {k: p.stem for k, p in gpu_check.CODES_POINTS.items()}
+    rows = [
+        {**_decode_row("sdpa_default", "16", 300.0), "note": "flash_attention"},
+        {**_decode_row("codes:decode_attention", "4", 90.0), "note": "4; qblock=128; splits=4"},
+        {**_decode_row("codes:decode_attention", "4,4/4,3", 120.0), "note": f"{points['3.5x']}; qblock=128"},
+        {
+            **_decode_row("codes-graph:decode_attention", "4,4/4,3", 80.0),
+            "note": f"{points['3.5x']}; qblock=128",
+        },
+        {**_decode_row("codes:decode_attention", "2,3/2,2", 100.0), "note": f"{points['6x']}; qblock=128"},
+    ]
+    got = gpu_check.codes_targets(rows)
+    assert [(v, t, m) for _, v, t, m in got] == [(2.5, ">= 2.3x", "yes"), (3.0, ">= 3.5x", "no")]
+    assert "3.5x point's widths (4,4/4,3)" in got[0][0]
+    ((_, replayed, _, met),) = gpu_check.codes_targets(rows, "codes-graph")
+    assert replayed == 300 / 80 and met == "yes"
 
 
 def test_launch_table_lists_each_calls_launches_in_order():

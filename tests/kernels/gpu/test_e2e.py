@@ -42,21 +42,26 @@ def test_graph_replayed_decoding_is_timed_step_by_step(tmp_path, cli):
 
 
 def test_a_failing_graph_cache_is_noted_and_the_rest_run(tmp_path, monkeypatch):
-    """A "-graph" cache that raises (its capture failing on a GPU, say) becomes a row with the error in its note;
-    the caches after it still run."""
+    """A "-graph" cache that raises (its capture failing on a GPU, say), or a trial cache (pca4, never yet run on a
+    GPU), becomes a row with the error in its note; the caches after it still run."""
     from harness.cache import graphed
     from kernels.gpu import e2e
 
     def fail(self, ids):
         raise RuntimeError("operation not permitted when stream is capturing")
 
+    def no_fit(model):
+        raise RuntimeError("no fit")
+
     monkeypatch.setattr(graphed.GraphedStep, "step", fail)
-    e2e.main(["--dry-run", "--batch", "1", "--context", "10", "--new-tokens", "3", "--caches", "4-graph", "4",
-              "--out", str(tmp_path)])  # fmt: skip
+    monkeypatch.setattr(e2e, "pca_fit", no_fit)
+    e2e.main(["--dry-run", "--batch", "1", "--context", "10", "--new-tokens", "3", "--caches", "4-graph", "pca4",
+              "4", "--out", str(tmp_path)])  # fmt: skip
     with open(tmp_path / "e2e.csv") as f:
-        failed, done = csv.DictReader(f)
+        failed, trial, done = csv.DictReader(f)
     assert failed["cache"] == "4-graph" and not failed["tokens_per_s"]
     assert failed["note"] == "error: RuntimeError: operation not permitted when stream is capturing"
+    assert trial["cache"] == "pca4" and trial["note"] == "error: RuntimeError: no fit"
     assert done["cache"] == "4" and float(done["tokens_per_s"]) > 0 and not done["note"]
 
 
