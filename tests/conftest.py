@@ -1,6 +1,7 @@
 """Session-wide test setup: one CPU thread per test process; without CUDA, Triton kernels run in Triton's CPU
 interpreter; `cli` runs the project's commands (python -m MODULE) as a new process, `in_process` runs a
-command's entry function in the test process (without the 15-30 s a new process spends on its imports).
+command's entry function in the test process (without the 15-30 s a new process spends on its imports),
+`interpreted` a command's dry run under the interpreter (in this process where it interprets already).
 
 One thread: the tests' tensors are small, and torch's threads meet at barriers after every small operation;
 with more threads than free cores (another job, or the test workers beside each other) a tiny sweep ran 5x
@@ -89,6 +90,19 @@ def run_in_process(
 def in_process():
     """run_in_process for tests and fixtures of any scope: in_process(harness.__main__.entry, "harness", ...)."""
     return run_in_process
+
+
+@pytest.fixture(scope="session")
+def interpreted():
+    """interpreted(entry, MODULE, *ARGS): a command's run under Triton's interpreter (a dry run on CPU): in this
+    process where Triton interprets here (no CUDA), else as a new process with TRITON_INTERPRET=1."""
+
+    def run(entry: Callable[[], object], module: str, *args: str) -> subprocess.CompletedProcess[str]:
+        if INTERPRET:
+            return run_in_process(entry, module, *args)
+        return run_module(module, *args, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+
+    return run
 
 
 @pytest.fixture(
