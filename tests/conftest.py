@@ -1,5 +1,7 @@
 """Session-wide test setup: one CPU thread per test process; without CUDA, Triton kernels run in Triton's CPU
-interpreter; `cli` runs the project's commands (python -m MODULE) as a new process.
+interpreter; `cli` runs the project's commands (python -m MODULE) as a new process, `in_process` runs a
+command's entry function in the test process (without the 15-30 s a new process spends on its imports),
+`interpreted` a command's dry run under the interpreter (in this process where it interprets already).
 
 One thread: the tests' tensors are small, and torch's threads meet at barriers after every small operation;
 with more threads than free cores (another job, or the test workers beside each other) a tiny sweep ran 5x
@@ -12,9 +14,11 @@ before anything imports triton (importing torch does not).
 """
 
 import contextlib
+import io
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -49,6 +53,56 @@ def run_module(
 def cli():
     """run_module for tests and fixtures of any scope: cli("harness", "+sweep=smoke", ...)."""
     return run_module
+
+
+def run_in_process(
+    entry: Callable[[], object], program: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`entry()` (a command's entry function, e.g. harness.__main__.entry) run in this process as `python -m
+    PROGRAM ARGS` runs it: sys.argv is [PROGRAM, *ARGS], env's variables are set on top of this process's,
+    stdout and stderr are captured as text, the exit code comes from SystemExit (a message: printed to stderr,
+    code 1, as Python does). What a command changes of the process is restored afterwards: sys.argv, the
+    environment, torch's thread count (a command applies `threads`) and its random state."""
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    argv, environ, threads = sys.argv, dict(os.environ), torch.get_num_threads()
+    sys.argv = [program, *args]
+    os.environ.update(env or {})
+    try:
+        with (
+            torch.random.fork_rng(devices=[]),
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            entry()
+    except SystemExit as done:
+        code = done.code if isinstance(done.code, int) or done.code is None else 1
+        if isinstance(done.code, str):
+            print(done.code, file=err)
+    finally:
+        sys.argv = argv
+        os.environ.clear()
+        os.environ.update(environ)
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess([program, *args], code or 0, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="session")
+def in_process():
+    """run_in_process for tests and fixtures of any scope: in_process(harness.__main__.entry, "harness", ...)."""
+    return run_in_process
+
+
+@pytest.fixture(scope="session")
+def interpreted():
+    """interpreted(entry, MODULE, *ARGS): a command's run under Triton's interpreter (a dry run on CPU): in this
+    process where Triton interprets here (no CUDA), else as a new process with TRITON_INTERPRET=1."""
+
+    def run(entry: Callable[[], object], module: str, *args: str) -> subprocess.CompletedProcess[str]:
+        if INTERPRET:
+            return run_in_process(entry, module, *args)
+        return run_module(module, *args, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600)
+
+    return run
 
 
 @pytest.fixture(

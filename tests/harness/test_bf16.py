@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from harness import data, evaluate, metrics
+from harness.__main__ import entry
 from harness.cache import QuantizedKVCache, kv_heads
 from harness.cache.eviction import EvictionSpec, attention_for, with_eviction
 from harness.calibrate import entropy as calibrate
@@ -21,6 +22,7 @@ from harness.calibrate import head_entropies, layer_types
 from harness.config import Point
 from harness.models import load_model
 from harness.protocols import claim, passkey
+from harness.report.compare import main as compare_main
 from harness.schemes import SCHEMES, Codebook, Fp8, Rotated, Scheme, get_scheme
 from harness.schemes.lloyd_max import lloyd_max
 from kernels.reference import FP8_MAX, FP16_MAX, hadamard_rotate
@@ -360,25 +362,21 @@ def test_bf16_passkey_points_are_named_apart_and_record_the_dtype(tmp_path, monk
 # --- a whole sweep ----------------------------------------------------------------------------------------------
 
 
-def sweep(cli, run_dir: Path, *overrides: str) -> pd.DataFrame:
-    proc = cli(
-        "harness",
-        "+sweep=smoke",
-        f"run_dir={run_dir}",
-        "tracking.wandb.mode=disabled",
-        *overrides,
-        timeout=900,
+def sweep(in_process, run_dir: Path, *overrides: str) -> pd.DataFrame:
+    """python -m harness +sweep=smoke into run_dir, run in this process; its results table."""
+    proc = in_process(
+        entry, "harness", "+sweep=smoke", f"run_dir={run_dir}", "tracking.wandb.mode=disabled", *overrides
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return pd.read_parquet(run_dir / "results.parquet")
 
 
 @pytest.fixture(scope="module")
-def smoke_runs(tmp_path_factory, cli):
+def smoke_runs(tmp_path_factory, in_process):
     """The smoke grid in float32 and in bfloat16: (run dir, table) each."""
     root = tmp_path_factory.mktemp("dtypes")
     return {
-        dtype: (root / dtype, sweep(cli, root / dtype, f"model.dtype={dtype}"))
+        dtype: (root / dtype, sweep(in_process, root / dtype, f"model.dtype={dtype}"))
         for dtype in ("float32", "bfloat16")
     }
 
@@ -421,10 +419,13 @@ def _configs(run_dir: Path):
         yield {k: v for k, v in record["config"].items() if k != "dtype"}, record["key"]
 
 
-def test_compare_runs_on_the_two_smoke_runs(smoke_runs, tmp_path, cli):
+def test_compare_runs_on_the_two_smoke_runs(smoke_runs, tmp_path, in_process):
+    """python -m harness.compare_runs run in this process (test_compare_runs.py runs it as a new process)."""
     (a, fp32), (b, _) = smoke_runs["float32"], smoke_runs["bfloat16"]
     out = tmp_path / "cmp"
-    proc = cli("harness.compare_runs", str(a), str(b), "--out", str(out), "--n-boot", "50")
+    proc = in_process(
+        compare_main, "harness.compare_runs", str(a), str(b), "--out", str(out), "--n-boot", "50"
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     points = pd.read_csv(out / "points.csv")
     n_ok = ((fp32["status"] == "ok") & (fp32["policy"] != "baseline")).sum()

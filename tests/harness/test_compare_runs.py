@@ -136,7 +136,9 @@ def test_points_with_too_few_items_get_no_verdict(tmp_path):
     assert set(diffs["verdict_a"]) == set(diffs["verdict_b"]) == {"no interval"} and (diffs["n"] == few).all()
 
 
-def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp_path, cli):
+def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp_path, cli, in_process):
+    """The report through a real python -m harness.compare_runs process; the refusals run its entry in this
+    process."""
     run_a, run_b, _, _ = runs
     out = tmp_path / "out"
     proc = cli("harness.compare_runs", str(run_a), str(run_b), "--out", str(out), "--n-boot", "100")
@@ -152,7 +154,7 @@ def test_cli_writes_the_report_and_refuses_runs_with_nothing_in_common(runs, tmp
         ([str(run_a), str(tmp_path / "none")], "has no points/ directory"),
         ([str(run_a), str(run_b), "--n-boot", "0"], "--n-boot: 0 is not a positive integer"),
     ):
-        proc = cli("harness.compare_runs", *args)
+        proc = in_process(compare.main, "harness.compare_runs", *args)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
         assert message in proc.stderr
 

@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from transformers import DynamicCache
 
 from harness import evaluate
+from harness.__main__ import entry
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.cache.eviction import (
@@ -291,8 +292,10 @@ def test_eviction_group_and_point_fields():
     }
 
 
-def test_cli_streaming_run_reports_bytes_after_eviction(tmp_path, cli):
-    proc = cli(
+def test_cli_streaming_run_reports_bytes_after_eviction(tmp_path, in_process):
+    """python -m harness, run in this process."""
+    proc = in_process(
+        entry,
         "harness",
         "model=tiny-llama",
         "eval=tiny",

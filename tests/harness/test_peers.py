@@ -12,6 +12,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import evaluate, results
+from harness.__main__ import entry
 from harness.config import HARNESS, NO_EVICTION
 from harness.peers import ENGINES, LLAMACPP_TYPES, label, peer_point
 from harness.peers.llamacpp import LlamaCppModel
@@ -111,8 +112,9 @@ def test_bad_peer_entries_are_one_line_naming_the_key(entry, message):
     assert "\n" not in str(err.value)
 
 
-def test_the_cli_stops_on_a_bad_peer_with_exit_code_2(cli):
-    proc = cli("harness", "+sweep=peers", "sweep.peers=[{engine:llamacpp,scheme:q3_0}]")
+def test_the_cli_stops_on_a_bad_peer_with_exit_code_2(in_process):
+    """python -m harness run in this process (test_cli.py runs a refusal as a new process)."""
+    proc = in_process(entry, "harness", "+sweep=peers", "sweep.peers=[{engine:llamacpp,scheme:q3_0}]")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: sweep: sweep.peers.scheme (engine llamacpp): unknown 'q3_0'; "

@@ -6,6 +6,8 @@ import re
 import shutil
 from pathlib import Path
 
+from harness.bench import perf_ab
+
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "kernels" / "packed_attention.py"
 
@@ -33,8 +35,13 @@ def test_a_version_that_computes_another_attention_is_refused(tmp_path, cli):
     assert proc.returncode == 1 and "wrong computes another attention than packed_attention" in proc.stderr
 
 
-def test_bad_arguments_stop_before_the_model_loads(tmp_path, cli):
-    proc = cli("harness.bench.perf_ab", str(KERNEL), str(KERNEL), "--model", "tiny-llama")
+def test_bad_arguments_stop_before_the_model_loads(tmp_path, in_process):
+    """The command's entry run in this process (the tests above run it as a new process)."""
+    proc = in_process(
+        perf_ab.main, "harness.bench.perf_ab", str(KERNEL), str(KERNEL), "--model", "tiny-llama"
+    )
     assert proc.returncode == 2 and "files: two files share a name" in proc.stderr
-    proc = cli("harness.bench.perf_ab", str(KERNEL), "--steps", "0", "--model", "tiny-llama")
+    proc = in_process(
+        perf_ab.main, "harness.bench.perf_ab", str(KERNEL), "--steps", "0", "--model", "tiny-llama"
+    )
     assert proc.returncode == 2 and "--steps: 0 is not allowed" in proc.stderr

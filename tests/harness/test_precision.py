@@ -9,6 +9,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import precision, results
+from harness.__main__ import entry
 from harness.config import Point
 from harness.models import load_model
 from harness.protocols.passkey import Settings
@@ -66,12 +67,13 @@ def test_dtype_names_and_bad_names():
             precision.resolve(bad)
 
 
-def test_bad_dtype_stops_before_loading_with_exit_2(cli):
+def test_bad_dtype_stops_before_loading_with_exit_2(in_process):
+    """python -m harness run in this process (test_cli.py runs a refusal as a new process)."""
     with pytest.raises(
         ConfigError, match=r"^model.dtype: unknown 'float16'; allowed: float32, bfloat16, auto$"
     ):
         validate_config(cfg("model.dtype=float16"))
-    proc = cli("harness", "model.dtype=half", "tracking.wandb.mode=disabled")
+    proc = in_process(entry, "harness", "model.dtype=half", "tracking.wandb.mode=disabled")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: model.dtype: unknown 'half'; allowed: float32, bfloat16, auto"

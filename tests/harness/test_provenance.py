@@ -8,26 +8,35 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
+from harness.__main__ import entry
 from harness.protocols.sweep import expand
 
 ROOT = Path(__file__).resolve().parents[2]
 METRICS = ["bleu", "token_match", "ppl", "ppl_ratio", "kl_mean", "kl_p99", "top1_agree", "compression_true"]
 
 
-def harness(cli, *args):
-    proc = cli("harness", "model=tiny-llama", "eval=tiny", "tracking.wandb.mode=disabled", *args, timeout=600)
+ARGS = ("model=tiny-llama", "eval=tiny", "tracking.wandb.mode=disabled")
+
+
+def harness(in_process, *args):
+    """python -m harness ARGS, run in this process."""
+    proc = in_process(entry, "harness", *ARGS, *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return proc
 
 
 def rows(run_dir: Path) -> pd.DataFrame:
     return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
 
 
-def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_adds_nothing(tmp_path, cli):
+def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_adds_nothing(
+    tmp_path, cli, in_process
+):
+    """Run a in this process, run b as a new process (the same metrics across processes), the resume of a in
+    this process again."""
     a, b = tmp_path / "a", tmp_path / "b"
-    harness(cli, "threads=1", "seed=3", f"run_dir={a}")
-    harness(cli, "threads=1", "seed=3", f"run_dir={b}")
+    harness(in_process, "threads=1", "seed=3", f"run_dir={a}")
+    proc = cli("harness", *ARGS, "threads=1", "seed=3", f"run_dir={b}", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     first, second = rows(a), rows(b)
     assert len(first) == 3 and first["key"].tolist() == second["key"].tolist()  # baseline, uniform, entropy
     pd.testing.assert_frame_equal(first[METRICS], second[METRICS], check_exact=True)
@@ -37,7 +46,7 @@ def test_fixed_threads_give_identical_metrics_recorded_everywhere_and_resume_add
 
     # The thread count is recorded beside the configuration, never in the key: a resume at another count adds
     # no point, and keeps the first start's record.
-    harness(cli, "threads=2", "seed=3", f"run_dir={a}")
+    harness(in_process, "threads=2", "seed=3", f"run_dir={a}")
     assert rows(a)["key"].tolist() == first["key"].tolist() and (rows(a)["threads"] == 1).all()
     assert json.loads((a / "env.json").read_text())["threads"] == 2
     assert json.loads((a / "env.1.json").read_text())["threads"] == 1

@@ -18,6 +18,7 @@ from nbclient import NotebookClient
 from sacrebleu.metrics import BLEU
 
 from harness import results
+from harness.__main__ import entry
 from harness.report import paired, passkey, plots, sweep, tables
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -39,10 +40,11 @@ STALE_TABLES = {
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, cli):
-    """A smoke run and the runner's own results.parquet (read before the report re-writes it)."""
+def run(tmp_path_factory, in_process):
+    """A smoke run (python -m harness, run in this process) and the runner's own results.parquet (read before
+    the report re-writes it)."""
     run_dir = tmp_path_factory.mktemp("smoke") / "run"
-    proc = cli("harness", "+sweep=smoke", f"run_dir={run_dir}", "tracking.wandb.mode=disabled", timeout=600)
+    proc = in_process(entry, "harness", "+sweep=smoke", f"run_dir={run_dir}", "tracking.wandb.mode=disabled")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir, pd.read_parquet(run_dir / "results.parquet")
 

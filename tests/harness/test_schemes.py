@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
 
 from harness import capacity
+from harness.__main__ import entry
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedSlidingLayer
 from harness.models import load_model
@@ -450,13 +451,14 @@ def test_points_carry_each_schemes_residual():
     assert (point.scheme, point.residual) == ("fp8", 0)
 
 
-def harness(cli, *args, run_dir):
-    return cli("harness", *args, f"run_dir={run_dir}", "tracking.wandb.mode=disabled")
+def harness(in_process, *args, run_dir):
+    """python -m harness ARGS run_dir=RUN_DIR, run in this process."""
+    return in_process(entry, "harness", *args, f"run_dir={run_dir}", "tracking.wandb.mode=disabled")
 
 
-def test_command_runs_kivi_with_sinks(tmp_path, cli):
+def test_command_runs_kivi_with_sinks(tmp_path, in_process):
     proc = harness(
-        cli,
+        in_process,
         "model=tiny-llama",
         "eval=tiny",
         "quant=kivi",

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import os
 import re
 
 import pandas as pd
@@ -17,6 +16,7 @@ from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from harness import sensitivity
+from harness.__main__ import entry
 from harness.calibrate import head_entropies
 from harness.models import load_model
 from harness.policies import POLICIES, Layerwise, Sensitivity, head_errors
@@ -316,22 +316,23 @@ def test_check_cli_writes_the_csv_and_refuses_bad_input(tmp_path, monkeypatch, c
 # ------------------------------------------------------------------------------------------------ runner
 
 
-def test_sweep_runs_the_measured_policies_end_to_end(tmp_path, cli):
+def test_sweep_runs_the_measured_policies_end_to_end(tmp_path, in_process):
+    """python -m harness, run in this process."""
     run_dir = tmp_path / "run"
     entries = (
         "{name:sensitivity,sink_threshold:null},{name:layerwise,alpha:0.7,sink_threshold:null},"
         "{name:measured,sink_threshold:null}"
     )
     policies = f"sweep.policies=[{entries}]"
-    proc = cli(
+    proc = in_process(
+        entry,
         "harness",
         "+sweep=smoke",
         policies,
         "sweep.budgets=[3.5]",
         f"run_dir={run_dir}",
         "tracking.wandb.mode=disabled",
-        env={**os.environ, "KVBITS_CACHE": str(tmp_path / "cache")},
-        timeout=900,  # the measured policy's unit-KL table: over 300 s on a loaded 2-core machine
+        env={"KVBITS_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(p.read_text()) for p in (run_dir / "points").glob("*.json")]

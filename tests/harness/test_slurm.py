@@ -19,7 +19,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
+from harness.__main__ import entry
 from harness.protocols.sweep import expand, shard
+from harness.report.sweep import main as report_main
 from harness.results import CONFIG_FIELDS, METRICS
 from harness.validate import validate_config
 
@@ -54,9 +56,9 @@ def with_cache(env: dict, run_dir: Path) -> dict:
     return {**env, "KVBITS_CACHE": str(run_dir.parent / f"cache-{run_dir.name}")}
 
 
-def merged(cli, run_dir: Path, env: dict) -> pd.DataFrame:
-    """Merge the shards with python -m harness.report; the table sorted by key."""
-    proc = cli("harness.report", str(run_dir), env=env, timeout=600)
+def merged(in_process, run_dir: Path, env: dict) -> pd.DataFrame:
+    """Merge the shards with python -m harness.report (run in this process); the table sorted by key."""
+    proc = in_process(report_main, "harness.report", str(run_dir), env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
 
@@ -101,15 +103,16 @@ def compose_sweep(name: str, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, cli):
-    """The smoke grid in one process: the reference every sharded run must reproduce."""
+def single(tmp_path_factory, in_process):
+    """The smoke grid in one process (this one): the reference every sharded run must reproduce."""
     run_dir = tmp_path_factory.mktemp("single") / "single"
-    proc = cli(
+    proc = in_process(
+        entry,
         "harness",
         "+sweep=smoke",
         f"run_dir={run_dir}",
         "tracking.wandb.mode=disabled",
-        env=with_cache(os.environ, run_dir),
+        env=with_cache({}, run_dir),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
@@ -153,13 +156,13 @@ def test_slurm_config_composes_with_both_launchers(monkeypatch):
         assert gpu.run_dir == "results/smoke/x"
 
 
-def test_submitit_local_shards_match_single_run(single, tmp_path, cli):
+def test_submitit_local_shards_match_single_run(single, tmp_path, cli, in_process):
     run_dir = tmp_path / "local"
     env = with_cache(os.environ, run_dir)
     proc = cli(*sweep_args("submitit_local", run_dir, "num_shards=2"), env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert (run_dir / "env.shard0.json").exists() and (run_dir / "env.shard1.json").exists()
-    assert_same_rows(merged(cli, run_dir, env), single)
+    assert_same_rows(merged(in_process, run_dir, env), single)
 
 
 # ---- a real SLURM cluster ----
@@ -266,7 +269,7 @@ def run_id() -> str:
 
 
 @pytest.mark.slurm
-def test_three_slurm_jobs_match_single_run(cluster, single, tmp_path, cli):
+def test_three_slurm_jobs_match_single_run(cluster, single, tmp_path, cli, in_process):
     run_dir = tmp_path / run_id()
     env = with_cache(cluster, run_dir)
     args = sweep_args(
@@ -288,11 +291,13 @@ def test_three_slurm_jobs_match_single_run(cluster, single, tmp_path, cli):
         env_record = json.loads((run_dir / f"env.shard{i}.json").read_text())
         assert env_record["command"].startswith("python -m")
         assert (run_dir / ".jobs" / "submitit" / f"{job}_{i}" / f"{job}_{i}_0_result.pkl").exists()
-    assert_same_rows(merged(cli, run_dir, env), single)
+    assert_same_rows(merged(in_process, run_dir, env), single)
 
 
 @pytest.mark.slurm
-def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(cluster, single, tmp_path, cli):
+def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(
+    cluster, single, tmp_path, cli, in_process
+):
     run_dir = tmp_path / run_id()
     env = with_cache(cluster, run_dir)
     args = sweep_args("slurm_cluster", run_dir, "num_shards=3")
@@ -341,7 +346,7 @@ def test_cancelled_job_then_resubmitted_sweep_runs_every_point_once(cluster, sin
     proc = cli(*args, env=env, timeout=600)  # the same sweep resubmitted: finished points are skipped
     assert proc.returncode == 0, f"{proc.stderr[-3000:]}\n{_squeue(env)}"
     assert all(t["State"] == "COMPLETED" for t in settle(array_id(run_dir), env, 3).values())
-    assert_same_rows(merged(cli, run_dir, env), single)  # every point exactly once
+    assert_same_rows(merged(in_process, run_dir, env), single)  # every point exactly once
     after = point_files(run_dir)
     assert {name: after[name] for name in done} == done  # finished points were not recomputed
     assert len(after) == len(single)

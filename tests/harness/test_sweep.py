@@ -13,6 +13,7 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
+from harness.__main__ import entry
 from harness.config import Point
 from harness.run import runner
 from harness.validate import validate_config
@@ -37,14 +38,20 @@ def harness(cli, *args):
     return cli("harness", *args, "tracking.wandb.mode=disabled", timeout=600)
 
 
+def harness_here(in_process, *args):
+    """python -m harness ARGS, run in this process."""
+    return in_process(entry, "harness", *args, "tracking.wandb.mode=disabled")
+
+
 def table(run_dir: Path) -> pd.DataFrame:
     return pd.read_parquet(run_dir / "results.parquet").sort_values("key").reset_index(drop=True)
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, cli):
+def single(tmp_path_factory, in_process):
+    """The smoke grid run in this process (the sharded and the killed runs are new processes)."""
     run_dir = tmp_path_factory.mktemp("single")
-    proc = harness(cli, "+sweep=smoke", f"run_dir={run_dir}")
+    proc = harness_here(in_process, "+sweep=smoke", f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run_dir
 
@@ -81,7 +88,8 @@ def test_same_config_and_seed_give_identical_metrics_and_two_shards_match(single
     pd.testing.assert_frame_equal(a[METRICS], b[METRICS], check_exact=True)
 
 
-def test_sigkill_mid_sweep_then_resume(single, tmp_path, cli):
+def test_sigkill_mid_sweep_then_resume(single, tmp_path, in_process):
+    """The sweep killed as a process, resumed in this one."""
     run_dir = tmp_path / "killed"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
@@ -108,7 +116,7 @@ def test_sigkill_mid_sweep_then_resume(single, tmp_path, cli):
     if (run_dir / "results.parquet").exists():
         pd.read_parquet(run_dir / "results.parquet")  # readable whenever it exists
     mtimes = {p.name: p.stat().st_mtime_ns for p in (run_dir / "points").glob("*.json")}
-    proc = harness(cli, "+sweep=smoke", f"run_dir={run_dir}")
+    proc = harness_here(in_process, "+sweep=smoke", f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     resumed = table(run_dir)
     assert resumed["key"].tolist() == table(single)["key"].tolist()  # every point exactly once

@@ -9,20 +9,23 @@ from pathlib import Path
 
 import pytest
 
+from kernels.gpu import ab
+
 ROOT = Path(__file__).resolve().parents[3]
 KERNEL = ROOT / "kernels" / "decode_attention.py"
 
 
-def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
+def test_dry_run_times_every_version_on_the_same_stores(tmp_path, interpreted):
+    """Under the interpreter: in the test process where Triton interprets (tests/conftest.py); kernels/gpu/check.py's
+    dry run (tests/kernels/gpu/test_check.py) runs the command as a new process."""
     other = tmp_path / "copy.py"
     shutil.copy(KERNEL, other)
     out = tmp_path / "ab.csv"
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     point = tmp_path / "point.json"  # 2 units at K4V4 and 1 at K8V2: on 2 KV heads, one head each
     point.write_text('{"allocation": {"key_bits": [[4, 4, 8]], "value_bits": [[4, 4, 2]]}}')
-    proc = cli("kernels.gpu.ab", str(KERNEL), str(other), "--dry-run", "--batch", "2", "--context", "40",
-               "--widths", "4", "16", "--splits", "3", "--codes", "2", "--codes-allocation", str(point), "--out",
-               str(out), env=env, timeout=600)  # fmt: skip
+    proc = interpreted(ab.main, "kernels.gpu.ab", str(KERNEL), str(other), "--dry-run", "--batch", "2", "--context",
+                      "40", "--widths", "4", "16", "--splits", "3", "--codes", "2", "--codes-allocation", str(point),
+                      "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(out) as f:
         rows = list(csv.DictReader(f))
@@ -52,10 +55,10 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, cli):
     assert len([r for r in rows if r["method"].startswith("codes-graph:")]) == 4
 
 
-def test_host_mode_times_each_version_with_its_launches_stubbed(tmp_path, cli):
+def test_host_mode_times_each_version_with_its_launches_stubbed(tmp_path, cli, in_process):
     """--host needs no GPU: each version's call at each width map, every launch stubbed (counted: the fast
     kernel's one launch for every packed bucket, a generic one for 16 bits, the combine), alone and with the
-    JIT's argument binding."""
+    JIT's argument binding (a new process without TRITON_INTERPRET; refused in the test process, which has it)."""
     other = tmp_path / "copy.py"
     shutil.copy(KERNEL, other)
     out = tmp_path / "host.csv"
@@ -68,18 +71,20 @@ def test_host_mode_times_each_version_with_its_launches_stubbed(tmp_path, cli):
         (v, w, "2") for v in ("decode_attention", "copy") for w in ("4", "2,2,2,2,4,4,8,8", "16")
     )
     assert all(float(r["host_us"]) > 0 and float(r["host_bind_us"]) > 0 for r in rows)
-    interp = cli(
-        "kernels.gpu.ab", str(KERNEL), "--host", "--out", str(out), env={**env, "TRITON_INTERPRET": "1"}
+    interp = in_process(
+        ab.main, "kernels.gpu.ab", str(KERNEL), "--host", "--out", str(out), env={"TRITON_INTERPRET": "1"}
     )
     assert interp.returncode != 0 and "unset TRITON_INTERPRET" in interp.stderr
 
 
-def test_two_files_with_one_name_are_refused(tmp_path, cli):
+def test_two_files_with_one_name_are_refused(tmp_path, in_process):
     twin = tmp_path / "decode_attention.py"
     shutil.copy(KERNEL, twin)
-    proc = cli("kernels.gpu.ab", str(KERNEL), str(twin), "--out", str(tmp_path / "ab.csv"))
+    proc = in_process(ab.main, "kernels.gpu.ab", str(KERNEL), str(twin), "--out", str(tmp_path / "ab.csv"))
     assert proc.returncode == 2 and "files: two files share a name" in proc.stderr
-    missing = cli("kernels.gpu.ab", str(tmp_path / "nope.py"), "--out", str(tmp_path / "ab.csv"))
+    missing = in_process(
+        ab.main, "kernels.gpu.ab", str(tmp_path / "nope.py"), "--out", str(tmp_path / "ab.csv")
+    )
     assert missing.returncode == 2 and "is not a file" in missing.stderr
     assert not (tmp_path / "ab.csv").exists()
 

@@ -1,17 +1,19 @@
-"""kernels/gpu/e2e.py's profile of decode steps (a dry run: CPU, the interpreter, a two-layer model)."""
+"""kernels/gpu/e2e.py's profile of decode steps (a dry run: CPU, the interpreter, a two-layer model). The command
+runs in the test process where Triton interprets (tests/conftest.py's `interpreted`); kernels/gpu/check.py's dry
+run (tests/kernels/gpu/test_check.py) runs it as a new process."""
 
 from __future__ import annotations
 
 import csv
-import os
 
 import pytest
 
+from kernels.gpu import e2e
 
-def test_profile_writes_where_the_decode_steps_time_goes(tmp_path, cli):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = cli("kernels.gpu.e2e", "--dry-run", "--batch", "1", "--context", "24", "--new-tokens", "3",
-               "--caches", "4", "--profile", "2", "--out", str(tmp_path), env=env, timeout=600)  # fmt: skip
+
+def test_profile_writes_where_the_decode_steps_time_goes(tmp_path, interpreted):
+    proc = interpreted(e2e.main, "kernels.gpu.e2e", "--dry-run", "--batch", "1", "--context", "24", "--new-tokens",
+                      "3", "--caches", "4", "--profile", "2", "--out", str(tmp_path))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(tmp_path / "e2e.csv") as f:
         (row,) = csv.DictReader(f)
@@ -26,13 +28,11 @@ def test_profile_writes_where_the_decode_steps_time_goes(tmp_path, cli):
     assert "aten::" in host and "Self CPU" in host
 
 
-def test_graph_replayed_decoding_is_timed_step_by_step(tmp_path, cli):
+def test_graph_replayed_decoding_is_timed_step_by_step(tmp_path, interpreted):
     """A "-graph" cache: generate() within graphed_decoding (its steps eager here, without CUDA), timed alike; the
     profile is of model.generate, so none is written for it."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = cli("kernels.gpu.e2e", "--dry-run", "--batch", "2", "--context", "12", "--new-tokens", "4",
-               "--chunk", "5", "--caches", "mixed-graph", "--profile", "2", "--out", str(tmp_path), env=env,
-               timeout=600)  # fmt: skip
+    proc = interpreted(e2e.main, "kernels.gpu.e2e", "--dry-run", "--batch", "2", "--context", "12", "--new-tokens",
+                      "4", "--chunk", "5", "--caches", "mixed-graph", "--profile", "2", "--out", str(tmp_path))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(tmp_path / "e2e.csv") as f:
         (row,) = csv.DictReader(f)
@@ -45,7 +45,6 @@ def test_a_failing_graph_cache_is_noted_and_the_rest_run(tmp_path, monkeypatch):
     """A "-graph" cache that raises (its capture failing on a GPU, say), or a trial cache (pca4, never yet run on a
     GPU), becomes a row with the error in its note; the caches after it still run."""
     from harness.cache import graphed
-    from kernels.gpu import e2e
 
     def fail(self, ids):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -65,7 +64,7 @@ def test_a_failing_graph_cache_is_noted_and_the_rest_run(tmp_path, monkeypatch):
     assert done["cache"] == "4" and float(done["tokens_per_s"]) > 0 and not done["note"]
 
 
-def test_too_few_new_tokens_are_refused(tmp_path, cli):
-    proc = cli("kernels.gpu.e2e", "--dry-run", "--new-tokens", "2", "--out", str(tmp_path))
+def test_too_few_new_tokens_are_refused(tmp_path, interpreted):
+    proc = interpreted(e2e.main, "kernels.gpu.e2e", "--dry-run", "--new-tokens", "2", "--out", str(tmp_path))
     assert proc.returncode == 2 and "--new-tokens: 2 is too few" in proc.stderr
     assert not (tmp_path / "e2e.csv").exists()
