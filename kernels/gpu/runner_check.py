@@ -1,5 +1,5 @@
-"""The runner on the GPU against the CPU: `python -m harness +sweep=smoke` with device=cuda quant.backend=triton
-and with device=cpu quant.backend=torch, row by row.
+"""The runner on the GPU against the CPU: `python -m harness +sweep=smoke` (and a grid of the pca family's flat block
+format: GRIDS) with device=cuda quant.backend=triton and with device=cpu quant.backend=torch, row by row.
 
 This module owns that comparison. Both runs use the same grid, data and seed; rows are matched on the point
 key. What must agree, and why:
@@ -51,6 +51,18 @@ DRY_OVERRIDES = [
     "eval.bootstrap=10",
 ]
 
+# The grids each side runs (beside each other): the smoke sweep, and the pca family's flat block format (codes-only
+# stores and the fold around decode_attention_blocks on the triton backend) at 4 bits with its sink token.
+GRIDS = {
+    "smoke": [],
+    "pca": [
+        "sweep.schemes=[pca_block_uf]",
+        "quant.sink_tokens=1",
+        "sweep.policies=[{name: uniform}]",
+        "sweep.budgets=[4]",
+    ],
+}
+
 
 def start_grid(run_dir: Path, device: str, backend: str, extra: list[str]) -> subprocess.Popen:
     cmd = [
@@ -79,7 +91,10 @@ def compare(cpu, gpu) -> list[dict]:
     rows = []
     merged = cpu.merge(gpu, on="key", suffixes=("_cpu", "_gpu"), how="outer", indicator=True)
     for _, r in merged.iterrows():
-        label = f"{r.get('policy_cpu', r.get('policy_gpu'))} b={r.get('budget_cpu', r.get('budget_gpu'))}"
+        scheme, policy, budget = (
+            r.get(f"{name}_cpu", r.get(f"{name}_gpu")) for name in ("scheme", "policy", "budget")
+        )
+        label = f"{scheme} {policy} b={budget}"
         if r["_merge"] != "both":
             rows.append({"key": r["key"], "point": label, "column": "present", "cpu": r["_merge"] != "right_only",
                          "gpu": r["_merge"] != "left_only", "tolerance": "both", "ok": False})  # fmt: skip
@@ -130,23 +145,25 @@ def main(argv: list[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     extra = DRY_OVERRIDES if args.dry_run else []
     runs = {"cpu": ("cpu", "torch"), "gpu": ("cpu" if args.dry_run else "cuda", "triton")}
-    # The two runs go side by side: one keeps the CPU busy, the other mostly the GPU.
+    # The runs go side by side: the CPU ones keep the CPU busy, the others mostly the GPU.
     procs = {}
     for name, (device, backend) in runs.items():
-        procs[name] = (
-            args.out / f"{name}_{backend}",
-            start_grid(args.out / f"{name}_{backend}", device, backend, extra),
-        )
+        for grid, overrides in GRIDS.items():
+            run_dir = (
+                args.out / f"{name}_{backend}" if grid == "smoke" else args.out / f"{name}_{backend}_{grid}"
+            )
+            procs[name, grid] = (run_dir, start_grid(run_dir, device, backend, [*extra, *overrides]))
     deadline = time.monotonic() + args.timeout
-    tables = {}
-    for name, (run_dir, proc) in procs.items():
+    tables = {name: [] for name in runs}
+    for (name, grid), (run_dir, proc) in procs.items():
         rc = wait_grid(proc, deadline)
         if rc != 0:
             sys.exit(
-                f"error: the {' '.join(runs[name])} run exited with {rc}; see {run_dir.with_suffix('.log')}"
+                f"error: the {' '.join(runs[name])} {grid} run exited with {rc}; see {run_dir.with_suffix('.log')}"
             )
-        tables[name] = pd.read_parquet(run_dir / "results.parquet")
-    rows = compare(tables["cpu"], tables["gpu"])
+        tables[name].append(pd.read_parquet(run_dir / "results.parquet"))
+    cpu, gpu = (pd.concat(tables[name], ignore_index=True).drop_duplicates("key") for name in runs)
+    rows = compare(cpu, gpu)
     pd.DataFrame(rows).to_csv(args.out / "runner.csv", index=False)
     bad = [r for r in rows if r["ok"] is False]
     points = len({r["key"] for r in rows})

@@ -56,6 +56,7 @@ def test_dry_run_exercises_every_stage(tmp_path, cli):
     )
     runner = _rows(folder / "runner" / "runner.csv")
     assert runner and all(r["ok"] != "False" for r in runner)
+    assert {"asym_token uniform b=4", "pca_block_uf uniform b=4"} <= {r["point"] for r in runner}
     assert (
         (folder / "tests.xml").exists() and (folder / "decode.png").exists() and (folder / "e2e.png").exists()
     )
