@@ -53,11 +53,15 @@ E8_GENERATOR = torch.tensor(
 
 
 def _nearest(x: np.ndarray, points: np.ndarray) -> np.ndarray:
-    """Index of the nearest of points (K, p) to each row of x (N, p), elementwise float64 sums, in chunks."""
+    """Index of the nearest of points (K, p) to each row of x (N, p), elementwise float64 sums, in chunks; the
+    squared distances summed one coordinate at a time (the bits of a sum over the coordinates' axis, without its
+    (n, K, p) temporaries)."""
     out = np.empty(len(x), dtype=np.int64)
     for start in range(0, len(x), 4096):
         part = x[start : start + 4096]
-        distance = ((part[:, None, :] - points[None]) ** 2).sum(-1)  # (n, K)
+        distance = np.square(part[:, None, 0] - points[None, :, 0])  # (n, K)
+        for j in range(1, x.shape[1]):
+            distance += np.square(part[:, None, j] - points[None, :, j])
         out[start : start + 4096] = distance.argmin(1)
     return out
 

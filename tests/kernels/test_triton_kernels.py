@@ -410,20 +410,16 @@ class _LaunchSpy:
 @pytest.mark.parametrize(
     "k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra",
     [
-        ((4, 4, 4), (4, 4, 4), 64, 32, False, torch.float16, 0),
-        ((2, 4, 8), (8, 2, 4), 64, 16, True, torch.bfloat16, 5),
+        ((4, 4, 4), (4, 4, 4), 64, 32, False, torch.float16, 0),  # a uniform map
+        ((2, 4, 8), (8, 2, 4), 64, 16, True, torch.bfloat16, 5),  # K, V widths apart; 16-channel groups
         ((4, 2, 4), (2, 2, 8), 128, 32, False, torch.bfloat16, 0),
         ((8, 8, 2), (4, 4, 4), 128, 64, True, torch.float16, 17),
-        ((4, 4, 4), (2, 4, 2), 256, 32, False, torch.bfloat16, 3),
-        ((3, 3, 3), (3, 3, 3), 128, 32, False, torch.float16, 0),
-        ((3, 2, 3), (3, 3, 8), 128, 64, True, torch.bfloat16, 5),
-        ((4, 3, 3), (3, 4, 2), 128, 128, False, torch.bfloat16, 17),
-        ((3, 3, 8), (2, 3, 3), 256, 32, True, torch.float16, 3),
-        ((3, 3, 3), (4, 4, 3), 256, 64, False, torch.float16, 0),
-        ((2, 2, 2), (2, 2, 2), 128, 16, True, torch.float16, 5),
-        ((2, 2, 2), (2, 2, 2), 64, 32, False, torch.bfloat16, 0),
+        ((4, 4, 4), (2, 4, 2), 256, 32, False, torch.bfloat16, 3),  # D 256: q through shared memory
+        ((3, 2, 3), (3, 3, 8), 128, 64, True, torch.bfloat16, 5),  # 3 bits beside other widths
+        ((4, 3, 3), (3, 4, 2), 128, 128, False, torch.bfloat16, 17),  # one group a head
+        ((3, 3, 8), (2, 3, 3), 256, 32, True, torch.float16, 3),  # 3 bits at D 256
     ],
-)
+)  # uniform 2, 3, 4 and 8 bits at their own tiles: test_fast_kernel_whole_tiles_at_each_launch
 def test_decode_attention_fast_path(device, k_bits, v_bits, head_dim, group_size, symmetric, q_dtype, n_extra,
                                     monkeypatch):  # fmt: skip
     """Buckets packed at 2, 3, 4 and 8 bits with fp16/bf16 queries take the fast kernel (kernels/unpack.py's
@@ -459,7 +455,8 @@ def test_fast_kernel_whole_tiles_at_each_launch(device, bits, head_dim, block_n)
     matches the float64 oracle over the dequantized stores, in one split and in three."""
     from kernels import decode_attention as da
 
-    length = 600  # two 256-token tiles and a part, four 128-token ones and a part
+    tile = block_n or da.fast_block_n(bits, bits, head_dim)
+    length = 2 * tile + 88  # two whole tiles and a part (600 tokens at 256-token tiles)
     gen = torch.Generator().manual_seed(bits * head_dim)
     ks, vs = (
         PackedStore([bits] * 2, head_dim, 1, group_size=32, symmetric=sym, device=device, capacity=length + 5)
@@ -471,7 +468,6 @@ def test_fast_kernel_whole_tiles_at_each_launch(device, bits, head_dim, block_n)
     q = torch.randn(1, 8, head_dim, generator=gen).to(device=device, dtype=torch.float16)
     keys, values = ks.dequantize(), vs.dequantize()
     ref = reference.attention_reference(q[:, :, None], keys, values, head_dim**-0.5)[:, :, 0]
-    tile = block_n or da.fast_block_n(bits, bits, head_dim)
     assert length // tile >= 2  # whole tiles first
     for num_splits in (1, 3):
         out = decode_attention(q, ks, vs, head_dim**-0.5, num_splits=num_splits, block_n=block_n)
