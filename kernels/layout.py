@@ -187,6 +187,11 @@ class PackedStore:
     def capacity(self) -> int:
         return self._capacity
 
+    def advance(self, n: int) -> None:
+        """Count n more tokens as stored: those a replayed CUDA graph wrote at device-side positions (its Python,
+        which counts them otherwise, does not run)."""
+        self.length += n
+
     def reserve(self, needed: int) -> None:
         """Capacity for at least `needed` tokens: a full store grows by the amortized step of the module docstring
         (a store about to hold a known number of tokens, e.g. before CUDA-graph decoding, reserves it at once)."""

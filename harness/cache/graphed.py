@@ -49,7 +49,7 @@ class GraphedStep:
         self.forward = model if forward is None else forward
         self.cache, self.max_tokens = cache, max_tokens
         cache.reserve(max_tokens)
-        device = cache.quantized_layers()[0].k_store.device
+        device = cache.quantized_layers()[0].device
         self.graphs = device.type == "cuda" if graphs is None else graphs
         if self.graphs and device.type != "cuda":
             raise ValueError(f"graphs: CUDA graphs need the cache on CUDA, not {device}")
@@ -97,8 +97,8 @@ class GraphedStep:
         if self.graph is not None:
             self.graph.replay()
             for layer in self.cache.quantized_layers():  # what the replayed step's Python would have counted
-                layer.k_store.length += 1
-                layer.v_store.length += 1
+                layer.k_store.advance(1)
+                layer.v_store.advance(1)
         elif self.graphs and self.steps == WARMUP_STEPS:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph):

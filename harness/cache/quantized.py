@@ -329,22 +329,24 @@ class QuantizedLayer(CacheLayerMixin):
         if not self.fused:
             keys, values = self.k_store.append(key_states), self.v_store.append(value_states)
             return (keys, values) if self.simulate else None
-        if not isinstance(self.k_store, PackedStore):  # a scheme's own kernel store (pca): written by torch
+        if self.device_pos is not None and key_states.shape[-2] == 1:
+            self._append_at_device_position(key_states, value_states)
+            return None
+        if not isinstance(self.k_store, PackedStore):  # a scheme's own kernel stores (pca)
             self.k_store.append(key_states)
             self.v_store.append(value_states)
             return None
         from kernels.quantize import quantize_into
 
-        if self.device_pos is not None and key_states.shape[-2] == 1:
-            self._append_at_device_position(key_states, value_states)
-            return None
         # keys and values in one launch, no dequantized copy
         self.k_store.append_with(key_states, quantize_into, self.v_store, value_states)
         return None
 
     def _append_at_device_position(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write one decode token at the device-side position (`device_pos`) into reserved capacity; the host
-        length advances as the device position does (the caller keeps them equal)."""
+        length advances as the device position does (the caller keeps them equal). PackedStores take keys and
+        values in one launch of kernels.quantize.quantize_into; a scheme's own kernel stores (pca) write each
+        through their `append_at`."""
         from kernels.quantize import quantize_into
 
         if self.k_store.length + 1 > min(self.k_store.capacity, self.v_store.capacity):
@@ -352,9 +354,13 @@ class QuantizedLayer(CacheLayerMixin):
                 f"QuantizedKVCache: layer {self.layer_idx} holds {self.k_store.length} tokens in a capacity of "
                 f"{self.k_store.capacity}; reserve() room for every decode step before device-side positions"
             )
-        quantize_into(self.k_store, key_states, self.device_pos[0], v_store=self.v_store, v=value_states)
-        self.k_store.length += 1
-        self.v_store.length += 1
+        if isinstance(self.k_store, PackedStore):
+            quantize_into(self.k_store, key_states, self.device_pos[0], v_store=self.v_store, v=value_states)
+        else:
+            self.k_store.append_at(key_states, self.device_pos[0])
+            self.v_store.append_at(value_states, self.device_pos[0])
+        self.k_store.advance(1)
+        self.v_store.advance(1)
 
     def _store(self, key_states, value_states):
         """Append new tokens; return (keys, values) to attend: (B, Hkv, T_visible, D) each, or placeholders.
@@ -683,7 +689,11 @@ class QuantizedKVCache(Cache):
                     f"QuantizedKVCache: layer {layer.layer_idx} is a {type(layer).__name__}, whose stores are "
                     "rebuilt as tokens leave it; device-side positions need plain full-attention layers"
                 )
-            if layer.fused and not isinstance(layer.k_store, PackedStore):
+            if (
+                layer.fused
+                and not isinstance(layer.k_store, PackedStore)
+                and not hasattr(layer.k_store, "append_at")
+            ):
                 raise NotImplementedError(
                     f"QuantizedKVCache: layer {layer.layer_idx} holds {self.scheme.name}'s stores, which the Triton "
                     "kernels do not yet write at device-side positions; decode without graphed_decoding"

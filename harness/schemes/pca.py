@@ -341,15 +341,44 @@ class PcaCodesStore(PcaStore):
         _, bounds = level_tables(torch.device(self.device), self.fmt.levels)
         self._write = functools.partial(quantize_codes_into, scale=scales, bounds=bounds)
 
-    def append(self, x: torch.Tensor) -> None:
+    def _all_components(self, x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
+        """New tokens x (B, Hkv, Tn, D), their keys' angles -> every head's components z (B, Hkv, Tn, D) float32."""
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
-        angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
         z = torch.empty(B, H, Tn, D, dtype=torch.float32, device=x.device)
         for w in self.widths:
             z.index_copy_(1, self.heads[w], self._components(x, w, angle))
-        self.packed.append_with(z, self._write)
-        self.length += Tn
+        return z
+
+    def append(self, x: torch.Tensor) -> None:
+        angle = self._angle(self.positions.new(x.shape[2]))  # (1, 1, Tn, R / 2)
+        self.packed.append_with(self._all_components(x, angle), self._write)
+        self.length += x.shape[2]
+
+    # Decode tokens at device-side positions (CUDA-graph decoding: harness/cache/graphed.py), counted in this
+    # store's own tokens (its first at sequence position positions.next - length).
+    @property
+    def capacity(self) -> int:
+        return self.packed.capacity
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` tokens, so that decode steps up to there never reallocate."""
+        self.packed.reserve(tokens)
+
+    def append_at(self, x: torch.Tensor, index: torch.Tensor) -> None:
+        """One new token x (B, Hkv, 1, D) as the store's token `index` (an int32 tensor of one element on the store's
+        device, read there: nothing on the host depends on it), into reserved capacity; `advance` counts it on
+        the host."""
+        assert x.shape[2] == 1 and self.positions.kept is None, (x.shape, "contiguous positions only")
+        start = self.positions.next - self.length  # the sequence position of token 0
+        angle = self._angle((index.long() + start).view(1, 1))  # (1, 1, 1, R / 2)
+        self._write(self.packed, self._all_components(x, angle), index)
+
+    def advance(self, n: int) -> None:
+        """Count n more tokens as stored (those append_at wrote)."""
+        self.length += n
+        self.packed.advance(n)
+        self.positions.next += n
 
     def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
         bucket = self.packed.bucket_of[w]

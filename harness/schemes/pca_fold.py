@@ -168,27 +168,37 @@ def decode(
 ) -> torch.Tensor:
     """One decode step of a layer whose stores are the triton backend's pca stores (codes in codes-only
     kernels.layout stores; sink tokens beside them): q (B, Hq, D) -> the attention output (B, Hq, D) in q's dtype.
+    `length`: the layer's stored tokens as an int32 device tensor (CUDA-graph decoding), or None (host lengths).
 
     The fold (fold_queries, to_codes for the sinks) around kernels.decode_attention.decode_attention_blocks, then
     unfold_output: no stored token is dequantized."""
     from kernels.decode_attention import decode_attention_blocks  # imports triton: only on the triton backend
 
-    if length is not None:
-        raise NotImplementedError(
-            "pca stores on the triton backend: device-side lengths (graphed decoding) are not supported"
-        )
     keys, k_sinks = split_sinks(k_store)
     values, v_sinks = split_sinks(v_store)
     if keys.length == 0:  # every token so far is a sink
         return _sinks_only(q, k_sinks, v_sinks, sm_scale).to(q.dtype)
-    query, bias = fold_queries(keys, q)  # (B, Hq, NB, D), (B, Hq, NB)
+    blocked = keys.fmt.key_frame == BLOCK and len(keys.positions.theta)
+    blocks = None
+    if (
+        length is not None
+    ):  # the layer's count on the device: the codes' is less the sinks; a query a block of room
+        length = length - (k_store.length - keys.length)
+        blocks = -(-keys.packed.capacity // keys.fmt.block) if blocked else 1
+    query, bias = fold_queries(keys, q, blocks)  # (B, Hq, NB, D), (B, Hq, NB)
     if q.dtype in (torch.float16, torch.bfloat16):
         query = query.to(torch.float16)  # the fast kernel's mmas run in fp16
-    blocked = keys.fmt.key_frame == BLOCK and len(keys.positions.theta)
     extra = (None, None)
     if k_sinks is not None:
         extra = (to_codes(keys, k_sinks, "key"), to_codes(values, v_sinks, "value"))
     acc = decode_attention_blocks(
-        query, bias, keys.packed, values.packed, sm_scale, keys.fmt.block if blocked else None, *extra
+        query,
+        bias,
+        keys.packed,
+        values.packed,
+        sm_scale,
+        keys.fmt.block if blocked else None,
+        *extra,
+        length=length,
     )
     return unfold_output(values, acc).to(q.dtype)

@@ -264,6 +264,24 @@ class SinkStore(_TwoPart):
                 self.values[i] = self.values[i][:, :, :kept]
             n -= kept
 
+    # Decode tokens at device-side positions (CUDA-graph decoding), for a base that writes there (`append_at`: the
+    # pca family's kernel stores): every such token comes after the sinks, so it is the base's, its index there
+    # the store's less the sinks held.
+    @property
+    def capacity(self) -> int:
+        return self.parts[0].length + self.base.capacity
+
+    def reserve(self, tokens: int) -> None:
+        self.base.reserve(tokens - self.parts[0].length)
+
+    def append_at(self, x: torch.Tensor, index: torch.Tensor) -> None:
+        assert self.seen >= self.n_sinks, "append_at: the sink tokens come first"
+        self.base.append_at(x, index - self.parts[0].length)
+
+    def advance(self, n: int) -> None:
+        self.seen += n
+        self.base.advance(n)
+
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         take = min(max(self.n_sinks - self.seen, 0), x.shape[2])
         self.seen += x.shape[2]
