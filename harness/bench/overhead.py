@@ -30,7 +30,7 @@ import torch
 from harness import data, evaluate, io, precision
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
-from harness.calibrate.keys import cached_key_calibration
+from harness.calibrate import cached_fit
 from harness.config import Point, base_point, compose, group_options
 from harness.io import CONF_DIR, git_state
 from harness.models import ModelUnavailable, load_model
@@ -127,11 +127,12 @@ def _cpu_name() -> str:
 def _contenders(args, model, point: Point, points: dict[str, Point], calib_ids) -> list[Contender]:
     out = [Contender(PLAIN)]
     for scheme, p in points.items():
-        tables = None
-        # nuqkey's key tables: fitted once on the calibration windows (cached on disk), as a sweep fits them
-        if point_scheme(p).key_tables:
-            tables = cached_key_calibration(model, p.model, calib_ids, key_span(p), p.key_levels)
-        out += [Contender(f"{scheme} {bits}-bit", p, bits, tables) for bits in args.bits]
+        # the parts a scheme fits (key tables, pca's transforms): once on the calibration windows (cached on disk),
+        # as a sweep fits them (harness.run.measure.key_calibration)
+        parts = cached_fit(point_scheme(p), model, p.model, calib_ids, key_span(p), p.key_levels,
+                           data.calibration_source(p)[0])  # fmt: skip
+        name = scheme if p.scheme == scheme else f"{scheme} ({p.scheme})"
+        out += [Contender(f"{name} {bits}-bit", p, bits, parts) for bits in args.bits]
     return out
 
 

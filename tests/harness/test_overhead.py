@@ -16,15 +16,15 @@ from harness.models import load_model
 def test_the_benchmark_writes_every_contender_and_stage(tmp_path, capsys):
     out = tmp_path / "overhead.csv"
     overhead.main(
-        ["--schemes", "asym_token", "kivi", "--bits", "4", "--repeats", "2", "--threads", "1",
+        ["--schemes", "asym_token", "kivi", "pca", "--bits", "4", "--repeats", "2", "--threads", "1",
          "--out", str(out), "model=tiny-llama", "eval=tiny"]
     )  # fmt: skip
     lines = out.read_text().splitlines()
-    assert lines[0].startswith("# command: python -m harness.bench.overhead --schemes asym_token kivi")
+    assert lines[0].startswith("# command: python -m harness.bench.overhead --schemes asym_token kivi pca")
     assert "commit " in lines[1] and "1 threads" in lines[1]
     assert "model tiny-llama (torch.float32)" in lines[2] and "2 round(s)" in lines[2]
     rows = list(csv.DictReader(line for line in lines if not line.startswith("#")))
-    contenders = ["plain", "asym_token 4-bit", "kivi 4-bit"]
+    contenders = ["plain", "asym_token 4-bit", "kivi 4-bit", "pca 4-bit"]  # pca: its transforms fitted first
     assert [(r["contender"], r["stage"]) for r in rows] == [
         (c, s) for c in contenders for s in overhead.STAGES
     ]
