@@ -64,6 +64,7 @@ GPU_TEST_FILES = (
     "tests/harness/test_fused_backend.py",
     "tests/harness/test_eviction.py",
     "tests/harness/test_graphed.py",
+    "tests/harness/test_graphed_pca.py",
 )
 TARGETS = {"speedup_4bit": 2.5, "frac_bw_4bit": 0.60, "speedup_2bit": 4.0, "mixed_vs_uniform": 1.10}
 # The codes-only path (the pca family's kernel, issue 45) at the width proportions of the frontier's measured

@@ -483,8 +483,8 @@ def test_command_runs_kivi_with_sinks(tmp_path, in_process):
     assert 1 < row["compression_true"] < row["compression_nominal"] == 8
 
 
-def test_command_rejects_fp8_with_other_widths(tmp_path, cli):
-    proc = harness(cli, "quant=fp8", "policy.widths=[2,4]", run_dir=tmp_path)
+def test_command_rejects_fp8_with_other_widths(tmp_path, in_process):
+    proc = harness(in_process, "quant=fp8", "policy.widths=[2,4]", run_dir=tmp_path)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: policy.widths: [2, 4] with quant.scheme fp8"), (
