@@ -48,7 +48,8 @@ def test_graphed_pca_decoding_generates_what_generate_does(fitted):
     """A prompt of 29 tokens and 6 new ones: the decode steps cross from the first block of 32 codes into the
     second. The same tokens and logits as generate() at host lengths, the same stored codes and host counters."""
     model, cal = fitted
-    ids = torch.randint(0, 256, (2, 29), generator=torch.Generator().manual_seed(5))
+    # one batch row (the write kernel's rows: tests/kernels/test_quantize_codes.py; two here in the next test)
+    ids = torch.randint(0, 256, (1, 29), generator=torch.Generator().manual_seed(5))
     kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, pad_token_id=0,
               do_sample=False, output_logits=True, return_dict_in_generate=True)  # fmt: skip
     graphed = _cache(model, cal)
