@@ -12,8 +12,8 @@ Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is 
 so a finished point is recognized on re-run whatever order the grid lists it in:
 - the model dtype enters the hash only when it is not float32, the kv policy's key_offset only when it is not
   0, quant.key_group_size only when it is set, quant.outliers only when it is not 0, quant.key_levels only
-  when it is not kmeans and eval.calibration.data.path only when it is set (KEYED_UNLESS), so points made
-  before those fields were recorded keep their keys;
+  when it is not kmeans, eval.calibration.data.path only when it is set and eval.score_from only when it is not
+  0 (KEYED_UNLESS), so points made before those fields were recorded keep their keys;
 - the peer fields are in the dict only for a peer point (engine not HARNESS), so the harness's own points keep
   the keys they had before peers existed;
 - a point read from a record made before some field existed (`Point.from_dict`) takes today's default for it
@@ -48,6 +48,7 @@ KEYED_UNLESS = {
     "outliers": 0.0,
     "key_levels": KMEANS,
     "calibration_data_path": None,
+    "score_from": 0,
 }
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
@@ -97,6 +98,8 @@ class Point:
     num_sequences: int = _setting("eval.num_sequences", "eval")
     sequence_tokens: int = _setting("eval.sequence_tokens", "eval")
     chunk: int = _setting("eval.chunk", "eval")
+    # teacher-forced: tokens before it are context only, the metrics cover tokens score_from..T-1 (0: every target)
+    score_from: int = _setting("eval.score_from", "eval", 0)
     bos: str = _setting("eval.bos", "eval", "auto")
     calibration_sequences: int = _setting("eval.calibration.num_sequences", "calibration")
     calibration_tokens: int = _setting("eval.calibration.tokens", "calibration")
@@ -173,7 +176,7 @@ PEER_FIELDS = GROUPS["peer"]
 def key_of(config: Mapping) -> str:
     """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, the
     fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None,
-    outliers 0, key_levels kmeans, calibration_data_path None; see the docstring)."""
+    outliers 0, key_levels kmeans, calibration_data_path None, score_from 0; see the docstring)."""
     config = {k: v for k, v in config.items() if k not in KEYED_UNLESS or v != KEYED_UNLESS[k]}
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -197,6 +197,7 @@ def teacher_forced(
     baseline: TeacherForced | None = None,
     logprobs_dtype: torch.dtype = torch.float16,
     clock: dict | None = None,
+    score_from: int = 0,
 ) -> TeacherForced:
     """Score sequences (S, T) int64 teacher-forced, fed in chunks of `chunk` tokens through a fresh cache per batch.
 
@@ -204,25 +205,40 @@ def teacher_forced(
     `logprobs_dtype` (it can be a baseline); with `baseline` (a run on the same sequences made without one)
     it keeps KL(p_baseline || p_this) per position instead. The device holds one chunk's logits at a time;
     results are on CPU.
+
+    score_from: tokens before it are context only: the run scores the predictions of tokens score_from..T-1
+    (every target, tokens 1..T-1, at 0 or 1), and its arrays hold those targets alone, (S, T - max(score_from, 1)).
+    The context is fed through the same cache in the same chunks, without its logits (chunks wholly in it compute
+    only their last position's), so the scored positions' figures equal those of a run scoring every target.
     """
     _check_eval(model)
     if baseline is not None and baseline.logprobs is None:
         raise ValueError("baseline must be a run made without a baseline (one that kept its log-probs)")
     sequences = sequences.cpu()
-    targets = sequences[:, 1:]  # (S, T-1)
+    if not 0 <= score_from < sequences.shape[1]:
+        raise ValueError(
+            f"score_from: {score_from} must lie in [0, {sequences.shape[1]}) for {sequences.shape[1]} tokens"
+        )
+    skip = max(score_from, 1) - 1  # fed positions whose predictions are not scored
+    targets = sequences[:, skip + 1 :]  # (S, T-1-skip): the scored targets
     if baseline is not None and not torch.equal(baseline.targets, targets):
         raise ValueError("baseline was made on different sequences")
     n_seq, n_pos = targets.shape
-    nll = torch.empty(n_seq, n_pos)  # (S, T-1)
-    top1 = torch.empty(n_seq, n_pos, dtype=torch.int64)  # (S, T-1)
-    kl = None if baseline is None else torch.empty(n_seq, n_pos)  # (S, T-1)
-    logprobs = None  # (S, T-1, V), allocated once V is known from the logits
+    nll = torch.empty(n_seq, n_pos)  # (S, n)
+    top1 = torch.empty(n_seq, n_pos, dtype=torch.int64)  # (S, n)
+    kl = None if baseline is None else torch.empty(n_seq, n_pos)  # (S, n)
+    logprobs = None  # (S, n, V), allocated once V is known from the logits
+    fed = sequences.shape[1] - 1
 
     for rows in _batches(n_seq, batch_size):
         t = time.perf_counter()
         cache = cache_factory()
         inputs = sequences[rows, :-1].to(model.device)  # (B, T-1)
-        for start in range(0, n_pos, chunk):
+        for start in range(0, fed, chunk):
+            if start + chunk <= skip:  # context alone: its keys and values, no scores
+                _forward(model, inputs[:, start : start + chunk], start, cache, logits_to_keep=1)
+                t = _add_time(clock, "forward_s", t)
+                continue
             logits = _forward(model, inputs[:, start : start + chunk], start, cache)  # (B, L, V)
             t = _add_time(clock, "forward_s", t)
             B, L, V = logits.shape
@@ -231,8 +247,8 @@ def teacher_forced(
             # The metrics go a few positions at a time, so that their float32 temporaries stay near
             # SCORE_ELEMENTS (B x L x V each would be GBs at V = 262k); every position is scored alike.
             step = max(1, SCORE_ELEMENTS // (B * V))
-            for first in range(0, L, step):
-                cols = slice(start + first, start + min(first + step, L))
+            for first in range(max(skip - start, 0), L, step):
+                cols = slice(start + first - skip, start + min(first + step, L) - skip)
                 part = logits[:, first : first + step]  # (B, l, V)
                 chunk_logprobs = torch.log_softmax(part.float(), dim=-1)  # (B, l, V)
                 chunk_targets = targets[rows, cols].to(model.device)  # (B, l)

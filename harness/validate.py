@@ -74,6 +74,7 @@ def _check_point(point: Point, backend: str = "auto") -> None:
         model_spec(point.model)
         if point.engine != HARNESS:
             _check_positive_ints(point)
+            _check_score_from(point)
             check_point(point)
             return
         if point.dtype not in precision.DTYPES:  # a sweep entry may set it; `auto` is resolved before here
@@ -82,6 +83,7 @@ def _check_point(point: Point, backend: str = "auto") -> None:
             )
         policy = from_point(point.group("policy"))
         _check_positive_ints(point)
+        _check_score_from(point)
         scheme = point_scheme(point)
         scheme.check_widths(point.widths)  # before the budget, which lies between the widths
         policy.check_budget(point.budget)
@@ -118,6 +120,14 @@ def _check_positive_ints(point: Point) -> None:
         value = getattr(point, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{config_key(name)}: {value!r} is not a positive integer")
+
+
+def _check_score_from(point: Point) -> None:
+    value = point.score_from
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < point.sequence_tokens:
+        raise ValueError(
+            f"eval.score_from: {value!r}; allowed: an integer in [0, eval.sequence_tokens = {point.sequence_tokens})"
+        )
 
 
 def _check_eviction_composes(eviction, scheme) -> None:

@@ -150,14 +150,27 @@ class LlamaCppModel:
 
 
 def teacher_forced(
-    path, sequences: torch.Tensor, kv_type: str, rotation: bool, chunk: int, baseline=None
+    path,
+    sequences: torch.Tensor,
+    kv_type: str,
+    rotation: bool,
+    chunk: int,
+    baseline=None,
+    score_from: int = 0,
 ) -> evaluate.TeacherForced:
-    """harness.evaluate.teacher_forced of sequences (S, T) through llama.cpp with a `kv_type` cache."""
+    """harness.evaluate.teacher_forced of sequences (S, T) through llama.cpp with a `kv_type` cache (scoring tokens
+    score_from..T-1)."""
     llm = open_llama(path, kv_type, rotation, n_ctx=sequences.shape[1], chunk=chunk)
     try:
         model = LlamaCppModel(llm)
         return evaluate.teacher_forced(
-            model, sequences, model.fresh_cache, chunk=chunk, batch_size=1, baseline=baseline
+            model,
+            sequences,
+            model.fresh_cache,
+            chunk=chunk,
+            batch_size=1,
+            baseline=baseline,
+            score_from=score_from,
         )
     finally:
         llm.close()
@@ -168,12 +181,22 @@ def measure(ctx, point: Point) -> dict:
     path = gguf_path(model_spec(point.model))
     chunk = point.chunk
     if "llamacpp_f16" not in ctx.peer_state:
-        ctx.peer_state["llamacpp_f16"] = teacher_forced(path, ctx.sequences, "f16", False, chunk)
+        ctx.peer_state["llamacpp_f16"] = teacher_forced(
+            path, ctx.sequences, "f16", False, chunk, score_from=point.score_from
+        )
     f16 = ctx.peer_state["llamacpp_f16"]
     if point.scheme == "f16":  # the reference itself: every comparison at identity
         run = evaluate.TeacherForced(f16.targets, f16.nll, f16.top1, kl=torch.zeros_like(f16.nll))
     else:
-        run = teacher_forced(path, ctx.sequences, point.scheme, point.rotation, chunk, baseline=f16)
+        run = teacher_forced(
+            path,
+            ctx.sequences,
+            point.scheme,
+            point.rotation,
+            chunk,
+            baseline=f16,
+            score_from=point.score_from,
+        )
     sequences, tokens = ctx.sequences.shape[0], ctx.sequences.shape[1] - 1  # token T-1 is never fed
     held = sequences * cache_bytes(point.model, point.scheme, tokens)
     fp16 = fp16_bytes(point.model, tokens, sequences)

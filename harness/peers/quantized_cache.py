@@ -78,6 +78,7 @@ def measure(ctx, point: Point) -> dict:
         chunk=point.chunk,
         batch_size=ctx.batch_size,
         baseline=ctx.base_tf,
+        score_from=point.score_from,
     )
     sequences, tokens = ctx.sequences.shape[0], ctx.sequences.shape[1] - 1  # token T-1 is never fed
     held = sum(cache_bytes(c) for c in caches)

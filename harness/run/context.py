@@ -112,7 +112,12 @@ def build_context(
     prefilled = evaluate.prefill(model, prompts, batch_size=batch_size)
     base_tokens = evaluate.decode(model, prefilled, point.new_tokens, cache_from_prefilled=None)
     base_tf = evaluate.teacher_forced(
-        model, sequences, evaluate.dynamic_cache_factory(model), chunk=point.chunk, batch_size=batch_size
+        model,
+        sequences,
+        evaluate.dynamic_cache_factory(model),
+        chunk=point.chunk,
+        batch_size=batch_size,
+        score_from=point.score_from,
     )
     timings["baseline_s"] = time.perf_counter() - t
     entropy_path = Path(run_dir) / f"entropy-{point.model}.parquet"

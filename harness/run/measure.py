@@ -156,6 +156,7 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         chunk=point.chunk,
         batch_size=ctx.batch_size,
         baseline=ctx.base_tf,
+        score_from=point.score_from,
     )
     gen = metrics.generation_metrics(ctx.base_tokens, tokens, ctx.tokenizer.decode)
     tfm = metrics.teacher_forced_metrics(ctx.base_tf, tf)

@@ -169,3 +169,39 @@ def test_teacher_forced_rejects_other_sequences(model: LlamaForCausalLM) -> None
     base = teacher_forced(model, random_tokens(2, 9, seed=4), DynamicCache, chunk=4)
     with pytest.raises(ValueError, match="different sequences"):
         teacher_forced(model, random_tokens(2, 9, seed=5), DynamicCache, chunk=4, baseline=base)
+
+
+@pytest.mark.parametrize("score_from", [1, 4, 5, 12, 22])
+def test_teacher_forced_scores_from_a_position_as_the_tail_of_a_whole_run(
+    model: LlamaForCausalLM, monkeypatch: pytest.MonkeyPatch, score_from: int
+) -> None:
+    """score_from feeds the context through the same cache and chunks without scoring it: the scored targets'
+    figures are bit for bit the tail of a run that scores every target (baseline, KL against it, and a noisy
+    cache), at a chunk boundary (5), inside a chunk, the first and the last target; 1 is every target."""
+    sequences = random_tokens(3, 23, seed=6)  # (S, T)
+    monkeypatch.setattr(evaluate, "SCORE_ELEMENTS", 3 * 2 * VOCAB)  # a few positions at a time, batch of 2
+
+    def runs(start: int):
+        base = teacher_forced(model, sequences, DynamicCache, chunk=5, batch_size=2, score_from=start)
+        noisy = teacher_forced(
+            model, sequences, lambda: NoisyCache(0.1), chunk=5, batch_size=2, baseline=base, score_from=start
+        )
+        return base, noisy
+
+    whole_base, whole = runs(0)
+    base, noisy = runs(score_from)
+    tail = slice(score_from - 1, None)  # target index j predicts token j + 1
+    assert torch.equal(base.targets, sequences[:, score_from:]) and base.nll.shape == (3, 23 - score_from)
+    assert torch.equal(base.logprobs, whole_base.logprobs[:, tail])
+    for a, b in ((base, whole_base), (noisy, whole)):
+        assert torch.equal(a.nll, b.nll[:, tail]) and torch.equal(a.top1, b.top1[:, tail])
+    assert torch.equal(noisy.kl, whole.kl[:, tail]) and noisy.kl.abs().sum() > 0
+    if score_from > 1:  # a baseline scored from elsewhere (1 scores every target, as 0 does)
+        with pytest.raises(ValueError, match="different sequences"):
+            teacher_forced(model, sequences, DynamicCache, chunk=5, baseline=whole_base, score_from=score_from)
+
+
+def test_teacher_forced_refuses_a_score_start_outside_the_sequences(model: LlamaForCausalLM) -> None:
+    for start in (-1, 9):
+        with pytest.raises(ValueError, match="score_from"):
+            teacher_forced(model, random_tokens(2, 9, seed=4), DynamicCache, chunk=4, score_from=start)
