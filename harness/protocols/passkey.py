@@ -7,9 +7,15 @@ a run is harness/report/passkey.py's.
   ("The pass key is 12345. Remember it. 12345 is the pass key."), filler, the question ("What is the pass key?
   The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
   joined as token ids, so the length is exact for any tokenizer.
-- Score: the first run of digits in the decoded answer equals the key.
+- Multi-key (`needles` N > 1): N needles of different keys, each naming its box ("The pass key of the red box
+  is 12345. ..."), the question asking for the first box's ("What is the pass key of the red box? ..."); the asked
+  needle sits at `depth`, the others at depth + j / N (mod 1), j = 1..N-1, so every depth has N - 1 distractors.
+- Score: the first run of digits in the decoded answer equals the (asked) key.
 - Policies: conf/policy/<name>.yaml (allocated by harness.policies on the model's calibration entropies, made
-  as harness/run/measure.py makes them) at each budget, plus the unquantized baseline (a DynamicCache).
+  as harness/run/measure.py makes them) at each budget, plus the unquantized baseline (a DynamicCache); and
+  allocation files (`--allocations`: harness.load_allocation's, e.g. a frontier point `python -m harness.export`
+  wrote), each with its own scheme and the parts that scheme fits, fitted on the same calibration windows (cached on
+  disk as a sweep's are); such a point is named by the file's stem and a digest of its contents.
 - prefill=exact (default): per batch of trials ONE full-precision chunked prefill of everything before the
   question, shared by every policy and budget; each quantized cache is QuantizedKVCache.from_prefilled of it, and
   the question and the answer tokens then read the document through the quantized cache.
@@ -37,18 +43,19 @@ from omegaconf import OmegaConf
 from transformers import DynamicCache
 
 from harness import data, io, precision
+from harness.allocation_file import load_allocation
 from harness.attention import PACKED, installed
 from harness.cache import PREFILL_MODES, QuantizedKVCache
-from harness.calibrate import cached_head_entropies
+from harness.calibrate import cached_fit, cached_head_entropies
 from harness.capacity import element_price, shape_from_config
 from harness.config import compose, group_options
 from harness.data import BOS_RULES, uses_bos
 from harness.models import load_model, model_spec
-from harness.policies import BUDGET_UNITS, from_point
+from harness.policies import BUDGET_UNITS, Allocation, from_point
 from harness.registry import unknown_name_message
 from harness.report.passkey import BASELINE, write_report
 from harness.run.records import PointLog
-from harness.schemes import get_scheme
+from harness.schemes import Scheme, get_scheme
 from kernels.layout import FULL_WIDTH
 
 INSTRUCTION = (
@@ -58,6 +65,10 @@ INSTRUCTION = (
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
+# multi-key prompts: needle j names box BOXES[j]; the question asks for BOXES[0]'s
+BOX_NEEDLE = " The pass key of the {box} box is {key}. Remember it. {key} is the pass key of the {box} box."
+BOX_QUESTION = " What is the pass key of the {box} box? The pass key of the {box} box is"
+BOXES = ("red", "blue", "green", "yellow", "white", "black", "orange", "purple")
 
 
 # ------------------------------------------------------------------------------------------------ prompts
@@ -74,12 +85,15 @@ class PasskeyPrompt:
 class PromptBuilder:
     """Passkey prompts of an exact token length for one tokenizer (the fixed pieces are tokenized once)."""
 
-    def __init__(self, tokenizer, bos: bool = False):
+    def __init__(self, tokenizer, bos: bool = False, needles: int = 1):
+        if isinstance(needles, bool) or not isinstance(needles, int) or not 1 <= needles <= len(BOXES):
+            raise ValueError(f"passkey.needles: {needles!r}; allowed: an integer in [1, {len(BOXES)}]")
         self.tokenizer = tokenizer
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         self.encode = encode
+        self.needles = needles
         self.head = [tokenizer.bos_token_id] * bos + encode(INSTRUCTION)
-        self.question = encode(QUESTION)
+        self.question = encode(QUESTION if needles == 1 else BOX_QUESTION.format(box=BOXES[0]))
         self.sentence = encode(FILLER)
         self.filler: list[int] = []
 
@@ -88,29 +102,59 @@ class PromptBuilder:
             self.filler += self.sentence
         return self.filler[:n]
 
-    def minimum_context(self, key: str = "99999") -> int:
-        return len(self.head) + len(self.encode(NEEDLE.format(key=key))) + len(self.question)
+    def _needle(self, j: int, key: str) -> list[int]:
+        """Needle j's tokens: the single needle's, or box j's."""
+        return self.encode(
+            NEEDLE.format(key=key) if self.needles == 1 else BOX_NEEDLE.format(box=BOXES[j], key=key)
+        )
 
-    def build(self, context: int, depth: float, key: str) -> PasskeyPrompt:
+    def minimum_context(self, key: str = "99999") -> int:
+        needles = sum(len(self._needle(j, key)) for j in range(self.needles))
+        return len(self.head) + needles + len(self.question)
+
+    def build(self, context: int, depth: float, keys: str | list[str]) -> PasskeyPrompt:
+        """The prompt of `context` tokens asking for keys[0] (a key alone: one needle) hidden at `depth`, the other
+        keys' needles at depth + j / N (mod 1)."""
+        keys = [keys] if isinstance(keys, str) else list(keys)
+        if len(keys) != self.needles:
+            raise ValueError(f"{len(keys)} keys for a prompt of {self.needles} needles")
         if not 0.0 <= depth <= 1.0:
             raise ValueError(f"passkey.depths: {depth} is outside [0, 1]")
-        needle = self.encode(NEEDLE.format(key=key))
-        n_filler = context - len(self.head) - len(needle) - len(self.question)
+        needles = [self._needle(j, key) for j, key in enumerate(keys)]
+        n_filler = context - len(self.head) - sum(map(len, needles)) - len(self.question)
         if n_filler < 0:
             raise ValueError(
                 f"passkey.contexts: {context} tokens cannot hold the prompt; the minimum is {context - n_filler}"
             )
-        before = round(depth * n_filler)
-        ids = self.head + self._filler(before) + needle + self._filler(n_filler - before) + self.question
-        return PasskeyPrompt(
-            torch.tensor(ids, dtype=torch.long), key, len(self.head) + before, len(self.question)
-        )
+        depths = [depth] + [(depth + j / self.needles) % 1.0 for j in range(1, self.needles)]
+        # (filler tokens before it, needle j), in document order (ties: the asked needle first)
+        placed = sorted((round(d * n_filler), j) for j, d in enumerate(depths))
+        ids, used, asked_start = list(self.head), 0, 0
+        for before, j in placed:
+            ids += self._filler(before - used)  # each gap a filler of its own length, from the filler's start
+            used = before
+            asked_start = len(ids) if j == 0 else asked_start
+            ids += needles[j]
+        ids += self._filler(n_filler - used) + self.question
+        return PasskeyPrompt(torch.tensor(ids, dtype=torch.long), keys[0], asked_start, len(self.question))
 
 
-def trial_key(seed: int, model: str, context: int, depth: float, trial: int) -> str:
-    """The 5-digit key of one trial: the same for every policy and budget, independent of run order."""
-    digest = hashlib.sha256(f"{seed}|{model}|{context}|{depth:g}|{trial}".encode()).digest()
+def trial_key(seed: int, model: str, context: int, depth: float, trial: int, needle: int = 0) -> str:
+    """The 5-digit key of one trial's needle: the same for every policy and budget, independent of run order."""
+    tail = f"|{needle}" if needle else ""  # needle 0 keeps the key single-needle runs have always had
+    digest = hashlib.sha256(f"{seed}|{model}|{context}|{depth:g}|{trial}{tail}".encode()).digest()
     return str(10000 + int.from_bytes(digest[:8], "little") % 90000)
+
+
+def trial_keys(seed: int, model: str, context: int, depth: float, trial: int, needles: int) -> list[str]:
+    """The keys of one trial's needles, the asked one first, all different."""
+    keys: list[str] = []
+    j = 0
+    while len(keys) < needles:
+        key = trial_key(seed, model, context, depth, trial, j)
+        keys += [] if key in keys else [key]
+        j += 1
+    return keys
 
 
 def extract_answer(text: str) -> str | None:
@@ -157,17 +201,27 @@ def answer(model, cache, question: torch.Tensor, start: int, new_tokens: int) ->
 
 
 def answer_from_prefilled(
-    model, document_cache, question: torch.Tensor, start: int, new_tokens: int, bits=None, scheme="asym_token"
+    model,
+    document_cache,
+    question: torch.Tensor,
+    start: int,
+    new_tokens: int,
+    bits=None,
+    scheme="asym_token",
+    key_calibration=None,
 ):
     """prefill=exact: answer tokens (B, M) and the cache read, from a full-precision DynamicCache of the document.
 
     bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits` (an
-    Allocation, or the widths QuantizedKVCache takes) in `scheme` (a Scheme or its name).
+    Allocation, or the widths QuantizedKVCache takes) in `scheme` (a Scheme or its name), reading the parts the
+    scheme fits (`key_calibration`: harness.calibrate.cached_fit's).
     """
     if bits is None:
         cache = copy.deepcopy(document_cache)
     else:
-        cache = QuantizedKVCache.from_prefilled(document_cache, model.config, bits, scheme, prefill="exact")
+        cache = QuantizedKVCache.from_prefilled(
+            document_cache, model.config, bits, scheme, prefill="exact", key_calibration=key_calibration
+        )
     return answer(model, cache, question, start, new_tokens), cache
 
 
@@ -191,6 +245,7 @@ class Settings:
     bos: str = "auto"  # eval.bos: every prompt and calibration window starts with BOS (harness.data.uses_bos)
     budget_unit: str = "bytes"  # policy.budget_unit of every policy (harness.policies)
     dtype: str = "float32"  # the model's, resolved (harness/precision.py)
+    needles: int = 1  # keys hidden in each prompt, one asked for (module docstring: multi-key)
 
     def __post_init__(self):
         if self.bos not in BOS_RULES:
@@ -212,16 +267,20 @@ class Settings:
             "chunk",
             "calibration_sequences",
             "calibration_tokens",
+            "needles",
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
 
     def digest(self) -> str:
-        """A hash of the settings; a float32 dtype is left out, so points made before it was recorded keep their
-        names."""
-        fields = {k: v for k, v in self.__dict__.items() if not (k == "dtype" and v == "float32")}
+        """A hash of the settings; a float32 dtype and a single needle are left out, so points made before they
+        were recorded keep their names."""
+        fields = {k: v for k, v in self.__dict__.items() if UNRECORDED_DEFAULTS.get(k, object()) != v}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
+
+
+UNRECORDED_DEFAULTS = {"dtype": "float32", "needles": 1}  # Settings fields out of the digest at these values
 
 
 def point_name(model: str, context: int, depth: float, policy: str, budget: float, settings: Settings) -> str:
@@ -259,13 +318,43 @@ def allocations(
     return out
 
 
-def calibration_entropy(model, tokenizer, name: str, settings: Settings):
-    """The model's per-head entropies from the calibration split, as harness.run.context.build_context makes them."""
-    ids = data.token_windows(
+def calibration_windows(tokenizer, settings: Settings) -> torch.Tensor:
+    """The calibration windows (C, T) int64 of the default text's calibration split, as a sweep cuts them."""
+    return data.token_windows(
         tokenizer, data.split(None).calibration, settings.calibration_sequences, settings.calibration_tokens,
         settings.seed, bos=data.uses_bos(tokenizer, settings.bos),
     )  # fmt: skip
-    return cached_head_entropies(model, name, ids, i0=settings.i0)
+
+
+def calibration_entropy(model, tokenizer, name: str, settings: Settings):
+    """The model's per-head entropies from the calibration split, as harness.run.context.build_context makes them."""
+    return cached_head_entropies(model, name, calibration_windows(tokenizer, settings), i0=settings.i0)
+
+
+@dataclass(frozen=True)
+class AllocationFile:
+    """A cache read from an allocation file (harness.load_allocation): the policy name of its points (the file's
+    stem and a digest of its bytes), its allocation and scheme."""
+
+    path: str
+    name: str
+    allocation: Allocation
+    scheme: Scheme
+
+    @property
+    def budget(self) -> float:
+        """What its points' names and records give as the budget: the allocation's mean bits."""
+        return float(self.allocation.mean_bits)
+
+
+def allocation_file(path: str) -> AllocationFile:
+    """The AllocationFile at `path`; ValueError (one line, naming passkey.allocations and the path) if unreadable."""
+    try:
+        allocation, scheme = load_allocation(path)
+    except ValueError as err:
+        raise ValueError(f"passkey.allocations: {str(err).splitlines()[0]}") from None
+    digest = hashlib.sha256(Path(path).read_bytes()).hexdigest()[:8]
+    return AllocationFile(str(path), f"{Path(path).stem}-{digest}", allocation, scheme)
 
 
 # ------------------------------------------------------------------------------------------------- run
@@ -282,11 +371,23 @@ class Job:
     budgets: list[float]
     settings: Settings
     batch_size: int = 4
+    files: tuple[AllocationFile, ...] = ()  # allocation files, each its own (policy, budget) point
 
 
 def _pending(job: Job, log: PointLog, context: int, depth: float) -> list[tuple[str, float]]:
     wanted = [(BASELINE, FULL_WIDTH)] + [(p, b) for p in job.policies for b in job.budgets]
+    wanted += [(f.name, f.budget) for f in job.files]
     return [pb for pb in wanted if not log.done(point_name(job.model, context, depth, *pb, job.settings))]
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How a (policy, budget) stores its cache: the scheme, the parts it fitted, and what its record's config says
+    of them beside the settings (an allocation file's path and scheme)."""
+
+    scheme: Scheme
+    fitted: object = None
+    config: tuple = ()
 
 
 @dataclass
@@ -300,7 +401,7 @@ class _Answers:
     prefill_s: float = 0.0
 
 
-def _answer_all(model, job: Job, prompts: list, pending: list, allocs: dict, scheme) -> _Answers:
+def _answer_all(model, job: Job, prompts: list, pending: list, allocs: dict, storage: dict) -> _Answers:
     """Every pending (policy, budget) answers every prompt, batch by batch, from one full-precision prefill of
     each batch's document (prefill=exact) or through its own quantized prefill (prefill=quantized)."""
     s = job.settings
@@ -325,11 +426,22 @@ def _answer_all(model, job: Job, prompts: list, pending: list, allocs: dict, sch
                     model, document_cache, question, context - q, s.new_tokens
                 )
             elif s.prefill == "exact":
+                store = storage[pb]
                 tokens, cache = answer_from_prefilled(
-                    model, document_cache, question, context - q, s.new_tokens, alloc, scheme
+                    model,
+                    document_cache,
+                    question,
+                    context - q,
+                    s.new_tokens,
+                    alloc,
+                    store.scheme,
+                    store.fitted,
                 )
             else:
-                cache = QuantizedKVCache(model.config, alloc, scheme, prefill="quantized")
+                store = storage[pb]
+                cache = QuantizedKVCache(
+                    model.config, alloc, store.scheme, prefill="quantized", key_calibration=store.fitted
+                )
                 prefill(model, document, cache, s.chunk)
                 tokens = answer(model, cache, question, context - q, s.new_tokens)
             out.seconds[pb] += time.perf_counter() - t0
@@ -349,12 +461,14 @@ def _record(
     answers: _Answers,
     tokenizer,
     provenance,
+    storage: Storage | None = None,
 ) -> dict:
     """One point's record at (context, depth) `where`: its configuration and provenance, and its accuracy with
     every answer, or why it is infeasible."""
     s = job.settings
     context, depth = where
     config = dict(model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__)
+    config.update(storage.config if storage is not None else ())
     record = {"key": point_name(job.model, context, depth, *pb, s), "config": config, **provenance}
     if isinstance(alloc, str):
         return {**record, "status": "infeasible", "error": alloc}
@@ -388,24 +502,35 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
         return 0
     model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
     s = job.settings
-    builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos))
+    builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos), needles=s.needles)
     scheme = get_scheme(s.scheme, s.group_size)
     price = element_price(shape_from_config(model.config, job.model), scheme)
     entropy = calibration_entropy(model, tokenizer, job.model, s)
     allocs = allocations(entropy, job.policies, job.budgets, s.seed, s.budget_unit, price)
+    storage = {pb: Storage(scheme) for pb in allocs}
+    calib_ids = calibration_windows(tokenizer, s)
+    for f in (
+        job.files
+    ):  # each with the parts its scheme fits, on the same windows, for positions up to the longest
+        pb = (f.name, f.budget)
+        allocs[pb] = f.allocation
+        fitted = cached_fit(f.scheme, model, job.model, calib_ids, max(job.contexts), f.scheme.key_levels)
+        storage[pb] = Storage(f.scheme, fitted, (("scheme", f.scheme.label()), ("allocation_file", f.path)))
     written = 0
     with installed(model, PACKED):  # the quantized caches are attended from their packed form
         for context, depth in todo:
             pending = _pending(job, log, context, depth)
             prompts = [
-                builder.build(context, depth, trial_key(s.seed, job.model, context, depth, t))
+                builder.build(context, depth, trial_keys(s.seed, job.model, context, depth, t, s.needles))
                 for t in range(s.trials)
             ]
-            answers = _answer_all(model, job, prompts, pending, allocs, scheme)
+            answers = _answer_all(model, job, prompts, pending, allocs, storage)
             for pb in pending:
                 alloc = None if pb[0] == BASELINE else allocs[pb]
                 where = (context, depth)
-                record = _record(job, where, pb, alloc, prompts, answers, tokenizer, provenance or {})
+                record = _record(
+                    job, where, pb, alloc, prompts, answers, tokenizer, provenance or {}, storage.get(pb)
+                )
                 log.write(record["key"], record)
                 written += 1
             progress(
@@ -426,7 +551,14 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.3, 0.5, 0.7, 0.9])
     p.add_argument("--trials", type=int, default=20, help="trials per (context, depth)")
-    p.add_argument("--policies", nargs="+", default=["uniform", "entropy"], help="names from conf/policy")
+    p.add_argument("--policies", nargs="*", default=["uniform", "entropy"], help="names from conf/policy")
+    p.add_argument(
+        "--allocations",
+        nargs="*",
+        default=[],
+        help="allocation files (python -m harness.export), each a point",
+    )
+    p.add_argument("--needles", type=int, default=1, help="keys hidden per prompt, one asked for (multi-key)")
     p.add_argument("--budgets", type=float, nargs="+", default=[2, 3, 4])
     p.add_argument("--scheme", default="asym_token")
     p.add_argument("--group-size", type=int, default=32)
@@ -461,8 +593,11 @@ def jobs(args) -> list[Job]:
     settings = Settings(
         args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
         args.calibration_sequences, args.calibration_tokens, bos=args.bos, budget_unit=args.budget_unit,
-        dtype=precision.resolve(args.dtype, key="passkey.dtype"),
+        dtype=precision.resolve(args.dtype, key="passkey.dtype"), needles=args.needles,
     )  # fmt: skip
+    if not 1 <= args.needles <= len(BOXES):
+        raise ValueError(f"passkey.needles: {args.needles}; allowed: an integer in [1, {len(BOXES)}]")
+    files = tuple(allocation_file(path) for path in args.allocations)
     get_scheme(args.scheme, args.group_size)
     if args.batch < 1:
         raise ValueError(f"passkey.batch: {args.batch} is not a positive integer")
@@ -480,7 +615,9 @@ def jobs(args) -> list[Job]:
             raise ValueError(
                 f"passkey.contexts: {max(contexts)} exceeds {model}'s context_limit of {limit} tokens"
             )
-        out.append(Job(model, contexts, args.depths, args.policies, args.budgets, settings, args.batch))
+        out.append(
+            Job(model, contexts, args.depths, args.policies, args.budgets, settings, args.batch, files)
+        )
     return out
 
 

@@ -5,6 +5,8 @@
   FAIL_RATIO x the baseline's accuracy at the same context (contexts where the baseline itself scores 0 cannot
   trigger it); "-" when it never does within the contexts run.
 - Accuracy per depth x context of the baseline, and of each (policy, budget) at the longest context.
+- Against the unquantized cache: each (policy, budget)'s accuracy less the baseline's at each context, paired trial
+  by trial (the same prompts at every depth), with its percentile bootstrap 95% interval and n.
 `python -m harness.passkey --report-only --run NAME` rebuilds them.
 """
 
@@ -13,7 +15,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
+
+from harness.metrics import format_difference, paired_difference_ci
 
 BASELINE = "baseline"  # the unquantized cache's policy name in passkey records (harness/protocols/passkey.py)
 
@@ -37,6 +42,7 @@ def load_points(run_dir: str | Path) -> pd.DataFrame:
                 label=label(c["policy"], c["budget"]),
                 status=record["status"],
                 correct=sum(record["correct"]) if ok else 0,
+                answers_correct=record["correct"] if ok else [],  # by trial
                 trials=len(record["correct"]) if ok else 0,
                 mean_bits=record.get("mean_bits"),
                 compression_true=record.get("compression_true"),
@@ -65,6 +71,37 @@ def accuracy_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
     sums = ok.groupby(["label", "context"])[["correct", "trials"]].sum()
     table = (sums.correct / sums.trials).unstack("context")
     return table.reindex(_order(table.index))
+
+
+def paired_table(frame: pd.DataFrame, model: str, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """label x context: accuracy less the baseline's, paired by (depth, trial), with its bootstrap interval and n
+    (module docstring); '—' where the baseline or the point lacks a depth the other has."""
+    ok = frame[(frame.model == model) & (frame.status == "ok")]
+    base_label = label(BASELINE, 16)
+    cells: dict[str, dict[int, str]] = {}
+    for context, at in ok.groupby("context"):
+        base = at[at.label == base_label].set_index("depth").answers_correct
+        for name, rows in at[at.label != base_label].groupby("label"):
+            mine = rows.set_index("depth").answers_correct
+            if set(mine.index) != set(base.index) or any(len(mine[d]) != len(base[d]) for d in mine.index):
+                cells.setdefault(name, {})[int(context)] = "—"
+                continue
+            depths = sorted(mine.index)
+            a = np.concatenate([np.asarray(mine[d], dtype=float) for d in depths])  # (n,) by (depth, trial)
+            b = np.concatenate([np.asarray(base[d], dtype=float) for d in depths])
+            diff = float(a.mean() - b.mean())
+            low, high = paired_difference_ci(
+                lambda idx, a=a: float(a[idx].mean()),
+                lambda idx, b=b: float(b[idx].mean()),
+                len(a),
+                n_boot,
+                seed,
+            )
+            cells.setdefault(name, {})[int(context)] = format_difference(
+                diff, low, high, low > 0 or high < 0, len(a)
+            )
+    table = pd.DataFrame(cells).T
+    return table.reindex(_order(table.index)) if len(table) else table
 
 
 def fail_contexts(accuracy: pd.DataFrame, ratio: float = FAIL_RATIO) -> dict[str, int | None]:
@@ -124,6 +161,14 @@ def tables_markdown(run_dir: Path, frame: pd.DataFrame) -> str:
         fails = fail_contexts(accuracy)
         fail = pd.DataFrame({"fails at context": {k: "-" if v is None else v for k, v in fails.items()}})
         out += ["### Failure context", "", _markdown(fail, "policy"), ""]
+        paired = paired_table(frame, model)
+        if len(paired):
+            out += [
+                "### Accuracy less the unquantized cache's, paired by trial (bold: the interval excludes 0)",
+                "",
+                _markdown(paired, "policy"),
+                "",
+            ]
         infeasible = frame[(frame.model == model) & (frame.status == "infeasible")].label.unique()
         if len(infeasible):
             out += [f"Infeasible (budget cannot pay for the sinks): {', '.join(sorted(infeasible))}", ""]

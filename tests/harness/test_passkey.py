@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -189,3 +190,137 @@ def test_report_reads_points(tmp_path):
 
     assert [p.name for p in write_report(tmp_path)] == ["tables.md", "passkey.png"]
     assert "| uniform @ 2 bits | 2048 |" in (tmp_path / "tables.md").read_text()
+
+
+def test_one_needle_prompts_are_the_ones_runs_have_always_read(tiny):
+    """The multi-key builder leaves single-needle prompts (and so every committed run's names and answers) as
+    they were: head, filler, needle, filler restarted, question."""
+    builder = passkey.PromptBuilder(tiny["tiny-llama"][1])
+    for context, depth in ((301, 0.3), (640, 0.85)):
+        key = passkey.trial_key(0, "m", context, depth, 1)
+        assert passkey.trial_keys(0, "m", context, depth, 1, 1) == [key]
+        needle = builder.encode(passkey.NEEDLE.format(key=key))
+        n_filler = context - len(builder.head) - len(needle) - len(builder.question)
+        before = round(depth * n_filler)
+        expected = builder.head + builder._filler(before) + needle + builder._filler(n_filler - before)
+        assert builder.build(context, depth, key).ids.tolist() == expected + builder.question
+
+
+@pytest.mark.parametrize(
+    "needles,context,depth", [(2, 400, 0.0), (3, 517, 0.4), (4, 777, 1.0), (3, 600, 0.9)]
+)
+def test_a_multi_key_prompt_hides_every_key_and_asks_for_the_first_box(tiny, needles, context, depth):
+    tokenizer = tiny["tiny-llama"][1]
+    builder = passkey.PromptBuilder(tokenizer, needles=needles)
+    keys = passkey.trial_keys(5, "m", context, depth, 2, needles)
+    assert len(set(keys)) == needles and all(len(k) == 5 for k in keys)
+    prompt = builder.build(context, depth, keys)
+    assert prompt.ids.shape == (context,) and prompt.key == keys[0]
+    asked = builder.encode(passkey.BOX_NEEDLE.format(box=passkey.BOXES[0], key=keys[0]))
+    assert prompt.ids[prompt.needle_start : prompt.needle_start + len(asked)].tolist() == asked
+    text = tokenizer.decode(prompt.ids.tolist())
+    assert all(text.count(k) == 2 for k in keys)
+    assert text.endswith(passkey.BOX_QUESTION.format(box="red")) and text.count("of the red box") == 4
+    # the asked needle after round(depth * filler) filler tokens and the needles the others' depths put first
+    needle_tokens = [
+        len(builder.encode(passkey.BOX_NEEDLE.format(box=passkey.BOXES[j], key=k)))
+        for j, k in enumerate(keys)
+    ]
+    n_filler = context - len(builder.head) - sum(needle_tokens) - len(builder.question)
+    others = [(depth + j / needles) % 1 for j in range(1, needles)]
+    ahead = sum(
+        n
+        for j, n in enumerate(needle_tokens[1:], 1)
+        if round(others[j - 1] * n_filler) < round(depth * n_filler)
+    )
+    assert prompt.needle_start == len(builder.head) + round(depth * n_filler) + ahead
+
+
+def test_a_multi_key_option_out_of_range_is_refused(tmp_path):
+    for needles in (0, 9):
+        with pytest.raises(ValueError, match="^passkey.needles: "):
+            passkey.jobs(_file_args("r", tmp_path, needles=needles))
+
+
+def _file_args(run: str, root, *files: str, needles: int = 1):
+    return passkey.parser().parse_args(
+        [
+            "--models", "tiny-llama", "--contexts", "480", "--depths", "0.5", "--trials", "2", "--batch", "2",
+            "--policies", "--calibration-sequences", "2", "--calibration-tokens", "48", "--root", str(root),
+            "--run", run, "--needles", str(needles), "--allocations", *files,
+        ]
+    )  # fmt: skip
+
+
+def test_allocation_files_are_points_with_their_own_scheme(tiny, tmp_path, monkeypatch):
+    """A 16-bit allocation file answers as the unquantized cache does; a pca file (fitted parts and all) runs
+    beside it, its record naming its scheme and file; a changed file is another point."""
+    import harness
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "calibration"))
+    model, _ = tiny["tiny-llama"]
+    text = model.config.get_text_config(decoder=True)
+    shape = (text.num_hidden_layers, text.num_key_value_heads)
+    sixteen = harness.policies.Allocation.per_head(
+        torch.full(shape, 16), torch.zeros(shape, dtype=torch.bool), torch.full(shape, 16.0), "uniform"
+    )
+    pca = harness.policies.Allocation.per_head(
+        torch.full(shape, 3), torch.zeros(shape, dtype=torch.bool), torch.full(shape, 3.0), "uniform"
+    )
+    files = [
+        str(harness.save_allocation(tmp_path / "full.json", sixteen, "asym_token")),
+        str(harness.save_allocation(tmp_path / "pca3.json", pca, harness.make_scheme("pca", sink_tokens=1))),
+    ]
+    run_dir = tmp_path / "runs" / "f"
+    (job,) = passkey.jobs(_file_args("f", tmp_path / "runs", *files, needles=2))
+    assert passkey.run_model(job, run_dir, progress=lambda _: None) == 3  # baseline and the two files
+    records = {
+        r["config"]["policy"].split("-")[0]: r
+        for r in map(json.loads, map(Path.read_text, sorted((run_dir / "points").glob("*.json"))))
+    }
+    assert set(records) == {"baseline", "full", "pca3"} and all(r["status"] == "ok" for r in records.values())
+    assert records["full"]["answers"] == records["baseline"]["answers"]
+    assert records["full"]["compression_true"] == 1.0 and records["pca3"]["compression_true"] > 3
+    assert (
+        records["pca3"]["config"]["scheme"].startswith("pca")
+        and records["pca3"]["config"]["allocation_file"] == files[1]
+    )
+    assert records["pca3"]["config"]["needles"] == 2 and records["pca3"]["mean_bits"] == 3.0
+    assert passkey.run_model(job, run_dir, progress=lambda _: None) == 0  # resumed: nothing left
+    harness.save_allocation(tmp_path / "pca3.json", pca, harness.make_scheme("pca", sink_tokens=0))
+    (changed,) = passkey.jobs(_file_args("f", tmp_path / "runs", *files, needles=2))
+    assert changed.files[1].name != job.files[1].name  # the file's bytes are part of its points' names
+
+
+def test_an_unreadable_allocation_file_is_a_one_line_error(tmp_path):
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"^passkey.allocations: .*bad.json"):
+        passkey.jobs(_file_args("r", tmp_path, str(tmp_path / "bad.json")))
+
+
+def test_the_report_pairs_each_point_with_the_baseline_trial_by_trial(tmp_path):
+    """Two depths of 10 trials: the baseline right on all 20, one point wrong on 6 (bold: its interval excludes
+    0), another right where the baseline is: +0 with a degenerate interval; a point missing a depth gets '—'."""
+    points = tmp_path / "points"
+    points.mkdir()
+    answers = {"baseline": [[True] * 10, [True] * 10], "uniform": [[True] * 7 + [False] * 3] * 2,
+               "entropy": [[True] * 10, [True] * 10], "kv": [[True] * 10]}  # fmt: skip
+    for policy, by_depth in answers.items():
+        for depth, correct in zip((0.25, 0.75), by_depth):
+            config = {
+                "model": "m",
+                "context": 2048,
+                "depth": depth,
+                "policy": policy,
+                "budget": 16 if policy == "baseline" else 3,
+            }
+            (points / f"{policy}{depth}.json").write_text(
+                json.dumps({"status": "ok", "config": config, "correct": correct})
+            )
+    from harness.report.passkey import paired_table
+
+    table = paired_table(load_points(tmp_path), "m", n_boot=200)
+    assert table.loc["uniform @ 3 bits", 2048].startswith("**-0.3 [") and table.loc[
+        "uniform @ 3 bits", 2048
+    ].endswith("n=20**")
+    assert table.loc["entropy @ 3 bits", 2048] == "+0 [+0, +0] n=20" and table.loc["kv @ 3 bits", 2048] == "—"
