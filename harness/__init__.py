@@ -2,7 +2,7 @@
 
 The library surface (harness/api.py, harness/allocation_file.py, harness/cache/graphed.py), importable from
 here: `load`, `calibration`, `make_policy`, `make_scheme`, `allocate`, `quantized_cache`, `packed_attention`,
-`graphed_decoding`, `save_allocation`, `load_allocation`, and the objects they hand out (`Allocation`,
+`graphed_decoding`, `save_allocation`, `load_allocation`, `advise` (harness/protocols/advise.py), and the objects they hand out (`Allocation`,
 `Calibration`, `Policy`, `QuantizedKVCache`, `Scheme`). They are imported on first use,
 so `python -m harness` and the submodules start without them.
 """
@@ -18,6 +18,7 @@ _EXPORTS = {
     "QuantizedKVCache": "harness.cache",
     "Scheme": "harness.schemes",
     "UnpackedReadWarning": "harness.cache",
+    "advise": "harness.protocols.advise",
     "allocate": "harness.api",
     "calibration": "harness.api",
     "graphed_decoding": "harness.cache.graphed",
