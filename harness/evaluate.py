@@ -13,10 +13,14 @@ runs differ for reasons other than the cache.
 from __future__ import annotations
 
 import copy
+import os
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 
@@ -173,6 +177,20 @@ def decode(
     return torch.cat(outputs)
 
 
+def disk_tensor(shape: tuple[int, ...], directory: str | Path) -> torch.Tensor:
+    """A float16 tensor of `shape` backed by a file in `directory` that is unlinked at once: its pages live on disk,
+    not in memory, and the space is freed when the tensor is (a baseline's log-probs at long context: 16 windows
+    scored over 4096 positions of a 262,144-token vocabulary are 34 GB)."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=directory, suffix=".f16", delete=False) as f:
+        path = f.name
+    try:
+        array = np.memmap(path, dtype=np.float16, mode="w+", shape=shape)
+    finally:
+        os.unlink(path)  # the mapping keeps the file's pages until it is dropped
+    return torch.from_numpy(array)
+
+
 def _kl(base_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     """KL(p_base || p) (...) in nats from log-probs (..., V); both rounded to the baseline's storage dtype.
 
@@ -198,6 +216,7 @@ def teacher_forced(
     logprobs_dtype: torch.dtype = torch.float16,
     clock: dict | None = None,
     score_from: int = 0,
+    logprobs_dir: str | Path | None = None,
 ) -> TeacherForced:
     """Score sequences (S, T) int64 teacher-forced, fed in chunks of `chunk` tokens through a fresh cache per batch.
 
@@ -210,7 +229,14 @@ def teacher_forced(
     (every target, tokens 1..T-1, at 0 or 1), and its arrays hold those targets alone, (S, T - max(score_from, 1)).
     The context is fed through the same cache in the same chunks, without its logits (chunks wholly in it compute
     only their last position's), so the scored positions' figures equal those of a run scoring every target.
+
+    logprobs_dir: a baseline run keeps its log-probs (float16 only) in an unlinked file there (disk_tensor), not in
+    memory.
     """
+    if logprobs_dir is not None and logprobs_dtype != torch.float16:
+        raise ValueError(
+            "logprobs_dir: log-probs kept on disk are float16; pass logprobs_dtype=torch.float16"
+        )
     _check_eval(model)
     if baseline is not None and baseline.logprobs is None:
         raise ValueError("baseline must be a run made without a baseline (one that kept its log-probs)")
@@ -243,7 +269,11 @@ def teacher_forced(
             t = _add_time(clock, "forward_s", t)
             B, L, V = logits.shape
             if baseline is None and logprobs is None:
-                logprobs = torch.empty(n_seq, n_pos, V, dtype=logprobs_dtype)
+                shape = (n_seq, n_pos, V)
+                if logprobs_dir is None:
+                    logprobs = torch.empty(shape, dtype=logprobs_dtype)
+                else:
+                    logprobs = disk_tensor(shape, logprobs_dir)
             # The metrics go a few positions at a time, so that their float32 temporaries stay near
             # SCORE_ELEMENTS (B x L x V each would be GBs at V = 262k); every position is scored alike.
             step = max(1, SCORE_ELEMENTS // (B * V))

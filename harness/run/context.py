@@ -21,9 +21,13 @@ from harness.cache.eviction import EvictionSpec
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, shape_from_config
 from harness.config import CALIBRATION_FIELDS, EVAL_FIELDS, Point
-from harness.io import write_parquet_atomic
+from harness.io import cache_root, write_parquet_atomic
 from harness.models import load_model
 from harness.schemes import FittedParts, Scheme
+
+# The baseline's teacher-forced log-probs above this many bytes live in an unlinked file under the disk cache's
+# baselines/ (harness.evaluate.disk_tensor) instead of memory: gemma3-270m's at 16 x 4096 scored positions are 34 GB.
+LOGPROBS_IN_MEMORY = 8 << 30
 
 
 class TableKey(NamedTuple):
@@ -111,6 +115,9 @@ def build_context(
     t = time.perf_counter()
     prefilled = evaluate.prefill(model, prompts, batch_size=batch_size)
     base_tokens = evaluate.decode(model, prefilled, point.new_tokens, cache_from_prefilled=None)
+    scored = sequences.shape[0] * (sequences.shape[1] - max(point.score_from, 1))
+    vocabulary = model.config.get_text_config(decoder=True).vocab_size
+    on_disk = scored * vocabulary * 2 > LOGPROBS_IN_MEMORY  # float16 log-probs
     base_tf = evaluate.teacher_forced(
         model,
         sequences,
@@ -118,6 +125,7 @@ def build_context(
         chunk=point.chunk,
         batch_size=batch_size,
         score_from=point.score_from,
+        logprobs_dir=cache_root() / "baselines" if on_disk else None,
     )
     timings["baseline_s"] = time.perf_counter() - t
     entropy_path = Path(run_dir) / f"entropy-{point.model}.parquet"

@@ -198,10 +198,30 @@ def test_teacher_forced_scores_from_a_position_as_the_tail_of_a_whole_run(
     assert torch.equal(noisy.kl, whole.kl[:, tail]) and noisy.kl.abs().sum() > 0
     if score_from > 1:  # a baseline scored from elsewhere (1 scores every target, as 0 does)
         with pytest.raises(ValueError, match="different sequences"):
-            teacher_forced(model, sequences, DynamicCache, chunk=5, baseline=whole_base, score_from=score_from)
+            teacher_forced(
+                model, sequences, DynamicCache, chunk=5, baseline=whole_base, score_from=score_from
+            )
 
 
 def test_teacher_forced_refuses_a_score_start_outside_the_sequences(model: LlamaForCausalLM) -> None:
     for start in (-1, 9):
         with pytest.raises(ValueError, match="score_from"):
             teacher_forced(model, random_tokens(2, 9, seed=4), DynamicCache, chunk=4, score_from=start)
+
+
+def test_a_baseline_kept_on_disk_scores_as_one_in_memory(model: LlamaForCausalLM, tmp_path) -> None:
+    """logprobs_dir keeps the baseline's log-probs in an unlinked file (nothing left in the folder), bit for bit the
+    in-memory ones, and a run against it gets the same KL."""
+    sequences = random_tokens(3, 23, seed=7)
+    memory = teacher_forced(model, sequences, DynamicCache, chunk=5, score_from=6)
+    disk = teacher_forced(model, sequences, DynamicCache, chunk=5, score_from=6, logprobs_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == [] and torch.equal(disk.logprobs, memory.logprobs)
+    noisy = [
+        teacher_forced(model, sequences, lambda: NoisyCache(0.1), chunk=5, baseline=b, score_from=6)
+        for b in (memory, disk)
+    ]
+    assert torch.equal(noisy[0].kl, noisy[1].kl) and noisy[0].kl.abs().sum() > 0
+    with pytest.raises(ValueError, match="logprobs_dir"):
+        teacher_forced(
+            model, sequences, DynamicCache, chunk=5, logprobs_dir=tmp_path, logprobs_dtype=torch.float32
+        )
