@@ -17,10 +17,12 @@ FUSED = tuple(f for f in protocol.FAMILIES if f.fused)
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    import os
-
-    os.environ["KVBITS_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    return harness.load("tiny-llama")
+    """tiny-llama, its disk caches in a folder of this module's, the bisection at 4 halvings (seconds, not minutes)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("KVBITS_CACHE", str(tmp_path_factory.mktemp("cache")))
+    patch.setattr(protocol, "BISECTION_STEPS", 4)
+    yield harness.load("tiny-llama")
+    patch.undo()
 
 
 @pytest.fixture(scope="module")
