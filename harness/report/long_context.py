@@ -3,10 +3,11 @@ the model's whole context. `python -m harness.report.long_context RUN_DIR` write
 
 This module owns one table per model and text, read from a run's point records alone (conf/sweep/frontier_long.yaml
 makes such a run): every configuration measured at more than one window length (eval.sequence_tokens, with
-eval.score_from: the tokens its metrics cover) gets a row with its true compression, its ppl_ratio and kl_mean
-at each length (95% bootstrap intervals over that length's sequences, n printed) and its move from the shortest
-length to each longer one, with an interval of the difference (the lengths' windows differ, so the two are
-resampled independently: an unpaired interval). The unquantized baseline's perplexity at each length heads the
+eval.score_from: the tokens its metrics cover) gets a row with its true compression (also counted for one
+sequence of the longest length, every fitted table in full: frontier.one_sequence_compression), its ppl_ratio and
+kl_mean at each length (95% bootstrap intervals over that length's sequences, n printed) and its move from the
+shortest length to each longer one, with an interval of the difference (the lengths' windows differ, so the two
+are resampled independently: an unpaired interval). The unquantized baseline's perplexity at each length heads the
 table. Then the goal (DESIGN.md §8): the best points at 3.5x and 4.5x within +LONG_GOAL of their short ppl_ratio.
 """
 
@@ -21,7 +22,16 @@ import pandas as pd
 
 from harness import results
 from harness.metrics import MIN_PAIRED_UNITS
-from harness.report.frontier import METRICS, best_at, interval, name, on_text, quantized_records, texts
+from harness.report.frontier import (
+    METRICS,
+    best_at,
+    interval,
+    name,
+    on_text,
+    one_sequence_compression,
+    quantized_records,
+    texts,
+)
 from harness.report.paired import default_n_boot, teacher_forced_statistics
 from harness.report.sweep import provenance
 from harness.report.tables import markdown_table
@@ -95,6 +105,7 @@ def long_context_table(records: list[dict], model: str, n_boot: int, seed: int =
         row = {
             "point": name(short["config"]),
             "true compression": f"{short['metrics']['compression_true']:.2f}x",
+            f"at 1 x {max(lengths)[0]}": f"{one_sequence_compression(short, max(lengths)[0]):.2f}x",
         }
         for length in lengths:
             for metric in METRICS:
