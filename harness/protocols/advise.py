@@ -127,10 +127,8 @@ class Steps:
         self.computed = 0  # steps measured by this process (a resumed run reads the others)
 
     def get(self, kind: str, what: dict, compute: Callable[[], dict]) -> dict:
-        key = hashlib.sha256(json.dumps([self.identity, kind, what], sort_keys=True).encode()).hexdigest()[
-            :16
-        ]
-        path = self.dir / f"{kind}-{key}.json"
+        text = json.dumps([self.identity, kind, what], sort_keys=True)
+        path = self.dir / f"{kind}-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
         if path.exists():
             return json.loads(path.read_text())["result"]
         result = compute()
@@ -145,7 +143,6 @@ class Searcher:
     """One model's search (module docstring): its calibration, held-out windows, baselines and step files."""
 
     model: object
-    model_name: str
     calibration: Calibration
     sequences: torch.Tensor  # (n, T) held-out windows
     target: Target
@@ -207,7 +204,7 @@ class Searcher:
                     "kl_mean": tfm["kl_mean"]}  # fmt: skip
 
         self.progress(f"proxy: {family.name} at {budget:g} bits")
-        got = self.steps.get("proxy", {"family": family.name, "budget": budget}, measure)
+        got = self.steps.get("proxy", {"family": asdict(family), "budget": budget}, measure)
         proxy = {k: got[k] for k in ("ppl_ratio", "kl_mean")}
         return Candidate(family.name, budget, got["compression"], proxy)
 
@@ -229,7 +226,9 @@ class Searcher:
         self.progress(
             f"confirm: {family.name} at {point.budget:g} bits on {len(self.sequences)} held-out windows"
         )
-        point.confirmed = self.steps.get("confirm", {"family": family.name, "budget": point.budget}, measure)
+        point.confirmed = self.steps.get(
+            "confirm", {"family": asdict(family), "budget": point.budget}, measure
+        )
         return point
 
     def meets(self, point: Candidate) -> bool:
@@ -367,7 +366,7 @@ def advise(
         calibration = Calibration(model_name, ids, cached_head_entropies(model, model_name, ids, i0=32))
     identity = {"model": calibration.name, "target": asdict(target), "sequences": sequences, "tokens": tokens}
     searcher = Searcher(
-        model, calibration.name, calibration, held_out_windows(tokenizer, sequences, tokens), target,
+        model, calibration, held_out_windows(tokenizer, sequences, tokens), target,
         Steps(run_dir, identity), progress,
     )  # fmt: skip
     by_name = {f.name: f for f in chosen_families}
