@@ -82,12 +82,17 @@ class PasskeyPrompt:
     question_tokens: int  # the last question_tokens ids are the question
 
 
+def check_needles(needles) -> None:
+    """ValueError naming passkey.needles unless it is a count of needles the prompts can name (one box each)."""
+    if isinstance(needles, bool) or not isinstance(needles, int) or not 1 <= needles <= len(BOXES):
+        raise ValueError(f"passkey.needles: {needles!r}; allowed: an integer in [1, {len(BOXES)}]")
+
+
 class PromptBuilder:
     """Passkey prompts of an exact token length for one tokenizer (the fixed pieces are tokenized once)."""
 
     def __init__(self, tokenizer, bos: bool = False, needles: int = 1):
-        if isinstance(needles, bool) or not isinstance(needles, int) or not 1 <= needles <= len(BOXES):
-            raise ValueError(f"passkey.needles: {needles!r}; allowed: an integer in [1, {len(BOXES)}]")
+        check_needles(needles)
         self.tokenizer = tokenizer
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         self.encode = encode
@@ -267,11 +272,11 @@ class Settings:
             "chunk",
             "calibration_sequences",
             "calibration_tokens",
-            "needles",
         ):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
+        check_needles(self.needles)
 
     def digest(self) -> str:
         """A hash of the settings; a float32 dtype and a single needle are left out, so points made before they
@@ -595,8 +600,6 @@ def jobs(args) -> list[Job]:
         args.calibration_sequences, args.calibration_tokens, bos=args.bos, budget_unit=args.budget_unit,
         dtype=precision.resolve(args.dtype, key="passkey.dtype"), needles=args.needles,
     )  # fmt: skip
-    if not 1 <= args.needles <= len(BOXES):
-        raise ValueError(f"passkey.needles: {args.needles}; allowed: an integer in [1, {len(BOXES)}]")
     files = tuple(allocation_file(path) for path in args.allocations)
     get_scheme(args.scheme, args.group_size)
     if args.batch < 1:

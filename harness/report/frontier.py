@@ -619,16 +619,19 @@ def write_frontier(run_dir: str | Path, n_boot: int | None = None, seed: int = 0
     return path
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.report.frontier", description=__doc__.split("\n")[0]
-    )
+def page_command(argv: list[str] | None, program: str, doc: str, write) -> None:
+    """A run page's command: RUN_DIR and --n-boot from argv, then write(run_dir, n_boot) (its path printed)."""
+    parser = argparse.ArgumentParser(prog=program, description=doc.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (default: the run's)")
     args = parser.parse_args(argv)
     if not (args.run_dir / "points").is_dir():
         parser.error(f"run_dir: {args.run_dir} has no points/ folder")
-    print(write_frontier(args.run_dir, args.n_boot))
+    print(write(args.run_dir, args.n_boot))
+
+
+def main(argv: list[str] | None = None) -> None:
+    page_command(argv, "python -m harness.report.frontier", __doc__, write_frontier)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ table. Then the goal (DESIGN.md §8): the best points at 3.5x and 4.5x within +L
 
 from __future__ import annotations
 
-import argparse
 import math
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from harness.report.frontier import (
     name,
     on_text,
     one_sequence_compression,
+    page_command,
     quantized_records,
     texts,
 )
@@ -192,15 +192,7 @@ def write_long_context(run_dir: str | Path, n_boot: int | None = None, seed: int
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m harness.report.long_context", description=__doc__.split("\n")[0]
-    )
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--n-boot", type=int, default=None, help="bootstrap resamples (default: the run's)")
-    args = parser.parse_args(argv)
-    if not (args.run_dir / "points").is_dir():
-        parser.error(f"run_dir: {args.run_dir} has no points/ folder")
-    print(write_long_context(args.run_dir, args.n_boot))
+    page_command(argv, "python -m harness.report.long_context", __doc__, write_long_context)
 
 
 if __name__ == "__main__":
