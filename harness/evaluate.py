@@ -205,6 +205,21 @@ def _kl(base_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     return terms.sum(dim=-1)
 
 
+def _check_teacher_forced(model, sequences, baseline, logprobs_dtype, score_from, logprobs_dir) -> None:
+    """ValueError (one line) for teacher_forced's arguments that cannot go together."""
+    if logprobs_dir is not None and logprobs_dtype != torch.float16:
+        raise ValueError(
+            "logprobs_dir: log-probs kept on disk are float16; pass logprobs_dtype=torch.float16"
+        )
+    _check_eval(model)
+    if baseline is not None and baseline.logprobs is None:
+        raise ValueError("baseline must be a run made without a baseline (one that kept its log-probs)")
+    if not 0 <= score_from < sequences.shape[1]:
+        raise ValueError(
+            f"score_from: {score_from} must lie in [0, {sequences.shape[1]}) for {sequences.shape[1]} tokens"
+        )
+
+
 @torch.no_grad()
 def teacher_forced(
     model: transformers.PreTrainedModel,
@@ -233,18 +248,8 @@ def teacher_forced(
     logprobs_dir: a baseline run keeps its log-probs (float16 only) in an unlinked file there (disk_tensor), not in
     memory.
     """
-    if logprobs_dir is not None and logprobs_dtype != torch.float16:
-        raise ValueError(
-            "logprobs_dir: log-probs kept on disk are float16; pass logprobs_dtype=torch.float16"
-        )
-    _check_eval(model)
-    if baseline is not None and baseline.logprobs is None:
-        raise ValueError("baseline must be a run made without a baseline (one that kept its log-probs)")
+    _check_teacher_forced(model, sequences, baseline, logprobs_dtype, score_from, logprobs_dir)
     sequences = sequences.cpu()
-    if not 0 <= score_from < sequences.shape[1]:
-        raise ValueError(
-            f"score_from: {score_from} must lie in [0, {sequences.shape[1]}) for {sequences.shape[1]} tokens"
-        )
     skip = max(score_from, 1) - 1  # fed positions whose predictions are not scored
     targets = sequences[:, skip + 1 :]  # (S, T-1-skip): the scored targets
     if baseline is not None and not torch.equal(baseline.targets, targets):

@@ -313,6 +313,36 @@ def choose(target: Target, confirmed: list[Candidate]) -> tuple[Candidate | None
     return best, best, not confirmed_meets(target, best)[1]
 
 
+def _target(ppl_ratio, kl_mean, compression, context: int, backend: str) -> Target:
+    """The one target given; ValueError (one line) unless exactly one is."""
+    given = {
+        k: v
+        for k, v in (("ppl_ratio", ppl_ratio), ("kl_mean", kl_mean), ("compression", compression))
+        if v is not None
+    }
+    if len(given) != 1:
+        raise ValueError(f"target: give exactly one of ppl_ratio, kl_mean, compression; got {len(given)}")
+    ((metric, value),) = given.items()
+    return Target(metric, value, context, backend)
+
+
+def _confirm_around(searcher: Searcher, family: Family, proxy_best: float, target: Target) -> list:
+    """The family's held-out confirmations: the proxy's choice and its neighbours a STEP either side, then, for a
+    quality target the proxy promised but the held-out windows deny, a step up at a time (up to MAX_STEPS_UP)."""
+    low, high = family.budgets
+    budgets = [b for b in (proxy_best - STEP, proxy_best, proxy_best + STEP) if low <= b <= high]
+    confirmed = []
+    while budgets:
+        point = searcher.confirm(family, searcher.candidate(family, budgets.pop(0)))
+        confirmed.append(point)
+        up = round(point.budget + STEP, 4)
+        climbing = target.metric != "compression" and not budgets and up <= high
+        if climbing and not any(confirmed_meets(target, p)[0] for p in confirmed):
+            if up < proxy_best + STEP * (MAX_STEPS_UP + 1.5):
+                budgets.append(up)
+    return confirmed
+
+
 def advise(
     model,
     tokenizer,
@@ -338,15 +368,7 @@ def advise(
     model_name: the name its calibration measurements are cached under (a registry name shares a sweep's cached
     tables; None: the model's type and a digest of its weights, as harness.calibration names it). The confirmation
     reads `sequences` held-out windows of `tokens` tokens (the frontier's n = 16 x 1024 by default)."""
-    given = {
-        k: v
-        for k, v in (("ppl_ratio", ppl_ratio), ("kl_mean", kl_mean), ("compression", compression))
-        if v is not None
-    }
-    if len(given) != 1:
-        raise ValueError(f"target: give exactly one of ppl_ratio, kl_mean, compression; got {len(given)}")
-    ((metric, value),) = given.items()
-    target = Target(metric, value, context, backend)
+    target = _target(ppl_ratio, kl_mean, compression, context, backend)
     chosen_families = target.families(families)
     if not chosen_families:
         raise ValueError(f"target.backend: {target.backend} leaves no family; allowed: {', '.join(BACKENDS)}")
@@ -374,19 +396,7 @@ def advise(
     for family in chosen_families:
         best, tried = searcher.search(family)
         proxies += tried
-        low, high = family.budgets
-        budgets = [b for b in (best.budget - STEP, best.budget, best.budget + STEP) if low <= b <= high]
-        while budgets:
-            point = searcher.confirm(family, searcher.candidate(family, budgets.pop(0)))
-            confirmed.append(point)
-            # a quality target the proxy promised but the held-out windows deny: a step up, up to MAX_STEPS_UP
-            up = round(point.budget + STEP, 4)
-            climbing = target.metric != "compression" and not budgets and up <= high
-            if climbing and not any(
-                confirmed_meets(target, p)[0] for p in confirmed if p.family == family.name
-            ):
-                if up < best.budget + STEP * (MAX_STEPS_UP + 1.5):
-                    budgets.append(up)
+        confirmed += _confirm_around(searcher, family, best.budget, target)
     chosen, closest, within = choose(target, confirmed)
     advice = Advice(target, chosen, closest, within, confirmed, proxies)
     if chosen is not None:

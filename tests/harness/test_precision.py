@@ -1,6 +1,5 @@
 """model.dtype: native bf16 detection, `auto`, validation, and the dtype in point keys, rows and passkey names."""
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -132,12 +131,13 @@ def test_rows_of_records_without_a_dtype_say_float32():
 
 
 def test_passkey_settings_name_float32_points_as_before():
+    """The committed passkey runs were made at the default settings before dtype and needles were recorded: the
+    default Settings still give their points' names; a bfloat16 or multi-key run is named apart."""
     plain = Settings()
-    assert plain.dtype == "float32"
-    fields = {k: v for k, v in plain.__dict__.items() if k != "dtype"}
-    before = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
-    assert plain.digest() == before
-    assert Settings(dtype="bfloat16").digest() != before
+    assert plain.dtype == "float32" and plain.needles == 1
+    committed = {p.stem.rsplit("__", 1)[1] for p in ROOT.glob("results/passkey/*/points/*.json")}
+    assert committed == {plain.digest()}
+    assert len({plain.digest(), Settings(dtype="bfloat16").digest(), Settings(needles=2).digest()}) == 3
     with pytest.raises(ValueError, match="passkey.dtype: unknown 'auto'"):
         Settings(dtype="auto")  # the command line resolves auto before building settings
 
