@@ -12,12 +12,12 @@ This module owns the search:
 - the proxy (`proxy`): ppl_ratio and kl_mean teacher-forced on the calibration windows through the cache: a
   bisection on the budget finds each family's smallest budget whose proxy meets a quality target, or the budget
   whose compression meets a size;
-- the confirmation: each family's chosen point and its neighbours a step above and below, through the frontier's
-  evaluation on held-out windows (n sequences of the evaluation split, never the calibration's), with bootstrap
-  intervals, and for a quality target none of them meets (the proxy, measured on the windows the tables were
-  fitted on, can be optimistic) further steps up, at most MAX_STEPS_UP; the answer is the most compressed confirmed point meeting the target (a size: the lowest ppl_ratio at
-  no less compression), said to meet it only within its interval where the interval's far end does not, and a
-  target no point meets is answered with the closest point.
+- the confirmation: each family's chosen point through the frontier's evaluation on held-out windows (n sequences of
+  the evaluation split, never the calibration's), with bootstrap intervals; for a quality target, met, a step below
+  it too, missed (the proxy, measured on the windows the tables were fitted on, can be optimistic), steps up until
+  one meets it, at most MAX_STEPS_UP; for a size, a step either side; the answer is the most compressed confirmed
+  point meeting the target (a size: the lowest ppl_ratio at no less compression), said to meet it only within its
+  interval where the interval's far end does not, and a target no point meets is answered with the closest point.
 Every measurement is one step file in the run directory, written when done: a rerun reads what is there (resumable).
 The page and the allocation file are harness/report/advise.py's.
 """
@@ -327,19 +327,27 @@ def _target(ppl_ratio, kl_mean, compression, context: int, backend: str) -> Targ
 
 
 def _confirm_around(searcher: Searcher, family: Family, proxy_best: float, target: Target) -> list:
-    """The family's held-out confirmations: the proxy's choice and its neighbours a STEP either side, then, for a
-    quality target the proxy promised but the held-out windows deny, a step up at a time (up to MAX_STEPS_UP)."""
+    """The family's held-out confirmations. A size: the proxy's choice and its neighbours a STEP either side. A
+    quality: the proxy's choice first; met, a STEP below it too (the proxy may be cautious); missed (the proxy is
+    measured on the windows its tables were fitted on, so it can promise too much), a STEP up at a time until one
+    meets it, at most MAX_STEPS_UP, without confirming a budget below a missed one (quality grows with the budget)."""
     low, high = family.budgets
-    budgets = [b for b in (proxy_best - STEP, proxy_best, proxy_best + STEP) if low <= b <= high]
-    confirmed = []
-    while budgets:
-        point = searcher.confirm(family, searcher.candidate(family, budgets.pop(0)))
-        confirmed.append(point)
-        up = round(point.budget + STEP, 4)
-        climbing = target.metric != "compression" and not budgets and up <= high
-        if climbing and not any(confirmed_meets(target, p)[0] for p in confirmed):
-            if up < proxy_best + STEP * (MAX_STEPS_UP + 1.5):
-                budgets.append(up)
+    if target.metric == "compression":
+        budgets = [b for b in (proxy_best - STEP, proxy_best, proxy_best + STEP) if low <= b <= high]
+        return [searcher.confirm(family, searcher.candidate(family, b)) for b in budgets]
+    confirmed = [searcher.confirm(family, searcher.candidate(family, proxy_best))]
+    if confirmed_meets(target, confirmed[0])[0]:
+        below = round(proxy_best - STEP, 4)
+        if below >= low:
+            confirmed.append(searcher.confirm(family, searcher.candidate(family, below)))
+        return confirmed
+    for steps_up in range(1, MAX_STEPS_UP + 1):
+        up = round(proxy_best + STEP * steps_up, 4)
+        if up > high:
+            break
+        confirmed.append(searcher.confirm(family, searcher.candidate(family, up)))
+        if confirmed_meets(target, confirmed[-1])[0]:
+            break
     return confirmed
 
 

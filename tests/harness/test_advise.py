@@ -158,3 +158,42 @@ def test_the_triton_backend_searches_only_what_the_fused_kernel_decodes():
     target = protocol.Target("ppl_ratio", 1.02, backend="triton")
     assert target.families() == FUSED and all(f.make_scheme().fusable for f in FUSED)
     assert json.dumps(protocol.Target("kl_mean", 0.1).__dict__)
+
+
+class _ByBudget:
+    """A Searcher whose held-out ppl_ratio at a budget is `curve(budget)` (no model): records what it confirms."""
+
+    def __init__(self, curve):
+        self.curve, self.confirmed = curve, []
+
+    def candidate(self, family, budget):
+        return protocol.Candidate(family.name, budget, 16 / budget)
+
+    def confirm(self, family, point):
+        self.confirmed.append(point.budget)
+        value = self.curve(point.budget)
+        point.confirmed = {"n": 16, "ppl_ratio": [value, value - 0.002, value + 0.002]}
+        return point
+
+
+@pytest.mark.parametrize(
+    "proxy_best, expected",
+    [
+        (3.5, [3.5, 3.25]),  # met: a step below it too (missed there, so 3.5 stands)
+        (3.0, [3.0, 3.25, 3.5]),  # missed: steps up until one meets it, never below a missed budget
+        (1.25, [1.25, 1.5, 1.75, 2.0, 2.25]),  # missed MAX_STEPS_UP times: the walk stops
+        (5.75, [5.75, 5.5]),
+        (1.0, [1.0, 1.25, 1.5, 1.75, 2.0]),  # at the family's lowest budget
+    ],
+)
+def test_a_quality_target_confirms_the_proxy_choice_then_walks_one_way(proxy_best, expected):
+    family = next(f for f in protocol.FAMILIES if f.name == "pca")
+    low, high = family.budgets
+    target = protocol.Target("ppl_ratio", 1.02)
+    searcher = _ByBudget(lambda b: 1.02 + 0.04 * (3.4 - b))  # meets from 3.4 bits up
+    confirmed = protocol._confirm_around(searcher, family, proxy_best, target)
+    assert searcher.confirmed == [b for b in expected if low <= b <= high]
+    assert [p.budget for p in confirmed] == searcher.confirmed
+    chosen, _, _ = protocol.choose(target, confirmed)
+    meets = [b for b in searcher.confirmed if b >= 3.4]
+    assert (chosen is None and not meets) or chosen.budget == min(meets)
