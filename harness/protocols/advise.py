@@ -326,7 +326,7 @@ def _target(ppl_ratio, kl_mean, compression, context: int, backend: str) -> Targ
     return Target(metric, value, context, backend)
 
 
-def _confirm_around(searcher: Searcher, family: Family, proxy_best: float, target: Target) -> list:
+def _confirmations(searcher: Searcher, family: Family, proxy_best: float, target: Target) -> list:
     """The family's held-out confirmations. A size: the proxy's choice and its neighbours a STEP either side. A
     quality: the proxy's choice first; met, a STEP below it too (the proxy may be cautious); missed (the proxy is
     measured on the windows its tables were fitted on, so it can promise too much), a STEP up at a time until one
@@ -404,7 +404,7 @@ def advise(
     for family in chosen_families:
         best, tried = searcher.search(family)
         proxies += tried
-        confirmed += _confirm_around(searcher, family, best.budget, target)
+        confirmed += _confirmations(searcher, family, best.budget, target)
     chosen, closest, within = choose(target, confirmed)
     advice = Advice(target, chosen, closest, within, confirmed, proxies)
     if chosen is not None:

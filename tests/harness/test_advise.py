@@ -191,7 +191,7 @@ def test_a_quality_target_confirms_the_proxy_choice_then_walks_one_way(proxy_bes
     low, high = family.budgets
     target = protocol.Target("ppl_ratio", 1.02)
     searcher = _ByBudget(lambda b: 1.02 + 0.04 * (3.4 - b))  # meets from 3.4 bits up
-    confirmed = protocol._confirm_around(searcher, family, proxy_best, target)
+    confirmed = protocol._confirmations(searcher, family, proxy_best, target)
     assert searcher.confirmed == [b for b in expected if low <= b <= high]
     assert [p.budget for p in confirmed] == searcher.confirmed
     chosen, _, _ = protocol.choose(target, confirmed)
