@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.groups import group_columns_jit, group_offsets_jit, group_tile
 from kernels.host import cdiv, next_power_of_2, sm_count
 from kernels.quantize import check_group_size, check_widths
 from kernels.unpack import (
@@ -94,6 +95,9 @@ CODES_LAUNCH_SMALL_HEADS = {**CODES_LAUNCH, 2: {"block_n": 64, "num_stages": 2}}
 CODES_LAUNCH_LARGE_HEADS = {w: {"block_n": 128, "num_stages": 2, "maxnreg": 128} for w in (2, 3, 4)} | {
     8: {"block_n": 64, "num_stages": 2}
 }
+# A codes-only bucket whose width has no entry above (a grouped plan's 1, 5, 6 or 7 bits: kernels/groups.py) takes
+# this launch; not yet tuned.
+GROUPS_LAUNCH = {"block_n": 64, "num_stages": 2}
 # Captured in a CUDA graph, a call's stage-1 launches run concurrently, one stream each, so that one launch fills
 # the SMs that another's last wave leaves idle. Measured when every width bucket had a launch of its own (09710ae,
 # the H100, 2,2,2,2,4,4,8,8, shape above): a replay took 155 us against 170 with the buckets in turn (uniform 4
@@ -784,11 +788,12 @@ def _record_words(QG: tl.constexpr, D: tl.constexpr):
 @triton.jit(do_not_specialize=["NB"])
 def _block_query_kernel(qb_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, widths_ptr, out, NB,
                         qk_scale, HQ: tl.constexpr, QG: tl.constexpr, D: tl.constexpr, KWS: tl.constexpr,
-                        BLOCK_NB: tl.constexpr):  # fmt: skip
+                        KPLANS: tl.constexpr, BLOCK_NB: tl.constexpr):  # fmt: skip
     """decode_attention_blocks' queries and biases made into what the fast kernel's codes-only tiles read, for
     query head i = h QG + g of batch row b over blocks n: out (B, Hkv, NB) records of _record_words int32 words,
     block n's of KV head h one run of memory: row g holds qb times qk_scale as fp16, clamped to fp16's finite
-    range, in the lane order of the head's key width (widths_ptr: int32 per KV head; the widths KWS), and after
+    range, in the lane order of the head's key width (widths_ptr: int32 per KV head; the widths KWS; at a width whose
+    KPLANS entry is a grouped plan's code, in kernels.groups' column order), and after
     the QG rows bias g the bias times qk_scale less that row . code_offset, the share of every score that the
     tiles' code offsets add (kernels.unpack). qb (B, Hq, NB, D), bias (B, Hq, NB) with their strides.
     grid: (B * Hq, cdiv(NB, BLOCK_NB))."""
@@ -801,13 +806,18 @@ def _block_query_kernel(qb_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, strid
     kw = tl.load(widths_ptr + i // QG)
     for k in tl.static_range(len(KWS)):
         if kw == KWS[k]:
-            cols = code_of_column_jit(KWS[k], D, True)
+            if KPLANS[k]:
+                cols = group_columns_jit(KPLANS[k], D)
+                code_offsets = group_offsets_jit(KPLANS[k], D)
+            else:
+                cols = code_of_column_jit(KWS[k], D, True)
+                code_offsets = code_offsets_jit(d, KWS[k])
             x = tl.load(qb_ptr + b64 * stride_qb + i * stride_qh + n[:, None] * stride_qn + cols[None, :],
                         mask=nmask[:, None], other=0.0)  # fmt: skip
             q16 = tl.minimum(tl.maximum(x.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(tl.float16)
             rows = (out + rec + (i % QG) * (D // 2)).to(tl.pointer_type(tl.float16), bitcast=True)
             tl.store(rows[:, None] + d[None, :], q16, mask=nmask[:, None])
-            offsets = tl.sum(q16.to(tl.float32) * code_offsets_jit(d, KWS[k])[None, :], axis=1)  # (BLOCK_NB,)
+            offsets = tl.sum(q16.to(tl.float32) * code_offsets[None, :], axis=1)  # (BLOCK_NB,)
             bias = tl.load(bias_ptr + b64 * stride_bb + i * stride_bh + n, mask=nmask, other=0.0)
             biases = (out + rec + QG * D // 2 + i % QG).to(tl.pointer_type(tl.float32), bitcast=True)
             tl.store(biases, bias.to(tl.float32) * qk_scale - offsets, mask=nmask)
@@ -815,17 +825,21 @@ def _block_query_kernel(qb_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, strid
 
 @triton.jit
 def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, VW: tl.constexpr, D: tl.constexpr,
-                ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+                KPLAN: tl.constexpr, VPLAN: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """One tile of _codes_head's online softmax over codes-only K and V (kp, vp: the head's words): tokens
     n0 .. n0 + BLOCK_N (those from `end` on masked out when MASKED) with the block's qT and bias (_block_query)
     -> the updated (m_i, l_rows, acc). K's lanes keep their code offsets (the bias takes them out of the scores);
     V's are the codes themselves (one sub.f16x2 a pair, which costs what the moves into the shared-memory stores'
-    register quads cost with the offsets left in: ptxas puts lop3 results elsewhere, sm_90a)."""
+    register quads cost with the offsets left in: ptxas puts lop3 results elsewhere, sm_90a). A side whose plan
+    (KPLAN, VPLAN) is not 0 holds grouped rows (kernels/groups.py), in that module's column order."""
     BLOCK_N: tl.constexpr = l_rows.shape[0]
     rows = n0 + tl.arange(0, BLOCK_N)
     mask_n = rows < end
     # (BLOCK_N, D) fp16
-    k = _packed_tile(kp, kp, kp, rows, mask_n, KW, D, D, False, ASM, True, MASKED, OFFSET_CODES)
+    if KPLAN:
+        k = group_tile(kp, rows, mask_n, KPLAN, D, D * KW // 32, ASM, MASKED, OFFSET_CODES)
+    else:
+        k = _packed_tile(kp, kp, kp, rows, mask_n, KW, D, D, False, ASM, True, MASKED, OFFSET_CODES)
     s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units, without the bias
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
@@ -833,7 +847,10 @@ def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, V
     p = tl.exp2(s - (m_new - bias)[None, :])
     alpha = tl.exp2(m_i - m_new)
     l_rows = l_rows * alpha[None, :] + p
-    v = _packed_tile(vp, vp, vp, rows, mask_n, VW, D, D, False, ASM, False, MASKED, EXACT_CODES)
+    if VPLAN:
+        v = group_tile(vp, rows, mask_n, VPLAN, D, D * VW // 32, ASM, MASKED, EXACT_CODES)
+    else:
+        v = _packed_tile(vp, vp, vp, rows, mask_n, VW, D, D, False, ASM, False, MASKED, EXACT_CODES)
     vT = tl.trans(v)
     if ASM:  # an identity Triton cannot look through: see _opaque
         vT = _opaque(vT)
@@ -868,16 +885,24 @@ def _codes_head(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, str
                 kp_sh, kslot_ptr, vp, vp_sb, vp_sh, vslot_ptr, kx_ptr, kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh,
                 vx_st, Tx, m_ptr, l_ptr, o_ptr, chunk, qk_scale, num_splits, HKV: tl.constexpr, QG: tl.constexpr,
                 QG_B: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr,
-                HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, QBLOCK: tl.constexpr,
-                ASM: tl.constexpr):  # fmt: skip
+                KPLAN: tl.constexpr, VPLAN: tl.constexpr, HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
+                STAGES: tl.constexpr, QBLOCK: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
     """One program of _decode_packed_kernel over codes-only stores (decode_attention_blocks): as _packed_head, but
     the tiles hold the codes (no scale or zero read; K's with their code offsets), and the scores take the query
     and bias of the tile's block of QBLOCK tokens (0: one block, loaded once) from q_ptr's records
-    (_block_query_kernel's; stride_qb, stride_qh: a batch row's and a KV head's strides)."""
+    (_block_query_kernel's; stride_qb, stride_qh: a batch row's and a KV head's strides). KPLAN, VPLAN: grouped
+    plans (kernels/groups.py), or 0."""
     i = tl.arange(0, QG_B)
-    kcol = code_of_column_jit(KW, D, True)
-    vcol = code_of_column_jit(VW, D, False)
-    koff = code_offsets_jit(tl.arange(0, D), KW)  # (D,) by logical column
+    if KPLAN:
+        kcol = group_columns_jit(KPLAN, D)
+        koff = group_offsets_jit(KPLAN, D)
+    else:
+        kcol = code_of_column_jit(KW, D, True)
+        koff = code_offsets_jit(tl.arange(0, D), KW)  # (D,) by logical column
+    if VPLAN:
+        vcol = group_columns_jit(VPLAN, D)
+    else:
+        vcol = code_of_column_jit(VW, D, False)
     head = q_ptr + b64 * stride_qb + h * stride_qh  # int32: the head's record of block 0
     m_i = tl.full((QG_B,), float("-inf"), tl.float32)
     l_rows = tl.zeros((BLOCK_N, QG_B), tl.float32)
@@ -894,12 +919,13 @@ def _codes_head(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, str
     for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
         if QBLOCK > 0:
             qT, bias = _block_query(head, tl.cast(n0, tl.uint32) // QBLOCK, QG, QG_B, D, ASM)
-        m_i, l_rows, acc = _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW, VW, D, ASM, False)
+        m_i, l_rows, acc = _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW, VW, D, KPLAN, VPLAN, ASM,
+                                       False)  # fmt: skip
     if full_end < end:
         if QBLOCK > 0:
             qT, bias = _block_query(head, tl.cast(full_end, tl.uint32) // QBLOCK, QG, QG_B, D, ASM)
         m_i, l_rows, acc = _codes_step(
-            qT, bias, kp, vp, full_end, end, m_i, l_rows, acc, KW, VW, D, ASM, True
+            qT, bias, kp, vp, full_end, end, m_i, l_rows, acc, KW, VW, D, KPLAN, VPLAN, ASM, True
         )
     if HAS_EXTRA:
         if sp == num_splits:
@@ -929,6 +955,7 @@ def _decode_packed_kernel(
     KWS: tl.constexpr, VWS: tl.constexpr, KG: tl.constexpr, VG: tl.constexpr, K_SYM: tl.constexpr,
     V_SYM: tl.constexpr, HAS_EXTRA: tl.constexpr, L_FROM_PTR: tl.constexpr, BLOCK_NS: tl.constexpr,
     STAGES: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr = False, QBLOCK: tl.constexpr = 0,
+    KPLANS: tl.constexpr = (), VPLANS: tl.constexpr = (),
 ):  # fmt: skip
     # grid: (B * NH, num_splits + HAS_EXTRA) over the NH KV heads of every width bucket whose keys and values are
     # both packed at 2, 3, 4 or 8 bits, as _decode_split_kernel's for one bucket: heads_ptr lists them in bucket
@@ -937,7 +964,8 @@ def _decode_packed_kernel(
     # store arguments (that width's words, scales, zeros and strides) and splitting its tokens into chunks[i].
     # With CODES (codes-only stores, decode_attention_blocks) q_ptr holds _block_query_kernel's records, a query and
     # a bias per block of QBLOCK tokens (QBLOCK 0: one block), stride_qb and stride_qh apart by batch row and KV head;
-    # bias_ptr and the scales and zeros are placeholders.
+    # bias_ptr and the scales and zeros are placeholders; KPLANS[i], VPLANS[i] bucket i's grouped plans
+    # (kernels/groups.py's plan_code, 0 for none).
     sp, b64, j, h, L = _program(heads_ptr, len_ptr, L_arg, NH, L_FROM_PTR)
     for k in tl.static_range(len(KWS)):
         if (j >= starts[k]) & (j < starts[k + 1]):
@@ -946,7 +974,8 @@ def _decode_packed_kernel(
                     q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, stride_bh, b64, h, sp, L, k_words[k],
                     k_words_sb[k], k_words_sh[k], kslot_ptr, v_words[k], v_words_sb[k], v_words_sh[k], vslot_ptr, kx_ptr,
                     kx_sb, kx_sh, kx_st, vx_ptr, vx_sb, vx_sh, vx_st, Tx, m_ptr, l_ptr, o_ptr, chunks[k], qk_scale,
-                    num_splits, HKV, QG, QG_B, D, D_B, KWS[k], VWS[k], HAS_EXTRA, BLOCK_NS[k], STAGES[k], QBLOCK, ASM,
+                    num_splits, HKV, QG, QG_B, D, D_B, KWS[k], VWS[k], KPLANS[k], VPLANS[k], HAS_EXTRA, BLOCK_NS[k],
+                    STAGES[k], QBLOCK, ASM,
                 )  # fmt: skip
             else:
                 _packed_head(
@@ -1009,13 +1038,14 @@ def _fast_launch(kw: int, vw: int, head_dim: int, codes: bool = False) -> dict:
     """The launch (FAST_LAUNCH, FAST_LAUNCH_SMALL_HEADS at head_dim 64 and below; for codes-only stores
     CODES_LAUNCH, and its tables for heads of 64 channels and fewer and of more than 128) of a bucket of kw-bit keys
     and vw-bit values: that of the width with the smaller tile (at equal tiles, the wider width's), so that a 3-bit
-    side keeps its 64-token tile (3 and 4 bits at 128 tokens under the cap spill a register, sm_90a)."""
+    side keeps its 64-token tile (3 and 4 bits at 128 tokens under the cap spill a register, sm_90a); a width with
+    no entry (a grouped plan's) GROUPS_LAUNCH."""
     if codes:
         small, large = head_dim <= 64, head_dim > 128
         table = CODES_LAUNCH_SMALL_HEADS if small else CODES_LAUNCH_LARGE_HEADS if large else CODES_LAUNCH
     else:
         table = FAST_LAUNCH_SMALL_HEADS if head_dim <= 64 else FAST_LAUNCH
-    narrow, wide = table[min(kw, vw)], table[max(kw, vw)]
+    narrow, wide = table.get(min(kw, vw), GROUPS_LAUNCH), table.get(max(kw, vw), GROUPS_LAUNCH)
     return narrow if narrow["block_n"] < wide["block_n"] else wide
 
 
@@ -1055,24 +1085,31 @@ def _launch_options(
     return {k: v for k, v in merged.items() if not (k == "maxnreg" and v == 0)}, stages
 
 
-def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int) -> bool:
-    """Whether a (key width, value width) bucket takes the fast packed kernel: fp16 or bf16 queries, both widths
-    2, 3, 4 or 8 with rows that kernels.unpack splits into lanes."""
+def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: int, v_group: int,
+                k_planned: tuple = (), v_planned: tuple = ()) -> bool:  # fmt: skip
+    """Whether a (key width, value width) bucket takes the fast packed kernel: fp16 or bf16 queries, each width
+    2, 3, 4 or 8 with rows that kernels.unpack splits into lanes, or one of the widths with a grouped plan
+    (k_planned, v_planned: a codes-only store's). A bucket with a grouped plan takes it at any query dtype (only
+    it reads such rows; its mmas run in fp16)."""
+    grouped = kw in k_planned or vw in v_planned
     return (
-        q_dtype in (torch.float16, torch.bfloat16)
-        and fast_path_fits(kw, head_dim, k_group)
-        and fast_path_fits(vw, head_dim, v_group)
+        (grouped or q_dtype in (torch.float16, torch.bfloat16))
+        and (kw in k_planned or fast_path_fits(kw, head_dim, k_group))
+        and (vw in v_planned or fast_path_fits(vw, head_dim, v_group))
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _map_plan(k_bits: tuple[int, ...], v_bits: tuple[int, ...], device: torch.device, q_dtype: torch.dtype,
-              head_dim: int, k_group: int, v_group: int) -> tuple:  # fmt: skip
+              head_dim: int, k_group: int, v_group: int, k_planned: tuple = (), v_planned: tuple = ()) -> tuple:  # fmt: skip
     """(width buckets, whether each takes the fast kernel, the fast buckets' (key width, value width) pairs, their
     KV heads in bucket order (int32 on `device`, None without fast buckets), the fast buckets' starts in it).
     Cached per map and query dtype: the eager decode step is host-bound."""
     buckets = width_buckets(k_bits, v_bits, device)
-    fast = tuple(fast_bucket(kw, vw, q_dtype, head_dim, k_group, v_group) for kw, vw, _ in buckets)
+    fast = tuple(
+        fast_bucket(kw, vw, q_dtype, head_dim, k_group, v_group, k_planned, v_planned)
+        for kw, vw, _ in buckets
+    )
     pairs = tuple((kw, vw) for (kw, vw, _), f in zip(buckets, fast) if f)
     heads = [h for (_, _, h), f in zip(buckets, fast) if f]  # each fast bucket's heads, in bucket order
     starts = tuple(itertools.accumulate((len(h) for h in heads), initial=0))
@@ -1082,7 +1119,17 @@ def _map_plan(k_bits: tuple[int, ...], v_bits: tuple[int, ...], device: torch.de
 def _store_map_plan(k_store, v_store, device: torch.device, q_dtype: torch.dtype) -> tuple:
     """_map_plan of two stores."""
     return _map_plan(k_store.bits, v_store.bits, device, q_dtype, k_store.head_dim, k_store.group_size,
-                     v_store.group_size)  # fmt: skip
+                     v_store.group_size, _planned(k_store), _planned(v_store))  # fmt: skip
+
+
+def _planned(st) -> tuple[int, ...]:
+    """The widths of a store that hold grouped plans (kernels/groups.py)."""
+    return tuple(sorted(getattr(st, "plans", {})))
+
+
+def _plan_codes(st, widths) -> tuple[int, ...]:
+    """kernels.groups.plan_code of a store's plan at each of `widths` (0 where it has none)."""
+    return tuple(st.plan_code(w) if w in _planned(st) else 0 for w in widths)
 
 
 def _split_plans(map_plan, k_store, span: int, block_n: int | None, device: torch.device,
@@ -1205,9 +1252,10 @@ def _block_queries(qb: torch.Tensor, bias: torch.Tensor, k_store, map_plan, qk_s
     Hkv = len(k_store.bits)
     out = _block_workspace(qb.device, B, Hkv, NB, Hq // Hkv, D)
     block_nb = min(16, next_power_of_2(NB))
+    widths = tuple(sorted({kw for kw, _ in map_plan[2]}))
     _block_query_kernel[(B * Hq, cdiv(NB, block_nb))](
         qb, *qb.stride()[:3], bias, *bias.stride()[:2], _width_table(k_store.bits, qb.device), out, NB, qk_scale,
-        HQ=Hq, QG=Hq // Hkv, D=D, KWS=tuple(sorted({kw for kw, _ in map_plan[2]})), BLOCK_NB=block_nb,
+        HQ=Hq, QG=Hq // Hkv, D=D, KWS=widths, KPLANS=_plan_codes(k_store, widths), BLOCK_NB=block_nb,
     )  # fmt: skip
     return out
 
@@ -1245,14 +1293,15 @@ def _workspace(device: torch.device, B: int, Hq: int, n_cols: int, d_b: int) -> 
 
 @functools.lru_cache(maxsize=256)
 def _fast_constants(pairs: tuple, n_heads: int, qg: int, tiles: tuple, head_dim: int, given: tuple,
-                    common: tuple, asm: bool) -> dict:  # fmt: skip
-    """The fast launch's compile-time constants and options: its buckets' widths `pairs`, tiles and stages, on
-    top of the constants `common` ((name, value) pairs) to both kernels. Cached per map and call signature;
-    read-only."""
+                    common: tuple, asm: bool, plans: tuple = ((), ())) -> dict:  # fmt: skip
+    """The fast launch's compile-time constants and options: its buckets' widths `pairs`, tiles and stages (and
+    with codes-only stores their grouped plans, `plans`: key and value plan codes per bucket), on top of the
+    constants `common` ((name, value) pairs) to both kernels. Cached per map and call signature; read-only."""
     launch, stages = _launch_options(head_dim, pairs, given, dict(common).get("CODES", False))
     return dict(NH=n_heads, QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                 KWS=tuple(kw for kw, _ in pairs), VWS=tuple(vw for _, vw in pairs), BLOCK_NS=tiles, STAGES=stages,
-                ASM=asm, **dict(common), **launch)  # fmt: skip
+                ASM=asm, **dict(common), **launch,
+                **(dict(KPLANS=plans[0], VPLANS=plans[1]) if dict(common).get("CODES") else {}))  # fmt: skip
 
 
 def decode_attention(
@@ -1393,8 +1442,8 @@ def _check_inputs(q, k_store, v_store, k_extra, v_extra, length) -> tuple[bool, 
     assert v_store.length == k_store.length and k_store.head_dim == v_store.head_dim == D
     assert k_store.batch == v_store.batch == B
     assert q.stride(-1) == 1
-    check_widths(k_store.bits, D)
-    check_widths(v_store.bits, D)
+    check_widths([b for b in k_store.bits if b not in _planned(k_store)], D)
+    check_widths([b for b in v_store.bits if b not in _planned(v_store)], D)
     if (k_extra is None) != (v_extra is None):
         raise ValueError("k_extra and v_extra must be given together")
     has_extra = k_extra is not None and k_extra.shape[2] > 0
@@ -1458,9 +1507,13 @@ def _stage1_launches(q, k_store, v_store, map_plan, plans, shared, length, qk_sc
         args = [*fast_queries, *_packed_args(k_store, tuple(kw for kw, _ in fast_pairs)),
                 *_packed_args(v_store, tuple(vw for _, vw in fast_pairs)), *extra, fast_heads, starts, chunks,
                 *partials, fast_heads if length is None else length, qk_scale, splits]  # fmt: skip
+        grouped = (
+            _plan_codes(k_store, (kw for kw, _ in fast_pairs)),
+            _plan_codes(v_store, (vw for _, vw in fast_pairs)),
+        )
         launches.append((_decode_packed_kernel, (B * starts[-1], n_cols), args,
                          _fast_constants(fast_pairs, starts[-1], qg, tiles, D, given, common,
-                                         os.environ.get("TRITON_INTERPRET") != "1")))  # fmt: skip
+                                         os.environ.get("TRITON_INTERPRET") != "1", grouped)))  # fmt: skip
     for (kw, vw, heads), (tile, chunk), f in zip(buckets, plans, fast):
         if not f:
             args = [*queries, *_bucket_args(k_store, kw), *_bucket_args(v_store, vw), *extra,

@@ -21,7 +21,9 @@ amortized O(1) (a copy of the store every length / 32 steps), and from 1K tokens
 A codes-only store (`codes_only=True`) holds each token's unsigned codes at its head's width and nothing else: no
 scale or zero, no 16-bit heads. What makes the codes keys or values (a per-head basis, steps and offsets, a frame per
 block of tokens) lives with its caller (harness/schemes/pca_fold.py), folded into the query and the output; the
-kernels attend over the codes as numbers (kernels/decode_attention.py's decode_attention_blocks).
+kernels attend over the codes as numbers (kernels/decode_attention.py's decode_attention_blocks). Its heads of a
+width may share a grouped plan (`plans`: kernels/groups.py), their rows groups of 16 codes at their own widths: then
+the width may be any of 1 to 8 bits.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kernels import groups, reference
 
 FULL_WIDTH = 16
 FP16_BYTES = 2
@@ -123,9 +125,17 @@ class PackedStore:
         capacity: int = 0,
         simulate: bool = True,
         codes_only: bool = False,
+        plans: dict[int, tuple[int, ...]] | None = None,
     ):
         bits = [int(b) for b in bits]
+        self.plans = {int(w): tuple(int(g) for g in plan) for w, plan in (plans or {}).items()}
+        if self.plans and not codes_only:
+            raise ValueError("plans: a grouped plan needs a codes-only store (codes_only=True)")
+        for w, plan in self.plans.items():
+            groups.check_plan(plan, w, head_dim)
         for b in bits:
+            if b in self.plans:
+                continue
             if b != FULL_WIDTH and b not in reference.WIDTHS:
                 raise ValueError(f"bits: {b} is not an allowed width; allowed: 2, 3, 4, 8, 16")
         quantized = [b for b in bits if b != FULL_WIDTH]
@@ -163,7 +173,7 @@ class PackedStore:
                 Bucket(
                     width=w,
                     heads=torch.tensor(heads, device=self.device),
-                    payload=None if full else empty(reference.packed_dim(head_dim, w), dt=torch.uint8),
+                    payload=None if full else empty(self.row_bytes(w), dt=torch.uint8),
                     scale=None if full or codes_only else empty(ng, dt=torch.float16),
                     zero=None if full or symmetric or codes_only else empty(ng, dt=torch.float16),
                     values=empty(head_dim, dt=dtype) if full else None,
@@ -186,6 +196,16 @@ class PackedStore:
     @property
     def capacity(self) -> int:
         return self._capacity
+
+    def row_bytes(self, width: int) -> int:
+        """Bytes of one packed row of a head at `width` (a grouped plan's, or kernels.reference's)."""
+        if width in self.plans:
+            return width * self.head_dim // 8
+        return reference.packed_dim(self.head_dim, width)
+
+    def plan_code(self, width: int) -> int:
+        """The kernels' constant for the heads at `width`: kernels.groups.plan_code of their plan, 0 without one."""
+        return groups.plan_code(self.plans[width]) if width in self.plans else 0
 
     def advance(self, n: int) -> None:
         """Count n more tokens as stored: those a replayed CUDA graph wrote at device-side positions (its Python,
@@ -260,7 +280,8 @@ class PackedStore:
 
     def append_codes(self, codes: torch.Tensor) -> None:
         """Store new tokens of a codes-only store: codes (B, Hkv, Tn, D), an integer tensor, head h's in [0, 2**w)
-        at its width w, packed as kernels.reference.pack packs them."""
+        at its width w (a grouped plan's: each component at its group's width), packed as kernels.reference.pack
+        packs them (kernels.groups.pack under a plan)."""
         if not self.codes_only:
             raise ValueError("append_codes: this store quantizes values (append); codes need codes_only=True")
         B, H, Tn, D = codes.shape
@@ -272,14 +293,21 @@ class PackedStore:
         start, end = self.length, self.length + Tn
         self.reserve(end)
         for bk in self.buckets:
-            bk.payload[:, :, start:end] = reference.pack(codes.index_select(1, bk.heads), bk.width)
+            part = codes.index_select(1, bk.heads)
+            plan = self.plans.get(bk.width)
+            bk.payload[:, :, start:end] = (
+                reference.pack(part, bk.width) if plan is None else groups.pack(part, plan)
+            )
         self.length = end
 
     def head_codes(self, h: int) -> torch.Tensor:
         """The stored codes of quantized KV head h, uint8 (B, length, D) (a codes-only store's tokens)."""
         bk = self.bucket_of[self.bits[h]]
         assert bk.width != FULL_WIDTH, "head is stored unquantized"
-        return reference.unpack(bk.payload[:, int(self.slot[h]), : self.length], bk.width, self.head_dim)
+        payload = bk.payload[:, int(self.slot[h]), : self.length]
+        if bk.width in self.plans:
+            return groups.unpack(payload, self.plans[bk.width])
+        return reference.unpack(payload, bk.width, self.head_dim)
 
     def _append_dequantized(self, new: torch.Tensor) -> None:
         if self._dequantized is None:
@@ -385,8 +413,8 @@ class PackedStore:
             if bk.width == FULL_WIDTH:
                 total += len(bk.heads) * self.head_dim * FP16_BYTES
             else:
-                groups = sum(t.shape[-1] for t in (bk.scale, bk.zero) if t is not None)  # none: codes-only
-                total += len(bk.heads) * (bk.payload.shape[-1] + groups * FP16_BYTES)
+                fields = sum(t.shape[-1] for t in (bk.scale, bk.zero) if t is not None)  # none: codes-only
+                total += len(bk.heads) * (bk.payload.shape[-1] + fields * FP16_BYTES)
         return total
 
     def nbytes(self) -> int:

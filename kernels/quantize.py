@@ -7,7 +7,8 @@ width's code: 2, 3, 4 or 8 bits packed into the bucket's `payload`, with fp16 `s
 copied into the 16-bit bucket's `values`. The bit format is
 kernels/reference.py's (the kernel is bit-exact with reference.quantize); where rows live is
 kernels/layout.py's. quantize_codes_into does the same for a codes-only store from components a transform made
-(the pca family's, harness/schemes/pca.py): each code the index of its cell among a table of boundaries."""
+(the pca family's, harness/schemes/pca.py): each code the index of its cell among a table of boundaries, at its
+head's width or, under a grouped plan (kernels/groups.py), at its group's."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.groups import group_bits_jit
 from kernels.host import cdiv, next_power_of_2
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS
@@ -303,17 +305,55 @@ def _codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bo
 
 
 @triton.jit
+def _grouped_codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bounds_ptr, stride_bounds, h,
+                        b, j, n_heads, cap, pos, Tn, pid_t, out_ptr, W: tl.constexpr, PLAN: tl.constexpr,
+                        D: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
+    """_codes_head for a bucket of unit width W whose rows follow the grouped plan PLAN (kernels/groups.py): each
+    component coded at its group's width (the same search, over that width's boundaries; 0 bits: code 0), its code
+    shifted to its bit of the row and the row's int32 words summed from the fields they hold (disjoint: a sum is
+    their OR)."""
+    NW: tl.constexpr = D * W // 32
+    NW_B: tl.constexpr = D // 4  # a power of two at least NW (W <= 8)
+    orow = (out_ptr + (b.to(tl.int64) * n_heads + j) * cap * (NW * 4)).to(tl.pointer_type(tl.int32))
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D)
+    mask_t = t < Tn
+    z = tl.load(z_ptr + b.to(tl.int64) * stride_zb + h * stride_zh + t[:, None].to(tl.int64) * stride_zt
+                + d[None, :] * stride_zd, mask=mask_t[:, None], other=0.0)  # fmt: skip
+    y = tl.math.div_rn(z, tl.load(scale_ptr + h * D + d)[None, :])  # (BLOCK_T, D)
+    width, bit = group_bits_jit(PLAN, D)  # (D,) each component's width and first bit in the row
+    row_bounds = bounds_ptr + width * stride_bounds  # (D,)
+    code = tl.zeros((BLOCK_T, D), tl.int32)
+    for k in tl.static_range(8):  # bit width - 1 - k of the code, for the components of more than k bits
+        live = (k < width)[None, :]
+        probe = code + tl.where(live, 1 << tl.maximum(width - 1 - k, 0)[None, :], 0)
+        bound = tl.load(row_bounds[None, :] + probe - 1, mask=live, other=0.0)
+        code = tl.where(live & (bound < y), probe, code)
+    fields = code << (bit % 32)[None, :]  # (BLOCK_T, D)
+    word = tl.arange(0, NW_B)
+    words = tl.sum(tl.where((bit // 32)[None, None, :] == word[None, :, None], fields[:, None, :], 0), axis=2)
+    prow = orow + (pos + t).to(tl.int64)[:, None] * NW + word[None, :]  # (BLOCK_T, NW_B)
+    tl.store(prow, words, mask=mask_t[:, None] & (word[None, :] < NW))
+
+
+@triton.jit
 def _quantize_codes_kernel(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bounds_ptr,
                            stride_bounds, outs, heads_ptr, starts, cap, Tn, pos_arg, pos_ptr,
                            WIDTHS: tl.constexpr, D: tl.constexpr, D_B: tl.constexpr, BLOCK_T: tl.constexpr,
-                           POS_FROM_PTR: tl.constexpr):  # fmt: skip
+                           POS_FROM_PTR: tl.constexpr, PLANS: tl.constexpr):  # fmt: skip
     # grid: (cdiv(Tn, BLOCK_T), B, H); a program codes BLOCK_T tokens of one KV head, job j the head heads_ptr[j]
-    # in the bucket i whose jobs are [starts[i], starts[i + 1]), each bucket's width a branch of its own.
+    # in the bucket i whose jobs are [starts[i], starts[i + 1]), each bucket's width (and grouped plan PLANS[i],
+    # 0 for none) a branch of its own.
     pid_t, b, job = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pos = tl.load(pos_ptr) if POS_FROM_PTR else pos_arg
     h = tl.load(heads_ptr + job)
     for i in tl.static_range(len(WIDTHS)):
-        if (job >= starts[i]) & (job < starts[i + 1]):
+        if PLANS[i] != 0:
+            if (job >= starts[i]) & (job < starts[i + 1]):
+                _grouped_codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bounds_ptr,
+                                    stride_bounds, h, b, job - starts[i], starts[i + 1] - starts[i], cap, pos, Tn,
+                                    pid_t, outs[i], WIDTHS[i], PLANS[i], D, BLOCK_T)  # fmt: skip
+        elif (job >= starts[i]) & (job < starts[i + 1]):
             _codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale_ptr, bounds_ptr, stride_bounds, h, b,
                         job - starts[i], starts[i + 1] - starts[i], cap, pos, Tn, pid_t, outs[i], WIDTHS[i], D, D_B,
                         BLOCK_T)  # fmt: skip
@@ -326,7 +366,8 @@ def quantize_codes_into(
     """Code components z into positions [pos, pos + Tn) of a codes-only PackedStore, every width bucket in one
     launch: component d of head h stored at its head's width w is the number of bounds[w]'s boundaries below
     z / scale[h, d] (searchsorted(bounds[w], z / scale, side="left") bit for bit), packed as
-    kernels.reference.pack packs codes (what PackedStore.append_codes stores).
+    kernels.reference.pack packs codes (what PackedStore.append_codes stores); under the store's grouped plan at
+    w (kernels/groups.py) w is the component's group's width, packed as kernels.groups.pack packs them.
 
     Args (B batch, H KV heads, Tn new tokens, D head_dim):
         store: a kernels.layout.PackedStore with codes_only (its buckets' payloads are written in place).
@@ -347,8 +388,10 @@ def quantize_codes_into(
     assert z.dtype == scale.dtype == bounds.dtype == torch.float32, (z.dtype, scale.dtype, bounds.dtype)
     assert scale.shape == (H, D) and scale.is_contiguous(), scale.shape
     assert bounds.is_contiguous(), bounds.stride()
-    assert bounds.shape[0] > max(store.bits) and bounds.shape[1] >= (1 << max(store.bits)) - 1, bounds.shape
-    check_widths(store.bits, D)
+    plans = {w: plan for w, plan in store.plans.items() if w in store.bits}
+    top = max((*(max(plan) for plan in plans.values()), *(b for b in store.bits if b not in plans)))
+    assert bounds.shape[0] > top and bounds.shape[1] >= (1 << top) - 1, bounds.shape
+    check_widths([b for b in store.bits if b not in plans], D)
     if not isinstance(pos, torch.Tensor) and (pos < 0 or pos + Tn > store.capacity):
         raise ValueError(f"pos: {pos} + Tn {Tn} exceeds capacity {store.capacity}")
     if Tn == 0:
@@ -360,7 +403,7 @@ def quantize_codes_into(
         store.bucket_heads, store.bucket_starts, store.capacity, Tn, 0 if pos_from_ptr else pos,
         pos if pos_from_ptr else store.bucket_heads,  # unused when the position is an int
         WIDTHS=tuple(bk.width for bk in store.buckets), D=D, D_B=next_power_of_2(D), BLOCK_T=bt,
-        POS_FROM_PTR=pos_from_ptr,
+        POS_FROM_PTR=pos_from_ptr, PLANS=tuple(store.plan_code(bk.width) for bk in store.buckets),
     )  # fmt: skip
 
 

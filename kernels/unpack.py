@@ -509,12 +509,14 @@ def _in_order(x, P: tl.constexpr, LANES: tl.constexpr):
     R: tl.constexpr = x.shape[0]
     NU: tl.constexpr = x.shape[1]
     lo, hi = _halves(x)
-    if not LANES:
-        return tl.reshape(tl.join(lo, hi), (R, NU * 2 * P))  # (R, unit, i, h)
-    # (R, c, wt, i_hi, i_lo, h): unit = c * WL + wt (WL = NU / 4), pair i = 2 * i_hi + i_lo, lane h
-    y = tl.reshape(tl.join(lo, hi), (R, 4, NU // 4, P // 2, 2, 2))
-    y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)
-    return tl.reshape(y, (R, NU * 2 * P))
+    if not LANES:  # (one return: the compiler builds a branch's code after a return, unlike the interpreter)
+        out = tl.reshape(tl.join(lo, hi), (R, NU * 2 * P))  # (R, unit, i, h)
+    else:
+        # (R, c, wt, i_hi, i_lo, h): unit = c * WL + wt (WL = NU / 4), pair i = 2 * i_hi + i_lo, lane h
+        y = tl.reshape(tl.join(lo, hi), (R, 4, NU // 4, P // 2, 2, 2))
+        y = tl.permute(y, (0, 2, 3, 1, 4, 5))  # (R, wt, i_hi, c, i_lo, h)
+        out = tl.reshape(y, (R, NU * 2 * P))
+    return out
 
 
 @triton.jit

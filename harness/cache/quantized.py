@@ -32,8 +32,8 @@ Backends (`backend=`, resolved per layer from the device of its first K/V):
   attention hands to kernels.decode_attention;
 - `auto`: triton for a layer on CUDA whose widths and group size the kernels support, torch otherwise.
 The kernels store plain asym_token / sym_token (no sink tokens, residual window or rotation) and the foldable
-pca formats (pca_post_uf, pca_block_uf, pca_block32_uf; sink tokens beside them; full-attention layers, no
-graphed decoding yet), whose codes the torch quantizer still writes and whose decode step is
+pca formats (pca_post_uf, pca_block_uf, pca_block32_uf, pca_block_ugs; sink tokens beside them; full-attention
+layers), whose decode step is
 harness/schemes/pca_fold.py's `decode`: for other schemes auto is torch and an explicit triton is a ValueError
 (harness.schemes.check_backend).
 The placeholders of both backends need the packed attention: the model runs inside

@@ -51,11 +51,11 @@ from harness.schemes.pca_table import (
 )
 from harness.schemes.rotary import TokenPositions, turn
 from harness.schemes.wrappers import PositionedBlockStore, head_index
-from kernels import reference
+from kernels import groups, reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH, PackedStore
 
 PLAN_BYTES = 1  # a component's width, uint8
-KERNEL_WIDTHS = (2, 3, 4, 8)  # the widths a codes-only store holds (kernels/layout.py)
+KERNEL_WIDTHS = (2, 3, 4, 8)  # the widths a codes-only store holds flat (kernels/layout.py); grouped: any
 UNBOUND = (
     "quant.scheme: pca stores keys and values against transforms fitted on the calibration windows; none were "
     "given (QuantizedKVCache key_calibration: harness.calibrate.cached_fit)"
@@ -67,7 +67,7 @@ def kernel_reason(fmt: PcaFormat, bits) -> str | None:
     reason = format_reason(fmt)
     if reason is not None:
         return reason
-    other = sorted({int(b) for b in bits} - set(KERNEL_WIDTHS))
+    other = sorted({int(b) for b in bits} - set(KERNEL_WIDTHS if fmt.group == 0 else PCA_WIDTHS))
     if other:
         return f"a head at {other[0]} bits; the kernels decode codes of {', '.join(map(str, KERNEL_WIDTHS))} bits"
     return None
@@ -313,10 +313,11 @@ class PcaStore(PositionedBlockStore):
 class PcaCodesStore(PcaStore):
     """A PcaStore of a foldable format (harness/schemes/pca_fold.py) whose codes live in a codes-only
     kernels.layout.PackedStore (`packed`), where the Triton decode kernel reads them: the triton backend's store.
-    The same codes, packing (a flat plan's rows are kernels.reference.pack's), bytes and dequantized tokens as
-    PcaStore's; every head quantized at a width the kernels decode (KERNEL_WIDTHS), nothing simulated. New tokens'
-    components are computed by torch (as PcaStore computes them) and coded and packed by the Triton kernel
-    kernels.quantize.quantize_codes_into, one launch a store, bit for bit PcaStore's codes."""
+    The same codes, packing (a flat plan's rows are kernels.reference.pack's, a shared grouped plan's
+    kernels.groups.pack's), bytes and dequantized tokens as PcaStore's; every head quantized at a width the kernels
+    decode (KERNEL_WIDTHS flat, any grouped), nothing simulated. New tokens' components are computed by torch (as
+    PcaStore computes them) and coded and packed by the Triton kernel kernels.quantize.quantize_codes_into, one
+    launch a store, bit for bit PcaStore's codes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -328,9 +329,13 @@ class PcaCodesStore(PcaStore):
                 "quant.simulate: the triton backend's pca store keeps no working copy; allowed: false"
             )
         self.codes = None  # the codes are `packed`'s
+        # grouped rows where a width's plan has groups of more than one width (a plan of one width is the flat
+        # row, byte for byte, which the kernels' flat path reads faster)
+        plans = {w: self._group_plan(w) for w in self.widths} if self.fmt.group else {}
+        plans = {w: plan for w, plan in plans.items() if set(plan) != {w} or w not in KERNEL_WIDTHS}
         self.packed = PackedStore(
             self.bits, self.head_dim, self.batch, dtype=self.dtype, device=self.device, simulate=False,
-            codes_only=True,
+            codes_only=True, plans=plans,
         )  # fmt: skip
         from kernels.quantize import quantize_codes_into  # Triton, imported where a kernel store is made
 
@@ -340,6 +345,22 @@ class PcaCodesStore(PcaStore):
             scales.index_copy_(0, self.heads[w], self.scale[w].float())
         _, bounds = level_tables(torch.device(self.device), self.fmt.levels)
         self._write = functools.partial(quantize_codes_into, scale=scales, bounds=bounds)
+
+    def _group_plan(self, w: int) -> tuple[int, ...]:
+        """The grouped plan (kernels/groups.py) every head at width w shares; NotImplementedError if they do not
+        share one the kernels read."""
+        plan = self.plan[w].long().cpu()  # (Hw, D)
+        per_group = plan.view(len(plan), -1, groups.GROUP)
+        if not (bool((plan == plan[0]).all()) and bool((per_group == per_group[..., :1]).all())):
+            raise NotImplementedError(
+                f"pca on the triton backend: the {w}-bit heads share no plan of {groups.GROUP}-component groups"
+            )
+        grouped = tuple(int(b) for b in per_group[0, :, 0])
+        try:
+            groups.check_plan(grouped, w, self.head_dim)
+        except ValueError as err:
+            raise NotImplementedError(f"pca on the triton backend: {err}") from None
+        return grouped
 
     def _all_components(self, x: torch.Tensor, angle: torch.Tensor) -> torch.Tensor:
         """New tokens x (B, Hkv, Tn, D), their keys' angles -> every head's components z (B, Hkv, Tn, D) float32."""
@@ -381,8 +402,10 @@ class PcaCodesStore(PcaStore):
         self.positions.next += n
 
     def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
-        bucket = self.packed.bucket_of[w]
-        return reference.unpack(bucket.payload[:, :, start:end], w, self.head_dim)
+        payload = self.packed.bucket_of[w].payload[:, :, start:end]
+        if w in self.packed.plans:
+            return groups.unpack(payload, self.packed.plans[w])
+        return reference.unpack(payload, w, self.head_dim)
 
     # rows and tokens: the positions as PositionedBlockStore keeps them, the codes as the PackedStore does
     def take_rows(self, index: torch.Tensor) -> None:

@@ -2,10 +2,13 @@
 before the sum and into the output after it (the arithmetic a fused decode kernel runs; kernels/).
 
 This module owns that algebra for the stores it applies to (`foldable`): evenly spaced levels (PcaFormat.levels
-UNIFORM) and one width for every component of a head (a flat plan, group 0), keys coded after RoPE (POST) or turned
-back to the first position of their block of `block` tokens (BLOCK), token positions contiguous. A component c of
-a head at width w then stands for offset_c + code_c * step_c (the uniform levels of w bits times the component's
-fitted scale: `code_steps`), so with the head's mean m (D,) and basis U (D, D):
+UNIFORM) and plans a kernel compiles, one width for every component of a head (a flat plan, group 0) or one plan of
+16-component groups at 0, 1, 2, 4 or 8 bits per role and width for every head (shared grouped plans:
+kernels/groups.py), keys coded after RoPE (POST) or turned back to the first position of their block of `block`
+tokens (BLOCK), token positions contiguous. A component c at b_c bits then stands for offset_c + code_c * step_c
+(the uniform levels of b_c bits times the component's fitted scale: `code_steps`; at 0 bits every stored code is 0,
+offset_c is 0 and step_c the scale, so that a sink token's real-valued code there keeps its share), so with the
+head's mean m (D,) and basis U (D, D):
 
     key at position p, its block starting at r:  k = R(r) (m + U (offset + step * code))
     q . k = (R(-r) q) . m + sum_c (U^T R(-r) q)_c offset_c  +  sum_c (U^T R(-r) q)_c step_c code_c
@@ -30,13 +33,20 @@ import torch
 from harness.schemes.pca_table import BLOCK, POST, UNIFORM, PcaFormat, level_tables
 from harness.schemes.rotary import turn
 from harness.schemes.wrappers import SinkStore
+from kernels import groups
 from kernels.layout import FULL_WIDTH
 
 
 def format_reason(fmt: PcaFormat) -> str | None:
     """Why a store of format `fmt` cannot be folded whatever it holds, or None when it can."""
-    if fmt.levels != UNIFORM or fmt.group != 0:
-        return f"{fmt}: a fold needs evenly spaced levels and one width a head (levels=uniform, group=0)"
+    grouped = (
+        fmt.group == groups.GROUP and fmt.shared_plans and set(fmt.group_widths) <= set(groups.GROUP_WIDTHS)
+    )
+    if fmt.levels != UNIFORM or not (fmt.group == 0 or grouped):
+        return (
+            f"{fmt}: a fold needs evenly spaced levels and one width a head (levels=uniform, group=0), or plans of "
+            f"{groups.GROUP} components at {groups.GROUP_WIDTHS} bits shared by every head (shared_plans)"
+        )
     return None
 
 
@@ -67,9 +77,13 @@ def _check(store) -> None:
 
 
 def code_steps(store, w: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(offset, step) (Hw, D) float32 of the heads at width w: component c stands for offset_c + code * step_c."""
+    """(offset, step) (Hw, D) float32 of the heads at width w: component c stands for offset_c + code * step_c (at a
+    component of 0 bits, whose stored codes are 0: 0 and the scale)."""
     levels, _ = level_tables(torch.device(store.device), UNIFORM)
-    low, spacing = levels[w, 0], levels[w, 1] - levels[w, 0]
+    bits = store.plan[w].long()  # (Hw, D)
+    coded = bits > 0
+    low = torch.where(coded, levels[bits, 0], 0.0)
+    spacing = torch.where(coded, levels[bits, 1] - levels[bits, 0], 1.0)
     scale = store.scale[w].float()  # (Hw, D)
     return low * scale, spacing * scale
 

@@ -95,11 +95,13 @@ class Launch:
 def catch_launches(
     k_bits: tuple[int, ...], v_bits: tuple[int, ...], block_n: int | None, num_warps: int, num_stages: int | None,
     shape: dict, length: int | None = None, maxnreg: int | None = None, qblock: int | None = None,
+    plans: tuple[dict, dict] = ({}, {}),
 ) -> list[Launch]:  # fmt: skip
     """The stage-1 launches that decode_attention makes for per-head widths k_bits (keys) and v_bits (values) at
     `shape` (its hkv taken from the maps), stores of shape["context"] tokens' capacity holding `length` of them
     (default: full): one for the map's packed buckets, one for each generic bucket. With `qblock` (0: one block)
-    decode_attention_blocks' over codes-only stores instead."""
+    decode_attention_blocks' over codes-only stores instead, the widths in `plans` (keys', values': width ->
+    grouped plan, kernels/groups.py) holding grouped rows."""
     from kernels import decode_attention as da
     from kernels.layout import PackedStore
 
@@ -107,8 +109,8 @@ def catch_launches(
     dev = torch.device("meta")
     codes = qblock is not None
     stores = [
-        PackedStore(list(b), D, B, dtype=torch.bfloat16, device=dev, capacity=L, codes_only=codes)
-        for b in (k_bits, v_bits)
+        PackedStore(list(b), D, B, dtype=torch.bfloat16, device=dev, capacity=L, codes_only=codes, plans=plan)
+        for b, plan in zip((k_bits, v_bits), plans)
     ]
     for st in stores:
         st.length = L if length is None else length
@@ -307,14 +309,16 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
 
 
 def inspect_map(
-    k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_warps: int, shape: dict, qblock: int | None = None
-) -> list[dict]:
+    k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_warps: int, shape: dict, qblock: int | None = None,
+    plans: tuple[dict, dict] = ({}, {}),
+) -> list[dict]:  # fmt: skip
     """The rows of every stage-1 launch of one per-head map (default tiles and stages): the fast kernel's one
-    launch, a row per bucket, and each generic bucket's launch (with `qblock`, the codes-only path's one launch)."""
+    launch, a row per bucket, and each generic bucket's launch (with `qblock`, the codes-only path's one launch,
+    `plans` as catch_launches')."""
     label = (
         "map " + ",".join(map(str, k_bits)) + ("" if v_bits == k_bits else " / " + ",".join(map(str, v_bits)))
     )
-    launches = catch_launches(k_bits, v_bits, None, num_warps, None, shape, qblock=qblock)
+    launches = catch_launches(k_bits, v_bits, None, num_warps, None, shape, qblock=qblock, plans=plans)
     return [row for launch in launches for row in inspect_launch(launch, num_warps, shape, label)]
 
 
@@ -340,14 +344,21 @@ def allocation_pairs(path: Path) -> Counter:
 
 
 def inspect_allocation(
-    path: Path, pairs: Counter, num_warps: int, shape: dict, qblock: int | None
+    path: Path,
+    pairs: Counter,
+    num_warps: int,
+    shape: dict,
+    qblock: int | None,
+    plans: tuple[dict, dict] = ({}, {}),
 ) -> list[dict]:
     """The rows of the launch of one allocation's map (allocation_pairs: a KV head each pair, shape's query heads
     per KV head kept), each row's note naming the file, its pair's share of the units and the whole allocation's
     thread-instructions per KV byte (mix_instr_per_byte), which is also printed."""
     qg = shape["hq"] // shape["hkv"]
     k_bits, v_bits = tuple(k for k, _ in sorted(pairs)), tuple(v for _, v in sorted(pairs))
-    rows = inspect_map(k_bits, v_bits, num_warps, {**shape, "hkv": len(pairs), "hq": len(pairs) * qg}, qblock)
+    rows = inspect_map(
+        k_bits, v_bits, num_warps, {**shape, "hkv": len(pairs), "hq": len(pairs) * qg}, qblock, plans
+    )
     mix, total = mix_instr_per_byte(rows, pairs), sum(pairs.values())
     for row in rows:
         units = pairs[(int(row["key_bits"]), int(row["value_bits"]))]
@@ -415,6 +426,19 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _plan_entry(text: str) -> tuple[int, tuple[int, ...]]:
+    """ "2=4,4,2,2,1,1,1,1" -> (2, (4, 4, 2, 2, 1, 1, 1, 1)) (argparse's type for --key-plans, --value-plans)."""
+    width, sep, plan = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(width), _widths_list(plan)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not WIDTH=GROUP_WIDTHS (e.g. 2=4,4,2,2,1,1,1,1)"
+        ) from None
+
+
 def _widths_list(text: str) -> tuple[int, ...]:
     """ "2,2,4,8" -> (2, 2, 4, 8) (argparse's type for --map)."""
     try:
@@ -443,6 +467,12 @@ def main(argv: list[str] | None = None) -> None:
         "--codes", action="store_true", help="the codes-only path (decode_attention_blocks) at --qblock"
     )
     p.add_argument("--qblock", type=int, default=128, help="tokens a query block with --codes (0: one block)")
+    for role in ("key", "value"):
+        p.add_argument(
+            f"--{role}-plans", type=_plan_entry, nargs="+", default=[],
+            help=f"with --codes: the {role}s' grouped plans, WIDTH=GROUP_WIDTHS (a width of 16 components each; "
+            "kernels/groups.py), the heads at WIDTH holding grouped rows",
+        )  # fmt: skip
     p.add_argument(
         "--allocation", type=Path, nargs="+", default=None,
         help="recorded points' or allocation files' JSON: inspect, for each, a map of its (key, value) width pairs, "
@@ -468,9 +498,14 @@ def main(argv: list[str] | None = None) -> None:
                 (*args.map, *(k for k, _ in pairs)),
                 (*args.value_map, *(v for _, v in pairs)),
             )
+    plans = (dict(args.key_plans), dict(args.value_plans))
+    if (plans[0] or plans[1]) and not args.codes:
+        p.error("--key-plans/--value-plans: grouped plans are codes-only stores'; add --codes")
     for w in (*args.widths, *(args.map or ()), *(args.value_map or ())):
-        if w not in (2, 3, 4, 8, 16):
-            p.error(f"--widths/--map: {w} is not a width; allowed: 2, 3, 4, 8, 16")
+        if w not in (2, 3, 4, 8, 16) and w not in {**plans[0], **plans[1]}:
+            p.error(
+                f"--widths/--map: {w} is not a width; allowed: 2, 3, 4, 8, 16, or one with a grouped plan"
+            )
     v_map = args.value_map or args.map
     for name, m in (("--map", args.map), ("--value-map", v_map)):
         if m is not None and not allocations and len(m) != args.hkv:
@@ -482,10 +517,10 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for path, pairs in allocations.items():
         for nw in args.warps:
-            rows += inspect_allocation(path, pairs, nw, shape, qblock)
+            rows += inspect_allocation(path, pairs, nw, shape, qblock, plans)
     if args.map is not None and not allocations:
         for nw in args.warps:
-            rows += inspect_map(args.map, v_map, nw, shape, qblock)
+            rows += inspect_map(args.map, v_map, nw, shape, qblock, plans)
             print(f"compiled map warps={nw}", file=sys.stderr, flush=True)
     for kw, vw, n, nw in (
         [] if args.map is not None else variants(args.widths, args.block_n or [None], args.warps)

@@ -221,3 +221,63 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
         ours, theirs = (getattr(layer, role).parts[1] for layer in first_layers)
         for w in ours.widths:
             assert torch.equal(ours._codes(w, 0, ours.length), theirs._codes(w, 0, theirs.length)), (role, w)
+
+
+@torch.no_grad()
+def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(device, packed):
+    """pca_block_ugs on the triton backend: each width's heads share a plan of 16-component groups at 0, 1, 2, 4 or 8
+    bits (kernels/groups.py), which the write kernel codes and packs and the blocks kernel reads. It generates what
+    the torch backend's packed path does: the same tokens, logits within the fast kernel's fp16 products, the same
+    bytes, layer 0's stored rows byte for byte (the torch store's bitstream rows). A random Llama with heads of 64
+    channels (groups of 16 need 64: tiny-llama's 32 take groups of 8); heads at 1, 2, 3, 4, 5, 6 and 8 bits."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=128, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.1,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval().to(device)
+    g = torch.Generator().manual_seed(3)
+    fmt = get_scheme("pca_block_ugs").pca_format
+    cal = fit_pca_calibration(model, torch.randint(0, 256, (8, 64), generator=g).to(device), fmt)
+    prompt = torch.randint(0, 256, (1, 131), generator=g).to(device)
+    bits, value_bits = torch.tensor([[4, 1], [6, 5]]), torch.tensor([[2, 3], [1, 8]])
+    options = dict(scheme="pca_block_ugs", sink_tokens=1, prefill="quantized", key_calibration=cal)
+    options.update(value_bits=value_bits)
+    kw = dict(
+        max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
+    packed(model)
+    torch_cache = QuantizedKVCache(model.config, bits, backend="torch", **options)
+    want = model.generate(prompt, past_key_values=torch_cache, **kw)
+    triton_cache = QuantizedKVCache(model.config, bits, backend="triton", **options)
+    got = model.generate(prompt, past_key_values=triton_cache, **kw)
+
+    assert all(layer.fused for layer in triton_cache.quantized_layers())
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(want.logits, got.logits)):
+        err = ((a - b).norm() / a.norm()).item()
+        assert err < 1e-2, (step, err)
+    assert triton_cache.nbytes() == torch_cache.nbytes() > 0
+    first_layers = (triton_cache.quantized_layers()[0], torch_cache.quantized_layers()[0])
+    for role in ("k_store", "v_store"):
+        ours, theirs = (getattr(layer, role).parts[1] for layer in first_layers)
+        # grouped rows where a width's plan mixes group widths (or its width has no flat row): here one bucket
+        # of each role at least
+        mixed = {w for w in ours.widths if len(set(theirs.plan[w].flatten().tolist())) > 1 or w in (1, 5, 6)}
+        assert set(ours.packed.plans) == mixed and mixed
+        for w in ours.widths:
+            stored = ours.packed.bucket_of[w].payload[:, :, : ours.length]
+            assert torch.equal(stored, theirs.codes[w]), (role, w)
+
+
+def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
+    """resolve_backend: pca_block_ugs (shared grouped plans) takes the kernels at any of pca's widths;
+    pca_block_ug (a plan per head) and pca_block_u (a width per component) do not."""
+    cuda = torch.device("cuda")
+    grouped = get_scheme("pca_block_ugs", sink_tokens=1)
+    assert resolve_backend("auto", cuda, grouped, [1, 5], [6, 3], 64, 64) == "triton"
+    for name in ("pca_block_ug", "pca_block_u"):
+        with pytest.raises(NotImplementedError, match="shared by every head"):
+            get_scheme(name).check_kernel([4], [4], 64, 64, False)

@@ -557,7 +557,7 @@ def test_fast_buckets_of_a_mixed_map_share_one_launch(device, monkeypatch):
     assert (kwargs["KWS"], kwargs["VWS"]) == ((2, 3, 8), (2, 3, 8))
     assert kwargs["BLOCK_NS"] == tuple(da.fast_block_n(w, w, 128) for w in (2, 3, 8)) == (128, 64, 64)
     assert kwargs["STAGES"] == (2, 2, 3) and kwargs["num_stages"] == 2 and kwargs["maxnreg"] == 128
-    *_, heads, starts = da._map_plan(bits, bits, q.device, q.dtype, 128, 32, 32)
+    *_, heads, starts = da._store_map_plan(ks, vs, q.device, q.dtype)
     assert heads.tolist() == [1, 3, 2, 0] and starts == (0, 2, 3, 4) and grid[0] == B * 4
     assert any(a is heads for a in args) and any(a is starts for a in args)
     calls.clear()

@@ -226,3 +226,23 @@ def test_an_allocation_weighs_each_branch_by_the_heads_that_hold_its_widths(cli,
     assert (
         proc.returncode == 2 and "point.json holds no allocation with key_bits and value_bits" in proc.stderr
     )
+
+
+def test_inspector_compiles_grouped_plans(cli, tmp_path):
+    """--key-plans/--value-plans give a --codes map's widths grouped rows (kernels/groups.py): the branch compiles
+    for sm_90a without spills (how its tiles are laid out depends on the Triton that compiles: results/kernels has
+    3.6's); a plan without --codes, a width with neither plan nor flat kernel and a malformed plan are refused."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "groups.csv"
+    plan = ["--key-plans", "2=2,2,2,2,2,2,2,2"]
+    proc = cli("kernels.gpu.inspect", "--codes", "--map", "2,2,2,2,2,2,2,2", *plan, "--out", str(out), env=env,
+               timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = list(csv.DictReader(open(out)))
+    assert row["format"] == "codes" and int(row["mma"]) > 0 and int(row["spill_bytes"]) == 0
+    proc = cli("kernels.gpu.inspect", "--map", "2,2,2,2,2,2,2,2", *plan, env=env)
+    assert proc.returncode == 2 and "add --codes" in proc.stderr
+    proc = cli("kernels.gpu.inspect", "--codes", "--map", "5,5,5,5,5,5,5,5", env=env)
+    assert proc.returncode == 2 and "one with a grouped plan" in proc.stderr
+    proc = cli("kernels.gpu.inspect", "--codes", "--key-plans", "2:4,4", env=env)
+    assert proc.returncode == 2 and "is not WIDTH=GROUP_WIDTHS" in proc.stderr

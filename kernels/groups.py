@@ -1,0 +1,324 @@
+"""Grouped plans: codes-only rows whose D codes fall in groups of GROUP = 16 consecutive components, each group at
+its own width from GROUP_WIDTHS, one plan for every head of a width bucket (a constant the decode kernel compiles:
+harness/schemes/pca.py's pca_block_ugs). This module owns that row format and its tiles.
+
+Row format (harness/schemes/bitstream.py's for such widths): plan (w_0, .., w_{G-1}), G = D / 16, with
+16 sum(w_g) = w D bits for a head of unit width w. Group g's 16 codes are packed as kernels.reference.pack packs 16
+codes of w_g bits (at 1 bit, code i at bit i of two bytes; at 0 bits nothing), and the groups follow each other, so
+group g starts at bit 16 s_g, s_g = sum(w_j, j < g). A group of 2 bits or more starts on a 32-bit word (the kernel
+loads whole words): widths that never grow along the row always do.
+
+A tile (kernels/decode_attention.py's codes-only kernel) holds group g's codes at columns 16 g .. 16 g + 15, each
+group a k16 block of the scores' mma, in the order that the mma's register operand reads: lane c (of the 4 threads
+that share a row of it) holds the group's columns 4 c .. 4 c + 3, pairs j and j + 1 (j = 2 (c % L)) of word c // L
+of the group, L = 4 / (the group's words; a 1-bit group's half word counts as one), each word loaded once and
+broadcast to its L lanes in registers. A pair is two fp16 lanes h = 0, 1 made by one rotation and one lop3
+(kernels.unpack's trick): codes (j, j + 2) of a word at 8 bits under exponent 1024, (j, j + 4) at 4 bits and
+(j, j + 8) at 2 bits on mantissa bits [6, 10) and [8, 10) under 16 and 4, and at 1 bit (j, j + 8) of the half word on
+mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. Each lane is that offset + its code
+(`offsets`), or with one sub.f16x2 the code itself; `columns` says which component each tile column holds. A group of
+0 bits is zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import reference
+from kernels.unpack import EXACT_CODES, OFFSET_CODES, _halves, _lop3, _stack2, _stack4, _stack8
+
+GROUP = 16
+GROUP_WIDTHS = (0, 1, 2, 4, 8)
+FIELD_BITS = (
+    12  # a group's field in a plan code: its width (4 bits), then its first 16-bit half of the row (8)
+)
+_GROUP = tl.constexpr(GROUP)  # as the kernels read it (a field: 12 bits there, FIELD_BITS)
+
+
+def check_plan(plan: tuple[int, ...], width: int, head_dim: int) -> None:
+    """ValueError naming what is wrong unless `plan` is a grouped plan the kernels read for heads of unit width
+    `width` and head_dim `head_dim` (module docstring)."""
+    plan = tuple(int(w) for w in plan)
+    if head_dim not in (32, 64, 128, 256):
+        raise ValueError(f"head_dim: {head_dim} for a grouped plan; allowed: 32, 64, 128, 256")
+    if len(plan) != head_dim // GROUP or any(w not in GROUP_WIDTHS for w in plan):
+        raise ValueError(
+            f"plan: {plan}; allowed: {head_dim // GROUP} group widths (head_dim / {GROUP}), each one of {GROUP_WIDTHS}"
+        )
+    if GROUP * sum(plan) != width * head_dim:
+        raise ValueError(
+            f"plan: {plan} holds {GROUP * sum(plan)} bits a row; a {width}-bit head holds {width * head_dim}"
+        )
+    for g, w in enumerate(plan):
+        if w >= 2 and sum(plan[:g]) % 2:
+            raise ValueError(
+                f"plan: {plan}: group {g} ({w} bits) starts inside a 32-bit word; allowed: widths that never grow"
+            )
+
+
+def plan_code(plan: tuple[int, ...]) -> int:
+    """The plan as the kernel's compile-time constant: group g's width and first 16-bit half of the row in bits
+    [FIELD_BITS g, FIELD_BITS (g + 1)) (width in the low 4). 0 is no plan (no head has every group at 0 bits)."""
+    code, start = 0, 0
+    for g, w in enumerate(plan):
+        code |= (int(w) | start << 4) << (FIELD_BITS * g)
+        start += int(w)
+    return code
+
+
+def pack(codes: torch.Tensor, plan: tuple[int, ...]) -> torch.Tensor:
+    """codes (..., D) (integers, group g's in [0, 2**w_g)) -> uint8 (..., 2 sum(plan)): the rows of the module
+    docstring."""
+    parts = []
+    for g, w in enumerate(plan):
+        group = codes[..., GROUP * g : GROUP * (g + 1)]
+        if w == 1:
+            bits = group.to(torch.int32).reshape(*group.shape[:-1], 2, 8) << torch.arange(
+                8, device=codes.device
+            )
+            parts.append(bits.sum(-1).to(torch.uint8))
+        elif w:
+            parts.append(reference.pack(group, w))
+    return torch.cat(parts, -1)
+
+
+def unpack(payload: torch.Tensor, plan: tuple[int, ...]) -> torch.Tensor:
+    """Inverse of pack: uint8 (..., 2 sum(plan)) -> uint8 codes (..., 16 len(plan))."""
+    parts, byte = [], 0
+    for w in plan:
+        field = payload[..., byte : byte + 2 * w]
+        if w == 0:
+            parts.append(torch.zeros(*payload.shape[:-1], GROUP, dtype=torch.uint8, device=payload.device))
+        elif w == 1:
+            bits = (field[..., :, None].to(torch.int32) >> torch.arange(8, device=payload.device)) & 1
+            parts.append(bits.reshape(*payload.shape[:-1], GROUP).to(torch.uint8))
+        else:
+            parts.append(reference.unpack(field, w, GROUP))
+        byte += 2 * w
+    return torch.cat(parts, -1)
+
+
+def _lanes_a_word(w: int) -> int:
+    """L: the lanes that share one word of a group at width w."""
+    return {8: 1, 4: 2}.get(w, 4)
+
+
+def _code_in_group(column: int, w: int) -> int:
+    """The code of its group (< 16) that a group's column (< 16) holds at width w (module docstring)."""
+    c, i_lo, h = column // 4, (column // 2) % 2, column % 2
+    lanes = _lanes_a_word(w)
+    j, word = 2 * (c % lanes) + i_lo, c // lanes
+    return {8: 4 * word + j + 2 * h, 4: 8 * word + j + 4 * h, 2: j + 8 * h, 1: j + 8 * h}.get(w, column)
+
+
+def _offset_in_group(column: int, w: int) -> float:
+    """What a group's column adds to its code at width w: the exponent under which the code lies."""
+    return {8: 1024.0, 4: 16.0, 2: 4.0, 1: 512.0 if column % 2 else 2.0}.get(w, 0.0)
+
+
+def columns(plan: tuple[int, ...]) -> list[int]:
+    """The component each column of a tile holds (column 16 g + k: group g's column k)."""
+    return [
+        GROUP * (d // GROUP) + _code_in_group(d % GROUP, plan[d // GROUP]) for d in range(GROUP * len(plan))
+    ]
+
+
+def offsets(plan: tuple[int, ...]) -> list[float]:
+    """What each column's lane adds to its code (module docstring)."""
+    return [_offset_in_group(d % GROUP, plan[d // GROUP]) for d in range(GROUP * len(plan))]
+
+
+@triton.jit
+def _rotl(x, n, ASM: tl.constexpr):
+    """int32 x rotated left by n bits (an int32 tensor of x's shape, each in [0, 32): one shf.l.wrap with ASM)."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "shf.l.wrap.b32 $0, $1, $1, $2;", "=r,r,r", [x, n], tl.int32, True, 1
+        )
+    else:
+        u = x.to(tl.uint32, bitcast=True)
+        k = n.to(tl.uint32)
+        return ((u << k) | (u >> ((32 - k) & 31))).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr):
+    """Pair j (an int32 tensor (4,) by lane) of each lane's word (R, 4) of a W-bit group: int32 of two fp16 lanes,
+    code_offset + code (OFFSET_CODES) or the code (EXACT_CODES). HIGH: a 1-bit group in the word's high half."""
+    if W == 8:
+        amount = (32 - 8 * j) & 31
+        mask: tl.constexpr = "16711935"  # 0x00FF00FF
+        bits: tl.constexpr = "1677747200"  # 0x64006400 (1024, 1024)
+    elif W == 4:
+        amount = (6 - 4 * j) & 31
+        mask: tl.constexpr = "62915520"  # 0x03C003C0
+        bits: tl.constexpr = "1275087872"  # 0x4C004C00 (16, 16)
+    elif W == 2:
+        amount = (8 - 2 * j) & 31
+        mask: tl.constexpr = "50332416"  # 0x03000300
+        bits: tl.constexpr = "1140868096"  # 0x44004400 (4, 4)
+    else:
+        amount = (9 - j - 16 * HIGH) & 31
+        mask: tl.constexpr = "131584"  # 0x00020200
+        bits: tl.constexpr = "1610629120"  # 0x60004000 (2, 512)
+    t = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
+    if ASM:
+        t = _lop3(t, mask, bits)
+        if CODES == EXACT_CODES:
+            t = tl.inline_asm_elementwise(
+                "{.reg .b32 k; mov.b32 k, " + bits + "; sub.f16x2 $0, $1, k;}", "=r,r", [t], tl.int32, True, 1
+            )
+    else:
+        t = (t & int(mask)) | int(bits)
+        if CODES == EXACT_CODES:
+            lo, hi = _halves(t)
+            base_lo, base_hi = _halves(tl.full(t.shape, int(bits), tl.int32))
+            lo = (lo.to(tl.float32) - base_lo.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
+            hi = (hi.to(tl.float32) - base_hi.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
+            t = (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+    return t
+
+
+@triton.jit
+def _group(p_ptr, r64, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
+           CODES: tl.constexpr):  # fmt: skip
+    """One group's codes as fp16 (R, 4, 2, 2): [.., c, i_lo, h] is the group's column 4 c + 2 i_lo + h (module
+    docstring); p_ptr the head's words, rows of NW; r64 (R,) int64 token indices; FIELD the group's plan field."""
+    R: tl.constexpr = r64.shape[0]
+    W: tl.constexpr = FIELD & 15
+    HALF: tl.constexpr = FIELD >> 4  # the group's first 16-bit half of the row
+    if W == 0:
+        out = tl.zeros((R, 4, 2, 2), tl.float16)
+    else:
+        LANES: tl.constexpr = 1 if W == 8 else 2 if W == 4 else 4  # lanes a word
+        c = tl.arange(0, 4)
+        NWG: tl.constexpr = 4 // LANES  # the group's words
+        w_ptr = p_ptr + r64[:, None] * NW + (HALF // 2 + tl.arange(0, NWG))[None, :]
+        if MASKED:
+            loaded = tl.load(w_ptr, mask=mask_n[:, None], other=0)
+        else:
+            loaded = tl.load(w_ptr)  # (R, NWG)
+        # (R, 4): each lane's word, lane c reading word c // LANES (loaded once, broadcast in registers)
+        words = tl.reshape(tl.broadcast_to(loaded[:, :, None], (R, NWG, LANES)), (R, 4))
+        j = 2 * (c % LANES)
+        x = tl.join(_pairs(words, j, W, HALF % 2, ASM, CODES), _pairs(words, j + 1, W, HALF % 2, ASM, CODES))
+        lo, hi = _halves(x)
+        out = tl.join(lo, hi)
+    return out
+
+
+@triton.jit
+def group_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr,
+               MASKED: tl.constexpr, CODES: tl.constexpr):  # fmt: skip
+    """A head's tile of grouped codes as fp16 (R, D), group g's column k at column 16 g + k: p_ptr the head's payload
+    as int32 words, rows of NW; rows (R,) token indices, mask_n (R,) which are stored (read only when MASKED);
+    PLAN: plan_code's; CODES: OFFSET_CODES or EXACT_CODES."""
+    R: tl.constexpr = rows.shape[0]
+    G: tl.constexpr = D // _GROUP
+    r64 = rows.to(tl.int64)
+    tl.static_assert(CODES == OFFSET_CODES or CODES == EXACT_CODES)
+    tl.static_assert(G == 2 or G == 4 or G == 8 or G == 16)
+    if G == 2:
+        x = _stack2(
+            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 0)) & 4095, ASM, MASKED, CODES),
+            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 1)) & 4095, ASM, MASKED, CODES),
+        )
+        x = tl.permute(x, (0, 4, 1, 2, 3))
+    elif G == 4:
+        x = _stack4(
+            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 0)) & 4095, ASM, MASKED, CODES),
+            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 1)) & 4095, ASM, MASKED, CODES),
+            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 2)) & 4095, ASM, MASKED, CODES),
+            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 3)) & 4095, ASM, MASKED, CODES),
+        )  # (R, 4, 2, 2, m, j): group 2 m + j
+        x = tl.permute(x, (0, 4, 5, 1, 2, 3))
+    elif G == 8:
+        x = _eight(p_ptr, r64, mask_n, NW, PLAN, 0, 1, ASM, MASKED, CODES)
+        x = tl.permute(x, (0, 4, 5, 6, 1, 2, 3))
+    else:  # groups 2 i + t at [.., i, t]
+        x = tl.join(
+            _eight(p_ptr, r64, mask_n, NW, PLAN, 0, 2, ASM, MASKED, CODES),
+            _eight(p_ptr, r64, mask_n, NW, PLAN, 1, 2, ASM, MASKED, CODES),
+        )
+        x = tl.permute(x, (0, 4, 5, 6, 7, 1, 2, 3))
+    return tl.reshape(x, (R, D))
+
+
+@triton.jit
+def _eight(p_ptr, r64, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, FIRST: tl.constexpr, STEP: tl.constexpr,
+           ASM: tl.constexpr, MASKED: tl.constexpr, CODES: tl.constexpr):  # fmt: skip
+    """Groups FIRST + STEP i (i < 8), stacked (R, 4, 2, 2, 2, 2, 2): group i at [.., m, n, j], i = 4 m + 2 n + j."""
+    return _stack8(
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * FIRST)) & 4095, ASM, MASKED, CODES),
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + STEP))) & 4095, ASM, MASKED, CODES),
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 2 * STEP))) & 4095, ASM, MASKED, CODES),
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 3 * STEP))) & 4095, ASM, MASKED, CODES),
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 4 * STEP))) & 4095, ASM, MASKED, CODES),
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 5 * STEP))) & 4095, ASM, MASKED, CODES),
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 6 * STEP))) & 4095, ASM, MASKED, CODES),
+        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 7 * STEP))) & 4095, ASM, MASKED, CODES),
+    )
+
+
+@triton.jit
+def _code_in_group_jit(k, W: tl.constexpr):
+    """_code_in_group at a group's columns k (an int32 tensor), in the kernel."""
+    c, i_lo, h = k // 4, (k // 2) % 2, k % 2
+    if W == 8:
+        out = 4 * c + i_lo + 2 * h
+    elif W == 4:
+        out = 8 * (c // 2) + 2 * (c % 2) + i_lo + 4 * h
+    elif W == 0:
+        out = k
+    else:
+        out = 2 * c + i_lo + 8 * h
+    return out
+
+
+@triton.jit
+def _offset_in_group_jit(k, W: tl.constexpr):
+    """_offset_in_group at a group's columns k, as float32, in the kernel."""
+    if W == 1:
+        out = tl.where(k % 2 == 1, 512.0, 2.0)
+    else:
+        out = tl.full(k.shape, 1024.0 if W == 8 else 16.0 if W == 4 else 4.0 if W == 2 else 0.0, tl.float32)
+    return out
+
+
+@triton.jit
+def group_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
+    """`columns` as a (D,) int32 tensor, in the kernel."""
+    d = tl.arange(0, D)
+    g, k = d // _GROUP, d % _GROUP
+    out = tl.zeros((D,), tl.int32)
+    for i in tl.static_range(D // _GROUP):
+        out = tl.where(g == i, _GROUP * i + _code_in_group_jit(k, (PLAN >> (12 * i)) & 15), out)
+    return out
+
+
+@triton.jit
+def group_offsets_jit(PLAN: tl.constexpr, D: tl.constexpr):
+    """`offsets` as a (D,) float32 tensor, in the kernel."""
+    d = tl.arange(0, D)
+    g, k = d // _GROUP, d % _GROUP
+    out = tl.zeros((D,), tl.float32)
+    for i in tl.static_range(D // _GROUP):
+        out = tl.where(g == i, _offset_in_group_jit(k, (PLAN >> (12 * i)) & 15), out)
+    return out
+
+
+@triton.jit
+def group_bits_jit(PLAN: tl.constexpr, D: tl.constexpr):
+    """Each component's width and first bit in the row (module docstring), (D,) int32 each, in the kernel."""
+    d = tl.arange(0, D)
+    width = tl.zeros((D,), tl.int32)
+    bit = tl.zeros((D,), tl.int32)
+    for i in tl.static_range(D // _GROUP):
+        W: tl.constexpr = (PLAN >> (12 * i)) & 15
+        START: tl.constexpr = ((PLAN >> (12 * i)) & 4095) >> 4
+        here = d // _GROUP == i
+        width = tl.where(here, W, width)
+        bit = tl.where(here, _GROUP * START + W * (d - _GROUP * i), bit)
+    return width, bit

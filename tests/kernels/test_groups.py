@@ -1,0 +1,212 @@
+"""Grouped plans (kernels/groups.py): their rows against the bitstream format, their tiles against their column
+tables, and the codes-only kernels that read and write them (kernels/decode_attention.py, kernels/quantize.py)
+against the float64 oracle and torch's coding.
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, tests/conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from harness.schemes import bitstream
+from harness.schemes.pca_table import UNIFORM, level_tables, quantize_components
+from kernels import groups, reference
+from kernels.layout import PackedStore
+from kernels.unpack import EXACT_CODES, OFFSET_CODES
+
+B = 2
+
+
+def _plan_widths(plan: tuple[int, ...]) -> torch.Tensor:
+    """A plan's per-component widths (D,)."""
+    return torch.tensor([w for w in plan for _ in range(groups.GROUP)])
+
+
+def _random_codes(plan: tuple[int, ...], lead: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+    """Codes (*lead, D) in range for each component's group width (0 at 0 bits)."""
+    parts = [torch.randint(0, 1 << w, (*lead, groups.GROUP), generator=gen) for w in plan]
+    return torch.cat(parts, -1)
+
+
+@st.composite
+def _plans(draw):
+    """A plan the kernels read: G groups (2 to 16) of widths that never grow, a whole number of words a row."""
+    n = draw(st.sampled_from([2, 4, 8, 16]))
+    widths = draw(st.lists(st.sampled_from(groups.GROUP_WIDTHS), min_size=n, max_size=n))
+    plan = tuple(sorted(widths, reverse=True))
+    assume(sum(plan) % 2 == 0 and sum(plan) > 0)
+    return plan
+
+
+@settings(max_examples=40, deadline=None)
+@given(_plans(), st.integers(0, 2**31 - 1))
+def test_rows_are_the_bitstream_rows(plan, seed):
+    """pack writes what harness.schemes.bitstream packs for the same per-component widths (the torch store's rows),
+    and unpack reads the codes back."""
+    D = groups.GROUP * len(plan)
+    codes = _random_codes(plan, (2, 5, 3), torch.Generator().manual_seed(seed))  # (B, H, T, D)
+    rows = groups.pack(codes, plan)
+    lay = bitstream.layout(_plan_widths(plan)[None].expand(5, -1))
+    assert torch.equal(rows, bitstream.pack(codes, lay))
+    assert rows.shape[-1] == 2 * sum(plan) == sum(plan) * groups.GROUP // 8
+    assert torch.equal(groups.unpack(rows, plan).long(), codes)
+    assert sorted(groups.columns(plan)) == list(range(D))  # every component in one column
+
+
+def test_check_plan_refusals():
+    groups.check_plan((4, 2, 1, 1), 2, 64)
+    with pytest.raises(ValueError, match="4 group widths"):
+        groups.check_plan((4, 2, 1), 2, 64)
+    with pytest.raises(ValueError, match=r"each one of \(0, 1, 2, 4, 8\)"):
+        groups.check_plan((3, 3, 1, 1), 2, 64)
+    with pytest.raises(ValueError, match="holds 112 bits a row; a 2-bit head holds 128"):
+        groups.check_plan((4, 2, 1, 0), 2, 64)
+    with pytest.raises(ValueError, match="group 1 .2 bits. starts inside a 32-bit word"):
+        groups.check_plan((1, 2, 4, 1), 2, 64)
+    with pytest.raises(ValueError, match="head_dim: 96 for a grouped plan; allowed: 32, 64, 128, 256"):
+        groups.check_plan((4, 2, 0, 0, 0, 0), 1, 96)
+    with pytest.raises(ValueError, match="a grouped plan needs a codes-only store"):
+        PackedStore((2,), 64, 1, plans={2: (4, 2, 1, 1)})
+
+
+@triton.jit
+def _tile_kernel(p_ptr, out_ptr, L, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr, R: tl.constexpr,
+                 CODES: tl.constexpr):  # fmt: skip
+    rows = tl.arange(0, R)
+    mask = rows < L
+    tile = groups.group_tile(p_ptr, rows, mask, PLAN, D, NW, False, True, CODES)
+    tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], tile.to(tl.float32), mask=mask[:, None])
+    cols = groups.group_columns_jit(PLAN, D)
+    tl.store(out_ptr + R * D + tl.arange(0, D), cols.to(tl.float32))
+    tl.store(out_ptr + (R + 1) * D + tl.arange(0, D), groups.group_offsets_jit(PLAN, D))
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        (4, 2, 1, 1),  # smollm2's 2-bit keys' plan: two 1-bit groups in one word
+        (2, 1, 1, 0),
+        (8, 8, 4, 4),
+        (8, 4, 4, 4, 2, 2, 1, 1),
+        (4, 4, 4, 1, 1, 1, 1, 0),  # 1-bit groups in the high halves of words, then nothing
+        (8, 8, 8, 8, 4, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 0),
+    ],
+)
+def test_group_tile_holds_the_codes_in_its_column_order(device, plan):
+    """A tile of 13 tokens (3 rows masked off) holds, at each column, the code `columns` names plus `offsets`'
+    offset (OFFSET_CODES) or the code itself (EXACT_CODES); the kernel's own tables are the host's."""
+    D, L, R = groups.GROUP * len(plan), 13, 16
+    codes = _random_codes(plan, (L,), torch.Generator().manual_seed(len(plan) + sum(plan)))
+    words = groups.pack(codes, plan).contiguous().view(torch.int32).to(device)
+    cols, offs = torch.tensor(groups.columns(plan)), torch.tensor(groups.offsets(plan))
+    for mode in (OFFSET_CODES, EXACT_CODES):
+        out = torch.full((R + 2, D), float("nan"), device=device)
+        _tile_kernel[(1,)](
+            words, out, L, PLAN=groups.plan_code(plan), D=D, NW=words.shape[1], R=R, CODES=mode
+        )
+        out = out.cpu()
+        want = codes[:, cols].float() + (offs if mode == OFFSET_CODES else 0.0)
+        assert torch.equal(out[:L], want), mode
+        assert torch.equal(out[R].long(), cols) and torch.equal(out[R + 1], offs)
+
+
+def _stores(k_bits, v_bits, k_plans, v_plans, D, L, device, gen):
+    """Codes-only K and V stores of L random tokens, some widths under grouped plans, garbage past the tokens."""
+    out = []
+    for bits, plans in ((k_bits, k_plans), (v_bits, v_plans)):
+        st_ = PackedStore(bits, D, B, codes_only=True, device=device, capacity=L + 20, plans=plans)
+        for bk in st_.buckets:
+            bk.payload.fill_(0xA5)
+        parts = [
+            _random_codes(plans[b], (B, L), gen)
+            if b in plans
+            else torch.randint(0, 1 << b, (B, L, D), generator=gen)
+            for b in bits
+        ]
+        st_.append_codes(torch.stack(parts, 1).to(device))
+        out.append(st_)
+    return out
+
+
+@pytest.mark.parametrize(
+    "k_bits, v_bits, k_plans, v_plans, head_dim, qblock, hq, q_dtype",
+    [
+        # smollm2-135m's plans (keys at 2 and 5 bits, values at 1 and 6): every bucket grouped, blocks of 64
+        ((2, 5), (1, 6), {2: (4, 2, 1, 1), 5: (8, 4, 4, 4)}, {1: (2, 1, 1, 0), 6: (8, 8, 4, 4)}, 64, 64, 6,
+         torch.float16),
+        # a grouped key bucket beside flat ones, one block, float32 queries (grouped buckets take the fast kernel)
+        ((2, 4), (4, 2), {2: (4, 2, 1, 1)}, {}, 64, None, 4, torch.float32),
+        ((3, 3), (3, 3), {3: (8, 4, 4, 4, 2, 2, 0, 0)}, {3: (4, 4, 4, 4, 4, 2, 1, 1)}, 128, 128, 4, torch.bfloat16),
+    ],
+)  # fmt: skip
+def test_decode_attention_blocks_reads_grouped_rows(device, k_bits, v_bits, k_plans, v_plans, head_dim, qblock, hq,
+                                                    q_dtype, monkeypatch):  # fmt: skip
+    """Codes-only stores whose buckets hold grouped rows: decode_attention_blocks matches the float64 oracle over
+    the codes (their numbers, PackedStore.dequantize), at one split and three, with an extra segment in the codes'
+    domain, every bucket in the fast kernel's one launch."""
+    from kernels import decode_attention as da
+
+    launches, kernel = [], da._decode_packed_kernel
+
+    class Spy:  # counts the fast kernel's launches
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(da, "_decode_packed_kernel", Spy())
+    gen = torch.Generator().manual_seed(head_dim + hq)
+    L = 150
+    ks, vs = _stores(k_bits, v_bits, k_plans, v_plans, head_dim, L, device, gen)
+    blocks = -(-L // qblock) if qblock else 1
+    qb = (torch.randn(B, hq, blocks, head_dim, generator=gen) * head_dim**-0.5).to(device, q_dtype)
+    bias = (torch.randn(B, hq, blocks, generator=gen) * 4).to(device)
+    kx, vx = ((torch.rand(B, len(k_bits), 3, head_dim, generator=gen) * 7).to(device) for _ in "kv")
+    ref = reference.attention_blocks_reference(
+        qb, bias, ks.dequantize(), vs.dequantize(), 0.7, qblock, kx, vx
+    )
+    for num_splits in (1, 3):
+        out = da.decode_attention_blocks(
+            qb, bias, ks, vs, 0.7, qblock, k_extra=kx, v_extra=vx, num_splits=num_splits
+        )
+        err = ((out.double() - ref).norm() / ref.norm()).item()
+        assert err < (2e-3 if q_dtype != torch.float32 else 1e-2), (
+            num_splits,
+            err,
+        )  # float32 q: rounded to fp16
+    assert len(launches) == 2
+
+
+def test_quantize_codes_into_writes_grouped_rows(device):
+    """The write kernel codes each component at its group's width, bit for bit torch's quantize_components, and
+    packs grouped rows as groups.pack does (flat buckets beside them as before), at a host and a device position."""
+    from kernels.quantize import quantize_codes_into
+
+    _, bounds = level_tables(torch.device(device), UNIFORM)
+    gen = torch.Generator().manual_seed(4)
+    for D, bits, plans in (
+        (64, (2, 5, 1, 4), {2: (4, 2, 1, 1), 5: (8, 4, 4, 4), 1: (2, 1, 1, 0)}),
+        (128, (3, 2), {3: (8, 4, 4, 4, 2, 2, 0, 0)}),
+    ):
+        H, Tn = len(bits), 21
+        store = PackedStore(bits, D, B, codes_only=True, device=device, capacity=40, plans=plans)
+        for bk in store.buckets:
+            bk.payload.fill_(0xA5)
+        z = torch.randn(B, H, Tn, D, generator=gen) * 2
+        scale = torch.rand(H, D, generator=gen) + 0.5
+        quantize_codes_into(store, z[:, :, :20].to(device), 3, scale.to(device), bounds.contiguous())
+        quantize_codes_into(store, z[:, :, 20:].to(device), torch.tensor([23], device=device), scale.to(device),
+                            bounds.contiguous())  # fmt: skip
+        store.length = 3 + Tn
+        widths = torch.stack([_plan_widths(plans[b]) if b in plans else torch.full((D,), b) for b in bits])
+        codes, _ = quantize_components(z, widths, scale, UNIFORM)
+        for h, b in enumerate(bits):
+            assert torch.equal(store.head_codes(h)[:, 3:].long().cpu(), codes[:, h]), (D, b)
+            if b in plans:
+                payload = store.bucket_of[b].payload[:, int(store.slot[h]), 3 : 3 + Tn].cpu()
+                assert torch.equal(payload, groups.pack(codes[:, h], plans[b])), (D, b)
