@@ -21,7 +21,9 @@ Python Triton runs before it launches), the versions interleaved on the same sto
 loading also serve harness/bench/perf_ab.py (the CPU read path's comparison). `--codes` and `--codes-allocation`
 add the codes-only path (decode_attention_blocks over random codes, a query and a bias per block of `--qblock`
 tokens: the pca family's kernel) at uniform and mixed maps and at the proportions of recorded allocations, in the
-same CSV as the affine kernel's and SDPA's rows, each row with its bytes (methods `codes:` and `codes-graph:`).
+same CSV as the affine kernel's and SDPA's rows, each row with its bytes (methods `codes:` and `codes-graph:`);
+`--grouped-allocation` with `--grouped-plans` the same at recorded allocations whose widths hold grouped rows
+(kernels/groups.py: pca_block_ugs's format), for keys and values alike.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from kernels.gpu.bench import (
     tag,
     width_maps,
 )
+from kernels.gpu.inspect import plan_entry
 from kernels.layout import PackedStore
 
 
@@ -206,25 +209,40 @@ def allocation_map(pairs: Counter, hkv: int) -> tuple[list[int], list[int]]:
     return [k for k, _ in heads], [v for _, v in heads]
 
 
-def codes_maps(hkv: int, names: list[str], allocations: list[Path]) -> dict[str, tuple[list[int], list[int]]]:
-    """The codes-only path's (key widths, value widths) per KV head: each of `names` as width_maps makes it (keys
-    and values alike), and each allocation file's proportions (allocation_map), under its file's stem."""
+def codes_maps(
+    hkv: int, names: list[str], allocations: list[Path], grouped: list[Path] = (), plans: dict | None = None
+) -> dict[str, tuple[list[int], list[int], dict]]:
+    """The codes-only path's (key widths, value widths, grouped plans) per KV head: each of `names` as width_maps
+    makes it (keys and values alike), each allocation file's proportions (allocation_map), under its file's stem,
+    and each of `grouped`'s the same with `plans` (width -> kernels.groups plan, keys and values alike)."""
     from kernels.gpu.inspect import allocation_pairs
 
     for name in names:
         if name not in ("2", "3", "4", "8", "mixed"):
             raise ValueError(f"{name!r} is not a codes-only width map; allowed: 2, 3, 4, 8, mixed")
-    maps = {name: (bits, bits) for name, bits in width_maps(hkv, names).items()}
+    maps = {name: (bits, bits, {}) for name, bits in width_maps(hkv, names).items()}
     for path in allocations:
-        maps[path.stem] = allocation_map(allocation_pairs(path), hkv)
+        maps[path.stem] = (*allocation_map(allocation_pairs(path), hkv), {})
+    for path in grouped:
+        k_bits, v_bits = allocation_map(allocation_pairs(path), hkv)
+        missing = sorted({*k_bits, *v_bits} - {2, 3, 4, 8} - set(plans or {}))
+        if missing:
+            raise ValueError(f"{path}: {missing[0]}-bit heads and no --grouped-plans entry for them")
+        maps[path.stem] = (
+            k_bits,
+            v_bits,
+            {w: p for w, p in (plans or {}).items() if w in {*k_bits, *v_bits}},
+        )
     return maps
 
 
-def fill_codes(bits: list[int], B: int, L: int, D: int, device) -> PackedStore:
+def fill_codes(bits: list[int], B: int, L: int, D: int, device, plans: dict | None = None) -> PackedStore:
     """A codes-only PackedStore of L random tokens (B, len(bits) heads, D), each head's codes uniform over its
-    width's, written in chunks."""
-    st = PackedStore(bits, D, B, device=device, capacity=L + 1, codes_only=True, simulate=False)
-    mask = torch.tensor([(1 << w) - 1 for w in bits], dtype=torch.uint8, device=device)[None, :, None, None]
+    width's (under a grouped plan, each component's group's), written in chunks."""
+    plans = {w: p for w, p in (plans or {}).items() if w in bits}
+    st = PackedStore(bits, D, B, device=device, capacity=L + 1, codes_only=True, simulate=False, plans=plans)
+    per_component = [[g for g in plans[w] for _ in range(16)] if w in plans else [w] * D for w in bits]
+    mask = ((1 << torch.tensor(per_component, device=device)) - 1).to(torch.uint8)[None, :, None, :]
     chunk = max(1, (1 << 26) // (B * len(bits) * D))
     for pos in range(0, L, chunk):
         n = min(chunk, L - pos)
@@ -245,8 +263,8 @@ def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: i
     qb = (torch.randn(B, hq, nb, D, device=dev) * D**-0.5).to(run.dtype)
     bias = torch.randn(B, hq, nb, device=dev)
     query_bytes = qb.numel() * qb.element_size() + bias.numel() * 4 + B * hq * D * 4  # and the output
-    for name, (k_bits, v_bits) in maps.items():
-        kst, vst = fill_codes(k_bits, B, L, D, dev), fill_codes(v_bits, B, L, D, dev)
+    for name, (k_bits, v_bits, plans) in maps.items():
+        kst, vst = fill_codes(k_bits, B, L, D, dev, plans), fill_codes(v_bits, B, L, D, dev, plans)
         want = None
         if B * L <= 8 * 32768:
             want = reference.attention_blocks_reference(
@@ -259,13 +277,13 @@ def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: i
         )
         mean = (sum(k_bits) + sum(v_bits)) / (2 * len(k_bits))
         for stem, mod in versions.items():
-            if not hasattr(mod, "decode_attention_blocks"):
-                continue
+            if not hasattr(mod, "decode_attention_blocks") or (plans and not hasattr(mod, "_plan_codes")):
+                continue  # no codes-only path, or none for grouped rows
             fn = partial(mod.decode_attention_blocks, qb, bias, kst, vst, scale, qblock)
             plan = mod._store_map_plan(kst, vst, dev, qb.dtype)
             used = mod._split_plans(plan, kst, L, None, dev, None, qblock)[1]  # the default splits
             fetched = kst.nbytes() + vst.nbytes() + query_bytes + partial_bytes(B, hq, used, D)
-            note = f"{name}; qblock={qblock}; splits={used}"
+            note = f"{name}; qblock={qblock}; splits={used}" + (f"; grouped {sorted(plans)}" if plans else "")
             try:
                 err = rel_err(fn(), want) if want is not None else ""
                 run.add(
@@ -467,6 +485,14 @@ def main(argv: list[str] | None = None) -> None:
         "--codes-allocation", nargs="*", type=Path, default=[],
         help="recorded points or allocation files: the codes-only path at a map of each one's width pairs",
     )  # fmt: skip
+    p.add_argument(
+        "--grouped-allocation", nargs="*", type=Path, default=[],
+        help="as --codes-allocation, the widths of --grouped-plans holding grouped rows (pca_block_ugs's points)",
+    )  # fmt: skip
+    p.add_argument(
+        "--grouped-plans", nargs="*", type=plan_entry, default=[],
+        help="WIDTH=GROUP_WIDTHS (kernels/groups.py) for --grouped-allocation's widths, keys and values alike",
+    )  # fmt: skip
     p.add_argument("--qblock", type=int, default=128, help="tokens a query block on the codes-only path")
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny shape")
     p.add_argument("--host", action="store_true", help="the host side alone, launches stubbed (any machine)")
@@ -476,7 +502,8 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--config: {args.config!r} is not a head shape; allowed: {', '.join(shapes)}")
     check_version_files(p, args.files, "kernels/decode_attention.py")
     try:
-        codes = codes_maps(shapes[args.config][1], args.codes, args.codes_allocation)
+        codes = codes_maps(shapes[args.config][1], args.codes, args.codes_allocation, args.grouped_allocation,
+                           dict(args.grouped_plans))  # fmt: skip
     except ValueError as err:
         p.error(f"--codes: {err}")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":

@@ -61,6 +61,7 @@ GPU_TEST_FILES = (
     "tests/kernels/test_reference.py",
     "tests/kernels/test_triton_kernels.py",
     "tests/kernels/test_quantize_codes.py",
+    "tests/kernels/test_groups.py",
     "tests/harness/test_fused_backend.py",
     "tests/harness/test_eviction.py",
     "tests/harness/test_graphed.py",
@@ -73,6 +74,18 @@ TARGETS = {"speedup_4bit": 2.5, "frac_bw_4bit": 0.60, "speedup_2bit": 4.0, "mixe
 FRONTIER = Path("results/frontier/2026-11-24_frontier/points")
 CODES_POINTS = {"3.5x": FRONTIER / "f7becda42284dfac.json", "6x": FRONTIER / "0ba2efcd0b14a3b4.json"}
 CODES_TARGETS = {"3.5x": 2.3, "6x": 3.5}
+# ... and over pca_block_ugs (grouped rows, kernels/groups.py), with smollm2-135m's fitted plans (the same for keys
+# and values, every width's: harness.calibrate's pca_block_ugs fit) at the benchmark's head_dim 128 (each group of 16
+# components two), and plans of the dry run's head_dim 32 (two groups)
+GROUPED_POINTS = {"3.5x": FRONTIER / "b0a74dacb5380ec6.json", "6x": FRONTIER / "bb2384b039379b5e.json"}
+GROUPED_PLANS = [
+    "1=2,2,1,1,1,1,0,0",
+    "2=4,4,2,2,1,1,1,1",
+    "3=4,4,4,4,2,2,2,2",
+    "5=8,8,4,4,4,4,4,4",
+    "6=8,8,8,8,4,4,4,4",
+]
+GROUPED_PLANS_DRY = ["1=2,0", "2=4,0", "3=4,2", "5=8,2", "6=8,4"]
 
 
 def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
@@ -86,7 +99,8 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
         tests = ["tests/kernels/test_triton_kernels.py"]
         ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16", "--codes", "4",
-              "--codes-allocation", str(CODES_POINTS["3.5x"])]  # fmt: skip
+              "--codes-allocation", str(CODES_POINTS["3.5x"]), "--grouped-allocation", str(GROUPED_POINTS["3.5x"]),
+              "--grouped-plans", *GROUPED_PLANS_DRY]  # fmt: skip
     else:
         runner = ["--timeout", str(budget["runner"] - 10)]
         # four test processes: most of the stage is Triton compiling kernels, on the CPU
@@ -95,7 +109,8 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
         e2e = ["--caches", "dynamic", "4", "pca4", "4-graph", "mixed-graph", "mixed", "--new-tokens", "24",
                "--profile", "3"]  # fmt: skip
         ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3", "--codes", "4", "2",
-              "--codes-allocation", *map(str, CODES_POINTS.values())]  # fmt: skip
+              "--codes-allocation", *map(str, CODES_POINTS.values()), "--grouped-allocation",
+              *map(str, GROUPED_POINTS.values()), "--grouped-plans", *GROUPED_PLANS]  # fmt: skip
     return {"bench": bench, "e2e": e2e, "runner": runner, "tests": tests, "ab": ab}
 
 
@@ -315,20 +330,23 @@ def targets(rows: list[dict]) -> list[tuple[str, float, str, str]]:
 
 
 def codes_targets(rows: list[dict], kind: str = "codes") -> list[tuple[str, float, str, str]]:
-    """The codes-only path's targets from ab.csv at 32x8, batch 8, context 32K: its time at each CODES_POINTS map
+    """The codes-only path's targets from ab.csv at 32x8, batch 8, context 32K: its time at each CODES_POINTS and
+    GROUPED_POINTS map
     (method <kind>:<KERNEL stem>, kind "codes" as launched, "codes-graph" replayed) against the fastest 16-bit
     attention, as `targets` gives them."""
     at = [r for r in rows if (r["config"], r["batch"], r["context"]) == ("32x8", "8", "32768")]
     at = [r for r in at if _num(r["time_us"]) > 0]
     base = [_num(r["time_us"]) for r in at if r["method"].startswith("sdpa_")]
     out = []
-    for point, path in CODES_POINTS.items():
+    points = [("codes-only", point, path) for point, path in CODES_POINTS.items()]
+    points += [("grouped codes", point, path) for point, path in GROUPED_POINTS.items()]
+    for label, point, path in points:
         rows_at = [
             r for r in at if r["method"] == f"{kind}:{KERNEL.stem}" and r["note"].split(";")[0] == path.stem
         ]
         if base and rows_at:
             speedup, wanted = min(base) / _num(rows_at[0]["time_us"]), CODES_TARGETS[point]
-            name = f"codes-only at the {point} point's widths ({rows_at[0]['widths']}) vs fastest 16-bit"
+            name = f"{label} at the {point} point's widths ({rows_at[0]['widths']}) vs fastest 16-bit"
             out.append((name, speedup, f">= {wanted}x", "yes" if speedup >= wanted else "no"))
     return out
 

@@ -62,7 +62,9 @@ import triton
 SHAPE = {"hq": 32, "hkv": 8, "head_dim": 128, "batch": 8, "context": 32768}
 TARGET_ARCH = 90  # Hopper; compiled as sm_90a
 ROOT = Path(__file__).resolve().parents[2]
-KERNEL_SOURCES = tuple(ROOT / "kernels" / f for f in ("decode_attention.py", "unpack.py", "layout.py"))
+KERNEL_SOURCES = tuple(
+    ROOT / "kernels" / f for f in ("decode_attention.py", "unpack.py", "groups.py", "layout.py")
+)
 COLUMNS = [
     "triton", "kernel_sha", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
     "shared_bytes", "loop_instr", "kv_bytes_per_tile", "instr_per_byte", "payload_load_bytes", "mma", "i2f",
@@ -426,7 +428,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _plan_entry(text: str) -> tuple[int, tuple[int, ...]]:
+def plan_entry(text: str) -> tuple[int, tuple[int, ...]]:
     """ "2=4,4,2,2,1,1,1,1" -> (2, (4, 4, 2, 2, 1, 1, 1, 1)) (argparse's type for --key-plans, --value-plans)."""
     width, sep, plan = text.partition("=")
     try:
@@ -469,7 +471,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--qblock", type=int, default=128, help="tokens a query block with --codes (0: one block)")
     for role in ("key", "value"):
         p.add_argument(
-            f"--{role}-plans", type=_plan_entry, nargs="+", default=[],
+            f"--{role}-plans", type=plan_entry, nargs="+", default=[],
             help=f"with --codes: the {role}s' grouped plans, WIDTH=GROUP_WIDTHS (a width of 16 components each; "
             "kernels/groups.py), the heads at WIDTH holding grouped rows",
         )  # fmt: skip

@@ -148,3 +148,25 @@ def test_a_version_loads_with_its_own_copies_of_the_kernels_modules(tmp_path):
     assert versions["old"].code_of_column() == "old"
     assert versions["new"].code_of_column is kernels.unpack.code_of_column  # today's, once old is loaded
     assert sys.modules["kernels.unpack"] is kernels.unpack
+
+
+def test_grouped_allocations_hold_grouped_rows(tmp_path):
+    """--grouped-allocation maps carry --grouped-plans for their widths (keys and values alike), and their stores
+    hold grouped rows whose codes stay within each group's width; a width with neither a plan nor a flat row is
+    refused, naming the file."""
+    import json
+
+    import torch
+
+    point = tmp_path / "point.json"
+    point.write_text(json.dumps({"allocation": {"key_bits": [[5, 4]], "value_bits": [[1, 4]]}}))
+    maps = ab.codes_maps(2, ["4"], [], [point], {5: (8, 2), 1: (2, 0), 2: (4, 0)})
+    assert maps["4"] == ([4, 4], [4, 4], {})
+    assert maps["point"] == ([4, 5], [4, 1], {5: (8, 2), 1: (2, 0)})
+    st = ab.fill_codes([4, 5], 1, 20, 32, "cpu", maps["point"][2])
+    assert st.plans == {5: (8, 2)}
+    codes = st.head_codes(1)  # (B, L, 32): 16 codes of 8 bits, then 16 of 2
+    assert int(codes[..., 16:].max()) <= 3 and int(codes[..., :16].max()) > 3
+    assert torch.equal(st.head_codes(0), st.head_codes(0) & 15)
+    with pytest.raises(ValueError, match="point.json: 1-bit heads and no --grouped-plans entry"):
+        ab.codes_maps(2, [], [], [point], {5: (8, 2)})

@@ -43,7 +43,9 @@ def test_dry_run_exercises_every_stage(tmp_path, cli):
     assert all(float(r["rel_err"]) < 2e-2 for r in ab if r["method"].startswith("fused:"))
     assert "## Kernel versions" in readme
     codes = [r for r in ab if r["method"] == "codes:decode_attention"]  # the pca family's path, at its maps
-    assert {r["note"].split(";")[0] for r in codes} == {"4", gpu_check.CODES_POINTS["3.5x"].stem}
+    points = {gpu_check.CODES_POINTS["3.5x"].stem, gpu_check.GROUPED_POINTS["3.5x"].stem}
+    assert {r["note"].split(";")[0] for r in codes} == {"4", *points}  # flat and grouped rows
+    assert any("; grouped [" in r["note"] for r in codes)
     assert all(float(r["rel_err"]) < 1e-2 for r in codes)
     methods = {r["method"] for r in _rows(folder / "decode.csv")}
     assert {"sdpa_default", "flex_decode", "fp8_dequant_sdpa", "fused", "dequant_sdpa", "step_fused", "step_bf16",
@@ -199,9 +201,18 @@ def test_codes_targets_read_the_frontier_points_maps_off_the_ab():
             "note": f"{points['3.5x']}; qblock=128",
         },
         {**_decode_row("codes:decode_attention", "2,3/2,2", 100.0), "note": f"{points['6x']}; qblock=128"},
+        {
+            **_decode_row("codes:decode_attention", "5,5/4,5", 150.0),
+            "note": f"{gpu_check.GROUPED_POINTS['3.5x'].stem}; qblock=128; splits=4; grouped [5]",
+        },
     ]
     got = gpu_check.codes_targets(rows)
-    assert [(v, t, m) for _, v, t, m in got] == [(2.5, ">= 2.3x", "yes"), (3.0, ">= 3.5x", "no")]
+    assert [(v, t, m) for _, v, t, m in got] == [
+        (2.5, ">= 2.3x", "yes"),
+        (3.0, ">= 3.5x", "no"),
+        (2.0, ">= 2.3x", "no"),
+    ]
+    assert got[2][0].startswith("grouped codes at the 3.5x point's widths (5,5/4,5)")
     assert "3.5x point's widths (4,4/4,3)" in got[0][0]
     ((_, replayed, _, met),) = gpu_check.codes_targets(rows, "codes-graph")
     assert replayed == 300 / 80 and met == "yes"
