@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.groups import group_columns_jit, group_offsets_jit, group_tile
+from kernels.groups import group_columns_jit, group_tile
 from kernels.host import cdiv, next_power_of_2, sm_count
 from kernels.quantize import check_group_size, check_widths
 from kernels.unpack import (
@@ -807,8 +807,7 @@ def _block_query_kernel(qb_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, strid
     for k in tl.static_range(len(KWS)):
         if kw == KWS[k]:
             if KPLANS[k]:
-                cols = group_columns_jit(KPLANS[k], D)
-                code_offsets = group_offsets_jit(KPLANS[k], D)
+                cols, code_offsets = group_columns_jit(KPLANS[k], D)
             else:
                 cols = code_of_column_jit(KWS[k], D, True)
                 code_offsets = code_offsets_jit(d, KWS[k])
@@ -894,13 +893,12 @@ def _codes_head(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, str
     plans (kernels/groups.py), or 0."""
     i = tl.arange(0, QG_B)
     if KPLAN:
-        kcol = group_columns_jit(KPLAN, D)
-        koff = group_offsets_jit(KPLAN, D)
+        kcol, koff = group_columns_jit(KPLAN, D)
     else:
         kcol = code_of_column_jit(KW, D, True)
         koff = code_offsets_jit(tl.arange(0, D), KW)  # (D,) by logical column
     if VPLAN:
-        vcol = group_columns_jit(VPLAN, D)
+        vcol, _ = group_columns_jit(VPLAN, D)
     else:
         vcol = code_of_column_jit(VW, D, False)
     head = q_ptr + b64 * stride_qb + h * stride_qh  # int32: the head's record of block 0
@@ -1123,13 +1121,13 @@ def _store_map_plan(k_store, v_store, device: torch.device, q_dtype: torch.dtype
 
 
 def _planned(st) -> tuple[int, ...]:
-    """The widths of a store that hold grouped plans (kernels/groups.py)."""
-    return tuple(sorted(getattr(st, "plans", {})))
+    """The widths of a store that hold grouped plans (kernels/groups.py), ascending."""
+    return tuple(st.plan_codes)
 
 
 def _plan_codes(st, widths) -> tuple[int, ...]:
     """kernels.groups.plan_code of a store's plan at each of `widths` (0 where it has none)."""
-    return tuple(st.plan_code(w) if w in _planned(st) else 0 for w in widths)
+    return tuple(st.plan_code(w) for w in widths)
 
 
 def _split_plans(map_plan, k_store, span: int, block_n: int | None, device: torch.device,

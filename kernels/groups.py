@@ -289,24 +289,16 @@ def _offset_in_group_jit(k, W: tl.constexpr):
 
 @triton.jit
 def group_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
-    """`columns` as a (D,) int32 tensor, in the kernel."""
+    """(`columns` as a (D,) int32 tensor, `offsets` as a (D,) float32 tensor), in the kernel."""
     d = tl.arange(0, D)
     g, k = d // _GROUP, d % _GROUP
-    out = tl.zeros((D,), tl.int32)
+    cols = tl.zeros((D,), tl.int32)
+    offs = tl.zeros((D,), tl.float32)
     for i in tl.static_range(D // _GROUP):
-        out = tl.where(g == i, _GROUP * i + _code_in_group_jit(k, (PLAN >> (12 * i)) & 15), out)
-    return out
-
-
-@triton.jit
-def group_offsets_jit(PLAN: tl.constexpr, D: tl.constexpr):
-    """`offsets` as a (D,) float32 tensor, in the kernel."""
-    d = tl.arange(0, D)
-    g, k = d // _GROUP, d % _GROUP
-    out = tl.zeros((D,), tl.float32)
-    for i in tl.static_range(D // _GROUP):
-        out = tl.where(g == i, _offset_in_group_jit(k, (PLAN >> (12 * i)) & 15), out)
-    return out
+        W: tl.constexpr = (PLAN >> (12 * i)) & 15
+        cols = tl.where(g == i, _GROUP * i + _code_in_group_jit(k, W), cols)
+        offs = tl.where(g == i, _offset_in_group_jit(k, W), offs)
+    return cols, offs
 
 
 @triton.jit

@@ -133,6 +133,8 @@ class PackedStore:
             raise ValueError("plans: a grouped plan needs a codes-only store (codes_only=True)")
         for w, plan in self.plans.items():
             groups.check_plan(plan, w, head_dim)
+        # the kernels' constant per planned width (kernels.groups.plan_code), made once: read at every decode step
+        self.plan_codes = {w: groups.plan_code(plan) for w, plan in sorted(self.plans.items())}
         for b in bits:
             if b in self.plans:
                 continue
@@ -205,7 +207,7 @@ class PackedStore:
 
     def plan_code(self, width: int) -> int:
         """The kernels' constant for the heads at `width`: kernels.groups.plan_code of their plan, 0 without one."""
-        return groups.plan_code(self.plans[width]) if width in self.plans else 0
+        return self.plan_codes.get(width, 0)
 
     def advance(self, n: int) -> None:
         """Count n more tokens as stored: those a replayed CUDA graph wrote at device-side positions (its Python,

@@ -174,6 +174,23 @@ def test_fused_decode_refuses_a_mask_that_hides_tokens(device, packed):
         model(input_ids=ids[:, :1], attention_mask=mask, past_key_values=cache, use_cache=True)
 
 
+def _pca_generation(model, scheme: str, value_bits: torch.Tensor, device) -> tuple:
+    """The pca generation tests' (prompt, cache options, generate() keywords): `scheme`'s transforms fitted on 8
+    random windows of 64 tokens, one sink token, values at `value_bits`, a random prompt of 131 tokens (its decode
+    steps in the second block of 128) and 4 greedy tokens with their logits."""
+    g = torch.Generator().manual_seed(3)
+    fmt = get_scheme(scheme).pca_format
+    cal = fit_pca_calibration(model, torch.randint(0, 256, (8, 64), generator=g).to(device), fmt)
+    prompt = torch.randint(0, 256, (1, 131), generator=g).to(device)
+    options = dict(
+        scheme=scheme, sink_tokens=1, prefill="quantized", key_calibration=cal, value_bits=value_bits
+    )
+    kw = dict(
+        max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+    )
+    return prompt, options, kw
+
+
 @torch.no_grad()
 def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, monkeypatch, packed):
     """pca_block_uf on the triton backend (codes in codes-only stores, each decode step pca_fold.decode around
@@ -182,19 +199,11 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
     Triton kernel) bit for bit. A prompt of 131 tokens puts the decode steps in the second block of 128 (two
     queries a head); heads at 2, 3, 4 and 8 bits, keys and values apart."""
     model, _ = load_model("tiny-llama", device=device)
-    g = torch.Generator().manual_seed(3)
-    fmt = get_scheme("pca_block_uf").pca_format
-    cal = fit_pca_calibration(model, torch.randint(0, 256, (8, 64), generator=g).to(device), fmt)
-    prompt = torch.randint(0, 256, (1, 131), generator=g).to(device)
     bits, value_bits = (
         torch.tensor([[4, 2, 8], [3, 4, 4], [2, 8, 3]]),
         torch.tensor([[4, 4, 3], [8, 2, 4], [4, 3, 2]]),
     )
-    options = dict(scheme="pca_block_uf", sink_tokens=1, prefill="quantized", key_calibration=cal)
-    options.update(value_bits=value_bits)
-    kw = dict(
-        max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
-    )
+    prompt, options, kw = _pca_generation(model, "pca_block_uf", value_bits, device)
     packed(model)
     torch_cache = QuantizedKVCache(model.config, bits, backend="torch", **options)
     want = model.generate(prompt, past_key_values=torch_cache, **kw)
@@ -238,16 +247,8 @@ def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(devic
         num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, initializer_range=0.1,
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval().to(device)
-    g = torch.Generator().manual_seed(3)
-    fmt = get_scheme("pca_block_ugs").pca_format
-    cal = fit_pca_calibration(model, torch.randint(0, 256, (8, 64), generator=g).to(device), fmt)
-    prompt = torch.randint(0, 256, (1, 131), generator=g).to(device)
     bits, value_bits = torch.tensor([[4, 1], [6, 5]]), torch.tensor([[2, 3], [1, 8]])
-    options = dict(scheme="pca_block_ugs", sink_tokens=1, prefill="quantized", key_calibration=cal)
-    options.update(value_bits=value_bits)
-    kw = dict(
-        max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
-    )
+    prompt, options, kw = _pca_generation(model, "pca_block_ugs", value_bits, device)
     packed(model)
     torch_cache = QuantizedKVCache(model.config, bits, backend="torch", **options)
     want = model.generate(prompt, past_key_values=torch_cache, **kw)

@@ -82,9 +82,9 @@ def _tile_kernel(p_ptr, out_ptr, L, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.
     mask = rows < L
     tile = groups.group_tile(p_ptr, rows, mask, PLAN, D, NW, False, True, CODES)
     tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], tile.to(tl.float32), mask=mask[:, None])
-    cols = groups.group_columns_jit(PLAN, D)
+    cols, offs = groups.group_columns_jit(PLAN, D)
     tl.store(out_ptr + R * D + tl.arange(0, D), cols.to(tl.float32))
-    tl.store(out_ptr + (R + 1) * D + tl.arange(0, D), groups.group_offsets_jit(PLAN, D))
+    tl.store(out_ptr + (R + 1) * D + tl.arange(0, D), offs)
 
 
 @pytest.mark.parametrize(
