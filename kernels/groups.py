@@ -294,10 +294,9 @@ def group_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
     g, k = d // _GROUP, d % _GROUP
     cols = tl.zeros((D,), tl.int32)
     offs = tl.zeros((D,), tl.float32)
-    for i in tl.static_range(D // _GROUP):
-        W: tl.constexpr = (PLAN >> (12 * i)) & 15
-        cols = tl.where(g == i, _GROUP * i + _code_in_group_jit(k, W), cols)
-        offs = tl.where(g == i, _offset_in_group_jit(k, W), offs)
+    for i in tl.static_range(D // _GROUP):  # (a constexpr is not reassigned in a compiled loop: inline)
+        cols = tl.where(g == i, _GROUP * i + _code_in_group_jit(k, (PLAN >> (12 * i)) & 15), cols)
+        offs = tl.where(g == i, _offset_in_group_jit(k, (PLAN >> (12 * i)) & 15), offs)
     return cols, offs
 
 
@@ -307,10 +306,9 @@ def group_bits_jit(PLAN: tl.constexpr, D: tl.constexpr):
     d = tl.arange(0, D)
     width = tl.zeros((D,), tl.int32)
     bit = tl.zeros((D,), tl.int32)
-    for i in tl.static_range(D // _GROUP):
-        W: tl.constexpr = (PLAN >> (12 * i)) & 15
-        START: tl.constexpr = ((PLAN >> (12 * i)) & 4095) >> 4
+    for i in tl.static_range(D // _GROUP):  # (a constexpr is not reassigned in a compiled loop: inline)
         here = d // _GROUP == i
-        width = tl.where(here, W, width)
-        bit = tl.where(here, _GROUP * START + W * (d - _GROUP * i), bit)
+        width = tl.where(here, (PLAN >> (12 * i)) & 15, width)
+        start = _GROUP * (((PLAN >> (12 * i)) & 4095) >> 4)  # the group's first bit
+        bit = tl.where(here, start + ((PLAN >> (12 * i)) & 15) * (d - _GROUP * i), bit)
     return width, bit

@@ -246,3 +246,30 @@ def test_inspector_compiles_grouped_plans(cli, tmp_path):
     assert proc.returncode == 2 and "one with a grouped plan" in proc.stderr
     proc = cli("kernels.gpu.inspect", "--codes", "--key-plans", "2:4,4", env=env)
     assert proc.returncode == 2 and "is not WIDTH=GROUP_WIDTHS" in proc.stderr
+
+
+WRITE_KERNEL = """
+import torch
+from kernels import quantize as q
+from kernels.gpu import inspect as ins
+from kernels.layout import PackedStore
+caught = []
+q._quantize_codes_kernel.run = lambda *a, grid, warmup, **k: caught.append(ins.Launch(q._quantize_codes_kernel, a, k))
+plans = {1: (2, 2, 1, 1, 1, 1, 0, 0), 2: (4, 4, 2, 2, 1, 1, 1, 1), 5: (8, 8, 4, 4, 4, 4, 4, 4)}
+st = PackedStore([1, 2, 5, 4], 128, 8, device="meta", capacity=64, codes_only=True, plans=plans)
+z = torch.empty(8, 4, 1, 128, device="meta")
+q.quantize_codes_into(st, z, 3, torch.empty(4, 128, device="meta"), torch.empty(9, 255, device="meta"))
+_, resources = ins.sass_and_resources(ins.compile_for_hopper(caught[0])[0])
+print("LOCAL", resources["LOCAL"])
+"""
+
+
+def test_the_write_kernel_compiles_grouped_branches_for_hopper(cli, tmp_path):
+    """The codes-only write kernel (quantize_codes_into) with grouped buckets beside a flat one compiles for sm_90a
+    (the interpreter runs code the compiler refuses, such as a constexpr assigned twice in an unrolled loop), without
+    local memory."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", WRITE_KERNEL], capture_output=True, text=True, env=env, cwd=ROOT,
+                          timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LOCAL 0" in proc.stdout
