@@ -110,6 +110,42 @@ class Bucket:
                 setattr(self, name, rows)
 
 
+def _checked_plans(
+    plans: dict[int, tuple[int, ...]], head_dim: int, codes_only: bool
+) -> dict[int, tuple[int, ...]]:
+    """The grouped plans as ints, each checked (kernels.groups.check_plan); only a codes-only store takes them."""
+    plans = {int(w): tuple(int(g) for g in plan) for w, plan in plans.items()}
+    if plans and not codes_only:
+        raise ValueError("plans: a grouped plan needs a codes-only store (codes_only=True)")
+    for w, plan in plans.items():
+        groups.check_plan(plan, w, head_dim)
+    return plans
+
+
+def _checked_group_size(
+    bits: list[int],
+    plans: dict[int, tuple[int, ...]],
+    head_dim: int,
+    group_size: int,
+    symmetric: bool,
+    codes_only: bool,
+) -> int:
+    """Check the heads' widths against the store's kind; return the scale group size the store uses."""
+    for b in bits:
+        if b not in plans and b != FULL_WIDTH and b not in reference.WIDTHS:
+            raise ValueError(f"bits: {b} is not an allowed width; allowed: 2, 3, 4, 8, 16")
+    if codes_only:
+        # the codes alone: no group holds a scale, so the whole row is one group (what the kernels compile)
+        if FULL_WIDTH in bits:
+            raise ValueError("bits: a codes-only store holds no 16-bit head; allowed: 2, 3, 4, 8")
+        if symmetric:
+            raise ValueError("symmetric: a codes-only store has no scales; allowed: False")
+        group_size = head_dim
+    if any(b != FULL_WIDTH for b in bits) and head_dim % group_size:
+        raise ValueError(f"quant.group_size: {group_size} does not divide head_dim {head_dim}")
+    return group_size
+
+
 class PackedStore:
     """One layer's keys or values for a batch, each KV head stored at its own width (2, 3, 4, 8 or 16)."""
 
@@ -128,28 +164,11 @@ class PackedStore:
         plans: dict[int, tuple[int, ...]] | None = None,
     ):
         bits = [int(b) for b in bits]
-        self.plans = {int(w): tuple(int(g) for g in plan) for w, plan in (plans or {}).items()}
-        if self.plans and not codes_only:
-            raise ValueError("plans: a grouped plan needs a codes-only store (codes_only=True)")
-        for w, plan in self.plans.items():
-            groups.check_plan(plan, w, head_dim)
+        self.plans = _checked_plans(plans or {}, head_dim, codes_only)
         # the kernels' constant per planned width (kernels.groups.plan_code), made once: read at every decode step
         self.plan_codes = {w: groups.plan_code(plan) for w, plan in sorted(self.plans.items())}
-        for b in bits:
-            if b in self.plans:
-                continue
-            if b != FULL_WIDTH and b not in reference.WIDTHS:
-                raise ValueError(f"bits: {b} is not an allowed width; allowed: 2, 3, 4, 8, 16")
+        group_size = _checked_group_size(bits, self.plans, head_dim, group_size, symmetric, codes_only)
         quantized = [b for b in bits if b != FULL_WIDTH]
-        if codes_only:
-            # the codes alone: no group holds a scale, so the whole row is one group (what the kernels compile)
-            if FULL_WIDTH in bits:
-                raise ValueError("bits: a codes-only store holds no 16-bit head; allowed: 2, 3, 4, 8")
-            if symmetric:
-                raise ValueError("symmetric: a codes-only store has no scales; allowed: False")
-            group_size = head_dim
-        if quantized and head_dim % group_size:
-            raise ValueError(f"quant.group_size: {group_size} does not divide head_dim {head_dim}")
         self.bits, self.codes_only = tuple(bits), codes_only
         self.head_dim, self.batch, self.group_size, self.symmetric = head_dim, batch, group_size, symmetric
         self.dtype, self.device = dtype, torch.device(device)

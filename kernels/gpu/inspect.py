@@ -449,7 +449,7 @@ def _widths_list(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of widths") from None
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kernels.gpu.inspect", description=__doc__.split("\n\n")[0])
     p.add_argument("--widths", nargs="+", type=int, default=[16, 8, 4, 3, 2], help="uniform K and V widths")
     p.add_argument(
@@ -483,6 +483,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, help="CSV to write")
     for k, v in SHAPE.items():
         p.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+    return p
+
+
+def _write_csv(rows: list[dict], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = _parser()
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         sys.exit("error: TRITON_INTERPRET=1 is set; the inspector compiles, so unset it")
@@ -532,12 +546,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")
     print(format_table(rows))
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=COLUMNS)
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.out}")
+        _write_csv(rows, args.out)
 
 
 if __name__ == "__main__":
