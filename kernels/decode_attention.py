@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.groups import group_columns_jit, group_tile
+from kernels.groups import group_columns_jit, group_tile, group_value_columns_jit, group_value_tile
 from kernels.host import cdiv, next_power_of_2, sm_count
 from kernels.quantize import check_group_size, check_widths
 from kernels.unpack import (
@@ -96,8 +96,12 @@ CODES_LAUNCH_LARGE_HEADS = {w: {"block_n": 128, "num_stages": 2, "maxnreg": 128}
     8: {"block_n": 64, "num_stages": 2}
 }
 # A codes-only bucket whose width has no entry above (a grouped plan's 1, 5, 6 or 7 bits: kernels/groups.py) takes
-# this launch; not yet tuned.
+# this launch; not yet tuned. A launch with any grouped bucket takes GROUPS_MAXNREG (its key and value tiles both live
+# in registers at once: uncapped, a 2-bit bucket of smollm2's plans took 168 registers, 653 loop instructions a
+# 128-token tile, against 683 at 128; `python -m kernels.gpu.inspect --codes --map 2,2,2,2,2,2,2,2 --key-plans
+# 2=4,4,2,2,1,1,1,1 --value-plans 2=4,4,2,2,1,1,1,1`, Triton 3.6, sm_90a).
 GROUPS_LAUNCH = {"block_n": 64, "num_stages": 2}
+GROUPS_MAXNREG = 128
 # Captured in a CUDA graph, a call's stage-1 launches run concurrently, one stream each, so that one launch fills
 # the SMs that another's last wave leaves idle. Measured when every width bucket had a launch of its own (09710ae,
 # the H100, 2,2,2,2,4,4,8,8, shape above): a replay took 155 us against 170 with the buckets in turn (uniform 4
@@ -830,7 +834,8 @@ def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, V
     -> the updated (m_i, l_rows, acc). K's lanes keep their code offsets (the bias takes them out of the scores);
     V's are the codes themselves (one sub.f16x2 a pair, which costs what the moves into the shared-memory stores'
     register quads cost with the offsets left in: ptxas puts lop3 results elsewhere, sm_90a). A side whose plan
-    (KPLAN, VPLAN) is not 0 holds grouped rows (kernels/groups.py), in that module's column order."""
+    (KPLAN, VPLAN) is not 0 holds grouped rows (kernels/groups.py), in that module's column orders (keys' group_tile,
+    values' group_value_tile)."""
     BLOCK_N: tl.constexpr = l_rows.shape[0]
     rows = n0 + tl.arange(0, BLOCK_N)
     mask_n = rows < end
@@ -847,7 +852,7 @@ def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, V
     alpha = tl.exp2(m_i - m_new)
     l_rows = l_rows * alpha[None, :] + p
     if VPLAN:
-        v = group_tile(vp, rows, mask_n, VPLAN, D, D * VW // 32, ASM, MASKED, EXACT_CODES)
+        v = group_value_tile(vp, rows, mask_n, VPLAN, D, D * VW // 32, ASM, MASKED)
     else:
         v = _packed_tile(vp, vp, vp, rows, mask_n, VW, D, D, False, ASM, False, MASKED, EXACT_CODES)
     vT = tl.trans(v)
@@ -898,7 +903,7 @@ def _codes_head(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, str
         kcol = code_of_column_jit(KW, D, True)
         koff = code_offsets_jit(tl.arange(0, D), KW)  # (D,) by logical column
     if VPLAN:
-        vcol, _ = group_columns_jit(VPLAN, D)
+        vcol = group_value_columns_jit(VPLAN, D)
     else:
         vcol = code_of_column_jit(VW, D, False)
     head = q_ptr + b64 * stride_qb + h * stride_qh  # int32: the head's record of block 0
@@ -1061,21 +1066,21 @@ def fast_options(kw: int, vw: int, head_dim: int, codes: bool = False) -> dict:
 
 @functools.lru_cache(maxsize=256)
 def _launch_options(
-    head_dim: int, fast_pairs: tuple, given: tuple, codes: bool = False
+    head_dim: int, fast_pairs: tuple, given: tuple, codes: bool = False, grouped: bool = False
 ) -> tuple[dict, tuple]:
     """Stage 1's Triton launch options and each fast bucket's pipeline stages, for one launch: the generic
     kernel's (fast_pairs empty) or the fast kernel's over its (key width, value width) buckets.
 
     A fast bucket's loop over tiles takes its own stages (fast_options); the launch takes the tightest register
     cap any of its buckets asks for (the caps bind where a width's tile would need more: one compiled kernel
-    holds every bucket's branch) and the fewest stages. The caller's `given` ((name, value) pairs) wins over all
-    of them, maxnreg 0 meaning no cap. Cached: built once per map and call signature (the eager decode step is
+    holds every bucket's branch; `grouped`, a bucket holding grouped plans: GROUPS_MAXNREG) and the fewest stages.
+    The caller's `given` ((name, value) pairs) wins over all of them, maxnreg 0 meaning no cap. Cached: built once per map and call signature (the eager decode step is
     host-bound); read-only."""
     defaults = [fast_options(kw, vw, head_dim, codes) for kw, vw in fast_pairs]
     merged = {}
     if defaults:
         merged["num_stages"] = min(d["num_stages"] for d in defaults)
-        caps = [d["maxnreg"] for d in defaults if "maxnreg" in d]
+        caps = [d["maxnreg"] for d in defaults if "maxnreg" in d] + ([GROUPS_MAXNREG] if grouped else [])
         if caps:
             merged["maxnreg"] = min(caps)
     merged.update(given)
@@ -1295,7 +1300,8 @@ def _fast_constants(pairs: tuple, n_heads: int, qg: int, tiles: tuple, head_dim:
     """The fast launch's compile-time constants and options: its buckets' widths `pairs`, tiles and stages (and
     with codes-only stores their grouped plans, `plans`: key and value plan codes per bucket), on top of the
     constants `common` ((name, value) pairs) to both kernels. Cached per map and call signature; read-only."""
-    launch, stages = _launch_options(head_dim, pairs, given, dict(common).get("CODES", False))
+    grouped = any(plans[0]) or any(plans[1])
+    launch, stages = _launch_options(head_dim, pairs, given, dict(common).get("CODES", False), grouped)
     return dict(NH=n_heads, QG_B=max(8, next_power_of_2(qg)),  # the N of an mma: at least 8
                 KWS=tuple(kw for kw, _ in pairs), VWS=tuple(vw for _, vw in pairs), BLOCK_NS=tiles, STAGES=stages,
                 ASM=asm, **dict(common), **launch,

@@ -35,6 +35,9 @@ FIELD_BITS = (
     12  # a group's field in a plan code: its width (4 bits), then its first 16-bit half of the row (8)
 )
 _GROUP = tl.constexpr(GROUP)  # as the kernels read it (a field: 12 bits there, FIELD_BITS)
+# a plan code's bits that are set where some group is 8 bits wide (width bit 3), or 4 (width bit 2), up to 16 groups
+_WIDTH8_FIELDS = tl.constexpr(sum(8 << (FIELD_BITS * g) for g in range(16)))
+_WIDTH4_FIELDS = tl.constexpr(sum(4 << (FIELD_BITS * g) for g in range(16)))
 
 
 def check_plan(plan: tuple[int, ...], width: int, head_dim: int) -> None:
@@ -312,3 +315,130 @@ def group_bits_jit(PLAN: tl.constexpr, D: tl.constexpr):
         start = _GROUP * (((PLAN >> (12 * i)) & 4095) >> 4)  # the group's first bit
         bit = tl.where(here, start + ((PLAN >> (12 * i)) & 15) * (d - _GROUP * i), bit)
     return width, bit
+
+
+# Value tiles. The values' tile goes through shared memory to the output mma (its tokens are the mma's reduction),
+# so its order is free and its layout is what counts: a tile built a group at a time holds each token's whole row in
+# one thread, whose transpose reaches shared memory in 2-byte stores. group_value_tile instead makes every group of
+# the row one element of (R, G) tensors (a thread holds one group of several tokens, its 16 values contiguous),
+# each group's constants (word, rotation, mask, exponent) tensors over G: column 16 g + 2 j + h holds lane h of pair
+# j of group g, which at 8 bits is pair j % 2 of the group's word j // 2, at 4 bits pair j % 4 of word j // 4, at 2
+# and 1 bits pair j of its word or half word (the module docstring's pairs).
+
+
+def _value_code(column: int, w: int) -> int:
+    """The code of its group that a group's value column (< 16) holds at width w (group_value_tile's order)."""
+    j, h = column // 2, column % 2
+    return {8: 4 * (j // 2) + j % 2 + 2 * h, 4: 8 * (j // 4) + j % 4 + 4 * h, 0: column}.get(w, j + 8 * h)
+
+
+def value_columns(plan: tuple[int, ...]) -> list[int]:
+    """The component each column of a value tile (group_value_tile) holds."""
+    return [GROUP * (d // GROUP) + _value_code(d % GROUP, plan[d // GROUP]) for d in range(GROUP * len(plan))]
+
+
+@triton.jit
+def _value_code_jit(k, w):
+    """_value_code at a group's columns k for the groups' widths w (int32 tensors of one shape), in the kernel."""
+    j, h = k // 2, k % 2
+    out = tl.where(w == 8, 4 * (j // 2) + j % 2 + 2 * h, j + 8 * h)
+    out = tl.where(w == 4, 8 * (j // 4) + j % 4 + 4 * h, out)
+    return tl.where(w == 0, k, out)
+
+
+@triton.jit
+def _group_fields(PLAN: tl.constexpr, G: tl.constexpr):
+    """Each group's width and first 16-bit half of the row, (G,) int32 each."""
+    g = tl.arange(0, G)
+    width = tl.zeros((G,), tl.int32)
+    half = tl.zeros((G,), tl.int32)
+    for i in tl.static_range(G):  # (a constexpr is not reassigned in a compiled loop: inline)
+        width = tl.where(g == i, (PLAN >> (12 * i)) & 15, width)
+        half = tl.where(g == i, ((PLAN >> (12 * i)) & 4095) >> 4, half)
+    return width, half
+
+
+@triton.jit
+def group_value_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
+    """`value_columns` as a (D,) int32 tensor, in the kernel."""
+    width, _ = _group_fields(PLAN, D // _GROUP)
+    d = tl.arange(0, D)
+    w = tl.reshape(tl.broadcast_to(width[:, None], (D // _GROUP, _GROUP)), (D,))
+    return (d // _GROUP) * _GROUP + _value_code_jit(d % _GROUP, w)
+
+
+@triton.jit
+def _value_pair(words, J: tl.constexpr, width, high, mask, bits, ASM: tl.constexpr):
+    """Pair J of every group (value order) from its word `words` (R, G): int32 of two fp16 lanes, the codes."""
+    i = tl.where(width == 8, J % 2, tl.where(width == 4, J % 4, J))  # the pair's place in its word
+    amount = tl.where(width == 8, 32 - 8 * i, tl.where(width == 4, 6 - 4 * i, 8 - 2 * i))
+    amount = tl.where(width == 1, 9 - i - 16 * high, amount) & 31  # (G,)
+    t = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
+    m = tl.broadcast_to(mask[None, :], words.shape)
+    b = tl.broadcast_to(bits[None, :], words.shape)
+    if ASM:
+        t = tl.inline_asm_elementwise(
+            "{.reg .b32 t; lop3.b32 t, $1, $2, $3, 234; sub.f16x2 $0, t, $3;}", "=r,r,r,r", [t, m, b], tl.int32,
+            True, 1,
+        )  # fmt: skip
+    else:
+        t = (t & m) | b
+        lo, hi = _halves(t)
+        base_lo, base_hi = _halves(b)
+        lo = (lo.to(tl.float32) - base_lo.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
+        hi = (hi.to(tl.float32) - base_hi.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
+        t = (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+    return t
+
+
+@triton.jit
+def _value_words(base, slot, mask_n, MASKED: tl.constexpr):
+    """Each group's word `slot` (G,) of its rows, (R, G): base (G, R) points to the groups' first words, loaded as
+    that transpose (its layout then spreads the groups over a warp's lanes: a thread holds a group, not a row)."""
+    if MASKED:
+        out = tl.load(base + slot[:, None], mask=mask_n[None, :], other=0)
+    else:
+        out = tl.load(base + slot[:, None])
+    return tl.trans(out)
+
+
+@triton.jit
+def group_value_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
+                     ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """A head's tile of grouped codes as fp16 (R, D), the codes themselves, in value_columns' order: p_ptr the
+    head's payload as int32 words, rows of NW; rows (R,) token indices, mask_n (R,) which are stored (read only when
+    MASKED); PLAN: plan_code's."""
+    R: tl.constexpr = rows.shape[0]
+    G: tl.constexpr = D // _GROUP
+    width, half = _group_fields(PLAN, G)
+    mask = tl.where(width == 8, 0x00FF00FF, tl.where(width == 4, 0x03C003C0, 0x03000300))
+    mask = tl.where(width == 1, 0x00020200, tl.where(width == 0, 0, mask))
+    bits = tl.where(width == 8, 0x64006400, tl.where(width == 4, 0x4C004C00, 0x44004400))
+    bits = tl.where(width == 1, 0x60004000, tl.where(width == 0, 0, bits))
+    base = p_ptr + rows.to(tl.int64)[None, :] * NW + tl.where(width == 0, 0, half // 2)[:, None]  # (G, R)
+    high = half % 2
+    # pairs 2 a and 2 a + 1 read word a of an 8-bit group, a // 2 of a 4-bit one, the only one of the others: a
+    # plan without 8-bit groups loads two words a group, one without 4- or 8-bit groups one
+    w0 = _value_words(base, tl.zeros_like(width), mask_n, MASKED)
+    if _WIDTH8_FIELDS & PLAN:
+        w1 = _value_words(base, tl.where(width == 8, 1, 0), mask_n, MASKED)
+        w2 = _value_words(base, tl.where(width == 8, 2, tl.where(width == 4, 1, 0)), mask_n, MASKED)
+        w3 = _value_words(base, tl.where(width == 8, 3, tl.where(width == 4, 1, 0)), mask_n, MASKED)
+    elif _WIDTH4_FIELDS & PLAN:
+        w1 = w0
+        w2 = _value_words(base, tl.where(width == 4, 1, 0), mask_n, MASKED)
+        w3 = w2
+    else:
+        w1, w2, w3 = w0, w0, w0
+    x = _stack8(
+        _value_pair(w0, 0, width, high, mask, bits, ASM),
+        _value_pair(w0, 1, width, high, mask, bits, ASM),
+        _value_pair(w1, 2, width, high, mask, bits, ASM),
+        _value_pair(w1, 3, width, high, mask, bits, ASM),
+        _value_pair(w2, 4, width, high, mask, bits, ASM),
+        _value_pair(w2, 5, width, high, mask, bits, ASM),
+        _value_pair(w3, 6, width, high, mask, bits, ASM),
+        _value_pair(w3, 7, width, high, mask, bits, ASM),
+    )  # (R, G, 2, 2, 2): pair 4 m + 2 n + j
+    lo, hi = _halves(x)
+    return tl.reshape(tl.join(lo, hi), (R, D))

@@ -116,6 +116,42 @@ def test_group_tile_holds_the_codes_in_its_column_order(device, plan):
         assert torch.equal(out[R].long(), cols) and torch.equal(out[R + 1], offs)
 
 
+@triton.jit
+def _value_tile_kernel(
+    p_ptr, out_ptr, L, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr, R: tl.constexpr
+):
+    rows = tl.arange(0, R)
+    mask = rows < L
+    tile = groups.group_value_tile(p_ptr, rows, mask, PLAN, D, NW, False, True)
+    tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], tile.to(tl.float32), mask=mask[:, None])
+    tl.store(out_ptr + R * D + tl.arange(0, D), groups.group_value_columns_jit(PLAN, D).to(tl.float32))
+
+
+@pytest.mark.parametrize(
+    "plan",
+    [
+        (4, 2, 1, 1),
+        (2, 1, 1, 0),
+        (8, 8, 4, 4),
+        (4, 4, 4, 1, 1, 1, 1, 0),
+        (8, 8, 8, 8, 4, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 0),
+    ],
+)
+def test_value_tile_holds_the_codes_in_its_column_order(device, plan):
+    """A value tile of 11 tokens (5 rows masked off) holds, at each column, the code `value_columns` names; the
+    kernel's table is the host's, and every component has one column."""
+    D, L, R = groups.GROUP * len(plan), 11, 16
+    codes = _random_codes(plan, (L,), torch.Generator().manual_seed(7 * len(plan) + sum(plan)))
+    words = groups.pack(codes, plan).contiguous().view(torch.int32).to(device)
+    cols = torch.tensor(groups.value_columns(plan))
+    assert sorted(cols.tolist()) == list(range(D))
+    out = torch.full((R + 1, D), float("nan"), device=device)
+    _value_tile_kernel[(1,)](words, out, L, PLAN=groups.plan_code(plan), D=D, NW=words.shape[1], R=R)
+    out = out.cpu()
+    assert torch.equal(out[:L], codes[:, cols].float())
+    assert torch.equal(out[R].long(), cols)
+
+
 def _stores(k_bits, v_bits, k_plans, v_plans, D, L, device, gen):
     """Codes-only K and V stores of L random tokens, some widths under grouped plans, garbage past the tokens."""
     out = []

@@ -234,12 +234,13 @@ def test_inspector_compiles_grouped_plans(cli, tmp_path):
     3.6's); a plan without --codes, a width with neither plan nor flat kernel and a malformed plan are refused."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "groups.csv"
-    plan = ["--key-plans", "2=2,2,2,2,2,2,2,2"]
+    plan = ["--key-plans", "2=4,4,2,2,1,1,1,1", "--value-plans", "2=4,4,2,2,1,1,1,1"]  # smollm2-135m's
     proc = cli("kernels.gpu.inspect", "--codes", "--map", "2,2,2,2,2,2,2,2", *plan, "--out", str(out), env=env,
                timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = list(csv.DictReader(open(out)))
     assert row["format"] == "codes" and int(row["mma"]) > 0 and int(row["spill_bytes"]) == 0
+    assert int(row["registers"]) <= 128  # a launch with a grouped bucket is capped (GROUPS_MAXNREG)
     proc = cli("kernels.gpu.inspect", "--map", "2,2,2,2,2,2,2,2", *plan, env=env)
     assert proc.returncode == 2 and "add --codes" in proc.stderr
     proc = cli("kernels.gpu.inspect", "--codes", "--map", "5,5,5,5,5,5,5,5", env=env)
