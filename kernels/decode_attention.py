@@ -96,11 +96,15 @@ CODES_LAUNCH_LARGE_HEADS = {w: {"block_n": 128, "num_stages": 2, "maxnreg": 128}
     8: {"block_n": 64, "num_stages": 2}
 }
 # A codes-only bucket whose width has no entry above (a grouped plan's 1, 5, 6 or 7 bits: kernels/groups.py) takes
-# this launch; not yet tuned. A launch with any grouped bucket takes GROUPS_MAXNREG (its key and value tiles both live
-# in registers at once: uncapped, a 2-bit bucket of smollm2's plans took 168 registers, 653 loop instructions a
-# 128-token tile, against 683 at 128; `python -m kernels.gpu.inspect --codes --map 2,2,2,2,2,2,2,2 --key-plans
-# 2=4,4,2,2,1,1,1,1 --value-plans 2=4,4,2,2,1,1,1,1`, Triton 3.6, sm_90a).
-GROUPS_LAUNCH = {"block_n": 64, "num_stages": 2}
+# this launch (`python -m kernels.gpu.inspect --codes --map 5,5,5,5,5,5,5,5 --key-plans 5=8,8,4,4,4,4,4,4
+# --value-plans 5=8,8,4,4,4,4,4,4 --block-n 64 128`, Triton 3.6, sm_90a, under the cap below): 128-token tiles, 784
+# loop instructions against 2 x 452 at 64 (5 and 4 bits: 616 against 2 x 366; 1 and 1: 600 against 2 x 387; heads of
+# 64 channels, 5 and 5: 462 against 2 x 274), for 64 KB of shared memory; heads of more than 128 channels 64 tokens
+# (at 128, 184 bytes of spills). A launch with any grouped bucket takes GROUPS_MAXNREG (key and value tiles live in
+# registers at once: uncapped, a 2-bit bucket of smollm2's plans took 168 registers and 653 instructions a tile,
+# against 683 at 128). Not yet timed on a GPU.
+GROUPS_LAUNCH = {"block_n": 128, "num_stages": 2}
+GROUPS_LAUNCH_LARGE_HEADS = {"block_n": 64, "num_stages": 2}
 GROUPS_MAXNREG = 128
 # Captured in a CUDA graph, a call's stage-1 launches run concurrently, one stream each, so that one launch fills
 # the SMs that another's last wave leaves idle. Measured when every width bucket had a launch of its own (09710ae,
@@ -1042,13 +1046,14 @@ def _fast_launch(kw: int, vw: int, head_dim: int, codes: bool = False) -> dict:
     CODES_LAUNCH, and its tables for heads of 64 channels and fewer and of more than 128) of a bucket of kw-bit keys
     and vw-bit values: that of the width with the smaller tile (at equal tiles, the wider width's), so that a 3-bit
     side keeps its 64-token tile (3 and 4 bits at 128 tokens under the cap spill a register, sm_90a); a width with
-    no entry (a grouped plan's) GROUPS_LAUNCH."""
+    no entry (a grouped plan's) GROUPS_LAUNCH, or GROUPS_LAUNCH_LARGE_HEADS above 128 channels."""
+    small, large = head_dim <= 64, head_dim > 128
     if codes:
-        small, large = head_dim <= 64, head_dim > 128
         table = CODES_LAUNCH_SMALL_HEADS if small else CODES_LAUNCH_LARGE_HEADS if large else CODES_LAUNCH
     else:
-        table = FAST_LAUNCH_SMALL_HEADS if head_dim <= 64 else FAST_LAUNCH
-    narrow, wide = table.get(min(kw, vw), GROUPS_LAUNCH), table.get(max(kw, vw), GROUPS_LAUNCH)
+        table = FAST_LAUNCH_SMALL_HEADS if small else FAST_LAUNCH
+    grouped = GROUPS_LAUNCH_LARGE_HEADS if large else GROUPS_LAUNCH
+    narrow, wide = table.get(min(kw, vw), grouped), table.get(max(kw, vw), grouped)
     return narrow if narrow["block_n"] < wide["block_n"] else wide
 
 

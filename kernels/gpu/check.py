@@ -12,9 +12,9 @@ with its own time limit (so a stage that hangs or crashes costs only its own sha
    AB_BASELINES there) against kernels/decode_attention.py, in one process at the headline shape (ab.csv);
 5. ncu: `python -m kernels.gpu.ncu` (Nsight Compute on stage 1 at 4, 2 and 8 bits: ncu.csv);
 6. bench: `python -m kernels.gpu.bench` (decode.csv, decode.png);
-7. e2e: `python -m kernels.gpu.e2e` of DynamicCache, 4 bits and a mixed map, those two also decoded from CUDA
-   graph replays, 24 new tokens, three more steps of model.generate profiled (e2e.csv, e2e.png,
-   e2e-profile-<cache>.txt);
+7. e2e: `python -m kernels.gpu.e2e` of DynamicCache, 4 bits, a mixed map, and pca's flat (pca4) and grouped (ugs5)
+   formats, 4 bits and the mixed map also decoded from CUDA graph replays, 24 new tokens, three more steps of
+   model.generate profiled (e2e.csv, e2e.png, e2e-profile-<cache>.txt);
 8. runner: `python -m kernels.gpu.runner_check` (runner.csv: the smoke grid on CUDA/triton against CPU/torch);
 9. a README.md with the stage outcomes, DESIGN.md section 8's targets read off decode.csv (or ab.csv), and per
    width the measured time and share of copy bandwidth beside the static figures of results/kernels/inspect.csv
@@ -95,7 +95,7 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
         bench = ["--dry-run", "--configs", "32x8", "--batch", "2", "--context", "40", "--widths", "2", "mixed",
                  "--quantize-tokens", "8"]  # fmt: skip
         e2e = ["--dry-run", "--context", "20", "--batch", "2", "--new-tokens", "3", "--chunk", "8",
-               "--caches", "dynamic", "mixed", "pca4", "mixed-graph"]  # fmt: skip
+               "--caches", "dynamic", "mixed", "pca4", "ugs5", "mixed-graph"]  # fmt: skip
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
         tests = ["tests/kernels/test_triton_kernels.py"]
         ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16", "--codes", "4",
@@ -106,7 +106,7 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
         # four test processes: most of the stage is Triton compiling kernels, on the CPU
         bench, tests = [], ["-n", "4", *GPU_TEST_FILES]
         # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt; not the graph replays)
-        e2e = ["--caches", "dynamic", "4", "pca4", "4-graph", "mixed-graph", "mixed", "--new-tokens", "24",
+        e2e = ["--caches", "dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "--new-tokens", "24",
                "--profile", "3"]  # fmt: skip
         ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3", "--codes", "4", "2",
               "--codes-allocation", *map(str, CODES_POINTS.values()), "--grouped-allocation",

@@ -1,6 +1,6 @@
 """End-to-end generate() on a random-weight model of Llama-3-8B's shape: decode tokens/s and peak GPU memory
 with transformers' DynamicCache against QuantizedKVCache on the triton backend at 8, 4 and 2 bits, a mixed
-allocation (mean 4 bits) and pca's flat block format at 4 bits (pca4).
+allocation (mean 4 bits), pca's flat block format at 4 bits (pca4) and its grouped one at 5 (ugs5).
 
 This module owns that measurement. The model is built on the GPU from Llama-3-8B's configuration (32 layers,
 32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocabulary 128256) in bf16 with random weights: speed
@@ -38,17 +38,20 @@ LLAMA3_8B = dict(
 )  # fmt: skip
 DRY = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=32, max_position_embeddings=1024, tie_word_embeddings=False,
+    num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=False,
 )  # fmt: skip
 # a run cut short by its time limit still has the headline ones; "-graph": greedy decoding whose steps replay
 # from a CUDA graph (harness.cache.graphed), the rest model.generate
-CACHES = ("dynamic", "4", "pca4", "4-graph", "mixed-graph", "mixed", "2", "8")
+CACHES = ("dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "2", "8")
 # pca4: pca_block_uf at 4 bits with one sink token (the pca family's fused path: codes-only stores, each decode step
-# folded around decode_attention_blocks), its transforms fitted on CALIBRATION random windows of the same model
+# folded around decode_attention_blocks); ugs5: pca_block_ugs at 5 bits (each head's components in groups of 16 at
+# 0-8 bits, one plan per role: kernels/groups.py; 5 bits is no flat width, so its rows are always grouped). Their
+# transforms and plans fitted on CALIBRATION random windows of the same model.
+PCA_CACHES = {"pca4": ("pca_block_uf", 4), "ugs5": ("pca_block_ugs", 5)}  # kind -> (scheme, width)
 CALIBRATION = (4, 256)  # windows x tokens
-MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4}  # the rest: the kind is the width
+MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4, "ugs5": 5}  # the rest: the kind is the width
 # caches not yet run on a GPU: one that fails is a row with the error in its note, and the caches after it still run
-TRIAL = ("pca4",)
+TRIAL = ("pca4", "ugs5")
 COLUMNS = [
     "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "step_ms_median", "step_ms_max",
     "tokens_per_s",
@@ -86,21 +89,23 @@ def make_cache(kind: str, model, group_size: int):
     cfg = model.config
     if kind == "dynamic":
         return DynamicCache(config=cfg)
-    if kind == "pca4":
-        return QuantizedKVCache(cfg, 4, scheme="pca_block_uf", sink_tokens=1, backend="triton",
-                                key_calibration=pca_fit(model))  # fmt: skip
+    if kind in PCA_CACHES:
+        scheme, width = PCA_CACHES[kind]
+        return QuantizedKVCache(cfg, width, scheme=scheme, sink_tokens=1, backend="triton",
+                                key_calibration=pca_fit(model, scheme))  # fmt: skip
     bits = mixed_bits(cfg.num_hidden_layers, cfg.num_key_value_heads) if kind == "mixed" else int(kind)
     return QuantizedKVCache(cfg, bits, group_size=group_size, backend="triton")
 
 
-def pca_fit(model):
-    """pca_block_uf's transforms for `model`, fitted on CALIBRATION random windows (speed does not depend on them)."""
+def pca_fit(model, scheme: str):
+    """The pca `scheme`'s transforms for `model`, fitted on CALIBRATION random windows (speed does not depend on
+    them)."""
     from harness.calibrate.pca import fit_pca_calibration
     from harness.schemes import get_scheme
 
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, model.config.vocab_size, CALIBRATION, generator=gen).to(model.device)
-    return fit_pca_calibration(model, ids, get_scheme("pca_block_uf").pca_format)
+    return fit_pca_calibration(model, ids, get_scheme(scheme).pca_format)
 
 
 def cache_bytes(cache) -> int:

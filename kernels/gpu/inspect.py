@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import csv
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -312,15 +313,17 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
 
 def inspect_map(
     k_bits: tuple[int, ...], v_bits: tuple[int, ...], num_warps: int, shape: dict, qblock: int | None = None,
-    plans: tuple[dict, dict] = ({}, {}),
+    plans: tuple[dict, dict] = ({}, {}), block_n: int | None = None, maxnreg: int | None = None,
 ) -> list[dict]:  # fmt: skip
-    """The rows of every stage-1 launch of one per-head map (default tiles and stages): the fast kernel's one
-    launch, a row per bucket, and each generic bucket's launch (with `qblock`, the codes-only path's one launch,
-    `plans` as catch_launches')."""
+    """The rows of every stage-1 launch of one per-head map (default stages; tiles `block_n` and register cap
+    `maxnreg`, default the kernels'): the fast kernel's one launch, a row per bucket, and each generic bucket's
+    launch (with `qblock`, the codes-only path's one launch, `plans` as catch_launches')."""
     label = (
         "map " + ",".join(map(str, k_bits)) + ("" if v_bits == k_bits else " / " + ",".join(map(str, v_bits)))
     )
-    launches = catch_launches(k_bits, v_bits, None, num_warps, None, shape, qblock=qblock, plans=plans)
+    launches = catch_launches(
+        k_bits, v_bits, block_n, num_warps, None, shape, maxnreg=maxnreg, qblock=qblock, plans=plans
+    )
     return [row for launch in launches for row in inspect_launch(launch, num_warps, shape, label)]
 
 
@@ -535,9 +538,9 @@ def main(argv: list[str] | None = None) -> None:
         for nw in args.warps:
             rows += inspect_allocation(path, pairs, nw, shape, qblock, plans)
     if args.map is not None and not allocations:
-        for nw in args.warps:
-            rows += inspect_map(args.map, v_map, nw, shape, qblock, plans)
-            print(f"compiled map warps={nw}", file=sys.stderr, flush=True)
+        for nw, n in itertools.product(args.warps, args.block_n or [None]):
+            rows += inspect_map(args.map, v_map, nw, shape, qblock, plans, n, args.maxnreg)
+            print(f"compiled map warps={nw} BLOCK_N={n or 'default'}", file=sys.stderr, flush=True)
     for kw, vw, n, nw in (
         [] if args.map is not None else variants(args.widths, args.block_n or [None], args.warps)
     ):

@@ -246,3 +246,15 @@ def test_quantize_codes_into_writes_grouped_rows(device):
             if b in plans:
                 payload = store.bucket_of[b].payload[:, int(store.slot[h]), 3 : 3 + Tn].cpu()
                 assert torch.equal(payload, groups.pack(codes[:, h], plans[b])), (D, b)
+
+
+def test_a_launch_with_grouped_buckets_is_capped_and_takes_its_tiles():
+    """A codes-only launch with a grouped bucket takes GROUPS_MAXNREG (a caller's maxnreg=0 lifts it; a flat one has
+    none at 4 bits), and a grouped width's tile is GROUPS_LAUNCH's: 128 tokens up to 128 channels, 64 above."""
+    from kernels import decode_attention as da
+
+    assert da._launch_options(128, ((5, 4), (4, 4)), (), True, True)[0] == {"num_stages": 2, "maxnreg": 128}
+    assert "maxnreg" not in da._launch_options(128, ((4, 4),), (), True, False)[0]
+    assert "maxnreg" not in da._launch_options(128, ((5, 4),), (("maxnreg", 0),), True, True)[0]
+    assert [da.fast_block_n(5, 4, d, codes=True) for d in (64, 128, 256)] == [128, 128, 64]
+    assert [da.fast_block_n(6, 1, d, codes=True) for d in (64, 128, 256)] == [128, 128, 64]

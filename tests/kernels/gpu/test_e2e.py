@@ -49,7 +49,7 @@ def test_a_failing_graph_cache_is_noted_and_the_rest_run(tmp_path, monkeypatch):
     def fail(self, ids):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    def no_fit(model):
+    def no_fit(model, scheme):
         raise RuntimeError("no fit")
 
     monkeypatch.setattr(graphed.GraphedStep, "step", fail)
