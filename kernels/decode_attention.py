@@ -97,10 +97,10 @@ CODES_LAUNCH_LARGE_HEADS = {w: {"block_n": 128, "num_stages": 2, "maxnreg": 128}
 }
 # A codes-only bucket whose width has no entry above (a grouped plan's 1, 5, 6 or 7 bits: kernels/groups.py) takes
 # this launch (`python -m kernels.gpu.inspect --codes --map 5,5,5,5,5,5,5,5 --key-plans 5=8,8,4,4,4,4,4,4
-# --value-plans 5=8,8,4,4,4,4,4,4 --block-n 64 128`, Triton 3.6, sm_90a, under the cap below): 128-token tiles, 784
-# loop instructions against 2 x 452 at 64 (5 and 4 bits: 616 against 2 x 366; 1 and 1: 600 against 2 x 387; heads of
-# 64 channels, 5 and 5: 462 against 2 x 274), for 64 KB of shared memory; heads of more than 128 channels 64 tokens
-# (at 128, 184 bytes of spills). A launch with any grouped bucket takes GROUPS_MAXNREG (key and value tiles live in
+# --value-plans 5=8,8,4,4,4,4,4,4 --block-n 64 128`, Triton 3.6, sm_90a, under the cap below): 128-token tiles, 782
+# loop instructions against 2 x 440 at 64 (5 and 4 bits: 615 against 2 x 352; 1 and 1: 592 against 2 x 368; heads of
+# 64 channels, 5 and 5: 461 against 2 x 271), for 64 KB of shared memory; heads of more than 128 channels 64 tokens
+# (at 128, 208 bytes of spills). A launch with any grouped bucket takes GROUPS_MAXNREG (key and value tiles live in
 # registers at once: uncapped, a 2-bit bucket of smollm2's plans took 168 registers and 653 instructions a tile,
 # against 683 at 128). Not yet timed on a GPU.
 GROUPS_LAUNCH = {"block_n": 128, "num_stages": 2}

@@ -185,31 +185,74 @@ def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr, COD
 
 
 @triton.jit
+def _load_words(
+    p_ptr, r64, mask_n, NW: tl.constexpr, FIRST: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr
+):
+    """Words FIRST .. FIRST + N of each row, (R, N) int32: p_ptr the head's words, rows of NW; r64 (R,) int64 token
+    indices, mask_n (R,) which are stored (read only when MASKED)."""
+    w_ptr = p_ptr + r64[:, None] * NW + (FIRST + tl.arange(0, N))[None, :]
+    if MASKED:
+        loaded = tl.load(w_ptr, mask=mask_n[:, None], other=0)
+    else:
+        loaded = tl.load(w_ptr)
+    return loaded
+
+
+@triton.jit
+def _group_codes(loaded, FIELD: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr):
+    """One group's codes as fp16 (R, 4, 2, 2) from its words `loaded` (R, NWG): [.., c, i_lo, h] is the group's
+    column 4 c + 2 i_lo + h (module docstring); FIELD the group's plan field (not 0 bits)."""
+    R: tl.constexpr = loaded.shape[0]
+    W: tl.constexpr = FIELD & 15
+    LANES: tl.constexpr = 1 if W == 8 else 2 if W == 4 else 4  # lanes a word
+    NWG: tl.constexpr = 4 // LANES  # the group's words
+    c = tl.arange(0, 4)
+    # (R, 4): each lane's word, lane c reading word c // LANES (loaded once, broadcast in registers)
+    words = tl.reshape(tl.broadcast_to(loaded[:, :, None], (R, NWG, LANES)), (R, 4))
+    j = 2 * (c % LANES)
+    x = tl.join(
+        _pairs(words, j, W, (FIELD >> 4) % 2, ASM, CODES),
+        _pairs(words, j + 1, W, (FIELD >> 4) % 2, ASM, CODES),
+    )
+    lo, hi = _halves(x)
+    return tl.join(lo, hi)
+
+
+@triton.jit
 def _group(p_ptr, r64, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
            CODES: tl.constexpr):  # fmt: skip
-    """One group's codes as fp16 (R, 4, 2, 2): [.., c, i_lo, h] is the group's column 4 c + 2 i_lo + h (module
-    docstring); p_ptr the head's words, rows of NW; r64 (R,) int64 token indices; FIELD the group's plan field."""
+    """One group's codes as fp16 (R, 4, 2, 2) (_group_codes'), its words loaded on their own; FIELD its plan field."""
     R: tl.constexpr = r64.shape[0]
-    W: tl.constexpr = FIELD & 15
-    HALF: tl.constexpr = FIELD >> 4  # the group's first 16-bit half of the row
-    if W == 0:
+    if FIELD & 15 == 0:
         out = tl.zeros((R, 4, 2, 2), tl.float16)
     else:
-        LANES: tl.constexpr = 1 if W == 8 else 2 if W == 4 else 4  # lanes a word
-        c = tl.arange(0, 4)
-        NWG: tl.constexpr = 4 // LANES  # the group's words
-        w_ptr = p_ptr + r64[:, None] * NW + (HALF // 2 + tl.arange(0, NWG))[None, :]
-        if MASKED:
-            loaded = tl.load(w_ptr, mask=mask_n[:, None], other=0)
-        else:
-            loaded = tl.load(w_ptr)  # (R, NWG)
-        # (R, 4): each lane's word, lane c reading word c // LANES (loaded once, broadcast in registers)
-        words = tl.reshape(tl.broadcast_to(loaded[:, :, None], (R, NWG, LANES)), (R, 4))
-        j = 2 * (c % LANES)
-        x = tl.join(_pairs(words, j, W, HALF % 2, ASM, CODES), _pairs(words, j + 1, W, HALF % 2, ASM, CODES))
-        lo, hi = _halves(x)
-        out = tl.join(lo, hi)
+        NWG: tl.constexpr = 4 // (1 if FIELD & 15 == 8 else 2 if FIELD & 15 == 4 else 4)
+        out = _group_codes(
+            _load_words(p_ptr, r64, mask_n, NW, (FIELD >> 4) // 2, NWG, MASKED), FIELD, ASM, CODES
+        )
     return out
+
+
+@triton.jit
+def _group_pair(p_ptr, r64, mask_n, NW: tl.constexpr, FA: tl.constexpr, FB: tl.constexpr, ASM: tl.constexpr,
+                MASKED: tl.constexpr, CODES: tl.constexpr):  # fmt: skip
+    """Two neighbouring groups' codes (plan fields FA, FB), each as _group's: two groups of one width of 2 bits or
+    more, the second right after the first, load their words in one run and split it; two 1-bit groups of one word
+    load it once; others load their own."""
+    if ((FA & 15) == (FB & 15)) & ((FA & 15) >= 2):
+        NWG: tl.constexpr = (FA & 15) // 2  # each group's words
+        run = _load_words(p_ptr, r64, mask_n, NW, (FA >> 4) // 2, 2 * NWG, MASKED)  # (R, 2 NWG)
+        first, second = tl.split(tl.permute(tl.reshape(run, (run.shape[0], 2, NWG)), (0, 2, 1)))
+        a = _group_codes(first, FA, ASM, CODES)
+        b = _group_codes(second, FB, ASM, CODES)
+    elif ((FA & 15) == 1) & ((FB & 15) == 1) & ((FA >> 5) == (FB >> 5)):  # one word: halves FA >> 4, FB >> 4
+        word = _load_words(p_ptr, r64, mask_n, NW, FA >> 5, 1, MASKED)
+        a = _group_codes(word, FA, ASM, CODES)
+        b = _group_codes(word, FB, ASM, CODES)
+    else:
+        a = _group(p_ptr, r64, mask_n, NW, FA, ASM, MASKED, CODES)
+        b = _group(p_ptr, r64, mask_n, NW, FB, ASM, MASKED, CODES)
+    return a, b
 
 
 @triton.jit
@@ -224,45 +267,51 @@ def group_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.
     tl.static_assert(CODES == OFFSET_CODES or CODES == EXACT_CODES)
     tl.static_assert(G == 2 or G == 4 or G == 8 or G == 16)
     if G == 2:
-        x = _stack2(
-            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 0)) & 4095, ASM, MASKED, CODES),
-            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 1)) & 4095, ASM, MASKED, CODES),
-        )
-        x = tl.permute(x, (0, 4, 1, 2, 3))
+        g0, g1 = _group_pair(p_ptr, r64, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
+        x = tl.permute(_stack2(g0, g1), (0, 4, 1, 2, 3))
     elif G == 4:
-        x = _stack4(
-            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 0)) & 4095, ASM, MASKED, CODES),
-            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 1)) & 4095, ASM, MASKED, CODES),
-            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 2)) & 4095, ASM, MASKED, CODES),
-            _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * 3)) & 4095, ASM, MASKED, CODES),
-        )  # (R, 4, 2, 2, m, j): group 2 m + j
+        g0, g1 = _group_pair(p_ptr, r64, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
+        g2, g3 = _group_pair(
+            p_ptr, r64, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES
+        )
+        x = _stack4(g0, g1, g2, g3)  # (R, 4, 2, 2, m, j): group 2 m + j
         x = tl.permute(x, (0, 4, 5, 1, 2, 3))
     elif G == 8:
-        x = _eight(p_ptr, r64, mask_n, NW, PLAN, 0, 1, ASM, MASKED, CODES)
+        x = _eight(p_ptr, r64, mask_n, NW, PLAN, ASM, MASKED, CODES, False)
         x = tl.permute(x, (0, 4, 5, 6, 1, 2, 3))
     else:  # groups 2 i + t at [.., i, t]
-        x = tl.join(
-            _eight(p_ptr, r64, mask_n, NW, PLAN, 0, 2, ASM, MASKED, CODES),
-            _eight(p_ptr, r64, mask_n, NW, PLAN, 1, 2, ASM, MASKED, CODES),
-        )
+        x = _eight(p_ptr, r64, mask_n, NW, PLAN, ASM, MASKED, CODES, True)
         x = tl.permute(x, (0, 4, 5, 6, 7, 1, 2, 3))
     return tl.reshape(x, (R, D))
 
 
 @triton.jit
-def _eight(p_ptr, r64, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, FIRST: tl.constexpr, STEP: tl.constexpr,
-           ASM: tl.constexpr, MASKED: tl.constexpr, CODES: tl.constexpr):  # fmt: skip
-    """Groups FIRST + STEP i (i < 8), stacked (R, 4, 2, 2, 2, 2, 2): group i at [.., m, n, j], i = 4 m + 2 n + j."""
-    return _stack8(
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * FIRST)) & 4095, ASM, MASKED, CODES),
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + STEP))) & 4095, ASM, MASKED, CODES),
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 2 * STEP))) & 4095, ASM, MASKED, CODES),
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 3 * STEP))) & 4095, ASM, MASKED, CODES),
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 4 * STEP))) & 4095, ASM, MASKED, CODES),
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 5 * STEP))) & 4095, ASM, MASKED, CODES),
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 6 * STEP))) & 4095, ASM, MASKED, CODES),
-        _group(p_ptr, r64, mask_n, NW, (PLAN >> (12 * (FIRST + 7 * STEP))) & 4095, ASM, MASKED, CODES),
-    )
+def _eight(p_ptr, r64, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
+           CODES: tl.constexpr, SIXTEEN: tl.constexpr):  # fmt: skip
+    """Eight groups stacked (R, 4, 2, 2, 2, 2, 2), group i at [.., m, n, j] (i = 4 m + 2 n + j); with SIXTEEN all 16
+    of a plan, (R, 4, 2, 2, 2, 2, 2, 2): the even groups' stack joined with the odd ones' (group 2 i + t at [.., i, t]).
+    Neighbouring groups load as pairs (_group_pair)."""
+    g0, g1 = _group_pair(p_ptr, r64, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
+    g2, g3 = _group_pair(p_ptr, r64, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES)
+    g4, g5 = _group_pair(p_ptr, r64, mask_n, NW, (PLAN >> 48) & 4095, (PLAN >> 60) & 4095, ASM, MASKED, CODES)
+    g6, g7 = _group_pair(p_ptr, r64, mask_n, NW, (PLAN >> 72) & 4095, (PLAN >> 84) & 4095, ASM, MASKED, CODES)
+    if SIXTEEN:
+        g8, g9 = _group_pair(
+            p_ptr, r64, mask_n, NW, (PLAN >> 96) & 4095, (PLAN >> 108) & 4095, ASM, MASKED, CODES
+        )
+        ga, gb = _group_pair(
+            p_ptr, r64, mask_n, NW, (PLAN >> 120) & 4095, (PLAN >> 132) & 4095, ASM, MASKED, CODES
+        )
+        gc, gd = _group_pair(
+            p_ptr, r64, mask_n, NW, (PLAN >> 144) & 4095, (PLAN >> 156) & 4095, ASM, MASKED, CODES
+        )
+        ge, gf = _group_pair(
+            p_ptr, r64, mask_n, NW, (PLAN >> 168) & 4095, (PLAN >> 180) & 4095, ASM, MASKED, CODES
+        )
+        x = tl.join(_stack8(g0, g2, g4, g6, g8, ga, gc, ge), _stack8(g1, g3, g5, g7, g9, gb, gd, gf))
+    else:
+        x = _stack8(g0, g1, g2, g3, g4, g5, g6, g7)
+    return x
 
 
 @triton.jit
