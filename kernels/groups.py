@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.unpack import EXACT_CODES, OFFSET_CODES, _halves, _lop3, _stack2, _stack4, _stack8
+from kernels.unpack import EXACT_CODES, OFFSET_CODES, _bits, _halves, _lop3, _stack2, _stack4, _stack8
 
 GROUP = 16
 GROUP_WIDTHS = (0, 1, 2, 4, 8)
@@ -176,12 +176,19 @@ def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr, COD
     else:
         t = (t & int(mask)) | int(bits)
         if CODES == EXACT_CODES:
-            lo, hi = _halves(t)
-            base_lo, base_hi = _halves(tl.full(t.shape, int(bits), tl.int32))
-            lo = (lo.to(tl.float32) - base_lo.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
-            hi = (hi.to(tl.float32) - base_hi.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
-            t = (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+            t = _sub_f16x2(t, tl.full(t.shape, int(bits), tl.int32))
     return t
+
+
+@triton.jit
+def _sub_f16x2(t, base):
+    """sub.f16x2 without assembly: int32 tensors of two fp16 lanes, t's lanes less base's (exact for the codes)."""
+    lo, hi = _halves(t)
+    base_lo, base_hi = _halves(base)
+    return _bits(
+        (lo.to(tl.float32) - base_lo.to(tl.float32)).to(tl.float16),
+        (hi.to(tl.float32) - base_hi.to(tl.float32)).to(tl.float16),
+    )
 
 
 @triton.jit
@@ -431,12 +438,7 @@ def _value_pair(words, J: tl.constexpr, width, high, mask, bits, ASM: tl.constex
             True, 1,
         )  # fmt: skip
     else:
-        t = (t & m) | b
-        lo, hi = _halves(t)
-        base_lo, base_hi = _halves(b)
-        lo = (lo.to(tl.float32) - base_lo.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
-        hi = (hi.to(tl.float32) - base_hi.to(tl.float32)).to(tl.float16).to(tl.int16, bitcast=True)
-        t = (lo.to(tl.int32) & 0xFFFF) | (hi.to(tl.int32) << 16)
+        t = _sub_f16x2((t & m) | b, b)
     return t
 
 
