@@ -4,7 +4,8 @@
 Bit k of a row is bit k - start[c] of code c, start[c] the sum of the widths before c; byte j holds bits
 8 j .. 8 j + 7, bit 8 j + i at value 2**i. With every width equal to b in (2, 3, 4, 8) a row is exactly
 kernels.reference.pack's (code j at bits [b j, b j + b)), and `pack`/`unpack` take that path (`Layout.width`):
-the bit-by-bit gather is for rows of mixed widths. A width of 0 stores nothing (its code is 0). Every head of a
+rows of mixed widths are packed bit by bit (pack_bits) and read an element at a time from the two bytes that hold
+its bits (unpack_bits: the CPU packed path reads every stored block at every decode step). A width of 0 stores nothing (its code is 0). Every head of a
 layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
 """
 
@@ -27,6 +28,10 @@ class Layout:
     widths: torch.Tensor  # (H, D) int64 in [0, MAX_WIDTH]
     element: torch.Tensor  # (H, bits) int64: the element whose bit sits at each position of the row
     bit: torch.Tensor  # (H, bits) int64: which bit of that element's code
+    # an element's bits lie in two neighbouring bytes (a width is at most 8): the first (H, D) int64 (clamped to the
+    # row, as is the second), and the element's first bit within it (H, D) int32
+    byte: torch.Tensor
+    shift: torch.Tensor
 
     @property
     def bits(self) -> int:
@@ -64,7 +69,8 @@ def layout(widths: torch.Tensor) -> Layout:
     element = torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long, device=widths.device)
     start = torch.cumsum(widths, 1) - widths  # (H, D): the first bit of each element
     bit = torch.arange(element.shape[1], device=widths.device)[None] - start.gather(1, element)
-    return Layout(widths, element, bit)
+    last = max(element.shape[1] // 8 - 1, 0)
+    return Layout(widths, element, bit, (start // 8).clamp(max=last), (start % 8).int())
 
 
 def pack(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -91,9 +97,12 @@ def unpack(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
 
 
 def unpack_bits(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """unpack, bit by bit through the layout's scatter (any widths)."""
+    """unpack through the layout's bytes (any widths): each element from the two bytes that hold its bits."""
     B, H, T, _ = packed.shape
-    bits = (packed.long()[..., None] >> torch.arange(8, device=packed.device)) & 1  # (B, H, T, nbytes, 8)
-    values = bits.view(B, H, T, -1) << lay.bit[None, :, None]  # (B, H, T, bits)
-    codes = torch.zeros(B, H, T, lay.widths.shape[1], dtype=torch.long, device=packed.device)
-    return codes.scatter_add_(-1, lay.element[None, :, None].expand(B, H, T, -1), values)
+    if not lay.bits:
+        return torch.zeros(B, H, T, lay.widths.shape[1], dtype=torch.long, device=packed.device)
+    rows = packed.to(torch.int32)
+    first = lay.byte[None, :, None].expand(B, H, T, -1)  # (B, H, T, D)
+    pair = rows.gather(-1, first) | rows.gather(-1, (first + 1).clamp(max=rows.shape[-1] - 1)) << 8
+    mask = (1 << lay.widths.int()) - 1  # (H, D)
+    return ((pair >> lay.shift[None, :, None]) & mask[None, :, None]).long()
