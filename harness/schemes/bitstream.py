@@ -4,8 +4,8 @@
 Bit k of a row is bit k - start[c] of code c, start[c] the sum of the widths before c; byte j holds bits
 8 j .. 8 j + 7, bit 8 j + i at value 2**i. With every width equal to b in (2, 3, 4, 8) a row is exactly
 kernels.reference.pack's (code j at bits [b j, b j + b)), and `pack`/`unpack` take that path (`Layout.width`):
-rows of mixed widths are packed bit by bit (pack_bits) and read an element at a time from the two bytes that hold
-its bits (unpack_bits: the CPU packed path reads every stored block at every decode step). A width of 0 stores nothing (its code is 0). Every head of a
+rows of mixed widths are written and read an element at a time through the two bytes that hold its bits (pack_bits,
+unpack_bits: the CPU packed path writes every new token and reads every stored block at every decode step). A width of 0 stores nothing (its code is 0). Every head of a
 layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
 """
 
@@ -23,11 +23,9 @@ REFERENCE_WIDTHS = (2, 3, 4, 8)  # one width for every element: kernels.referenc
 
 @dataclass(frozen=True, eq=False)
 class Layout:
-    """The widths (H, D) of H heads' codes and the gather indices that pack them: every row holds `bits` bits."""
+    """The widths (H, D) of H heads' codes and where each code's bits lie: every row holds `bits` bits."""
 
     widths: torch.Tensor  # (H, D) int64 in [0, MAX_WIDTH]
-    element: torch.Tensor  # (H, bits) int64: the element whose bit sits at each position of the row
-    bit: torch.Tensor  # (H, bits) int64: which bit of that element's code
     # an element's bits lie in two neighbouring bytes (a width is at most 8): the first (H, D) int64 (clamped to the
     # row, as is the second), and the element's first bit within it (H, D) int32
     byte: torch.Tensor
@@ -35,7 +33,7 @@ class Layout:
 
     @property
     def bits(self) -> int:
-        return self.element.shape[1]
+        return int(self.widths[0].sum()) if self.widths.numel() else 0
 
     @property
     def width(self) -> int | None:
@@ -64,13 +62,9 @@ def layout(widths: torch.Tensor) -> Layout:
         raise ValueError(
             f"bitstream widths: every head must hold one whole number of bytes; got {totals.tolist()}"
         )
-    H, D = widths.shape
-    rows = [torch.repeat_interleave(torch.arange(D, device=widths.device), widths[h]) for h in range(H)]
-    element = torch.stack(rows) if rows else torch.zeros(0, 0, dtype=torch.long, device=widths.device)
     start = torch.cumsum(widths, 1) - widths  # (H, D): the first bit of each element
-    bit = torch.arange(element.shape[1], device=widths.device)[None] - start.gather(1, element)
-    last = max(element.shape[1] // 8 - 1, 0)
-    return Layout(widths, element, bit, (start // 8).clamp(max=last), (start % 8).int())
+    last = max(int(totals[0]) // 8 - 1, 0) if len(totals) else 0
+    return Layout(widths, (start // 8).clamp(max=last), (start % 8).int())
 
 
 def pack(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -81,12 +75,18 @@ def pack(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
 
 
 def pack_bits(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """pack, bit by bit through the layout's gather (any widths)."""
+    """pack through the layout's bytes (any widths): each element's bits added into the two bytes that hold them
+    (no two elements share a bit)."""
     B, H, T, _ = codes.shape
-    element = lay.element[None, :, None].expand(B, H, T, -1)  # (B, H, T, bits)
-    bits = (codes.long().gather(-1, element) >> lay.bit[None, :, None]) & 1
-    weights = 1 << torch.arange(8, device=codes.device)
-    return (bits.view(B, H, T, -1, 8) * weights).sum(-1).to(torch.uint8)
+    rows = torch.zeros(B, H, T, lay.nbytes, dtype=torch.int32, device=codes.device)
+    if not lay.bits:
+        return rows.to(torch.uint8)
+    mask = (1 << lay.widths.int()) - 1  # (H, D)
+    placed = (codes.int() & mask[None, :, None]) << lay.shift[None, :, None]  # (B, H, T, D), under 2**16
+    first = lay.byte[None, :, None].expand(B, H, T, -1)
+    rows.scatter_add_(-1, first, placed & 0xFF)
+    rows.scatter_add_(-1, (first + 1).clamp(max=lay.nbytes - 1), placed >> 8)  # 0 where clamped: no bit there
+    return rows.to(torch.uint8)
 
 
 def unpack(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
