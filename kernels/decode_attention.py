@@ -599,20 +599,19 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
     """One head's tile of BLOCK_N tokens as fp16 (BLOCK_N, D) in kernels.unpack's lane order (LANES) or word order.
 
     p_ptr: the head's payload as int32 words, rows of NW = D * W / 32 words; s_ptr, z_ptr: its fp16 scales
-    and zeros, rows of D / G; rows (BLOCK_N,) token indices, mask_n (BLOCK_N,) which of them are stored (read
-    only when MASKED; a tile without it loads every row). With CODES (a codes-only store: kernels.unpack's
-    OFFSET_CODES or EXACT_CODES) s_ptr and z_ptr are not read and the tile holds the codes.
+    and zeros, rows of D / G; rows (BLOCK_N,) int32 token indices (offsets rows * NW < 2**31), mask_n (BLOCK_N,)
+    which of them are stored (read only when MASKED; a tile without it loads every row). With CODES (a codes-only
+    store: kernels.unpack's OFFSET_CODES or EXACT_CODES) s_ptr and z_ptr are not read and the tile holds the codes.
     """
     NW: tl.constexpr = D * W // 32
     NU: tl.constexpr = D // 32 if W == 3 else NW  # units: words, or at 3 bits 3 words of 32 codes
     NG: tl.constexpr = D // G
-    r64 = rows.to(tl.int64)
     g = tl.arange(0, NG)
     if W == 3:
         # word t of each unit j as a (BLOCK_N, NU) tensor (12 words a row are no power of two), loaded as its
         # transpose: the layout Triton picks then spreads the units over lanes, and the word-order V tile
         # goes to shared memory in 16-byte stores (loaded as (BLOCK_N, NU), 64 16-bit stores a 64-token tile)
-        u_ptr = p_ptr + 3 * tl.arange(0, NU)[:, None] + r64[None, :] * NW  # (NU, BLOCK_N)
+        u_ptr = p_ptr + 3 * tl.arange(0, NU)[:, None] + rows[None, :] * NW  # (NU, BLOCK_N)
         if MASKED:
             u0 = tl.trans(tl.load(u_ptr, mask=mask_n[None, :], other=0))
             u1 = tl.trans(tl.load(u_ptr + 1, mask=mask_n[None, :], other=0))
@@ -622,7 +621,7 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
             u1 = tl.trans(tl.load(u_ptr + 1))
             u2 = tl.trans(tl.load(u_ptr + 2))
     else:
-        w_ptr = p_ptr + r64[:, None] * NW + tl.arange(0, NW)[None, :]
+        w_ptr = p_ptr + rows[:, None] * NW + tl.arange(0, NW)[None, :]
         if MASKED:
             words = tl.load(w_ptr, mask=mask_n[:, None], other=0)
         else:
@@ -633,8 +632,8 @@ def _packed_tile(p_ptr, s_ptr, z_ptr, rows, mask_n, W: tl.constexpr, D: tl.const
         else:
             tile = dequant_tile(words, words, words, words, W, False, ASM, LANES, CODES)
     else:
-        sc_ptr = s_ptr + r64[:, None] * NG + g[None, :]  # (BLOCK_N, NG)
-        zc_ptr = z_ptr + r64[:, None] * NG + g[None, :]
+        sc_ptr = s_ptr + rows[:, None] * NG + g[None, :]  # (BLOCK_N, NG)
+        zc_ptr = z_ptr + rows[:, None] * NG + g[None, :]
         if MASKED:
             s = tl.load(sc_ptr, mask=mask_n[:, None], other=0.0)
             z = s if SYM else tl.load(zc_ptr, mask=mask_n[:, None], other=0.0)  # symmetric: unused
@@ -1459,6 +1458,9 @@ def _check_inputs(q, k_store, v_store, k_extra, v_extra, length) -> tuple[bool, 
     if has_extra:
         assert k_extra.shape == v_extra.shape and k_extra.shape[:2] == (B, Hkv) and k_extra.shape[3] == D
         assert k_extra.stride(-1) == 1 and v_extra.stride(-1) == 1
+    for st in (k_store, v_store):  # the tiles address a head's rows with int32 offsets (_packed_tile)
+        if st.capacity * max(st.bits) * D // 32 >= 2**31:
+            raise ValueError(f"capacity: {st.capacity} tokens; allowed: under 2**31 words a head's rows")
     span = k_store.length if length is None else min(k_store.capacity, v_store.capacity)
     if span == 0 and not has_extra:
         raise ValueError("nothing to attend to: the stores are empty and there is no extra segment")

@@ -35,9 +35,25 @@ FIELD_BITS = (
     12  # a group's field in a plan code: its width (4 bits), then its first 16-bit half of the row (8)
 )
 _GROUP = tl.constexpr(GROUP)  # as the kernels read it (a field: 12 bits there, FIELD_BITS)
-# a plan code's bits that are set where some group is 8 bits wide (width bit 3), or 4 (width bit 2), up to 16 groups
-_WIDTH8_FIELDS = tl.constexpr(sum(8 << (FIELD_BITS * g) for g in range(16)))
-_WIDTH4_FIELDS = tl.constexpr(sum(4 << (FIELD_BITS * g) for g in range(16)))
+
+
+@triton.constexpr_function
+def _fields(plan_code) -> list[tuple[int, int]]:
+    """Each group's (width, first 16-bit half) of a plan code (plan_code's), up to 16 groups; 0-bit groups left out."""
+    fields = [(int(plan_code) >> (FIELD_BITS * g)) & 4095 for g in range(16)]
+    return [(f & 15, f >> 4) for f in fields if f & 15]
+
+
+@triton.constexpr_function
+def _has_width(plan_code, width) -> bool:
+    """Whether some group of the plan is `width` bits wide (a constant of the kernel)."""
+    return any(w == int(width) for w, _ in _fields(int(plan_code)))
+
+
+@triton.constexpr_function
+def _has_narrow(plan_code, odd) -> bool:
+    """Whether some 1- or 2-bit group of the plan lies in an odd (odd) or even word of its row."""
+    return any(w < 4 and (half // 2) % 2 == int(odd) for w, half in _fields(int(plan_code)))
 
 
 def check_plan(plan: tuple[int, ...], width: int, head_dim: int) -> None:
@@ -193,11 +209,11 @@ def _sub_f16x2(t, base):
 
 @triton.jit
 def _load_words(
-    p_ptr, r64, mask_n, NW: tl.constexpr, FIRST: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr
+    p_ptr, rows, mask_n, NW: tl.constexpr, FIRST: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr
 ):
-    """Words FIRST .. FIRST + N of each row, (R, N) int32: p_ptr the head's words, rows of NW; r64 (R,) int64 token
+    """Words FIRST .. FIRST + N of each row, (R, N) int32: p_ptr the head's words, rows of NW; rows (R,) int32 token
     indices, mask_n (R,) which are stored (read only when MASKED)."""
-    w_ptr = p_ptr + r64[:, None] * NW + (FIRST + tl.arange(0, N))[None, :]
+    w_ptr = p_ptr + rows[:, None] * NW + (FIRST + tl.arange(0, N))[None, :]
     if MASKED:
         loaded = tl.load(w_ptr, mask=mask_n[:, None], other=0)
     else:
@@ -226,39 +242,39 @@ def _group_codes(loaded, FIELD: tl.constexpr, ASM: tl.constexpr, CODES: tl.const
 
 
 @triton.jit
-def _group(p_ptr, r64, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
+def _group(p_ptr, rows, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
            CODES: tl.constexpr):  # fmt: skip
     """One group's codes as fp16 (R, 4, 2, 2) (_group_codes'), its words loaded on their own; FIELD its plan field."""
-    R: tl.constexpr = r64.shape[0]
+    R: tl.constexpr = rows.shape[0]
     if FIELD & 15 == 0:
         out = tl.zeros((R, 4, 2, 2), tl.float16)
     else:
         NWG: tl.constexpr = 4 // (1 if FIELD & 15 == 8 else 2 if FIELD & 15 == 4 else 4)
         out = _group_codes(
-            _load_words(p_ptr, r64, mask_n, NW, (FIELD >> 4) // 2, NWG, MASKED), FIELD, ASM, CODES
+            _load_words(p_ptr, rows, mask_n, NW, (FIELD >> 4) // 2, NWG, MASKED), FIELD, ASM, CODES
         )
     return out
 
 
 @triton.jit
-def _group_pair(p_ptr, r64, mask_n, NW: tl.constexpr, FA: tl.constexpr, FB: tl.constexpr, ASM: tl.constexpr,
+def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, FA: tl.constexpr, FB: tl.constexpr, ASM: tl.constexpr,
                 MASKED: tl.constexpr, CODES: tl.constexpr):  # fmt: skip
     """Two neighbouring groups' codes (plan fields FA, FB), each as _group's: two groups of one width of 2 bits or
     more, the second right after the first, load their words in one run and split it; two 1-bit groups of one word
     load it once; others load their own."""
     if ((FA & 15) == (FB & 15)) & ((FA & 15) >= 2):
         NWG: tl.constexpr = (FA & 15) // 2  # each group's words
-        run = _load_words(p_ptr, r64, mask_n, NW, (FA >> 4) // 2, 2 * NWG, MASKED)  # (R, 2 NWG)
+        run = _load_words(p_ptr, rows, mask_n, NW, (FA >> 4) // 2, 2 * NWG, MASKED)  # (R, 2 NWG)
         first, second = tl.split(tl.permute(tl.reshape(run, (run.shape[0], 2, NWG)), (0, 2, 1)))
         a = _group_codes(first, FA, ASM, CODES)
         b = _group_codes(second, FB, ASM, CODES)
     elif ((FA & 15) == 1) & ((FB & 15) == 1) & ((FA >> 5) == (FB >> 5)):  # one word: halves FA >> 4, FB >> 4
-        word = _load_words(p_ptr, r64, mask_n, NW, FA >> 5, 1, MASKED)
+        word = _load_words(p_ptr, rows, mask_n, NW, FA >> 5, 1, MASKED)
         a = _group_codes(word, FA, ASM, CODES)
         b = _group_codes(word, FB, ASM, CODES)
     else:
-        a = _group(p_ptr, r64, mask_n, NW, FA, ASM, MASKED, CODES)
-        b = _group(p_ptr, r64, mask_n, NW, FB, ASM, MASKED, CODES)
+        a = _group(p_ptr, rows, mask_n, NW, FA, ASM, MASKED, CODES)
+        b = _group(p_ptr, rows, mask_n, NW, FB, ASM, MASKED, CODES)
     return a, b
 
 
@@ -270,50 +286,55 @@ def group_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.
     PLAN: plan_code's; CODES: OFFSET_CODES or EXACT_CODES."""
     R: tl.constexpr = rows.shape[0]
     G: tl.constexpr = D // _GROUP
-    r64 = rows.to(tl.int64)
     tl.static_assert(CODES == OFFSET_CODES or CODES == EXACT_CODES)
     tl.static_assert(G == 2 or G == 4 or G == 8 or G == 16)
     if G == 2:
-        g0, g1 = _group_pair(p_ptr, r64, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
+        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
         x = tl.permute(_stack2(g0, g1), (0, 4, 1, 2, 3))
     elif G == 4:
-        g0, g1 = _group_pair(p_ptr, r64, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
+        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
         g2, g3 = _group_pair(
-            p_ptr, r64, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES
+            p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES
         )
         x = _stack4(g0, g1, g2, g3)  # (R, 4, 2, 2, m, j): group 2 m + j
         x = tl.permute(x, (0, 4, 5, 1, 2, 3))
     elif G == 8:
-        x = _eight(p_ptr, r64, mask_n, NW, PLAN, ASM, MASKED, CODES, False)
+        x = _eight(p_ptr, rows, mask_n, NW, PLAN, ASM, MASKED, CODES, False)
         x = tl.permute(x, (0, 4, 5, 6, 1, 2, 3))
     else:  # groups 2 i + t at [.., i, t]
-        x = _eight(p_ptr, r64, mask_n, NW, PLAN, ASM, MASKED, CODES, True)
+        x = _eight(p_ptr, rows, mask_n, NW, PLAN, ASM, MASKED, CODES, True)
         x = tl.permute(x, (0, 4, 5, 6, 7, 1, 2, 3))
     return tl.reshape(x, (R, D))
 
 
 @triton.jit
-def _eight(p_ptr, r64, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
+def _eight(p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
            CODES: tl.constexpr, SIXTEEN: tl.constexpr):  # fmt: skip
     """Eight groups stacked (R, 4, 2, 2, 2, 2, 2), group i at [.., m, n, j] (i = 4 m + 2 n + j); with SIXTEEN all 16
     of a plan, (R, 4, 2, 2, 2, 2, 2, 2): the even groups' stack joined with the odd ones' (group 2 i + t at [.., i, t]).
     Neighbouring groups load as pairs (_group_pair)."""
-    g0, g1 = _group_pair(p_ptr, r64, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
-    g2, g3 = _group_pair(p_ptr, r64, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES)
-    g4, g5 = _group_pair(p_ptr, r64, mask_n, NW, (PLAN >> 48) & 4095, (PLAN >> 60) & 4095, ASM, MASKED, CODES)
-    g6, g7 = _group_pair(p_ptr, r64, mask_n, NW, (PLAN >> 72) & 4095, (PLAN >> 84) & 4095, ASM, MASKED, CODES)
+    g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
+    g2, g3 = _group_pair(
+        p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES
+    )
+    g4, g5 = _group_pair(
+        p_ptr, rows, mask_n, NW, (PLAN >> 48) & 4095, (PLAN >> 60) & 4095, ASM, MASKED, CODES
+    )
+    g6, g7 = _group_pair(
+        p_ptr, rows, mask_n, NW, (PLAN >> 72) & 4095, (PLAN >> 84) & 4095, ASM, MASKED, CODES
+    )
     if SIXTEEN:
         g8, g9 = _group_pair(
-            p_ptr, r64, mask_n, NW, (PLAN >> 96) & 4095, (PLAN >> 108) & 4095, ASM, MASKED, CODES
+            p_ptr, rows, mask_n, NW, (PLAN >> 96) & 4095, (PLAN >> 108) & 4095, ASM, MASKED, CODES
         )
         ga, gb = _group_pair(
-            p_ptr, r64, mask_n, NW, (PLAN >> 120) & 4095, (PLAN >> 132) & 4095, ASM, MASKED, CODES
+            p_ptr, rows, mask_n, NW, (PLAN >> 120) & 4095, (PLAN >> 132) & 4095, ASM, MASKED, CODES
         )
         gc, gd = _group_pair(
-            p_ptr, r64, mask_n, NW, (PLAN >> 144) & 4095, (PLAN >> 156) & 4095, ASM, MASKED, CODES
+            p_ptr, rows, mask_n, NW, (PLAN >> 144) & 4095, (PLAN >> 156) & 4095, ASM, MASKED, CODES
         )
         ge, gf = _group_pair(
-            p_ptr, r64, mask_n, NW, (PLAN >> 168) & 4095, (PLAN >> 180) & 4095, ASM, MASKED, CODES
+            p_ptr, rows, mask_n, NW, (PLAN >> 168) & 4095, (PLAN >> 180) & 4095, ASM, MASKED, CODES
         )
         x = tl.join(_stack8(g0, g2, g4, g6, g8, ga, gc, ge), _stack8(g1, g3, g5, g7, g9, gb, gd, gf))
     else:
@@ -377,15 +398,18 @@ def group_bits_jit(PLAN: tl.constexpr, D: tl.constexpr):
 # so its order is free and its layout is what counts: a tile built a group at a time holds each token's whole row in
 # one thread, whose transpose reaches shared memory in 2-byte stores. group_value_tile instead makes every group of
 # the row one element of (R, G) tensors (a thread holds one group of several tokens, its 16 values contiguous),
-# each group's constants (word, rotation, mask, exponent) tensors over G: column 16 g + 2 j + h holds lane h of pair
-# j of group g, which at 8 bits is pair j % 2 of the group's word j // 2, at 4 bits pair j % 4 of word j // 4, at 2
-# and 1 bits pair j of its word or half word (the module docstring's pairs).
+# each group's constants (rotation, mask, exponent) tensors over G, its words loaded two at a time from an even word
+# (eight-byte copies; one word a group when the plan has no group of 4 or 8 bits). Column 16 g + 2 j + h holds lane
+# h of pair j of group g, which at 8 bits is pair j % 2 of the group's word j // 2, at 4 bits pair
+# j % 2 + 2 (j // 4) of word (j // 2) % 2 (so that every width's pairs 0, 1 and 4, 5 read a window's first word, 2, 3
+# and 6, 7 its second), at 2 and 1 bits pair j of its word or half word (the module docstring's pairs).
 
 
 def _value_code(column: int, w: int) -> int:
     """The code of its group that a group's value column (< 16) holds at width w (group_value_tile's order)."""
     j, h = column // 2, column % 2
-    return {8: 4 * (j // 2) + j % 2 + 2 * h, 4: 8 * (j // 4) + j % 4 + 4 * h, 0: column}.get(w, j + 8 * h)
+    four = 8 * ((j // 2) % 2) + j % 2 + 2 * (j // 4) + 4 * h  # pair j % 2 + 2 (j // 4) of word (j // 2) % 2
+    return {8: 4 * (j // 2) + j % 2 + 2 * h, 4: four, 0: column}.get(w, j + 8 * h)
 
 
 def value_columns(plan: tuple[int, ...]) -> list[int]:
@@ -398,26 +422,32 @@ def _value_code_jit(k, w):
     """_value_code at a group's columns k for the groups' widths w (int32 tensors of one shape), in the kernel."""
     j, h = k // 2, k % 2
     out = tl.where(w == 8, 4 * (j // 2) + j % 2 + 2 * h, j + 8 * h)
-    out = tl.where(w == 4, 8 * (j // 4) + j % 4 + 4 * h, out)
+    out = tl.where(w == 4, 8 * ((j // 2) % 2) + j % 2 + 2 * (j // 4) + 4 * h, out)
     return tl.where(w == 0, k, out)
 
 
 @triton.jit
 def _group_fields(PLAN: tl.constexpr, G: tl.constexpr):
-    """Each group's width and first 16-bit half of the row, (G,) int32 each."""
+    """Each group's width, first 16-bit half of the row and first even word (0 at 0 bits), (G,) int32 each (the
+    last built from constants alone, so that the compiler sees it even)."""
     g = tl.arange(0, G)
     width = tl.zeros((G,), tl.int32)
     half = tl.zeros((G,), tl.int32)
+    start = tl.zeros((G,), tl.int32)
     for i in tl.static_range(G):  # (a constexpr is not reassigned in a compiled loop: inline)
         width = tl.where(g == i, (PLAN >> (12 * i)) & 15, width)
         half = tl.where(g == i, ((PLAN >> (12 * i)) & 4095) >> 4, half)
-    return width, half
+        # the first half's word rounded down to even (the field >> 6 << 1), 0 where the group has no bits
+        start = tl.where(
+            g == i, (((PLAN >> (12 * i)) & 4095) >> 6 << 1) * (((PLAN >> (12 * i)) & 15) > 0), start
+        )
+    return width, half, start
 
 
 @triton.jit
 def group_value_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
     """`value_columns` as a (D,) int32 tensor, in the kernel."""
-    width, _ = _group_fields(PLAN, D // _GROUP)
+    width, _, _ = _group_fields(PLAN, D // _GROUP)
     d = tl.arange(0, D)
     w = tl.reshape(tl.broadcast_to(width[:, None], (D // _GROUP, _GROUP)), (D,))
     return (d // _GROUP) * _GROUP + _value_code_jit(d % _GROUP, w)
@@ -426,7 +456,8 @@ def group_value_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def _value_pair(words, J: tl.constexpr, width, high, mask, bits, ASM: tl.constexpr):
     """Pair J of every group (value order) from its word `words` (R, G): int32 of two fp16 lanes, the codes."""
-    i = tl.where(width == 8, J % 2, tl.where(width == 4, J % 4, J))  # the pair's place in its word
+    # the pair's place in its word
+    i = tl.where(width == 8, J % 2, tl.where(width == 4, J % 2 + 2 * (J // 4), J))
     amount = tl.where(width == 8, 32 - 8 * i, tl.where(width == 4, 6 - 4 * i, 8 - 2 * i))
     amount = tl.where(width == 1, 9 - i - 16 * high, amount) & 31  # (G,)
     t = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
@@ -443,53 +474,87 @@ def _value_pair(words, J: tl.constexpr, width, high, mask, bits, ASM: tl.constex
 
 
 @triton.jit
-def _value_words(base, slot, mask_n, MASKED: tl.constexpr):
-    """Each group's word `slot` (G,) of its rows, (R, G): base (G, R) points to the groups' first words, loaded as
-    that transpose (its layout then spreads the groups over a warp's lanes: a thread holds a group, not a row)."""
+def _value_words(p_ptr, rows, mask_n, first, NW: tl.constexpr, N: tl.constexpr, MASKED: tl.constexpr):
+    """Words first, first + N - 1 of each group (first (G,); N = 1, or 2 from an even word) of each row, two
+    (R, G) int32 (N = 1: the word twice): loaded as (G, R, N), N words a group and row in one load (its layout then
+    spreads the groups over a warp's lanes: a thread holds a group of several rows, not a row)."""
+    G: tl.constexpr = first.shape[0]
+    R: tl.constexpr = rows.shape[0]
+    offsets = rows[None, :, None] * NW + first[:, None, None] + tl.arange(0, N)[None, None, :]  # (G, R, N)
     if MASKED:
-        out = tl.load(base + slot[:, None], mask=mask_n[None, :], other=0)
+        words = tl.load(p_ptr + offsets, mask=mask_n[None, :, None], other=0)
     else:
-        out = tl.load(base + slot[:, None])
-    return tl.trans(out)
+        words = tl.load(p_ptr + offsets)
+    if N == 1:
+        lo = tl.trans(tl.reshape(words, (G, R)))
+        hi = lo
+    else:
+        lo, hi = tl.split(words)
+        lo, hi = tl.trans(lo), tl.trans(hi)
+    return lo, hi
+
+
+@triton.jit
+def _pair_words(p_ptr, rows, mask_n, PLAN: tl.constexpr, width, half, start, NW: tl.constexpr,
+                MASKED: tl.constexpr):  # fmt: skip
+    """The words that pairs (0, 1), (2, 3), (4, 5) and (6, 7) of every group read (group_value_tile's order), (R, G)
+    int32 each; width, half, start: _group_fields'.
+
+    A plan with 4- or 8-bit groups loads every group's first two-word window (a0, a1), one with 8-bit groups an 8-bit
+    group's second (b0, b1) and the others' first again: pairs 0, 1 read a0 (a narrow group at an odd word a1),
+    pairs 2, 3 a1 (a narrow group its word), pairs 4, 5 b0 and 6, 7 b1 (likewise), or without 8-bit groups pairs
+    0, 1's and 2, 3's words; selects only where the plan has narrow groups. A plan of 4- and 1-bit groups without
+    8-bit ones loads each group's first word and a 4-bit group's second one at a time (in two-word windows the
+    selects spilled under the register cap: smollm2's 2-bit plan 4,4,2,2,1,1,1,1, Triton 3.6 and 3.9); a plan of
+    narrow groups alone loads each group's word."""
+    first = tl.where(width == 0, 0, half // 2)  # each group's first word
+    if _has_width(PLAN, 4) and _has_width(PLAN, 1) and not _has_width(PLAN, 8):
+        w01, _ = _value_words(p_ptr, rows, mask_n, first, NW, 1, MASKED)
+        w23, _ = _value_words(p_ptr, rows, mask_n, first + (width == 4).to(tl.int32), NW, 1, MASKED)
+        w45, w67 = w01, w23
+    elif _has_width(PLAN, 8) or _has_width(PLAN, 4):
+        a0, a1 = _value_words(p_ptr, rows, mask_n, start, NW, 2, MASKED)
+        narrow = (width > 0) & (width < 4)
+        odd = (narrow & (half // 2 % 2 == 1))[None, :]
+        even = (narrow & (half // 2 % 2 == 0))[None, :]
+        w01 = tl.where(odd, a1, a0) if _has_narrow(PLAN, 1) else a0
+        w23 = tl.where(even, a0, a1) if _has_narrow(PLAN, 0) else a1
+        if _has_width(PLAN, 8):
+            b0, b1 = _value_words(p_ptr, rows, mask_n, tl.where(width == 8, start + 2, start), NW, 2, MASKED)
+            w45 = tl.where(odd, b1, b0) if _has_narrow(PLAN, 1) else b0
+            w67 = tl.where(even, b0, b1) if _has_narrow(PLAN, 0) else b1
+        else:
+            w45, w67 = w01, w23
+    else:
+        w01, _ = _value_words(p_ptr, rows, mask_n, first, NW, 1, MASKED)
+        w23, w45, w67 = w01, w01, w01
+    return w01, w23, w45, w67
 
 
 @triton.jit
 def group_value_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
                      ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     """A head's tile of grouped codes as fp16 (R, D), the codes themselves, in value_columns' order: p_ptr the
-    head's payload as int32 words, rows of NW; rows (R,) token indices, mask_n (R,) which are stored (read only when
-    MASKED); PLAN: plan_code's."""
+    head's payload as int32 words, rows of NW; rows (R,) token indices (int32 offsets: rows * NW < 2**31),
+    mask_n (R,) which are stored (read only when MASKED); PLAN: plan_code's."""
     R: tl.constexpr = rows.shape[0]
     G: tl.constexpr = D // _GROUP
-    width, half = _group_fields(PLAN, G)
+    width, half, start = _group_fields(PLAN, G)
     mask = tl.where(width == 8, 0x00FF00FF, tl.where(width == 4, 0x03C003C0, 0x03000300))
     mask = tl.where(width == 1, 0x00020200, tl.where(width == 0, 0, mask))
     bits = tl.where(width == 8, 0x64006400, tl.where(width == 4, 0x4C004C00, 0x44004400))
     bits = tl.where(width == 1, 0x60004000, tl.where(width == 0, 0, bits))
-    base = p_ptr + rows.to(tl.int64)[None, :] * NW + tl.where(width == 0, 0, half // 2)[:, None]  # (G, R)
     high = half % 2
-    # pairs 2 a and 2 a + 1 read word a of an 8-bit group, a // 2 of a 4-bit one, the only one of the others: a
-    # plan without 8-bit groups loads two words a group, one without 4- or 8-bit groups one
-    w0 = _value_words(base, tl.zeros_like(width), mask_n, MASKED)
-    if _WIDTH8_FIELDS & PLAN:
-        w1 = _value_words(base, tl.where(width == 8, 1, 0), mask_n, MASKED)
-        w2 = _value_words(base, tl.where(width == 8, 2, tl.where(width == 4, 1, 0)), mask_n, MASKED)
-        w3 = _value_words(base, tl.where(width == 8, 3, tl.where(width == 4, 1, 0)), mask_n, MASKED)
-    elif _WIDTH4_FIELDS & PLAN:
-        w1 = w0
-        w2 = _value_words(base, tl.where(width == 4, 1, 0), mask_n, MASKED)
-        w3 = w2
-    else:
-        w1, w2, w3 = w0, w0, w0
+    w01, w23, w45, w67 = _pair_words(p_ptr, rows, mask_n, PLAN, width, half, start, NW, MASKED)
     x = _stack8(
-        _value_pair(w0, 0, width, high, mask, bits, ASM),
-        _value_pair(w0, 1, width, high, mask, bits, ASM),
-        _value_pair(w1, 2, width, high, mask, bits, ASM),
-        _value_pair(w1, 3, width, high, mask, bits, ASM),
-        _value_pair(w2, 4, width, high, mask, bits, ASM),
-        _value_pair(w2, 5, width, high, mask, bits, ASM),
-        _value_pair(w3, 6, width, high, mask, bits, ASM),
-        _value_pair(w3, 7, width, high, mask, bits, ASM),
+        _value_pair(w01, 0, width, high, mask, bits, ASM),
+        _value_pair(w01, 1, width, high, mask, bits, ASM),
+        _value_pair(w23, 2, width, high, mask, bits, ASM),
+        _value_pair(w23, 3, width, high, mask, bits, ASM),
+        _value_pair(w45, 4, width, high, mask, bits, ASM),
+        _value_pair(w45, 5, width, high, mask, bits, ASM),
+        _value_pair(w67, 6, width, high, mask, bits, ASM),
+        _value_pair(w67, 7, width, high, mask, bits, ASM),
     )  # (R, G, 2, 2, 2): pair 4 m + 2 n + j
     lo, hi = _halves(x)
     return tl.reshape(tl.join(lo, hi), (R, D))

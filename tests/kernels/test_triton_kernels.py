@@ -214,6 +214,15 @@ def test_decode_attention_extra_only(device):
     assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-3
 
 
+def test_decode_attention_refuses_rows_past_int32_offsets():
+    """The tiles address a head's rows with int32 word offsets: a store whose capacity holds 2**31 words a head or
+    more is refused before any launch (meta tensors: nothing is allocated)."""
+    ks = PackedStore((8, 4), 128, 1, device="meta", capacity=2**27)  # 2**27 rows of 32 words at 8 bits
+    vs = PackedStore((4, 4), 128, 1, device="meta", capacity=2**27)
+    with pytest.raises(ValueError, match="capacity: 134217728 tokens"):
+        decode_attention(torch.empty(1, 2, 128, device="meta"), ks, vs, 0.1)
+
+
 class _NoHostSync(TorchDispatchMode):
     """Fails on the aten ops that read a tensor's value back to the host (.item(), bool(), torch.equal)."""
 
