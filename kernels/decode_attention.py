@@ -844,7 +844,7 @@ def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, V
     mask_n = rows < end
     # (BLOCK_N, D) fp16
     if KPLAN:
-        k = group_tile(kp, rows, mask_n, KPLAN, D, D * KW // 32, ASM, MASKED, OFFSET_CODES)
+        k = group_tile(kp, rows, mask_n, KPLAN, D, D * KW // 32, ASM, MASKED)
     else:
         k = _packed_tile(kp, kp, kp, rows, mask_n, KW, D, D, False, ASM, True, MASKED, OFFSET_CODES)
     s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units, without the bias

@@ -16,8 +16,8 @@ broadcast to its L lanes in registers. A pair is two fp16 lanes h = 0, 1 made by
 (kernels.unpack's trick): codes (j, j + 2) of a word at 8 bits under exponent 1024, (j, j + 4) at 4 bits and
 (j, j + 8) at 2 bits on mantissa bits [6, 10) and [8, 10) under 16 and 4, and at 1 bit (j, j + 8) of the half word on
 mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. Each lane is that offset + its code
-(`offsets`), or with one sub.f16x2 the code itself; `columns` says which component each tile column holds. A group of
-0 bits is zeros.
+(`offsets`: the scores take the offsets out); `columns` says which component each tile column holds. A group of 0
+bits is zeros. Value tiles (group_value_tile, below) hold the codes themselves in an order of their own.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kernels import reference
-from kernels.unpack import EXACT_CODES, OFFSET_CODES, _bits, _halves, _lop3, _stack2, _stack4, _stack8
+from kernels.unpack import _bits, _halves, _lop3, _stack2, _stack4, _stack8
 
 GROUP = 16
 GROUP_WIDTHS = (0, 1, 2, 4, 8)
@@ -163,9 +163,9 @@ def _rotl(x, n, ASM: tl.constexpr):
 
 
 @triton.jit
-def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr):
+def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr):
     """Pair j (an int32 tensor (4,) by lane) of each lane's word (R, 4) of a W-bit group: int32 of two fp16 lanes,
-    code_offset + code (OFFSET_CODES) or the code (EXACT_CODES). HIGH: a 1-bit group in the word's high half."""
+    code_offset + code. HIGH: a 1-bit group in the word's high half."""
     if W == 8:
         amount = (32 - 8 * j) & 31
         mask: tl.constexpr = "16711935"  # 0x00FF00FF
@@ -185,14 +185,8 @@ def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr, COD
     t = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
     if ASM:
         t = _lop3(t, mask, bits)
-        if CODES == EXACT_CODES:
-            t = tl.inline_asm_elementwise(
-                "{.reg .b32 k; mov.b32 k, " + bits + "; sub.f16x2 $0, $1, k;}", "=r,r", [t], tl.int32, True, 1
-            )
     else:
         t = (t & int(mask)) | int(bits)
-        if CODES == EXACT_CODES:
-            t = _sub_f16x2(t, tl.full(t.shape, int(bits), tl.int32))
     return t
 
 
@@ -222,7 +216,7 @@ def _load_words(
 
 
 @triton.jit
-def _group_codes(loaded, FIELD: tl.constexpr, ASM: tl.constexpr, CODES: tl.constexpr):
+def _group_codes(loaded, FIELD: tl.constexpr, ASM: tl.constexpr):
     """One group's codes as fp16 (R, 4, 2, 2) from its words `loaded` (R, NWG): [.., c, i_lo, h] is the group's
     column 4 c + 2 i_lo + h (module docstring); FIELD the group's plan field (not 0 bits)."""
     R: tl.constexpr = loaded.shape[0]
@@ -234,31 +228,29 @@ def _group_codes(loaded, FIELD: tl.constexpr, ASM: tl.constexpr, CODES: tl.const
     words = tl.reshape(tl.broadcast_to(loaded[:, :, None], (R, NWG, LANES)), (R, 4))
     j = 2 * (c % LANES)
     x = tl.join(
-        _pairs(words, j, W, (FIELD >> 4) % 2, ASM, CODES),
-        _pairs(words, j + 1, W, (FIELD >> 4) % 2, ASM, CODES),
+        _pairs(words, j, W, (FIELD >> 4) % 2, ASM),
+        _pairs(words, j + 1, W, (FIELD >> 4) % 2, ASM),
     )
     lo, hi = _halves(x)
     return tl.join(lo, hi)
 
 
 @triton.jit
-def _group(p_ptr, rows, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
-           CODES: tl.constexpr):  # fmt: skip
+def _group(p_ptr, rows, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.constexpr,
+           MASKED: tl.constexpr):  # fmt: skip
     """One group's codes as fp16 (R, 4, 2, 2) (_group_codes'), its words loaded on their own; FIELD its plan field."""
     R: tl.constexpr = rows.shape[0]
     if FIELD & 15 == 0:
         out = tl.zeros((R, 4, 2, 2), tl.float16)
     else:
         NWG: tl.constexpr = 4 // (1 if FIELD & 15 == 8 else 2 if FIELD & 15 == 4 else 4)
-        out = _group_codes(
-            _load_words(p_ptr, rows, mask_n, NW, (FIELD >> 4) // 2, NWG, MASKED), FIELD, ASM, CODES
-        )
+        out = _group_codes(_load_words(p_ptr, rows, mask_n, NW, (FIELD >> 4) // 2, NWG, MASKED), FIELD, ASM)
     return out
 
 
 @triton.jit
 def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, FA: tl.constexpr, FB: tl.constexpr, ASM: tl.constexpr,
-                MASKED: tl.constexpr, CODES: tl.constexpr):  # fmt: skip
+                MASKED: tl.constexpr):  # fmt: skip
     """Two neighbouring groups' codes (plan fields FA, FB), each as _group's: two groups of one width of 2 bits or
     more, the second right after the first, load their words in one run and split it; two 1-bit groups of one word
     load it once; others load their own."""
@@ -266,76 +258,59 @@ def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, FA: tl.constexpr, FB: tl.
         NWG: tl.constexpr = (FA & 15) // 2  # each group's words
         run = _load_words(p_ptr, rows, mask_n, NW, (FA >> 4) // 2, 2 * NWG, MASKED)  # (R, 2 NWG)
         first, second = tl.split(tl.permute(tl.reshape(run, (run.shape[0], 2, NWG)), (0, 2, 1)))
-        a = _group_codes(first, FA, ASM, CODES)
-        b = _group_codes(second, FB, ASM, CODES)
+        a = _group_codes(first, FA, ASM)
+        b = _group_codes(second, FB, ASM)
     elif ((FA & 15) == 1) & ((FB & 15) == 1) & ((FA >> 5) == (FB >> 5)):  # one word: halves FA >> 4, FB >> 4
         word = _load_words(p_ptr, rows, mask_n, NW, FA >> 5, 1, MASKED)
-        a = _group_codes(word, FA, ASM, CODES)
-        b = _group_codes(word, FB, ASM, CODES)
+        a = _group_codes(word, FA, ASM)
+        b = _group_codes(word, FB, ASM)
     else:
-        a = _group(p_ptr, rows, mask_n, NW, FA, ASM, MASKED, CODES)
-        b = _group(p_ptr, rows, mask_n, NW, FB, ASM, MASKED, CODES)
+        a = _group(p_ptr, rows, mask_n, NW, FA, ASM, MASKED)
+        b = _group(p_ptr, rows, mask_n, NW, FB, ASM, MASKED)
     return a, b
 
 
 @triton.jit
 def group_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr, ASM: tl.constexpr,
-               MASKED: tl.constexpr, CODES: tl.constexpr):  # fmt: skip
+               MASKED: tl.constexpr):  # fmt: skip
     """A head's tile of grouped codes as fp16 (R, D), group g's column k at column 16 g + k: p_ptr the head's payload
     as int32 words, rows of NW; rows (R,) token indices, mask_n (R,) which are stored (read only when MASKED);
-    PLAN: plan_code's; CODES: OFFSET_CODES or EXACT_CODES."""
+    PLAN: plan_code's. Each column holds its code plus `offsets`' offset (the scores take the offsets out)."""
     R: tl.constexpr = rows.shape[0]
     G: tl.constexpr = D // _GROUP
-    tl.static_assert(CODES == OFFSET_CODES or CODES == EXACT_CODES)
     tl.static_assert(G == 2 or G == 4 or G == 8 or G == 16)
     if G == 2:
-        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
+        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED)
         x = tl.permute(_stack2(g0, g1), (0, 4, 1, 2, 3))
     elif G == 4:
-        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
-        g2, g3 = _group_pair(
-            p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES
-        )
+        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED)
+        g2, g3 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED)
         x = _stack4(g0, g1, g2, g3)  # (R, 4, 2, 2, m, j): group 2 m + j
         x = tl.permute(x, (0, 4, 5, 1, 2, 3))
     elif G == 8:
-        x = _eight(p_ptr, rows, mask_n, NW, PLAN, ASM, MASKED, CODES, False)
+        x = _eight(p_ptr, rows, mask_n, NW, PLAN, ASM, MASKED, False)
         x = tl.permute(x, (0, 4, 5, 6, 1, 2, 3))
     else:  # groups 2 i + t at [.., i, t]
-        x = _eight(p_ptr, rows, mask_n, NW, PLAN, ASM, MASKED, CODES, True)
+        x = _eight(p_ptr, rows, mask_n, NW, PLAN, ASM, MASKED, True)
         x = tl.permute(x, (0, 4, 5, 6, 7, 1, 2, 3))
     return tl.reshape(x, (R, D))
 
 
 @triton.jit
 def _eight(p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
-           CODES: tl.constexpr, SIXTEEN: tl.constexpr):  # fmt: skip
+           SIXTEEN: tl.constexpr):  # fmt: skip
     """Eight groups stacked (R, 4, 2, 2, 2, 2, 2), group i at [.., m, n, j] (i = 4 m + 2 n + j); with SIXTEEN all 16
     of a plan, (R, 4, 2, 2, 2, 2, 2, 2): the even groups' stack joined with the odd ones' (group 2 i + t at [.., i, t]).
     Neighbouring groups load as pairs (_group_pair)."""
-    g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED, CODES)
-    g2, g3 = _group_pair(
-        p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED, CODES
-    )
-    g4, g5 = _group_pair(
-        p_ptr, rows, mask_n, NW, (PLAN >> 48) & 4095, (PLAN >> 60) & 4095, ASM, MASKED, CODES
-    )
-    g6, g7 = _group_pair(
-        p_ptr, rows, mask_n, NW, (PLAN >> 72) & 4095, (PLAN >> 84) & 4095, ASM, MASKED, CODES
-    )
+    g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED)
+    g2, g3 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED)
+    g4, g5 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 48) & 4095, (PLAN >> 60) & 4095, ASM, MASKED)
+    g6, g7 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 72) & 4095, (PLAN >> 84) & 4095, ASM, MASKED)
     if SIXTEEN:
-        g8, g9 = _group_pair(
-            p_ptr, rows, mask_n, NW, (PLAN >> 96) & 4095, (PLAN >> 108) & 4095, ASM, MASKED, CODES
-        )
-        ga, gb = _group_pair(
-            p_ptr, rows, mask_n, NW, (PLAN >> 120) & 4095, (PLAN >> 132) & 4095, ASM, MASKED, CODES
-        )
-        gc, gd = _group_pair(
-            p_ptr, rows, mask_n, NW, (PLAN >> 144) & 4095, (PLAN >> 156) & 4095, ASM, MASKED, CODES
-        )
-        ge, gf = _group_pair(
-            p_ptr, rows, mask_n, NW, (PLAN >> 168) & 4095, (PLAN >> 180) & 4095, ASM, MASKED, CODES
-        )
+        g8, g9 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 96) & 4095, (PLAN >> 108) & 4095, ASM, MASKED)
+        ga, gb = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 120) & 4095, (PLAN >> 132) & 4095, ASM, MASKED)
+        gc, gd = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 144) & 4095, (PLAN >> 156) & 4095, ASM, MASKED)
+        ge, gf = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 168) & 4095, (PLAN >> 180) & 4095, ASM, MASKED)
         x = tl.join(_stack8(g0, g2, g4, g6, g8, ga, gc, ge), _stack8(g1, g3, g5, g7, g9, gb, gd, gf))
     else:
         x = _stack8(g0, g1, g2, g3, g4, g5, g6, g7)
@@ -383,15 +358,13 @@ def group_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
 @triton.jit
 def group_bits_jit(PLAN: tl.constexpr, D: tl.constexpr):
     """Each component's width and first bit in the row (module docstring), (D,) int32 each, in the kernel."""
-    d = tl.arange(0, D)
-    width = tl.zeros((D,), tl.int32)
-    bit = tl.zeros((D,), tl.int32)
-    for i in tl.static_range(D // _GROUP):  # (a constexpr is not reassigned in a compiled loop: inline)
-        here = d // _GROUP == i
-        width = tl.where(here, (PLAN >> (12 * i)) & 15, width)
-        start = _GROUP * (((PLAN >> (12 * i)) & 4095) >> 4)  # the group's first bit
-        bit = tl.where(here, start + ((PLAN >> (12 * i)) & 15) * (d - _GROUP * i), bit)
-    return width, bit
+    G: tl.constexpr = D // _GROUP
+    group_width, group_half, _ = _group_fields(PLAN, G)
+    width = tl.reshape(tl.broadcast_to(group_width[:, None], (G, _GROUP)), (D,))
+    half = tl.reshape(
+        tl.broadcast_to(group_half[:, None], (G, _GROUP)), (D,)
+    )  # the group's first 16-bit half
+    return width, half * _GROUP + width * (tl.arange(0, D) % _GROUP)
 
 
 # Value tiles. The values' tile goes through shared memory to the output mma (its tokens are the mma's reduction),

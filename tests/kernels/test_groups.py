@@ -18,7 +18,6 @@ from harness.schemes import bitstream
 from harness.schemes.pca_table import UNIFORM, level_tables, quantize_components
 from kernels import groups, reference
 from kernels.layout import PackedStore
-from kernels.unpack import EXACT_CODES, OFFSET_CODES
 
 B = 2
 
@@ -76,11 +75,10 @@ def test_check_plan_refusals():
 
 
 @triton.jit
-def _tile_kernel(p_ptr, out_ptr, L, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr, R: tl.constexpr,
-                 CODES: tl.constexpr):  # fmt: skip
+def _tile_kernel(p_ptr, out_ptr, L, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr, R: tl.constexpr):
     rows = tl.arange(0, R)
     mask = rows < L
-    tile = groups.group_tile(p_ptr, rows, mask, PLAN, D, NW, False, True, CODES)
+    tile = groups.group_tile(p_ptr, rows, mask, PLAN, D, NW, False, True)
     tl.store(out_ptr + rows[:, None] * D + tl.arange(0, D)[None, :], tile.to(tl.float32), mask=mask[:, None])
     cols, offs = groups.group_columns_jit(PLAN, D)
     tl.store(out_ptr + R * D + tl.arange(0, D), cols.to(tl.float32))
@@ -100,20 +98,16 @@ def _tile_kernel(p_ptr, out_ptr, L, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.
 )
 def test_group_tile_holds_the_codes_in_its_column_order(device, plan):
     """A tile of 13 tokens (3 rows masked off) holds, at each column, the code `columns` names plus `offsets`'
-    offset (OFFSET_CODES) or the code itself (EXACT_CODES); the kernel's own tables are the host's."""
+    offset; the kernel's own tables are the host's."""
     D, L, R = groups.GROUP * len(plan), 13, 16
     codes = _random_codes(plan, (L,), torch.Generator().manual_seed(len(plan) + sum(plan)))
     words = groups.pack(codes, plan).contiguous().view(torch.int32).to(device)
     cols, offs = torch.tensor(groups.columns(plan)), torch.tensor(groups.offsets(plan))
-    for mode in (OFFSET_CODES, EXACT_CODES):
-        out = torch.full((R + 2, D), float("nan"), device=device)
-        _tile_kernel[(1,)](
-            words, out, L, PLAN=groups.plan_code(plan), D=D, NW=words.shape[1], R=R, CODES=mode
-        )
-        out = out.cpu()
-        want = codes[:, cols].float() + (offs if mode == OFFSET_CODES else 0.0)
-        assert torch.equal(out[:L], want), mode
-        assert torch.equal(out[R].long(), cols) and torch.equal(out[R + 1], offs)
+    out = torch.full((R + 2, D), float("nan"), device=device)
+    _tile_kernel[(1,)](words, out, L, PLAN=groups.plan_code(plan), D=D, NW=words.shape[1], R=R)
+    out = out.cpu()
+    assert torch.equal(out[:L], codes[:, cols].float() + offs)
+    assert torch.equal(out[R].long(), cols) and torch.equal(out[R + 1], offs)
 
 
 @triton.jit
