@@ -80,29 +80,28 @@ FAST_LAUNCH_SMALL_HEADS = {
     8: {"block_n": 128, "num_stages": 2, "maxnreg": 128},
 }
 # The codes-only path's launch (decode_attention_blocks; its own loop, so its own figures: `python -m
-# kernels.gpu.inspect --codes --widths 4 3 2 8 --block-n 64 128 --stages 2 3 --maxnreg 0`, Triton 3.6, sm_90a, 32
-# query / 8 KV heads, head_dim 128, blocks of 128 tokens): 128-token tiles at every width (two 64-token tiles took
-# 664 / 570 / 720 / 638 loop instructions against 568 / 470 / 597 / 549 at 4 / 2 / 3 / 8 bits), 2 stages (3: 578 at 4
-# bits), and no register cap but at 8 bits: capped at 128, ptxas spent 128 registers and 18 more instructions at 4
-# bits, and left the predicates of the pipelined copies to be rebuilt before each (96 uncapped); 8 bits uncapped
-# took 168 registers. Heads of 64 channels (9 query / 3 KV heads): 2 bits at 64-token tiles (193 instructions
-# against 410 for 128); heads of 256 (8 / 1): the cap at 2, 3 and 4 bits (4 bits: 1070 instructions at 128
-# registers, 168 uncapped), 8 bits at 64-token tiles and no cap (154 registers; capped, 56 bytes of spills).
-CODES_LAUNCH = {w: {"block_n": 128, "num_stages": 2} for w in (2, 3, 4)} | {
-    8: {"block_n": 128, "num_stages": 2, "maxnreg": 128}
-}
+# kernels.gpu.inspect --codes --qblock 128 --widths 4 3 2 8 --block-n 64 128 --maxnreg 0`, Triton 3.6, sm_90a, 32
+# query / 8 KV heads, head_dim 128, blocks of 128 tokens; kernels at 48d393a): 128-token tiles at every width (two
+# 64-token tiles take 666 / 570 / 720 / 638 loop instructions against 562 / 470 / 596 / 526 at 4 / 2 / 3 / 8 bits),
+# 2 stages (3: 579 at 4 bits), and no register cap: capped at 128, ptxas spends 23 more instructions at 4 bits and at
+# 8 (it leaves the predicates of the pipelined copies to be rebuilt before each), where uncapped it takes 128
+# registers since the tiles address rows with int32 offsets (168 before; heads of 64 channels: 333 capped, 334 not).
+# Measured before those offsets: heads of 64 channels (9 query / 3 KV heads): 2 bits at 64-token tiles (193
+# instructions against 410 for 128); heads of 256 (8 / 1): the cap at 2, 3 and 4 bits (4 bits: 1070 instructions at
+# 128 registers, 168 uncapped), 8 bits at 64-token tiles and no cap (154 registers; capped, 56 bytes of spills).
+CODES_LAUNCH = {w: {"block_n": 128, "num_stages": 2} for w in (2, 3, 4, 8)}
 CODES_LAUNCH_SMALL_HEADS = {**CODES_LAUNCH, 2: {"block_n": 64, "num_stages": 2}}
 CODES_LAUNCH_LARGE_HEADS = {w: {"block_n": 128, "num_stages": 2, "maxnreg": 128} for w in (2, 3, 4)} | {
     8: {"block_n": 64, "num_stages": 2}
 }
 # A codes-only bucket whose width has no entry above (a grouped plan's 1, 5, 6 or 7 bits: kernels/groups.py) takes
 # this launch (`python -m kernels.gpu.inspect --codes --map 5,5,5,5,5,5,5,5 --key-plans 5=8,8,4,4,4,4,4,4
-# --value-plans 5=8,8,4,4,4,4,4,4 --block-n 64 128`, Triton 3.6, sm_90a, under the cap below): 128-token tiles, 782
-# loop instructions against 2 x 440 at 64 (5 and 4 bits: 615 against 2 x 352; 1 and 1: 592 against 2 x 368; heads of
-# 64 channels, 5 and 5: 461 against 2 x 271), for 64 KB of shared memory; heads of more than 128 channels 64 tokens
-# (at 128, 208 bytes of spills). A launch with any grouped bucket takes GROUPS_MAXNREG (key and value tiles live in
-# registers at once: uncapped, a 2-bit bucket of smollm2's plans took 168 registers and 653 instructions a tile,
-# against 683 at 128). Not yet timed on a GPU.
+# --value-plans 5=8,8,4,4,4,4,4,4 --block-n 64 128`, Triton 3.6, sm_90a, under the cap below; kernels at 48d393a):
+# 128-token tiles, 685 loop instructions against 2 x 391 at 64 (5 and 4 bits: 608 against 2 x 351; 1 and 1: 592
+# against 2 x 368; heads of 64 channels, 5 and 5: 414 against 2 x 249), for 64 KB of shared memory; heads of more
+# than 128 channels 64 tokens (at 128, 208 bytes of spills at 5b5d156). A launch with any grouped bucket takes
+# GROUPS_MAXNREG (key and value tiles live in registers at once: uncapped, a 2-bit bucket of smollm2's plans takes
+# 168 registers and 648 instructions a tile, against 681 at 128). Not yet timed on a GPU.
 GROUPS_LAUNCH = {"block_n": 128, "num_stages": 2}
 GROUPS_LAUNCH_LARGE_HEADS = {"block_n": 64, "num_stages": 2}
 GROUPS_MAXNREG = 128

@@ -25,13 +25,14 @@ each, the map of its (key, value) width pairs, one KV head each, and gives the t
 the whole allocation, each pair's branch weighted by the (layer, KV head) units that hold it. With --codes it
 compiles the codes-only path (decode_attention_blocks over
 codes-only stores: no scales or zeros, a query and a bias per block of --qblock tokens, 0 for one block), whose
-KV bytes are the payload alone. Its figures at the default shape, each width at CODES_LAUNCH (Triton 3.6, sm_90a;
+KV bytes are the payload alone. Its figures at the default shape, each width at CODES_LAUNCH (kernels at 48d393a,
+Triton 3.6, sm_90a; the 32 row with --block-n 32;
 loop instructions a tile / thread-instructions per KV byte, registers; no spills, no byte-wide loads anywhere):
 
     qblock   4 bits            3 bits            2 bits            8 bits
-    128      568 / 4.44, 96    597 / 6.22, 96    470 / 7.34, 125   549 / 2.14, 128    (128-token tiles)
-    0        517 / 4.04, 128   555 / 5.78, 96    428 / 6.69, 124   487 / 1.90, 128    (one block: q held)
-    32       256 / 8.00, 80    276 / 11.5, 72    223 / 13.9, 92    242 / 3.78, 95     (32-token tiles)
+    128      562 / 4.39, 127   596 / 6.21, 96    470 / 7.34, 126   549 / 2.14, 128    (128-token tiles)
+    0        517 / 4.04, 128   555 / 5.78, 96    427 / 6.67, 126   489 / 1.91, 128    (one block: q held)
+    32       255 / 7.97, 80    274 / 11.4, 80    222 / 13.9, 91    242 / 3.78, 95     (32-token tiles)
 
 DESIGN.md's static targets (4.5 at 4 bits, 6 at 2) hold at 4 bits, not at 2: a 2-bit tile of 128 tokens has 64
 bytes a token to spend 384 instructions on, and its dequantization (8 lop3 and 3 shifts a word for K; the same and
