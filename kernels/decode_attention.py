@@ -83,13 +83,15 @@ FAST_LAUNCH_SMALL_HEADS = {
 # kernels.gpu.inspect --codes --qblock 128 --widths 4 3 2 8 --block-n 64 128 --maxnreg 0`, Triton 3.6, sm_90a, 32
 # query / 8 KV heads, head_dim 128, blocks of 128 tokens; kernels at 48d393a): 128-token tiles at every width (two
 # 64-token tiles take 666 / 570 / 720 / 638 loop instructions against 562 / 470 / 596 / 526 at 4 / 2 / 3 / 8 bits),
-# 2 stages (3: 579 at 4 bits), and no register cap: capped at 128, ptxas spends 23 more instructions at 4 bits and at
-# 8 (it leaves the predicates of the pipelined copies to be rebuilt before each), where uncapped it takes 128
-# registers since the tiles address rows with int32 offsets (168 before; heads of 64 channels: 333 capped, 334 not).
-# Measured before those offsets: heads of 64 channels (9 query / 3 KV heads): 2 bits at 64-token tiles (193
+# 2 stages (3: 579 at 4 bits), and no register cap but at 8 bits: capped at 128, ptxas spends 23 more instructions at
+# 4 bits and at 8 (it leaves the predicates of the pipelined copies to be rebuilt before each), where uncapped it
+# takes 128 registers at blocks of 128 tokens (the tiles address rows with int32 offsets) but 168 with one block's
+# query held in registers (--qblock 0: 487 instructions against 489 capped). Measured before those offsets: heads of 64 channels (9 query / 3 KV heads): 2 bits at 64-token tiles (193
 # instructions against 410 for 128); heads of 256 (8 / 1): the cap at 2, 3 and 4 bits (4 bits: 1070 instructions at
 # 128 registers, 168 uncapped), 8 bits at 64-token tiles and no cap (154 registers; capped, 56 bytes of spills).
-CODES_LAUNCH = {w: {"block_n": 128, "num_stages": 2} for w in (2, 3, 4, 8)}
+CODES_LAUNCH = {w: {"block_n": 128, "num_stages": 2} for w in (2, 3, 4)} | {
+    8: {"block_n": 128, "num_stages": 2, "maxnreg": 128}
+}
 CODES_LAUNCH_SMALL_HEADS = {**CODES_LAUNCH, 2: {"block_n": 64, "num_stages": 2}}
 CODES_LAUNCH_LARGE_HEADS = {w: {"block_n": 128, "num_stages": 2, "maxnreg": 128} for w in (2, 3, 4)} | {
     8: {"block_n": 64, "num_stages": 2}
