@@ -131,12 +131,23 @@ def test_rows_of_records_without_a_dtype_say_float32():
 
 
 def test_passkey_settings_name_float32_points_as_before():
-    """The committed passkey runs were made at the default settings before dtype and needles were recorded: the
-    default Settings still give their points' names; a bfloat16 or multi-key run is named apart."""
+    """Every committed passkey run is named by the settings its baseline points record (a point stored from an
+    allocation file records that file's scheme label instead); the runs made before dtype and needles were
+    recorded (no `needles` in their config) still carry the default Settings' name; a bfloat16 or multi-key run
+    is named apart."""
     plain = Settings()
     assert plain.dtype == "float32" and plain.needles == 1
-    committed = {p.stem.rsplit("__", 1)[1] for p in ROOT.glob("results/passkey/*/points/*.json")}
-    assert committed == {plain.digest()}
+    fields = set(Settings.__dataclass_fields__)
+    older = set()
+    for run in sorted(p.parent for p in ROOT.glob("results/passkey/*/points")):
+        points = {p: json.loads(p.read_text())["config"] for p in run.glob("points/*.json")}
+        baselines = [c for c in points.values() if c["policy"] == "baseline"]
+        assert baselines, run
+        named = {Settings(**{k: v for k, v in c.items() if k in fields}).digest() for c in baselines}
+        assert len(named) == 1 and {p.stem.rsplit("__", 1)[1] for p in points} == named, run
+        if all("needles" not in c for c in points.values()):
+            older |= named
+    assert older == {plain.digest()}
     assert len({plain.digest(), Settings(dtype="bfloat16").digest(), Settings(needles=2).digest()}) == 3
     with pytest.raises(ValueError, match="passkey.dtype: unknown 'auto'"):
         Settings(dtype="auto")  # the command line resolves auto before building settings
