@@ -496,6 +496,34 @@ class PcaBlockUniformSharedGroups(Pca):
 
 @register
 @dataclass(frozen=True)
+class PcaBlockUniformSharedGroupsAllWidths(Pca):
+    """pca_block_ugs with every width 0 to 8 a group may take (a kernel would read a 3-, 5-, 6- or 7-bit group as
+    planes of 1, 2 and 4 bits): what the plan's power-of-two widths cost."""
+
+    name: str = "pca_block_ugsa"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(
+        key_frame=BLOCK, block=BLOCK_TOKENS, levels=UNIFORM, group=16, shared_plans=True
+    )
+
+
+@register
+@dataclass(frozen=True)
+class PcaBlockUniformSharedGroups8(Pca):
+    """pca_block_ugs with groups of 8 components: what the groups' size costs."""
+
+    name: str = "pca_block_ugs_g8"
+    pca_format: ClassVar[PcaFormat] = PcaFormat(
+        key_frame=BLOCK,
+        block=BLOCK_TOKENS,
+        levels=UNIFORM,
+        group=8,
+        group_widths=GROUP_WIDTHS,
+        shared_plans=True,
+    )
+
+
+@register
+@dataclass(frozen=True)
 class PcaPostUniformFlat(Pca):
     """pca_post with evenly spaced levels and every component of a head at the unit's width (no plan): the
     format of today's fused kernel with one scale and zero a token traded for one a component, folded into the
