@@ -86,6 +86,9 @@ FUSED_STEPS = (
     ("today's kernel's format with pca's transform (pca_post_uf) against pca", "pca", "pca_post_uf"),
     ("blocks of 32 tokens instead of 128 (flat, evenly spaced)", "pca_block_uf", "pca_block32_uf"),
 )
+# ... and their measured knapsacks at three budgets (about 3.5x, 4.6x, 6.3x): a group of 16 components at any width
+# 0 to 8 (pca_block_ugsa) against 0, 1, 2, 4, 8 bits (pca_block_ugs).
+KNAPSACK = "knapsack: any width 0 to 8 a group of 16 (pca_block_ugsa) against 0, 1, 2, 4, 8 (pca_block_ugs)"
 FUSED_INGREDIENTS = tuple(
     (
         f"{budget}-bit pca family: {step}",
@@ -94,12 +97,9 @@ FUSED_INGREDIENTS = tuple(
     )
     for budget in (4, 3, 2)
     for step, without, with_ in FUSED_STEPS
-)
-# The measured knapsacks over the kernel's grouped formats, at their three budgets (about 3.5x, 4.6x, 6.3x): a group
-# of 16 components at any width 0 to 8 (pca_block_ugsa) against 0, 1, 2, 4, 8 bits (pca_block_ugs).
-KERNEL_KNAPSACKS = tuple(
+) + tuple(
     (
-        f"{budget}-bit knapsack: any width 0 to 8 a group of 16 (pca_block_ugsa) against 0, 1, 2, 4, 8 (pca_block_ugs)",
+        f"{budget}-bit {KNAPSACK}",
         {"scheme": "pca_block_ugs", "sink_tokens": 1, "policy": "measured", "budget": budget},
         {"scheme": "pca_block_ugsa", "sink_tokens": 1, "policy": "measured", "budget": budget},
     )
@@ -109,160 +109,156 @@ KERNEL_KNAPSACKS = tuple(
 # config fields a point must match; where several points match, the one of fewest bytes (then key) is taken.
 INGREDIENTS = (
     (
-        (
-            "Hadamard rotation (llama.cpp's q4_0 default)",
-            {"scheme": "sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
-            {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
-        ),
-        (
-            "a zero per group, at equal bytes (g64 asym against g32 sym)",
-            {"scheme": "sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
-            {"scheme": "asym_token", "group_size": 64, "policy": "uniform", "budget": 4},
-        ),
-        (
-            "keys per channel over 64 tokens (KIVI), no fp16 window",
-            {"scheme": "asym_token", "group_size": 64, "policy": "uniform", "budget": 4},
-            {"scheme": "kivi", "group_size": 64, "key_group_size": None, "policy": "uniform", "budget": 4},
-        ),
-        (
-            "keys against calibrated per-channel tables, BOS in fp16 (values as before)",
-            {"scheme": "asym_token", "group_size": 32, "policy": "uniform", "budget": 4},
-            {**CALKEY_4, "outliers": 0.0},
-        ),
-        (
-            "1% of each key kept in fp16 (dense-and-sparse outliers)",
-            {**CALKEY_4, "outliers": 0.0},
-            {**CALKEY_4, "outliers": 0.01},
-        ),
-        (
-            "keys turned back before RoPE, k-means levels per channel (nuqkey against calkey, 4 bits)",
-            {**CALKEY_4, "outliers": 0.0},
-            {**NUQKEY_4, "outliers": 0.0},
-        ),
-        (
-            "the same at 3 bits, 1% of each key in fp16 in both",
-            {**CALKEY_4, "budget": 3, "outliers": 0.01},
-            {**NUQKEY_4, "budget": 3, "outliers": 0.01},
-        ),
-        (
-            "nuqkey: 1% of each key kept in fp16",
-            {**NUQKEY_4, "outliers": 0.0},
-            {**NUQKEY_4, "outliers": 0.01},
-        ),
-        (
-            "nuqkey's values as codebook (b + 0.25 bits) instead of asym_token g32 (b + 1), 1% of each key in fp16",
-            {**NUQKEY_4, "outliers": 0.01},
-            {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
-        ),
-        (
-            "nuqkey_codebook's key levels weighted by |gradient| (fisher_sqrt), 4-bit, 1% of each key in fp16",
-            {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
-            {**NUQKEY_CODEBOOK_4, "outliers": 0.01, "key_levels": "fisher_sqrt"},
-        ),
-        (
-            "the same weighted by gradient squared (fisher, KVQuant's Fisher information)",
-            {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
-            {**NUQKEY_CODEBOOK_4, "outliers": 0.01, "key_levels": "fisher"},
-        ),
-        (
-            "fisher_sqrt key levels at 3 bits",
-            {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01},
-            {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
-        ),
-        (
-            "nuqkey_codebook's key levels fitted on 4x the calibration text (32 x 512 tokens), 4-bit, 2% of each key in fp16",
-            {**NUQKEY_CODEBOOK_4, "outliers": 0.02},
-            {**NUQKEY_CODEBOOK_4, "outliers": 0.02, "calibration_sequences": 32},
-        ),
-        (
-            "the same at 3 bits, 1% of each key in fp16",
-            {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01},
-            {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "calibration_sequences": 32},
-        ),
-        (
-            "the same with fisher_sqrt key levels",
-            {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
-            {
-                **NUQKEY_CODEBOOK_4,
-                "budget": 3,
-                "outliers": 0.01,
-                "key_levels": "fisher_sqrt",
-                "calibration_sequences": 32,
-            },
-        ),
-        (
-            "Lloyd-Max levels and one fp16 scale per vector, after rotation",
-            {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
-            {"scheme": "codebook", "policy": "uniform", "budget": 4},
-        ),
-        (
-            "keys wider than values: K4V3 against uniform 4-bit codebook",
-            {"scheme": "codebook", "policy": "uniform", "budget": 4},
-            {"scheme": "codebook", "policy": "kv", "budget": 3.5, "key_offset": 1},
-        ),
-        (
-            "the measured knapsack against K4V3, same budget",
-            {"scheme": "codebook", "policy": "kv", "budget": 3.5, "key_offset": 1},
-            {"scheme": "codebook", "policy": "measured", "budget": 3.5},
-        ),
-        (
-            "calkey: wider keys than values (K4V3 against K3V4), same budget",
-            {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": -1},
-            {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": 1},
-        ),
-        (
-            "calkey: the measured knapsack against K4V3, same budget",
-            {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": 1},
-            {"scheme": "calkey", "sink_tokens": 1, "policy": "measured", "budget": 3.5},
-        ),
-        (
-            "3.5x: a PCA basis per (layer, KV head), bits per component (pca's knapsack at 4.4 bits) against "
-            "nuqkey_codebook 4-bit with 2% of each key in fp16",
-            {**NUQKEY_CODEBOOK_4, "group_size": 32, "outliers": 0.02},
-            {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 4.4},
-        ),
-        (
-            "4.5x: the same, pca's knapsack at 3.3 bits against nuqkey_codebook's at 3.18 (1% of each key in fp16)",
-            {
-                "scheme": "nuqkey_codebook",
-                "sink_tokens": 1,
-                "outliers": 0.01,
-                "policy": "measured",
-                "budget": 3.18,
-            },
-            {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 3.3},
-        ),
-        (
-            "6x: the same, pca's knapsack at 2.4 bits against nuqkey_codebook's at 2.3",
-            {
-                "scheme": "nuqkey_codebook",
-                "sink_tokens": 1,
-                "outliers": 0.01,
-                "policy": "measured",
-                "budget": 2.3,
-            },
-            {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 2.4},
-        ),
-        (
-            "cross-layer prediction (xlayer: codebook's format for the residual of the layer below's prediction), "
-            "3 bits",
-            {"scheme": "codebook", "policy": "uniform", "budget": 3},
-            {"scheme": "xlayer", "sink_tokens": 1, "policy": "uniform", "budget": 3},
-        ),
-        (
-            "2-D grids after rotation, keys before RoPE, calibration mean off (vq2) against codebook, 3 bits",
-            {"scheme": "codebook", "policy": "uniform", "budget": 3},
-            {"scheme": "vq2", "sink_tokens": 1, "policy": "uniform", "budget": 3},
-        ),
-        (
-            "channel pairs against fitted codebooks (cq2) against pca's transform coding, 3 bits",
-            {"scheme": "pca", "sink_tokens": 1, "policy": "uniform", "budget": 3},
-            {"scheme": "cq2", "sink_tokens": 1, "policy": "uniform", "budget": 3},
-        ),
-    )
-    + FUSED_INGREDIENTS
-    + KERNEL_KNAPSACKS
-)
+        "Hadamard rotation (llama.cpp's q4_0 default)",
+        {"scheme": "sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+    ),
+    (
+        "a zero per group, at equal bytes (g64 asym against g32 sym)",
+        {"scheme": "sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {"scheme": "asym_token", "group_size": 64, "policy": "uniform", "budget": 4},
+    ),
+    (
+        "keys per channel over 64 tokens (KIVI), no fp16 window",
+        {"scheme": "asym_token", "group_size": 64, "policy": "uniform", "budget": 4},
+        {"scheme": "kivi", "group_size": 64, "key_group_size": None, "policy": "uniform", "budget": 4},
+    ),
+    (
+        "keys against calibrated per-channel tables, BOS in fp16 (values as before)",
+        {"scheme": "asym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {**CALKEY_4, "outliers": 0.0},
+    ),
+    (
+        "1% of each key kept in fp16 (dense-and-sparse outliers)",
+        {**CALKEY_4, "outliers": 0.0},
+        {**CALKEY_4, "outliers": 0.01},
+    ),
+    (
+        "keys turned back before RoPE, k-means levels per channel (nuqkey against calkey, 4 bits)",
+        {**CALKEY_4, "outliers": 0.0},
+        {**NUQKEY_4, "outliers": 0.0},
+    ),
+    (
+        "the same at 3 bits, 1% of each key in fp16 in both",
+        {**CALKEY_4, "budget": 3, "outliers": 0.01},
+        {**NUQKEY_4, "budget": 3, "outliers": 0.01},
+    ),
+    (
+        "nuqkey: 1% of each key kept in fp16",
+        {**NUQKEY_4, "outliers": 0.0},
+        {**NUQKEY_4, "outliers": 0.01},
+    ),
+    (
+        "nuqkey's values as codebook (b + 0.25 bits) instead of asym_token g32 (b + 1), 1% of each key in fp16",
+        {**NUQKEY_4, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
+    ),
+    (
+        "nuqkey_codebook's key levels weighted by |gradient| (fisher_sqrt), 4-bit, 1% of each key in fp16",
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+    ),
+    (
+        "the same weighted by gradient squared (fisher, KVQuant's Fisher information)",
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.01, "key_levels": "fisher"},
+    ),
+    (
+        "fisher_sqrt key levels at 3 bits",
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+    ),
+    (
+        "nuqkey_codebook's key levels fitted on 4x the calibration text (32 x 512 tokens), 4-bit, 2% of each key in fp16",
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.02},
+        {**NUQKEY_CODEBOOK_4, "outliers": 0.02, "calibration_sequences": 32},
+    ),
+    (
+        "the same at 3 bits, 1% of each key in fp16",
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01},
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "calibration_sequences": 32},
+    ),
+    (
+        "the same with fisher_sqrt key levels",
+        {**NUQKEY_CODEBOOK_4, "budget": 3, "outliers": 0.01, "key_levels": "fisher_sqrt"},
+        {
+            **NUQKEY_CODEBOOK_4,
+            "budget": 3,
+            "outliers": 0.01,
+            "key_levels": "fisher_sqrt",
+            "calibration_sequences": 32,
+        },
+    ),
+    (
+        "Lloyd-Max levels and one fp16 scale per vector, after rotation",
+        {"scheme": "rotate+sym_token", "group_size": 32, "policy": "uniform", "budget": 4},
+        {"scheme": "codebook", "policy": "uniform", "budget": 4},
+    ),
+    (
+        "keys wider than values: K4V3 against uniform 4-bit codebook",
+        {"scheme": "codebook", "policy": "uniform", "budget": 4},
+        {"scheme": "codebook", "policy": "kv", "budget": 3.5, "key_offset": 1},
+    ),
+    (
+        "the measured knapsack against K4V3, same budget",
+        {"scheme": "codebook", "policy": "kv", "budget": 3.5, "key_offset": 1},
+        {"scheme": "codebook", "policy": "measured", "budget": 3.5},
+    ),
+    (
+        "calkey: wider keys than values (K4V3 against K3V4), same budget",
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": -1},
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": 1},
+    ),
+    (
+        "calkey: the measured knapsack against K4V3, same budget",
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "kv", "budget": 3.5, "key_offset": 1},
+        {"scheme": "calkey", "sink_tokens": 1, "policy": "measured", "budget": 3.5},
+    ),
+    (
+        "3.5x: a PCA basis per (layer, KV head), bits per component (pca's knapsack at 4.4 bits) against "
+        "nuqkey_codebook 4-bit with 2% of each key in fp16",
+        {**NUQKEY_CODEBOOK_4, "group_size": 32, "outliers": 0.02},
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 4.4},
+    ),
+    (
+        "4.5x: the same, pca's knapsack at 3.3 bits against nuqkey_codebook's at 3.18 (1% of each key in fp16)",
+        {
+            "scheme": "nuqkey_codebook",
+            "sink_tokens": 1,
+            "outliers": 0.01,
+            "policy": "measured",
+            "budget": 3.18,
+        },
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 3.3},
+    ),
+    (
+        "6x: the same, pca's knapsack at 2.4 bits against nuqkey_codebook's at 2.3",
+        {
+            "scheme": "nuqkey_codebook",
+            "sink_tokens": 1,
+            "outliers": 0.01,
+            "policy": "measured",
+            "budget": 2.3,
+        },
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 2.4},
+    ),
+    (
+        "cross-layer prediction (xlayer: codebook's format for the residual of the layer below's prediction), "
+        "3 bits",
+        {"scheme": "codebook", "policy": "uniform", "budget": 3},
+        {"scheme": "xlayer", "sink_tokens": 1, "policy": "uniform", "budget": 3},
+    ),
+    (
+        "2-D grids after rotation, keys before RoPE, calibration mean off (vq2) against codebook, 3 bits",
+        {"scheme": "codebook", "policy": "uniform", "budget": 3},
+        {"scheme": "vq2", "sink_tokens": 1, "policy": "uniform", "budget": 3},
+    ),
+    (
+        "channel pairs against fitted codebooks (cq2) against pca's transform coding, 3 bits",
+        {"scheme": "pca", "sink_tokens": 1, "policy": "uniform", "budget": 3},
+        {"scheme": "cq2", "sink_tokens": 1, "policy": "uniform", "budget": 3},
+    ),
+) + FUSED_INGREDIENTS
 # The points every judged-on-other-text row is set against, on the same windows: (column, configuration).
 REFERENCES = (
     (
