@@ -369,7 +369,7 @@ def test_a_variants_store_is_the_oracle_across_blocks(name, role):
     if fmt.group > 1:
         for w in PCA_WIDTHS:
             plan = layer.key.plans[w].long().view(len(BITS), -1, plan_group(fmt, D))
-            assert (plan == plan[..., :1]).all() and set(plan.unique().tolist()) <= set(GROUP_WIDTHS)
+            assert (plan == plan[..., :1]).all() and set(plan.unique().tolist()) <= set(fmt.group_widths)
 
 
 def test_positions_follow_starts_at_keep_last_and_select():
