@@ -28,6 +28,7 @@ from functools import cache, partial
 from pathlib import Path
 
 import huggingface_hub.utils as hub_utils
+import numpy as np
 import torch
 import transformers
 import yaml
@@ -139,19 +140,34 @@ def _dequantized_at_load() -> dict:
     return {} if gguf_config is None else {"quantization_config": gguf_config(dequantize=True)}
 
 
-@contextmanager
-def _tensor_names_mapped_once() -> Iterator[None]:
-    """gguf.get_tensor_name_map memoized for the block, then as it was: transformers' GGUF loader builds gguf's
-    table of tensor names (the same one for one architecture and depth, read only) once a module of the model,
-    about 35 ms each, 400 times for smollm2-135m: close to half of a load."""
-    import gguf
+class _NumpyMappingPlainArrays:
+    """numpy as gguf's reader sees it inside _gguf_read_fast: np.memmap returns the mapping as a plain ndarray (the
+    same bytes, read only), whose slices skip np.memmap's per-slice __array_finalize__."""
 
-    built = gguf.get_tensor_name_map
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(*args, **kwargs) -> np.ndarray:
+        return np.memmap(*args, **kwargs).view(np.ndarray)
+
+
+@contextmanager
+def _gguf_read_fast() -> Iterator[None]:
+    """For the block, then as they were: gguf.get_tensor_name_map memoized (transformers' GGUF loader builds the same
+    read-only table of tensor names once a module, about 400 times for smollm2-135m), and gguf's reader mapping the
+    file as a plain array (it slices it once a value: about a million slices for gemma3-270m's vocabulary). Each was
+    close to half of a load on this CPU; the weights are the same."""
+    import gguf
+    import gguf.gguf_reader
+
+    built, numpy_seen = gguf.get_tensor_name_map, gguf.gguf_reader.np
     gguf.get_tensor_name_map = cache(built)
+    gguf.gguf_reader.np = _NumpyMappingPlainArrays()
     try:
         yield
     finally:
-        gguf.get_tensor_name_map = built
+        gguf.get_tensor_name_map, gguf.gguf_reader.np = built, numpy_seen
 
 
 def spec_identity(name: str) -> str:
@@ -166,7 +182,8 @@ def _kept(name: str, what: str, convert, read):
     saved = cache_root() / what / f"{name}-{key}"
     if saved.is_dir():
         return read(str(saved))
-    made = convert()
+    with _gguf_read_fast():
+        made = convert()
     write_dir_atomic(saved, lambda tmp: made.save_pretrained(str(tmp)))
     return made
 
@@ -194,7 +211,7 @@ def load_gguf(spec: dict, dtype: torch.dtype):
     path = gguf_path(spec)
     try:
         tokenizer = gguf_tokenizer(spec["name"], path)
-        with _tensor_names_mapped_once():
+        with _gguf_read_fast():
             model = AutoModelForCausalLM.from_pretrained(
                 str(path.parent),
                 gguf_file=path.name,

@@ -63,11 +63,12 @@ def test_corrupt_gguf_names_the_install_command(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_a_gguf_loads_dequantized_into_plain_layers_of_the_asked_dtype():
     """The harness measures a dense model in its dtype: transformers must not keep the GGUF's weights in packed
-    blocks (float32 kernels behind a cast), nor warn that it did; gguf's name table, memoized for the load, is
-    gguf's own again after it."""
+    blocks (float32 kernels behind a cast), nor warn that it did; gguf's name table and its reader's numpy, changed
+    for the load (harness.models._gguf_read_fast), are gguf's own again after it."""
     import gguf
+    import gguf.gguf_reader
 
-    name_map = gguf.get_tensor_name_map
+    name_map, reader_numpy = gguf.get_tensor_name_map, gguf.gguf_reader.np
     records = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -80,7 +81,7 @@ def test_a_gguf_loads_dequantized_into_plain_layers_of_the_asked_dtype():
     linears = [m for m in model.modules() if "Linear" in type(m).__name__]
     assert linears and all(type(m) is torch.nn.Linear and m.weight.dtype == torch.bfloat16 for m in linears)
     assert not [r.getMessage() for r in records if r.levelno >= logging.WARNING]
-    assert gguf.get_tensor_name_map is name_map
+    assert gguf.get_tensor_name_map is name_map and gguf.gguf_reader.np is reader_numpy
 
 
 def test_hf_model_without_local_weights_says_so():
