@@ -501,8 +501,8 @@ class PcaBlockUniformSharedGroupsAllWidths(Pca):
     planes of 1, 2 and 4 bits): what the plan's power-of-two widths cost."""
 
     name: str = "pca_block_ugsa"
-    pca_format: ClassVar[PcaFormat] = PcaFormat(
-        key_frame=BLOCK, block=BLOCK_TOKENS, levels=UNIFORM, group=16, shared_plans=True
+    pca_format: ClassVar[PcaFormat] = replace(
+        PcaBlockUniformSharedGroups.pca_format, group_widths=PcaFormat.group_widths
     )
 
 
@@ -512,14 +512,7 @@ class PcaBlockUniformSharedGroups8(Pca):
     """pca_block_ugs with groups of 8 components: what the groups' size costs."""
 
     name: str = "pca_block_ugs_g8"
-    pca_format: ClassVar[PcaFormat] = PcaFormat(
-        key_frame=BLOCK,
-        block=BLOCK_TOKENS,
-        levels=UNIFORM,
-        group=8,
-        group_widths=GROUP_WIDTHS,
-        shared_plans=True,
-    )
+    pca_format: ClassVar[PcaFormat] = replace(PcaBlockUniformSharedGroups.pca_format, group=8)
 
 
 @register
