@@ -496,14 +496,6 @@ def _load_fp16(ptr, offsets, mask):
 
 
 @triton.jit
-def _load_shifted(ptr, offsets, mask, shift):
-    """A load of codes-domain K or V in full precision plus `shift` (each column's code offset) as fp16 operands,
-    clamped to fp16's finite range."""
-    x = tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32) + shift
-    return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
-
-
-@triton.jit
 def _q_half(row_ptr, cols, mask, scale, ROWS: tl.constexpr = True):
     """q at columns `cols` (n,) of each row times `scale` as float32, clamped to fp16's finite range: rows
     row_ptr (QG_B, 1) -> (QG_B, n), or with ROWS=False row_ptr (1, QG_B) -> (n, QG_B)."""
@@ -869,16 +861,19 @@ def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, V
 @triton.jit
 def _codes_extra(qT, bias, m_i, l_rows, acc, x_end, kx_h, kx_st, vx_h, vx_st, kcol, koff, vcol):
     """The online softmax over the first x_end tokens of a KV head's extra segment, floats in the codes' domain
-    (kx_h, vx_h its rows, token strides kx_st, vx_st; keys shifted by their columns' code offsets koff as the
-    stored tiles' are), with block 0's qT and bias -> the updated (m_i, l_rows, acc)."""
+    (kx_h, vx_h its rows, token strides kx_st, vx_st), with block 0's qT and bias -> the updated (m_i, l_rows, acc).
+    The bias takes the stored tiles' code offsets out of the scores (koff by column): the extra keys' scores get
+    q . koff back once, in float32, rather than each key its offsets in fp16 (at an offset of 512 fp16 keeps half
+    a code)."""
     BLOCK_N: tl.constexpr = l_rows.shape[0]
+    q_off = tl.sum(qT.to(tl.float32) * koff[:, None], axis=0)  # (QG_B,)
     for n0 in range(0, x_end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         mask_n = n < x_end
         n64 = n.to(tl.int64)[:, None]
-        k = _load_shifted(kx_h, n64 * kx_st + kcol[None, :], mask_n[:, None], koff[None, :])
+        k = _load_fp16(kx_h, n64 * kx_st + kcol[None, :], mask_n[:, None])
         v = _load_fp16(vx_h, n64 * vx_st + vcol[None, :], mask_n[:, None])
-        s = tl.where(mask_n[:, None], tl.dot(k, qT), float("-inf"))
+        s = tl.where(mask_n[:, None], tl.dot(k, qT) + q_off[None, :], float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=0) + bias)
         p = tl.exp2(s - (m_new - bias)[None, :])
         alpha = tl.exp2(m_i - m_new)
@@ -1100,11 +1095,15 @@ def fast_bucket(kw: int, vw: int, q_dtype: torch.dtype, head_dim: int, k_group: 
     (k_planned, v_planned: a codes-only store's). A bucket with a grouped plan takes it at any query dtype (only
     it reads such rows; its mmas run in fp16)."""
     grouped = kw in k_planned or vw in v_planned
-    return (
-        (grouped or q_dtype in (torch.float16, torch.bfloat16))
-        and (kw in k_planned or fast_path_fits(kw, head_dim, k_group))
-        and (vw in v_planned or fast_path_fits(vw, head_dim, v_group))
+    readable = (kw in k_planned or fast_path_fits(kw, head_dim, k_group)) and (
+        vw in v_planned or fast_path_fits(vw, head_dim, v_group)
     )
+    if grouped and not readable:  # the generic kernel reads no grouped rows
+        raise NotImplementedError(
+            f"a bucket of {kw}-bit keys and {vw}-bit values with a grouped plan: its other side's rows are not ones "
+            f"the fast kernel reads at head_dim {head_dim}; allowed: a grouped plan there too"
+        )
+    return (grouped or q_dtype in (torch.float16, torch.bfloat16)) and readable
 
 
 @functools.lru_cache(maxsize=256)

@@ -1,12 +1,18 @@
 """Grouped plans: codes-only rows whose D codes fall in groups of GROUP = 16 consecutive components, each group at
-its own width from GROUP_WIDTHS, one plan for every head of a width bucket (a constant the decode kernel compiles:
-harness/schemes/pca.py's pca_block_ugs). This module owns that row format and its tiles.
+its own width from 0 to 8, one plan for every head of a width bucket (a constant the decode kernel compiles:
+harness/schemes/pca.py's pca_block_ugs and pca_block_ugsa). This module owns that row format and its tiles.
 
-Row format (harness/schemes/bitstream.py's for such widths): plan (w_0, .., w_{G-1}), G = D / 16, with
-16 sum(w_g) = w D bits for a head of unit width w. Group g's 16 codes are packed as kernels.reference.pack packs 16
-codes of w_g bits (at 1 bit, code i at bit i of two bytes; at 0 bits nothing), and the groups follow each other, so
-group g starts at bit 16 s_g, s_g = sum(w_j, j < g). A group of 2 bits or more starts on a 32-bit word (the kernel
-loads whole words): widths that never grow along the row always do.
+Row format: plan (w_0, .., w_{G-1}), G = D / 16, with 16 sum(w_g) = w D bits for a head of unit width w. A group is
+made of planes, its width's binary digits (5 = 4 + 1, 7 = 4 + 2 + 1, 8 = 8: `planes`): plane p holds bits
+[s, s + p) of the group's 16 codes, s the width of the planes below it (`plane_shift`), packed as
+kernels.reference.pack packs 16 codes of p bits (at 1 bit, code i at bit i of two bytes). The planes lie plane-major
+(`plane_starts`): every group's 8-bit plane in group order, then the 4-bit ones, the 2-bit ones and the 1-bit ones,
+so that each plane of 2 bits or more starts on a 32-bit word (the kernel loads whole words) whatever the order of
+the widths. A plan of 0, 1, 2, 4 and 8 bits whose widths never grow is harness/schemes/bitstream.py's row. A lower
+plane (1 or 2 bits under a wider one) holds the bits of component i at `plane_position`, so that its tiles' columns
+hold the components its group's widest plane's hold. The kernels take a plan as passes (`plan_code`): pass k holds
+every group's k-th plane, each decoded as a group of that width (below), and a tile sums a group's planes, each
+scaled by 2 ** its shift (integers below 2048: exact in fp16).
 
 A tile (kernels/decode_attention.py's codes-only kernel) holds group g's codes at columns 16 g .. 16 g + 15, each
 group a k16 block of the scores' mma, in the order that the mma's register operand reads: lane c (of the 4 threads
@@ -16,8 +22,9 @@ broadcast to its L lanes in registers. A pair is two fp16 lanes h = 0, 1 made by
 (kernels.unpack's trick): codes (j, j + 2) of a word at 8 bits under exponent 1024, (j, j + 4) at 4 bits and
 (j, j + 8) at 2 bits on mantissa bits [6, 10) and [8, 10) under 16 and 4, and at 1 bit (j, j + 8) of the half word on
 mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. Each lane is that offset + its code
-(`offsets`: the scores take the offsets out); `columns` says which component each tile column holds. A group of 0
-bits is zeros. Value tiles (group_value_tile, below) hold the codes themselves in an order of their own.
+(`offsets`: the scores take the offsets out, a group's planes' offsets scaled and summed); `columns` says which
+component each tile column holds (its group's widest plane's order). A group of 0 bits is zeros. Value tiles
+(group_value_tile, below) hold the codes themselves in an order of their own.
 """
 
 from __future__ import annotations
@@ -30,30 +37,58 @@ from kernels import reference
 from kernels.unpack import _bits, _halves, _lop3, _stack2, _stack4, _stack8
 
 GROUP = 16
-GROUP_WIDTHS = (0, 1, 2, 4, 8)
+GROUP_WIDTHS = tuple(range(9))  # a group's width: its planes (PLANES) sum to it
+PLANES = (8, 4, 2, 1)  # the widths a plane may have: a group's planes are its width's binary digits
 FIELD_BITS = (
-    12  # a group's field in a plan code: its width (4 bits), then its first 16-bit half of the row (8)
+    12  # a plane's field in a plan code: its width (4 bits), then its first 16-bit half of the row (8)
 )
+PASS_BITS = 16 * FIELD_BITS  # a pass's fields in a plan code: up to 16 groups'
+PASSES = 3  # a group has at most three planes (7 = 4 + 2 + 1)
 _GROUP = tl.constexpr(GROUP)  # as the kernels read it (a field: 12 bits there, FIELD_BITS)
+
+
+def planes(w: int) -> list[int]:
+    """The planes of a group of w bits, widest first: w's binary digits (5 -> [4, 1], 7 -> [4, 2, 1], 8 -> [8])."""
+    return [p for p in PLANES if int(w) & p]
+
+
+def plane_shift(w: int, p: int) -> int:
+    """Where plane p of a w-bit group lies in its codes: the width of the planes below it (5, 4 -> 1)."""
+    return int(w) & (p - 1)
 
 
 @triton.constexpr_function
 def _fields(plan_code) -> list[tuple[int, int]]:
-    """Each group's (width, first 16-bit half) of a plan code (plan_code's), up to 16 groups; 0-bit groups left out."""
+    """Each group's (width, first 16-bit half) of one pass of a plan code (plan_code's), up to 16 groups; 0-bit
+    groups left out."""
     fields = [(int(plan_code) >> (FIELD_BITS * g)) & 4095 for g in range(16)]
     return [(f & 15, f >> 4) for f in fields if f & 15]
 
 
 @triton.constexpr_function
 def _has_width(plan_code, width) -> bool:
-    """Whether some group of the plan is `width` bits wide (a constant of the kernel)."""
+    """Whether some group of one pass of the plan is `width` bits wide (a constant of the kernel)."""
     return any(w == int(width) for w, _ in _fields(int(plan_code)))
 
 
 @triton.constexpr_function
 def _has_narrow(plan_code, odd) -> bool:
-    """Whether some 1- or 2-bit group of the plan lies in an odd (odd) or even word of its row."""
+    """Whether some 1- or 2-bit group of one pass of the plan lies in an odd (odd) or even word of its row."""
     return any(w < 4 and (half // 2) % 2 == int(odd) for w, half in _fields(int(plan_code)))
+
+
+@triton.constexpr_function
+def plan_pass(plan_code, k):
+    """Pass k's fields of a plan code (plan_code's): group g's k-th plane at bits [FIELD_BITS g, ...)."""
+    return (int(plan_code) >> (PASS_BITS * int(k))) & ((1 << PASS_BITS) - 1)
+
+
+@triton.constexpr_function
+def _shift(plan_code, g, k):
+    """Where group g's k-th plane lies in its codes (plane_shift), 0 where it has none."""
+    fields = [(int(plan_code) >> (PASS_BITS * j + FIELD_BITS * int(g))) & 15 for j in range(PASSES)]
+    p = fields[int(k)]
+    return plane_shift(sum(fields), p) if p else 0
 
 
 def check_plan(plan: tuple[int, ...], width: int, head_dim: int) -> None:
@@ -64,59 +99,98 @@ def check_plan(plan: tuple[int, ...], width: int, head_dim: int) -> None:
         raise ValueError(f"head_dim: {head_dim} for a grouped plan; allowed: 32, 64, 128, 256")
     if len(plan) != head_dim // GROUP or any(w not in GROUP_WIDTHS for w in plan):
         raise ValueError(
-            f"plan: {plan}; allowed: {head_dim // GROUP} group widths (head_dim / {GROUP}), each one of {GROUP_WIDTHS}"
+            f"plan: {plan}; allowed: {head_dim // GROUP} group widths (head_dim / {GROUP}), each 0 to 8"
         )
     if GROUP * sum(plan) != width * head_dim:
         raise ValueError(
             f"plan: {plan} holds {GROUP * sum(plan)} bits a row; a {width}-bit head holds {width * head_dim}"
         )
-    for g, w in enumerate(plan):
-        if w >= 2 and sum(plan[:g]) % 2:
-            raise ValueError(
-                f"plan: {plan}: group {g} ({w} bits) starts inside a 32-bit word; allowed: widths that never grow"
-            )
+
+
+def plane_starts(plan: tuple[int, ...]) -> dict[tuple[int, int], int]:
+    """(group, plane width) -> the plane's first 16-bit half of the row: the 8-bit planes in group order, then the
+    4-bit ones, the 2-bit and the 1-bit ones (a plane of p bits holds 16 p bits, so every plane of 2 bits or more
+    starts on a 32-bit word)."""
+    starts, half = {}, 0
+    for p in PLANES:
+        for g, w in enumerate(plan):
+            if int(w) & p:
+                starts[g, p] = half
+                half += p
+    return starts
 
 
 def plan_code(plan: tuple[int, ...]) -> int:
-    """The plan as the kernel's compile-time constant: group g's width and first 16-bit half of the row in bits
-    [FIELD_BITS g, FIELD_BITS (g + 1)) (width in the low 4). 0 is no plan (no head has every group at 0 bits)."""
-    code, start = 0, 0
+    """The plan as the kernel's compile-time constant: pass k (bits [PASS_BITS k, PASS_BITS (k + 1))) holds group
+    g's k-th plane (planes(w_g)[k]) at bits [FIELD_BITS g, FIELD_BITS (g + 1)) of it: the plane's width in the low
+    4, its first 16-bit half of the row above (0 where the group has no k-th plane). A plan of one plane a group
+    is one pass. 0 is no plan (no head has every group at 0 bits)."""
+    code, starts = 0, plane_starts(plan)
     for g, w in enumerate(plan):
-        code |= (int(w) | start << 4) << (FIELD_BITS * g)
-        start += int(w)
+        for k, p in enumerate(planes(w)):
+            code |= (p | starts[g, p] << 4) << (PASS_BITS * k + FIELD_BITS * g)
     return code
+
+
+def plane_position(i: int, top: int) -> int:
+    """Where a lower plane (1 or 2 bits) of a group whose widest plane is `top` bits holds the bits of the group's
+    component i: where its tiles read the component that the top plane's tiles read at the same column (at top 4,
+    bits 2 and 3 of i swapped; else i)."""
+    return (i & 3) | ((i >> 2) & 1) << 3 | ((i >> 3) & 1) << 2 if top == 4 else i
+
+
+def _plane_rows(codes: torch.Tensor, p: int) -> torch.Tensor:
+    """16 codes of p bits (..., 16) -> their plane's uint8 bytes (..., 2 p) (at 1 bit, code i at bit i of 2 bytes)."""
+    if p == 1:
+        bits = codes.to(torch.int32).reshape(*codes.shape[:-1], 2, 8) << torch.arange(8, device=codes.device)
+        return bits.sum(-1).to(torch.uint8)
+    return reference.pack(codes, p)
+
+
+def _plane_codes(field: torch.Tensor, p: int) -> torch.Tensor:
+    """Inverse of _plane_rows: uint8 (..., 2 p) -> codes (..., 16) as int64."""
+    if p == 1:
+        bits = (field[..., :, None].to(torch.int32) >> torch.arange(8, device=field.device)) & 1
+        return bits.reshape(*field.shape[:-1], GROUP).long()
+    return reference.unpack(field, p, GROUP).long()
+
+
+def _lower_order(top: int) -> list[int]:
+    """plane_position(i, top) for i < 16, as an index: a lower plane's positions hold components [order]."""
+    order = [0] * GROUP
+    for i in range(GROUP):
+        order[plane_position(i, top)] = i
+    return order
 
 
 def pack(codes: torch.Tensor, plan: tuple[int, ...]) -> torch.Tensor:
     """codes (..., D) (integers, group g's in [0, 2**w_g)) -> uint8 (..., 2 sum(plan)): the rows of the module
     docstring."""
-    parts = []
+    parts, codes = {}, codes.long()
     for g, w in enumerate(plan):
         group = codes[..., GROUP * g : GROUP * (g + 1)]
-        if w == 1:
-            bits = group.to(torch.int32).reshape(*group.shape[:-1], 2, 8) << torch.arange(
-                8, device=codes.device
-            )
-            parts.append(bits.sum(-1).to(torch.uint8))
-        elif w:
-            parts.append(reference.pack(group, w))
-    return torch.cat(parts, -1)
+        for k, p in enumerate(planes(w)):
+            bits = (group >> plane_shift(w, p)) & ((1 << p) - 1)
+            if k:
+                bits = bits[..., _lower_order(planes(w)[0])]
+            parts[g, p] = _plane_rows(bits, p)
+    starts = plane_starts(plan)
+    return torch.cat([parts[key] for key in sorted(parts, key=starts.get)], -1)
 
 
 def unpack(payload: torch.Tensor, plan: tuple[int, ...]) -> torch.Tensor:
     """Inverse of pack: uint8 (..., 2 sum(plan)) -> uint8 codes (..., 16 len(plan))."""
-    parts, byte = [], 0
-    for w in plan:
-        field = payload[..., byte : byte + 2 * w]
-        if w == 0:
-            parts.append(torch.zeros(*payload.shape[:-1], GROUP, dtype=torch.uint8, device=payload.device))
-        elif w == 1:
-            bits = (field[..., :, None].to(torch.int32) >> torch.arange(8, device=payload.device)) & 1
-            parts.append(bits.reshape(*payload.shape[:-1], GROUP).to(torch.uint8))
-        else:
-            parts.append(reference.unpack(field, w, GROUP))
-        byte += 2 * w
-    return torch.cat(parts, -1)
+    parts, starts = [], plane_starts(plan)
+    for g, w in enumerate(plan):
+        group = torch.zeros(*payload.shape[:-1], GROUP, dtype=torch.long, device=payload.device)
+        for k, p in enumerate(planes(w)):
+            byte = 2 * starts[g, p]
+            bits = _plane_codes(payload[..., byte : byte + 2 * p], p)
+            if k:
+                bits = bits[..., [plane_position(i, planes(w)[0]) for i in range(GROUP)]]
+            group |= bits << plane_shift(w, p)
+        parts.append(group)
+    return torch.cat(parts, -1).to(torch.uint8)
 
 
 def _lanes_a_word(w: int) -> int:
@@ -138,15 +212,22 @@ def _offset_in_group(column: int, w: int) -> float:
 
 
 def columns(plan: tuple[int, ...]) -> list[int]:
-    """The component each column of a tile holds (column 16 g + k: group g's column k)."""
+    """The component each column of a tile holds (column 16 g + k: group g's column k, its widest plane's)."""
+    tops = [(planes(w) or [0])[0] for w in plan]
     return [
-        GROUP * (d // GROUP) + _code_in_group(d % GROUP, plan[d // GROUP]) for d in range(GROUP * len(plan))
+        GROUP * (d // GROUP) + _code_in_group(d % GROUP, tops[d // GROUP]) for d in range(GROUP * len(plan))
     ]
 
 
 def offsets(plan: tuple[int, ...]) -> list[float]:
-    """What each column's lane adds to its code (module docstring)."""
-    return [_offset_in_group(d % GROUP, plan[d // GROUP]) for d in range(GROUP * len(plan))]
+    """What each column's lane adds to its code (module docstring): its planes' offsets, each scaled as its plane."""
+    return [
+        sum(
+            _offset_in_group(d % GROUP, p) * 2 ** plane_shift(plan[d // GROUP], p)
+            for p in planes(plan[d // GROUP])
+        )
+        for d in range(GROUP * len(plan))
+    ]
 
 
 @triton.jit
@@ -249,12 +330,31 @@ def _group(p_ptr, rows, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.c
 
 
 @triton.jit
-def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, FA: tl.constexpr, FB: tl.constexpr, ASM: tl.constexpr,
+def _lower(x, p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, G_: tl.constexpr, ASM: tl.constexpr,
+           MASKED: tl.constexpr):  # fmt: skip
+    """Group G_'s codes (R, 4, 2, 2) fp16 from x, its widest plane's (_group's), with its lower planes added: each
+    plane's lanes (offset + plane code) scaled by 2 ** its shift and summed (integers below 2048: exact), so that a
+    lane holds the group's code plus the sum of its planes' scaled offsets (`offsets`). One plane: x itself."""
+    F1: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * G_)) & 4095
+    F2: tl.constexpr = (plan_pass(PLAN, 2) >> (12 * G_)) & 4095
+    if F1 & 15:
+        x = x * (1 << _shift(PLAN, G_, 0)) + _group(p_ptr, rows, mask_n, NW, F1, ASM, MASKED) * (
+            1 << _shift(PLAN, G_, 1)
+        )
+    if F2 & 15:
+        x = x + _group(p_ptr, rows, mask_n, NW, F2, ASM, MASKED)
+    return x
+
+
+@triton.jit
+def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, GA: tl.constexpr, ASM: tl.constexpr,
                 MASKED: tl.constexpr):  # fmt: skip
-    """Two neighbouring groups' codes (plan fields FA, FB), each as _group's: two groups of one width of 2 bits or
-    more, the second right after the first, load their words in one run and split it; two 1-bit groups of one word
-    load it once; others load their own."""
-    if ((FA & 15) == (FB & 15)) & ((FA & 15) >= 2):
+    """Groups GA and GA + 1's codes, each as _group's with its lower planes added (_lower): two widest planes of
+    one width of 2 bits or more, the second right after the first, load their words in one run and split it; two
+    1-bit planes of one word load it once; others load their own."""
+    FA: tl.constexpr = (PLAN >> (12 * GA)) & 4095
+    FB: tl.constexpr = (PLAN >> (12 * GA + 12)) & 4095
+    if ((FA & 15) == (FB & 15)) & ((FA & 15) >= 2) & ((FB >> 4) == (FA >> 4) + (FA & 15)):
         NWG: tl.constexpr = (FA & 15) // 2  # each group's words
         run = _load_words(p_ptr, rows, mask_n, NW, (FA >> 4) // 2, 2 * NWG, MASKED)  # (R, 2 NWG)
         first, second = tl.split(tl.permute(tl.reshape(run, (run.shape[0], 2, NWG)), (0, 2, 1)))
@@ -267,7 +367,8 @@ def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, FA: tl.constexpr, FB: tl.
     else:
         a = _group(p_ptr, rows, mask_n, NW, FA, ASM, MASKED)
         b = _group(p_ptr, rows, mask_n, NW, FB, ASM, MASKED)
-    return a, b
+    return (_lower(a, p_ptr, rows, mask_n, NW, PLAN, GA, ASM, MASKED),
+            _lower(b, p_ptr, rows, mask_n, NW, PLAN, GA + 1, ASM, MASKED))  # fmt: skip
 
 
 @triton.jit
@@ -280,11 +381,11 @@ def group_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.
     G: tl.constexpr = D // _GROUP
     tl.static_assert(G == 2 or G == 4 or G == 8 or G == 16)
     if G == 2:
-        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED)
+        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 0, ASM, MASKED)
         x = tl.permute(_stack2(g0, g1), (0, 4, 1, 2, 3))
     elif G == 4:
-        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED)
-        g2, g3 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED)
+        g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 0, ASM, MASKED)
+        g2, g3 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 2, ASM, MASKED)
         x = _stack4(g0, g1, g2, g3)  # (R, 4, 2, 2, m, j): group 2 m + j
         x = tl.permute(x, (0, 4, 5, 1, 2, 3))
     elif G == 8:
@@ -302,15 +403,15 @@ def _eight(p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, ASM: tl.co
     """Eight groups stacked (R, 4, 2, 2, 2, 2, 2), group i at [.., m, n, j] (i = 4 m + 2 n + j); with SIXTEEN all 16
     of a plan, (R, 4, 2, 2, 2, 2, 2, 2): the even groups' stack joined with the odd ones' (group 2 i + t at [.., i, t]).
     Neighbouring groups load as pairs (_group_pair)."""
-    g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN & 4095, (PLAN >> 12) & 4095, ASM, MASKED)
-    g2, g3 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 24) & 4095, (PLAN >> 36) & 4095, ASM, MASKED)
-    g4, g5 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 48) & 4095, (PLAN >> 60) & 4095, ASM, MASKED)
-    g6, g7 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 72) & 4095, (PLAN >> 84) & 4095, ASM, MASKED)
+    g0, g1 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 0, ASM, MASKED)
+    g2, g3 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 2, ASM, MASKED)
+    g4, g5 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 4, ASM, MASKED)
+    g6, g7 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 6, ASM, MASKED)
     if SIXTEEN:
-        g8, g9 = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 96) & 4095, (PLAN >> 108) & 4095, ASM, MASKED)
-        ga, gb = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 120) & 4095, (PLAN >> 132) & 4095, ASM, MASKED)
-        gc, gd = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 144) & 4095, (PLAN >> 156) & 4095, ASM, MASKED)
-        ge, gf = _group_pair(p_ptr, rows, mask_n, NW, (PLAN >> 168) & 4095, (PLAN >> 180) & 4095, ASM, MASKED)
+        g8, g9 = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 8, ASM, MASKED)
+        ga, gb = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 10, ASM, MASKED)
+        gc, gd = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 12, ASM, MASKED)
+        ge, gf = _group_pair(p_ptr, rows, mask_n, NW, PLAN, 14, ASM, MASKED)
         x = tl.join(_stack8(g0, g2, g4, g6, g8, ga, gc, ge), _stack8(g1, g3, g5, g7, g9, gb, gd, gf))
     else:
         x = _stack8(g0, g1, g2, g3, g4, g5, g6, g7)
@@ -343,6 +444,14 @@ def _offset_in_group_jit(k, W: tl.constexpr):
 
 
 @triton.jit
+def _group_offset_jit(k, PLAN: tl.constexpr, G_: tl.constexpr):
+    """`offsets` at group G_'s columns k, as float32, in the kernel: its planes' offsets, each scaled as its plane."""
+    out = _offset_in_group_jit(k, (plan_pass(PLAN, 0) >> (12 * G_)) & 15) * (1 << _shift(PLAN, G_, 0))
+    out += _offset_in_group_jit(k, (plan_pass(PLAN, 1) >> (12 * G_)) & 15) * (1 << _shift(PLAN, G_, 1))
+    return out + _offset_in_group_jit(k, (plan_pass(PLAN, 2) >> (12 * G_)) & 15)
+
+
+@triton.jit
 def group_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
     """(`columns` as a (D,) int32 tensor, `offsets` as a (D,) float32 tensor), in the kernel."""
     d = tl.arange(0, D)
@@ -351,20 +460,54 @@ def group_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
     offs = tl.zeros((D,), tl.float32)
     for i in tl.static_range(D // _GROUP):  # (a constexpr is not reassigned in a compiled loop: inline)
         cols = tl.where(g == i, _GROUP * i + _code_in_group_jit(k, (PLAN >> (12 * i)) & 15), cols)
-        offs = tl.where(g == i, _offset_in_group_jit(k, (PLAN >> (12 * i)) & 15), offs)
+        offs = tl.where(g == i, _group_offset_jit(k, PLAN, i), offs)
     return cols, offs
 
 
 @triton.jit
-def group_bits_jit(PLAN: tl.constexpr, D: tl.constexpr):
-    """Each component's width and first bit in the row (module docstring), (D,) int32 each, in the kernel."""
+def _by_component(x, D: tl.constexpr):
+    """A (G,) tensor over groups as (D,): each component takes its group's."""
+    return tl.reshape(tl.broadcast_to(x[:, None], (D // _GROUP, _GROUP)), (D,))
+
+
+@triton.jit
+def _plane_shifts(PLAN: tl.constexpr, G: tl.constexpr, K: tl.constexpr):
+    """Each group's K-th plane's width and shift in the codes (plane_shift; 0 where it has none), (G,) int32 each."""
+    w0, _, _ = _group_fields(plan_pass(PLAN, 0), G)
+    w1, _, _ = _group_fields(plan_pass(PLAN, 1), G)
+    w2, _, _ = _group_fields(plan_pass(PLAN, 2), G)
+    if K == 0:
+        width = w0
+    elif K == 1:
+        width = w1
+    else:
+        width = w2
+    return width, (w0 + w1 + w2) & tl.maximum(width - 1, 0)
+
+
+@triton.jit
+def group_widths_jit(PLAN: tl.constexpr, D: tl.constexpr):
+    """Each component's width (its group's, all planes), (D,) int32, in the kernel."""
+    w0, _, _ = _group_fields(plan_pass(PLAN, 0), D // _GROUP)
+    w1, _, _ = _group_fields(plan_pass(PLAN, 1), D // _GROUP)
+    w2, _, _ = _group_fields(plan_pass(PLAN, 2), D // _GROUP)
+    return _by_component(w0 + w1 + w2, D)
+
+
+@triton.jit
+def plane_bits_jit(PLAN: tl.constexpr, D: tl.constexpr, K: tl.constexpr):
+    """Each component's K-th plane (module docstring): the plane's width (0: none), the first bit of the
+    component's bits in the row (plane_position's place in its plane) and where they lie in its code (the plane's
+    shift), (D,) int32 each, in the kernel."""
     G: tl.constexpr = D // _GROUP
-    group_width, group_half, _ = _group_fields(PLAN, G)
-    width = tl.reshape(tl.broadcast_to(group_width[:, None], (G, _GROUP)), (D,))
-    half = tl.reshape(
-        tl.broadcast_to(group_half[:, None], (G, _GROUP)), (D,)
-    )  # the group's first 16-bit half
-    return width, half * _GROUP + width * (tl.arange(0, D) % _GROUP)
+    top, _, _ = _group_fields(plan_pass(PLAN, 0), G)
+    width, shift = _plane_shifts(PLAN, G, K)
+    _, half, _ = _group_fields(plan_pass(PLAN, K), G)
+    i = tl.arange(0, D) % _GROUP
+    if K > 0:  # plane_position: at top 4, bits 2 and 3 swapped
+        i = tl.where(_by_component(top, D) == 4, (i & 3) | ((i >> 2) & 1) << 3 | ((i >> 3) & 1) << 2, i)
+    width = _by_component(width, D)
+    return width, _by_component(half, D) * _GROUP + width * i, _by_component(shift, D)
 
 
 # Value tiles. The values' tile goes through shared memory to the output mma (its tokens are the mma's reduction),
@@ -387,7 +530,8 @@ def _value_code(column: int, w: int) -> int:
 
 def value_columns(plan: tuple[int, ...]) -> list[int]:
     """The component each column of a value tile (group_value_tile) holds."""
-    return [GROUP * (d // GROUP) + _value_code(d % GROUP, plan[d // GROUP]) for d in range(GROUP * len(plan))]
+    tops = [(planes(w) or [0])[0] for w in plan]
+    return [GROUP * (d // GROUP) + _value_code(d % GROUP, tops[d // GROUP]) for d in range(GROUP * len(plan))]
 
 
 @triton.jit
@@ -427,10 +571,15 @@ def group_value_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _value_pair(words, J: tl.constexpr, width, high, mask, bits, ASM: tl.constexpr):
-    """Pair J of every group (value order) from its word `words` (R, G): int32 of two fp16 lanes, the codes."""
+def _value_pair(
+    words, J: tl.constexpr, width, high, mask, bits, remap, LOWER: tl.constexpr, ASM: tl.constexpr
+):
+    """Pair J of every group (value order) from its word `words` (R, G): int32 of two fp16 lanes, the codes; with
+    LOWER, a group where `remap` (G,) holds reads pair place f(J) (_value_pass) at 1 and 2 bits."""
     # the pair's place in its word
     i = tl.where(width == 8, J % 2, tl.where(width == 4, J % 2 + 2 * (J // 4), J))
+    if LOWER:
+        i = tl.where(remap, (J & 1) | ((J >> 2) & 1) << 1 | ((J >> 1) & 1) << 2, i)
     amount = tl.where(width == 8, 32 - 8 * i, tl.where(width == 4, 6 - 4 * i, 8 - 2 * i))
     amount = tl.where(width == 1, 9 - i - 16 * high, amount) & 31  # (G,)
     t = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
@@ -505,29 +654,52 @@ def _pair_words(p_ptr, rows, mask_n, PLAN: tl.constexpr, width, half, start, NW:
 
 
 @triton.jit
-def group_value_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
-                     ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
-    """A head's tile of grouped codes as fp16 (R, D), the codes themselves, in value_columns' order: p_ptr the
-    head's payload as int32 words, rows of NW; rows (R,) token indices (int32 offsets: rows * NW < 2**31),
-    mask_n (R,) which are stored (read only when MASKED); PLAN: plan_code's."""
+def _value_pass(p_ptr, rows, mask_n, PLAN: tl.constexpr, K: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
+                ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Every group's K-th plane as fp16 (R, D), its codes themselves (0 where a group has none), in value_columns'
+    order: a lower plane (K > 0) of a group whose widest plane has 4 bits reads pair place f(j) for its pair j
+    (j's bits 1 and 2 swapped), where plane_position put the bits of the component the widest plane's column holds."""
     R: tl.constexpr = rows.shape[0]
     G: tl.constexpr = D // _GROUP
-    width, half, start = _group_fields(PLAN, G)
+    PK: tl.constexpr = plan_pass(PLAN, K)
+    width, half, start = _group_fields(PK, G)
     mask = tl.where(width == 8, 0x00FF00FF, tl.where(width == 4, 0x03C003C0, 0x03000300))
     mask = tl.where(width == 1, 0x00020200, tl.where(width == 0, 0, mask))
     bits = tl.where(width == 8, 0x64006400, tl.where(width == 4, 0x4C004C00, 0x44004400))
     bits = tl.where(width == 1, 0x60004000, tl.where(width == 0, 0, bits))
     high = half % 2
-    w01, w23, w45, w67 = _pair_words(p_ptr, rows, mask_n, PLAN, width, half, start, NW, MASKED)
+    top, _, _ = _group_fields(plan_pass(PLAN, 0), G)
+    remap = (top == 4) & (K > 0)
+    w01, w23, w45, w67 = _pair_words(p_ptr, rows, mask_n, PK, width, half, start, NW, MASKED)
     x = _stack8(
-        _value_pair(w01, 0, width, high, mask, bits, ASM),
-        _value_pair(w01, 1, width, high, mask, bits, ASM),
-        _value_pair(w23, 2, width, high, mask, bits, ASM),
-        _value_pair(w23, 3, width, high, mask, bits, ASM),
-        _value_pair(w45, 4, width, high, mask, bits, ASM),
-        _value_pair(w45, 5, width, high, mask, bits, ASM),
-        _value_pair(w67, 6, width, high, mask, bits, ASM),
-        _value_pair(w67, 7, width, high, mask, bits, ASM),
+        _value_pair(w01, 0, width, high, mask, bits, remap, K > 0, ASM),
+        _value_pair(w01, 1, width, high, mask, bits, remap, K > 0, ASM),
+        _value_pair(w23, 2, width, high, mask, bits, remap, K > 0, ASM),
+        _value_pair(w23, 3, width, high, mask, bits, remap, K > 0, ASM),
+        _value_pair(w45, 4, width, high, mask, bits, remap, K > 0, ASM),
+        _value_pair(w45, 5, width, high, mask, bits, remap, K > 0, ASM),
+        _value_pair(w67, 6, width, high, mask, bits, remap, K > 0, ASM),
+        _value_pair(w67, 7, width, high, mask, bits, remap, K > 0, ASM),
     )  # (R, G, 2, 2, 2): pair 4 m + 2 n + j
     lo, hi = _halves(x)
     return tl.reshape(tl.join(lo, hi), (R, D))
+
+
+@triton.jit
+def group_value_tile(p_ptr, rows, mask_n, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.constexpr,
+                     ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """A head's tile of grouped codes as fp16 (R, D), the codes themselves, in value_columns' order: p_ptr the
+    head's payload as int32 words, rows of NW; rows (R,) token indices (int32 offsets: rows * NW < 2**31),
+    mask_n (R,) which are stored (read only when MASKED); PLAN: plan_code's. A plan of several planes a group sums
+    its passes (_value_pass), each scaled by 2 ** its plane's shift (integers below 256: exact)."""
+    x = _value_pass(p_ptr, rows, mask_n, PLAN, 0, D, NW, ASM, MASKED)
+    if plan_pass(PLAN, 1):
+        G: tl.constexpr = D // _GROUP
+        _, s0 = _plane_shifts(PLAN, G, 0)
+        _, s1 = _plane_shifts(PLAN, G, 1)
+        m0 = _by_component(1 << s0, D).to(tl.float16)[None, :]
+        m1 = _by_component(1 << s1, D).to(tl.float16)[None, :]
+        x = x * m0 + _value_pass(p_ptr, rows, mask_n, PLAN, 1, D, NW, ASM, MASKED) * m1
+        if plan_pass(PLAN, 2):
+            x = x + _value_pass(p_ptr, rows, mask_n, PLAN, 2, D, NW, ASM, MASKED)
+    return x

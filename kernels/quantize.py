@@ -16,10 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.groups import group_bits_jit
+from kernels.groups import PASSES, group_widths_jit, plan_pass, plane_bits_jit
 from kernels.host import cdiv, next_power_of_2
 from kernels.layout import FULL_WIDTH
 from kernels.reference import WIDTHS
+
+_PASSES = tl.constexpr(PASSES)  # as the write kernel reads it
 
 FP16_MAX = tl.constexpr(65504.0)  # reference.FP16_MAX, as a constant the kernel can read
 KERNEL_WIDTHS = (*WIDTHS, FULL_WIDTH)
@@ -309,9 +311,9 @@ def _grouped_codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale
                         b, j, n_heads, cap, pos, Tn, pid_t, out_ptr, W: tl.constexpr, PLAN: tl.constexpr,
                         D: tl.constexpr, BLOCK_T: tl.constexpr):  # fmt: skip
     """_codes_head for a bucket of unit width W whose rows follow the grouped plan PLAN (kernels/groups.py): each
-    component coded at its group's width (the same search, over that width's boundaries; 0 bits: code 0), its code
-    shifted to its bit of the row and the row's int32 words summed from the fields they hold (disjoint: a sum is
-    their OR)."""
+    component coded at its group's width (the same search, over that width's boundaries; 0 bits: code 0), each of
+    its planes' bits of the code shifted to their place in the row and the row's int32 words summed from the fields
+    they hold (disjoint: a sum is their OR)."""
     NW: tl.constexpr = D * W // 32
     NW_B: tl.constexpr = D // 4  # a power of two at least NW (W <= 8)
     orow = (out_ptr + (b.to(tl.int64) * n_heads + j) * cap * (NW * 4)).to(tl.pointer_type(tl.int32))
@@ -321,7 +323,7 @@ def _grouped_codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale
     z = tl.load(z_ptr + b.to(tl.int64) * stride_zb + h * stride_zh + t[:, None].to(tl.int64) * stride_zt
                 + d[None, :] * stride_zd, mask=mask_t[:, None], other=0.0)  # fmt: skip
     y = tl.math.div_rn(z, tl.load(scale_ptr + h * D + d)[None, :])  # (BLOCK_T, D)
-    width, bit = group_bits_jit(PLAN, D)  # (D,) each component's width and first bit in the row
+    width = group_widths_jit(PLAN, D)  # (D,) each component's width
     row_bounds = bounds_ptr + width * stride_bounds  # (D,)
     code = tl.zeros((BLOCK_T, D), tl.int32)
     for k in tl.static_range(8):  # bit width - 1 - k of the code, for the components of more than k bits
@@ -329,9 +331,17 @@ def _grouped_codes_head(z_ptr, stride_zb, stride_zh, stride_zt, stride_zd, scale
         probe = code + tl.where(live, 1 << tl.maximum(width - 1 - k, 0)[None, :], 0)
         bound = tl.load(row_bounds[None, :] + probe - 1, mask=live, other=0.0)
         code = tl.where(live & (bound < y), probe, code)
-    fields = code << (bit % 32)[None, :]  # (BLOCK_T, D)
     word = tl.arange(0, NW_B)
-    words = tl.sum(tl.where((bit // 32)[None, None, :] == word[None, :, None], fields[:, None, :], 0), axis=2)
+    words = tl.zeros((BLOCK_T, NW_B), tl.int32)
+    for k in tl.static_range(_PASSES):  # each plane's bits of the code at its place in the row
+        if plan_pass(PLAN, k) != 0:
+            plane, bit, shift = plane_bits_jit(PLAN, D, k)  # (D,) each
+            fields = ((code >> shift[None, :]) & ((1 << plane) - 1)[None, :]) << (bit % 32)[
+                None, :
+            ]  # (BLOCK_T, D)
+            words += tl.sum(
+                tl.where((bit // 32)[None, None, :] == word[None, :, None], fields[:, None, :], 0), 2
+            )
     prow = orow + (pos + t).to(tl.int64)[:, None] * NW + word[None, :]  # (BLOCK_T, NW_B)
     tl.store(prow, words, mask=mask_t[:, None] & (word[None, :] < NW))
 

@@ -53,6 +53,7 @@ from harness.schemes.rotary import TokenPositions, turn
 from harness.schemes.wrappers import PositionedBlockStore, head_index
 from kernels import groups, reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH, PackedStore
+from kernels.unpack import fast_path_fits
 
 PLAN_BYTES = 1  # a component's width, uint8
 KERNEL_WIDTHS = (2, 3, 4, 8)  # the widths a codes-only store holds flat (kernels/layout.py); grouped: any
@@ -330,9 +331,13 @@ class PcaCodesStore(PcaStore):
             )
         self.codes = None  # the codes are `packed`'s
         # grouped rows where a width's plan has groups of more than one width (a plan of one width is the flat
-        # row, byte for byte, which the kernels' flat path reads faster)
+        # row, byte for byte, which the kernels' fast flat path reads faster where it reads that width: a bucket
+        # with grouped rows on one side takes the fast kernel, which reads no other flat rows)
         plans = {w: self._group_plan(w) for w in self.widths} if self.fmt.group else {}
-        plans = {w: plan for w, plan in plans.items() if set(plan) != {w} or w not in KERNEL_WIDTHS}
+        plans = {
+            w: plan for w, plan in plans.items()
+            if set(plan) != {w} or not fast_path_fits(w, self.head_dim, self.head_dim)
+        }  # fmt: skip
         self.packed = PackedStore(
             self.bits, self.head_dim, self.batch, dtype=self.dtype, device=self.device, simulate=False,
             codes_only=True, plans=plans,

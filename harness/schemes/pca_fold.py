@@ -45,7 +45,7 @@ def format_reason(fmt: PcaFormat) -> str | None:
     if fmt.levels != UNIFORM or not (fmt.group == 0 or grouped):
         return (
             f"{fmt}: a fold needs evenly spaced levels and one width a head (levels=uniform, group=0), or plans of "
-            f"{groups.GROUP} components at {groups.GROUP_WIDTHS} bits shared by every head (shared_plans)"
+            f"{groups.GROUP} components at 0 to {max(groups.GROUP_WIDTHS)} bits shared by every head (shared_plans)"
         )
     return None
 

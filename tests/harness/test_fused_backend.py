@@ -16,6 +16,8 @@ from harness.cache.quantized import UnpackedReadWarning
 from harness.calibrate.pca import fit_pca_calibration
 from harness.models import load_model
 from harness.schemes import get_scheme
+from kernels import groups
+from kernels.unpack import fast_path_fits
 
 # (model, bits [layers, KV heads], group size, scheme, prefill, batch, value bits (None: bits), key group size
 # (None: group size)); tiny-gemma3's window is 16 and the generations below reach 25 tokens, so its sliding
@@ -233,12 +235,14 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
 
 
 @torch.no_grad()
-def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(device, packed):
-    """pca_block_ugs on the triton backend: each width's heads share a plan of 16-component groups at 0, 1, 2, 4 or 8
-    bits (kernels/groups.py), which the write kernel codes and packs and the blocks kernel reads. It generates what
-    the torch backend's packed path does: the same tokens, logits within the fast kernel's fp16 products, the same
-    bytes, layer 0's stored rows byte for byte (the torch store's bitstream rows). A random Llama with heads of 64
-    channels (groups of 16 need 64: tiny-llama's 32 take groups of 8); heads at 1, 2, 3, 4, 5, 6 and 8 bits."""
+@pytest.mark.parametrize("scheme", ["pca_block_ugs", "pca_block_ugsa"])
+def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(device, packed, scheme):
+    """pca_block_ugs and pca_block_ugsa on the triton backend: each width's heads share a plan of 16-component
+    groups (at 0, 1, 2, 4 or 8 bits; at any of 0-8, planes summed: kernels/groups.py), which the write kernel codes
+    and packs and the blocks kernel reads. It generates what the torch backend's packed path does: the same tokens,
+    logits within the fast kernel's fp16 products, the same bytes, layer 0's codes equal, its stored rows byte for
+    byte the torch store's bitstream rows where every group is one plane. A random Llama with heads of 64 channels
+    (groups of 16 need 64: tiny-llama's 32 take groups of 8); heads at 1, 2, 3, 4, 5, 6 and 8 bits."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -248,7 +252,7 @@ def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(devic
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval().to(device)
     bits, value_bits = torch.tensor([[4, 1], [6, 5]]), torch.tensor([[2, 3], [1, 8]])
-    prompt, options, kw = _pca_generation(model, "pca_block_ugs", value_bits, device)
+    prompt, options, kw = _pca_generation(model, scheme, value_bits, device)
     packed(model)
     torch_cache = QuantizedKVCache(model.config, bits, backend="torch", **options)
     want = model.generate(prompt, past_key_values=torch_cache, **kw)
@@ -262,23 +266,33 @@ def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(devic
         assert err < 1e-2, (step, err)
     assert triton_cache.nbytes() == torch_cache.nbytes() > 0
     first_layers = (triton_cache.quantized_layers()[0], torch_cache.quantized_layers()[0])
+    planes = 1
     for role in ("k_store", "v_store"):
         ours, theirs = (getattr(layer, role).parts[1] for layer in first_layers)
-        # grouped rows where a width's plan mixes group widths (or its width has no flat row): here one bucket
-        # of each role at least
-        mixed = {w for w in ours.widths if len(set(theirs.plan[w].flatten().tolist())) > 1 or w in (1, 5, 6)}
+        # grouped rows where a width's plan mixes group widths or the fast kernel reads no flat row of its width:
+        # here one bucket of each role at least
+        mixed = {
+            w for w in ours.widths
+            if len(set(theirs.plan[w].flatten().tolist())) > 1 or not fast_path_fits(w, 64, 64)
+        }  # fmt: skip
         assert set(ours.packed.plans) == mixed and mixed
         for w in ours.widths:
-            stored = ours.packed.bucket_of[w].payload[:, :, : ours.length]
-            assert torch.equal(stored, theirs.codes[w]), (role, w)
+            assert torch.equal(ours._codes(w, 0, ours.length), theirs._codes(w, 0, theirs.length)), (role, w)
+            plan = ours.packed.plans.get(w, (w,))
+            planes = max(planes, *(len(groups.planes(b)) for b in plan))
+            if all(len(groups.planes(b)) <= 1 for b in plan):  # one plane a group: the torch store's rows
+                stored = ours.packed.bucket_of[w].payload[:, :, : ours.length]
+                assert torch.equal(stored, theirs.codes[w]), (role, w)
+    assert (planes > 1) == (scheme == "pca_block_ugsa")  # ugsa's fitted plans hold groups of several planes
 
 
 def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
-    """resolve_backend: pca_block_ugs (shared grouped plans) takes the kernels at any of pca's widths;
-    pca_block_ug (a plan per head) and pca_block_u (a width per component) do not."""
+    """resolve_backend: pca_block_ugs and pca_block_ugsa (shared grouped plans) take the kernels at any of pca's
+    widths; pca_block_ug (a plan per head) and pca_block_u (a width per component) do not."""
     cuda = torch.device("cuda")
-    grouped = get_scheme("pca_block_ugs", sink_tokens=1)
-    assert resolve_backend("auto", cuda, grouped, [1, 5], [6, 3], 64, 64) == "triton"
+    for name in ("pca_block_ugs", "pca_block_ugsa"):
+        grouped = get_scheme(name, sink_tokens=1)
+        assert resolve_backend("auto", cuda, grouped, [1, 5], [6, 3], 64, 64) == "triton", name
     for name in ("pca_block_ug", "pca_block_u"):
         with pytest.raises(NotImplementedError, match="shared by every head"):
             get_scheme(name).check_kernel([4], [4], 64, 64, False)

@@ -34,40 +34,76 @@ def _random_codes(plan: tuple[int, ...], lead: tuple[int, ...], gen: torch.Gener
 
 
 @st.composite
-def _plans(draw):
-    """A plan the kernels read: G groups (2 to 16) of widths that never grow, a whole number of words a row."""
+def _plans(draw, widths=groups.GROUP_WIDTHS, order=lambda plan: plan):
+    """A plan the kernels read: G groups (2 to 16), each of `widths`, a whole number of words a row, in `order`."""
     n = draw(st.sampled_from([2, 4, 8, 16]))
-    widths = draw(st.lists(st.sampled_from(groups.GROUP_WIDTHS), min_size=n, max_size=n))
-    plan = tuple(sorted(widths, reverse=True))
+    plan = order(tuple(draw(st.lists(st.sampled_from(widths), min_size=n, max_size=n))))
     assume(sum(plan) % 2 == 0 and sum(plan) > 0)
     return plan
 
 
 @settings(max_examples=40, deadline=None)
-@given(_plans(), st.integers(0, 2**31 - 1))
-def test_rows_are_the_bitstream_rows(plan, seed):
-    """pack writes what harness.schemes.bitstream packs for the same per-component widths (the torch store's rows),
-    and unpack reads the codes back."""
+@given(_plans((0, 1, 2, 4, 8), lambda plan: tuple(sorted(plan, reverse=True))), st.integers(0, 2**31 - 1))
+def test_rows_of_one_plane_a_group_are_the_bitstream_rows(plan, seed):
+    """A plan of one plane a group (0, 1, 2, 4, 8 bits) whose widths never grow: pack writes what
+    harness.schemes.bitstream packs for the same per-component widths (the torch store's rows), and unpack reads the
+    codes back."""
     D = groups.GROUP * len(plan)
     codes = _random_codes(plan, (2, 5, 3), torch.Generator().manual_seed(seed))  # (B, H, T, D)
     rows = groups.pack(codes, plan)
     lay = bitstream.layout(_plan_widths(plan)[None].expand(5, -1))
     assert torch.equal(rows, bitstream.pack(codes, lay))
-    assert rows.shape[-1] == 2 * sum(plan) == sum(plan) * groups.GROUP // 8
     assert torch.equal(groups.unpack(rows, plan).long(), codes)
     assert sorted(groups.columns(plan)) == list(range(D))  # every component in one column
 
 
+@settings(max_examples=60, deadline=None)
+@given(_plans(), st.integers(0, 2**31 - 1))
+def test_any_plan_packs_its_planes_and_reads_back(plan, seed):
+    """Any plan of widths 0 to 8 in any order: rows of 16 sum(plan) bits that unpack reads back, every component in
+    one key and one value column, plan_code one pass a plane of the widest group."""
+    D = groups.GROUP * len(plan)
+    codes = _random_codes(plan, (3, 4), torch.Generator().manual_seed(seed))
+    rows = groups.pack(codes, plan)
+    assert rows.shape[-1] == 2 * sum(plan) == sum(plan) * groups.GROUP // 8
+    assert torch.equal(groups.unpack(rows, plan).long(), codes)
+    assert sorted(groups.columns(plan)) == sorted(groups.value_columns(plan)) == list(range(D))
+    passes = max(len(groups.planes(w)) for w in plan)
+    assert groups.plan_code(plan) >> (groups.PASS_BITS * (passes - 1)) > 0
+    assert groups.plan_code(plan) >> (groups.PASS_BITS * passes) == 0
+
+
+def test_planes_lie_where_the_docstring_puts_them():
+    """Hand-placed bits of plan (5, 4, 4, 3) (planes 4 + 1, 4, 4, 2 + 1): the 4-bit planes of groups 0, 1, 2 in halves
+    0-11, group 3's 2-bit plane in halves 12-13, the 1-bit planes of groups 0 and 3 in halves 14 and 15; a 1-bit
+    plane under a 4-bit one holds component i's bit at place i with bits 2 and 3 swapped."""
+    plan = (5, 4, 4, 3)
+    codes = torch.zeros(64, dtype=torch.long)
+    codes[0] = 0b10110  # group 0's 4-bit plane: 0b1011 at component 0's nibble; its low bit 0
+    codes[4] = 0b00001  # group 0's 1-bit plane: place 8 (4 with bits 2 and 3 swapped)
+    codes[16] = 0b1001  # group 1: one 4-bit plane
+    codes[48 + 5] = 0b111  # group 3: 2-bit plane 0b11 at component 5, its 1-bit plane's place 5
+    rows = groups.pack(codes, plan)
+    want = torch.zeros(32, dtype=torch.uint8)
+    want[0] = 0x0B  # half 0: group 0's 4-bit codes 0, 1 in byte 0
+    want[8] = 0x09  # half 4: group 1's
+    want[24 + 1] = 0b11 << 2  # half 12: group 3's 2-bit plane, component 5 at bits 10, 11
+    want[28 + 1] = 0x01  # half 14: group 0's 1-bit plane, place 8
+    want[30] = 1 << 5  # half 15: group 3's 1-bit plane (under a 2-bit one: place 5)
+    assert torch.equal(rows, want)
+    assert groups.plane_starts(plan) == {(0, 4): 0, (1, 4): 4, (2, 4): 8, (3, 2): 12, (0, 1): 14, (3, 1): 15}
+
+
 def test_check_plan_refusals():
     groups.check_plan((4, 2, 1, 1), 2, 64)
+    groups.check_plan((1, 2, 4, 1), 2, 64)  # any order: planes of 2 bits or more always start on a word
+    groups.check_plan((3, 3, 1, 1), 2, 64)
     with pytest.raises(ValueError, match="4 group widths"):
         groups.check_plan((4, 2, 1), 2, 64)
-    with pytest.raises(ValueError, match=r"each one of \(0, 1, 2, 4, 8\)"):
-        groups.check_plan((3, 3, 1, 1), 2, 64)
+    with pytest.raises(ValueError, match="each 0 to 8"):
+        groups.check_plan((9, 1, 1, 1), 3, 64)
     with pytest.raises(ValueError, match="holds 112 bits a row; a 2-bit head holds 128"):
         groups.check_plan((4, 2, 1, 0), 2, 64)
-    with pytest.raises(ValueError, match="group 1 .2 bits. starts inside a 32-bit word"):
-        groups.check_plan((1, 2, 4, 1), 2, 64)
     with pytest.raises(ValueError, match="head_dim: 96 for a grouped plan; allowed: 32, 64, 128, 256"):
         groups.check_plan((4, 2, 0, 0, 0, 0), 1, 96)
     with pytest.raises(ValueError, match="a grouped plan needs a codes-only store"):
@@ -94,6 +130,9 @@ def _tile_kernel(p_ptr, out_ptr, L, PLAN: tl.constexpr, D: tl.constexpr, NW: tl.
         (8, 4, 4, 4, 2, 2, 1, 1),
         (4, 4, 4, 1, 1, 1, 1, 0),  # 1-bit groups in the high halves of words, then nothing
         (8, 8, 8, 8, 4, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 0),
+        (5, 4, 4, 3),  # pca_block_ugsa's fitted 4-bit plan: planes 4 + 1, 4, 4, 2 + 1
+        (8, 7, 7, 6),  # planes 8, 4 + 2 + 1 (three passes), 4 + 2
+        (1, 2, 6, 3, 0, 5, 7, 8),  # widths growing and shrinking
     ],
 )
 def test_group_tile_holds_the_codes_in_its_column_order(device, plan):
@@ -129,6 +168,9 @@ def _value_tile_kernel(
         (8, 8, 4, 4),
         (4, 4, 4, 1, 1, 1, 1, 0),
         (8, 8, 8, 8, 4, 4, 4, 4, 4, 2, 2, 2, 2, 1, 1, 0),
+        (5, 4, 4, 3),
+        (8, 7, 7, 6),
+        (1, 2, 6, 3, 0, 5, 7, 8),
     ],
 )
 def test_value_tile_holds_the_codes_in_its_column_order(device, plan):
@@ -173,6 +215,11 @@ def _stores(k_bits, v_bits, k_plans, v_plans, D, L, device, gen):
         # a grouped key bucket beside flat ones, one block, float32 queries (grouped buckets take the fast kernel)
         ((2, 4), (4, 2), {2: (4, 2, 1, 1)}, {}, 64, None, 4, torch.float32),
         ((3, 3), (3, 3), {3: (8, 4, 4, 4, 2, 2, 0, 0)}, {3: (4, 4, 4, 4, 4, 2, 1, 1)}, 128, 128, 4, torch.bfloat16),
+        # pca_block_ugsa's plans (any width a group: planes summed), a plan of one width 3 = 2 + 1 at head_dim 64
+        ((4, 5), (3, 6), {4: (5, 4, 4, 3), 5: (6, 5, 5, 4)}, {3: (3, 3, 3, 3), 6: (7, 6, 6, 5)}, 64, 64, 6,
+         torch.float16),
+        ((7, 2), (1, 4), {7: (8, 8, 8, 7, 7, 7, 6, 5), 2: (3, 3, 2, 2, 2, 2, 1, 1)},
+         {1: (2, 2, 1, 1, 1, 1, 0, 0), 4: (5, 5, 5, 4, 4, 4, 3, 2)}, 128, 128, 4, torch.bfloat16),
     ],
 )  # fmt: skip
 def test_decode_attention_blocks_reads_grouped_rows(device, k_bits, v_bits, k_plans, v_plans, head_dim, qblock, hq,
@@ -222,6 +269,8 @@ def test_quantize_codes_into_writes_grouped_rows(device):
     for D, bits, plans in (
         (64, (2, 5, 1, 4), {2: (4, 2, 1, 1), 5: (8, 4, 4, 4), 1: (2, 1, 1, 0)}),
         (128, (3, 2), {3: (8, 4, 4, 4, 2, 2, 0, 0)}),
+        (64, (4, 5, 1, 3), {4: (5, 4, 4, 3), 5: (6, 5, 5, 4), 1: (2, 1, 1, 0), 3: (3, 3, 3, 3)}),  # planes
+        (128, (7, 2), {7: (8, 8, 8, 7, 7, 7, 6, 5), 2: (3, 3, 2, 2, 2, 2, 1, 1)}),
     ):
         H, Tn = len(bits), 21
         store = PackedStore(bits, D, B, codes_only=True, device=device, capacity=40, plans=plans)
@@ -252,3 +301,16 @@ def test_a_launch_with_grouped_buckets_is_capped_and_takes_its_tiles():
     assert "maxnreg" not in da._launch_options(128, ((5, 4),), (("maxnreg", 0),), True, True)[0]
     assert [da.fast_block_n(5, 4, d, codes=True) for d in (64, 128, 256)] == [128, 128, 64]
     assert [da.fast_block_n(6, 1, d, codes=True) for d in (64, 128, 256)] == [128, 128, 64]
+
+
+def test_a_grouped_bucket_beside_rows_the_fast_kernel_cannot_read_is_refused():
+    """Only the fast kernel reads grouped rows: a bucket whose other side it cannot read (flat 3 bits at head_dim
+    64) is refused in one line, not read by the generic kernel as flat rows."""
+    from kernels.decode_attention import fast_bucket
+
+    with pytest.raises(
+        NotImplementedError, match="a bucket of 4-bit keys and 3-bit values with a grouped plan"
+    ):
+        fast_bucket(4, 3, torch.float16, 64, 64, 64, (4,), ())
+    assert fast_bucket(4, 3, torch.float32, 128, 128, 128, (4,), ())  # flat 3 bits at 128: the fast kernel's
+    assert not fast_bucket(4, 3, torch.float32, 64, 64, 64, (), ())  # no plan: the generic kernel
