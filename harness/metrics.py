@@ -110,7 +110,11 @@ def bleu_sufficient_stats(hyps: list[str], refs: list[str]) -> np.ndarray:
 
 def corpus_bleu_from_stats(stats: np.ndarray) -> float:
     """sacrebleu corpus BLEU (its default "exp" smoothing) of summed per-sentence statistics, on 0..1."""
-    total = stats.sum(axis=0)
+    return _bleu_of_total(stats.sum(axis=0))
+
+
+def _bleu_of_total(total: np.ndarray) -> float:
+    """corpus_bleu_from_stats of the statistics' sum (10,)."""
     score = BLEU.compute_bleu(
         correct=total[2:6].tolist(),
         total=total[6:10].tolist(),
@@ -133,9 +137,9 @@ def generation_statistics(
     hyps = [decode(row) for row in quant_tokens.tolist()]
     refs = [decode(row) for row in base_tokens.tolist()]
     bleu_stats = bleu_sufficient_stats(hyps, refs)  # (N, 10)
-    statistics: dict[str, Statistic] = {"bleu": lambda idx: corpus_bleu_from_stats(bleu_stats[idx])}
+    statistics: dict[str, Statistic] = {"bleu": bleu_statistic(bleu_stats)}
     for name, values in items.items():
-        statistics[name] = lambda idx, values=values: float(values[idx].mean())
+        statistics[name] = mean_statistic(values)
     return statistics
 
 
@@ -187,9 +191,9 @@ def teacher_forced_statistics(base: TeacherForced, quant: TeacherForced) -> dict
         "ppl": lambda idx: math.exp(nll[idx].mean()),
         "ppl_base": lambda idx: math.exp(nll_base[idx].mean()),
         "ppl_ratio": lambda idx: math.exp(nll[idx].mean() - nll_base[idx].mean()),
-        "kl_mean": lambda idx: float(items["kl_mean"][idx].mean()),
+        "kl_mean": mean_statistic(items["kl_mean"]),
         "kl_p99": lambda idx: float(np.quantile(kl[idx], 0.99)),
-        "top1_agree": lambda idx: float(items["top1_agree"][idx].mean()),
+        "top1_agree": mean_statistic(items["top1_agree"]),
     }
 
 
@@ -228,7 +232,10 @@ def bootstrap_ci(
         raise ValueError("bootstrap_ci needs at least one item")
     rng = np.random.default_rng(seed)
     resamples = rng.integers(0, n_items, size=(n_boot, n_items))  # (B, n_items)
-    values = np.array([statistic(idx) for idx in resamples])  # (B,)
+    if getattr(statistic, "batched", False):
+        values = np.asarray(statistic(resamples), dtype=np.float64)  # (B,)
+    else:
+        values = np.array([statistic(idx) for idx in resamples])  # (B,)
     wide = expanded_level(level, n_items)
     low, high = np.quantile(values, [(1 - wide) / 2, (1 + wide) / 2])
     return float(low), float(high)
@@ -247,7 +254,34 @@ def paired_difference_ci(
     For two runs on the same prompts/sequences, e.g. a policy and uniform at the same budget:
     paired_difference_ci(stats_policy["bleu"], stats_uniform["bleu"], n_prompts).
     """
-    return bootstrap_ci(lambda idx: statistic_a(idx) - statistic_b(idx), n_items, n_boot, seed, level)
+    difference = lambda idx: statistic_a(idx) - statistic_b(idx)  # noqa: E731
+    if getattr(statistic_a, "batched", False) and getattr(statistic_b, "batched", False):
+        difference = batched(difference)
+    return bootstrap_ci(difference, n_items, n_boot, seed, level)
+
+
+def batched(statistic: Statistic) -> Statistic:
+    """`statistic` marked as one that also takes a batch of resamples: item indices (B, n) -> (B,) values, row b
+    what statistic(idx[b]) gives (bootstrap_ci then makes one call instead of B)."""
+    statistic.batched = True
+    return statistic
+
+
+def mean_statistic(values: np.ndarray) -> Statistic:
+    """The mean of values (N,) over item indices, batched: a row's mean reduces as a 1-D mean does."""
+    return batched(lambda idx: values[idx].mean(-1) if idx.ndim > 1 else float(values[idx].mean()))
+
+
+def bleu_statistic(stats: np.ndarray) -> Statistic:
+    """Corpus BLEU (corpus_bleu_from_stats) over item indices of per-sentence statistics (N, 10), batched (the
+    sums in one reduction, sacrebleu's formula once a row)."""
+
+    def statistic(idx: np.ndarray):
+        if idx.ndim == 1:
+            return corpus_bleu_from_stats(stats[idx])
+        return np.array([_bleu_of_total(total) for total in stats[idx].sum(axis=1)])  # (B, 10) sums
+
+    return batched(statistic)
 
 
 def bootstrap_cis(

@@ -14,7 +14,14 @@ import pandas as pd
 from omegaconf import OmegaConf
 
 from harness.config import EVICTION_FIELDS, HARNESS, POLICY_FIELDS
-from harness.metrics import MIN_PAIRED_UNITS, corpus_bleu_from_stats, format_difference, paired_difference_ci
+from harness.metrics import (
+    MIN_PAIRED_UNITS,
+    batched,
+    bleu_statistic,
+    format_difference,
+    mean_statistic,
+    paired_difference_ci,
+)
 from harness.report.labels import configuration
 
 # The metrics compared with uniform and plotted against bytes, and which way is better for each.
@@ -41,8 +48,8 @@ def item_statistics(record: dict) -> dict[str, tuple[Callable[[np.ndarray], floa
     stats = np.asarray(items["bleu_stats"], dtype=np.int64)  # (N, 10)
     match = np.asarray(items["token_match"], dtype=np.float64)  # (N,)
     return {
-        "bleu": (lambda idx: corpus_bleu_from_stats(stats[idx]), len(stats)),
-        "token_match": (lambda idx: float(match[idx].mean()), len(match)),
+        "bleu": (bleu_statistic(stats), len(stats)),
+        "token_match": (mean_statistic(match), len(match)),
         **teacher_forced_statistics(record),
     }
 
@@ -56,10 +63,13 @@ def teacher_forced_statistics(record: dict) -> dict[str, tuple[Callable[[np.ndar
         np.asarray(items["nll_base"], dtype=np.float64),
     )  # (S,) each
     kl = np.asarray(items["kl_mean"], dtype=np.float64)  # (S,)
-    return {
-        "ppl_ratio": (lambda idx: math.exp(nll[idx].mean()) / math.exp(nll_base[idx].mean()), len(nll)),
-        "kl_mean": (lambda idx: float(kl[idx].mean()), len(kl)),
-    }
+
+    def ppl_ratio(idx: np.ndarray):
+        if idx.ndim > 1:  # a batch of resamples (B, S)
+            return np.exp(nll[idx].mean(-1)) / np.exp(nll_base[idx].mean(-1))
+        return math.exp(nll[idx].mean()) / math.exp(nll_base[idx].mean())
+
+    return {"ppl_ratio": (batched(ppl_ratio), len(nll)), "kl_mean": (mean_statistic(kl), len(kl))}
 
 
 def pairing_key(config: Mapping) -> tuple:

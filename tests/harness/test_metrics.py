@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import metrics
 from harness.evaluate import TeacherForced
 from harness.metrics import (
     bootstrap_ci,
@@ -205,3 +206,23 @@ def test_bootstrap_cis_cover_every_metric() -> None:
     for low, high in cis.values():
         assert low <= high
         assert 0.0 <= low
+
+
+def test_batched_statistics_give_each_resample_what_it_gives_alone():
+    """mean_statistic and bleu_statistic over a batch of resamples (B, n): row b bit for bit the statistic of
+    resample b alone, so bootstrap_ci's one batched call gives the interval its B calls gave; a paired difference
+    of two batched statistics is batched."""
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=17)
+    stats = rng.integers(0, 40, size=(17, 10))
+    stats[:, 6:] += stats[:, 2:6]  # n-gram totals at least the matches
+    resamples = rng.integers(0, 17, size=(50, 17))
+    for statistic in (metrics.mean_statistic(values), metrics.bleu_statistic(stats)):
+        rows = [statistic(idx) for idx in resamples]
+        assert statistic(resamples).tolist() == rows
+        plain = lambda idx, statistic=statistic: statistic(idx)  # noqa: E731 - the same, unbatched
+        assert bootstrap_ci(statistic, 17, n_boot=200) == bootstrap_ci(plain, 17, n_boot=200)
+    a, b = metrics.mean_statistic(values), metrics.mean_statistic(values[::-1].copy())
+    assert paired_difference_ci(a, b, 17, n_boot=200) == paired_difference_ci(
+        lambda idx: a(idx), b, 17, n_boot=200
+    )
