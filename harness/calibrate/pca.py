@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
@@ -81,27 +82,31 @@ def _fitted_scale(z: torch.Tensor, bits: int, start: torch.Tensor, kind: str = L
 
 def plan_bits(distortion: torch.Tensor, total: int) -> torch.Tensor:
     """The widths b (D,) int64 in [0, K] of least summed distortion[c, b_c] with sum b_c == total, for
-    distortion (D, K + 1) (float64); a dynamic program over components (ties: the first option found)."""
+    distortion (D, K + 1) (float64); a dynamic program over components (ties: the first option found), in numpy
+    (a head's plans are thousands of small steps: torch's per-call cost was most of a pca fit)."""
     D, options = distortion.shape
     if not 0 <= total <= D * (options - 1):
         raise ValueError(f"pca plan: {total} bits cannot be spread over {D} components of 0 to {options - 1}")
-    best = torch.full((total + 1,), float("inf"), dtype=torch.float64)  # best[t]: least cost of t bits so far
+    cost = distortion.double().numpy()
+    best = np.full(total + 1, np.inf)  # best[t]: least cost of t bits so far
     best[0] = 0.0
-    choice = torch.zeros(D, total + 1, dtype=torch.long)
+    choice = np.zeros((D, total + 1), dtype=np.int64)
+    candidates = np.empty((options, total + 1))
     for c in range(D):
         # candidates[b, t]: the least cost of t bits with component c at b bits
-        candidates = torch.full((options, total + 1), float("inf"), dtype=torch.float64)
+        candidates.fill(np.inf)
         for b in range(min(options, total + 1)):
-            candidates[b, b:] = best[: total + 1 - b] + distortion[c, b]
-        best, choice[c] = candidates.min(0)
-    if not torch.isfinite(best[total]):
+            candidates[b, b:] = best[: total + 1 - b] + cost[c, b]
+        choice[c] = candidates.argmin(0)
+        best = candidates[choice[c], np.arange(total + 1)]
+    if not np.isfinite(best[total]):
         raise ValueError(f"pca plan: {total} bits cannot be spread over {D} components at the widths allowed")
-    bits = torch.zeros(D, dtype=torch.long)
+    bits = np.zeros(D, dtype=np.int64)
     left = total
     for c in reversed(range(D)):
         bits[c] = choice[c, left]
         left -= int(bits[c])
-    return bits
+    return torch.from_numpy(bits)
 
 
 def plan_group(fmt: PcaFormat, head_dim: int) -> int:
