@@ -3,7 +3,7 @@ before the sum and into the output after it (the arithmetic a fused decode kerne
 
 This module owns that algebra for the stores it applies to (`foldable`): evenly spaced levels (PcaFormat.levels
 UNIFORM) and plans a kernel compiles, one width for every component of a head (a flat plan, group 0) or one plan of
-16-component groups at 0, 1, 2, 4 or 8 bits per role and width for every head (shared grouped plans:
+16-component groups at 0 to 8 bits per role and width for every head (shared grouped plans:
 kernels/groups.py), keys coded after RoPE (POST) or turned back to the first position of their block of `block`
 tokens (BLOCK), token positions contiguous. A component c at b_c bits then stands for offset_c + code_c * step_c
 (the uniform levels of b_c bits times the component's fitted scale: `code_steps`; at 0 bits every stored code is 0,
