@@ -314,8 +314,9 @@ class PcaStore(PositionedBlockStore):
 class PcaCodesStore(PcaStore):
     """A PcaStore of a foldable format (harness/schemes/pca_fold.py) whose codes live in a codes-only
     kernels.layout.PackedStore (`packed`), where the Triton decode kernel reads them: the triton backend's store.
-    The same codes, packing (a flat plan's rows are kernels.reference.pack's, a shared grouped plan's
-    kernels.groups.pack's), bytes and dequantized tokens as PcaStore's; every head quantized at a width the kernels
+    The same codes, bytes and dequantized tokens as PcaStore's, its rows kernels.reference.pack's under a flat plan
+    and kernels.groups.pack's under a shared grouped one (PcaStore's bitstream rows byte for byte where every group
+    is one plane: 0, 1, 2, 4 or 8 bits, widths never growing); every head quantized at a width the kernels
     decode (KERNEL_WIDTHS flat, any grouped), nothing simulated. New tokens' components are computed by torch (as
     PcaStore computes them) and coded and packed by the Triton kernel kernels.quantize.quantize_codes_into, one
     launch a store, bit for bit PcaStore's codes."""
