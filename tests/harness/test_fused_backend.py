@@ -179,7 +179,7 @@ def test_fused_decode_refuses_a_mask_that_hides_tokens(device, packed):
 def _pca_generation(model, scheme: str, value_bits: torch.Tensor, device) -> tuple:
     """The pca generation tests' (prompt, cache options, generate() keywords): `scheme`'s transforms fitted on 8
     random windows of 64 tokens, one sink token, values at `value_bits`, a random prompt of 131 tokens (its decode
-    steps in the second block of 128) and 4 greedy tokens with their logits."""
+    steps in the second block of 128) and 3 greedy tokens with their logits."""
     g = torch.Generator().manual_seed(3)
     fmt = get_scheme(scheme).pca_format
     cal = fit_pca_calibration(model, torch.randint(0, 256, (8, 64), generator=g).to(device), fmt)
@@ -188,7 +188,7 @@ def _pca_generation(model, scheme: str, value_bits: torch.Tensor, device) -> tup
         scheme=scheme, sink_tokens=1, prefill="quantized", key_calibration=cal, value_bits=value_bits
     )
     kw = dict(
-        max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
+        max_new_tokens=3, do_sample=False, pad_token_id=0, output_logits=True, return_dict_in_generate=True
     )
     return prompt, options, kw
 
