@@ -22,8 +22,9 @@ loading also serve harness/bench/perf_ab.py (the CPU read path's comparison). `-
 add the codes-only path (decode_attention_blocks over random codes, a query and a bias per block of `--qblock`
 tokens: the pca family's kernel) at uniform and mixed maps and at the proportions of recorded allocations, in the
 same CSV as the affine kernel's and SDPA's rows, each row with its bytes (methods `codes:` and `codes-graph:`);
-`--grouped-allocation` with `--grouped-plans` the same at recorded allocations whose widths hold grouped rows
-(kernels/groups.py: pca_block_ugs's format), for keys and values alike.
+`--grouped POINT PLAN...` the same at a recorded allocation whose widths hold grouped rows under its own
+plans (kernels/groups.py: pca_block_ugs's and pca_block_ugsa's formats), keys and values alike; repeated, one
+allocation and its plans each time.
 """
 
 from __future__ import annotations
@@ -210,11 +211,12 @@ def allocation_map(pairs: Counter, hkv: int) -> tuple[list[int], list[int]]:
 
 
 def codes_maps(
-    hkv: int, names: list[str], allocations: list[Path], grouped: list[Path] = (), plans: dict | None = None
+    hkv: int, names: list[str], allocations: list[Path], grouped: list[tuple[Path, dict]] = ()
 ) -> dict[str, tuple[list[int], list[int], dict]]:
     """The codes-only path's (key widths, value widths, grouped plans) per KV head: each of `names` as width_maps
     makes it (keys and values alike), each allocation file's proportions (allocation_map), under its file's stem,
-    and each of `grouped`'s the same with `plans` (width -> kernels.groups plan, keys and values alike)."""
+    and each of `grouped`'s (allocation file, its plans: width -> kernels.groups plan, keys and values alike) the
+    same with the plans of its widths."""
     from kernels.gpu.inspect import allocation_pairs
 
     for name in names:
@@ -223,17 +225,23 @@ def codes_maps(
     maps = {name: (bits, bits, {}) for name, bits in width_maps(hkv, names).items()}
     for path in allocations:
         maps[path.stem] = (*allocation_map(allocation_pairs(path), hkv), {})
-    for path in grouped:
+    for path, plans in grouped:
         k_bits, v_bits = allocation_map(allocation_pairs(path), hkv)
-        missing = sorted({*k_bits, *v_bits} - {2, 3, 4, 8} - set(plans or {}))
+        missing = sorted({*k_bits, *v_bits} - {2, 3, 4, 8} - set(plans))
         if missing:
-            raise ValueError(f"{path}: {missing[0]}-bit heads and no --grouped-plans entry for them")
-        maps[path.stem] = (
-            k_bits,
-            v_bits,
-            {w: p for w, p in (plans or {}).items() if w in {*k_bits, *v_bits}},
-        )
+            raise ValueError(f"{path}: {missing[0]}-bit heads and no plan for them")
+        maps[path.stem] = (k_bits, v_bits, {w: p for w, p in plans.items() if w in {*k_bits, *v_bits}})
     return maps
+
+
+def grouped_entry(values: list[str]) -> tuple[Path, dict]:
+    """`--grouped POINT WIDTH=GROUP_WIDTHS...` -> (POINT, {width: plan}); ValueError naming what is wrong."""
+    if len(values) < 2:
+        raise ValueError(f"{' '.join(values)!r} is not POINT WIDTH=GROUP_WIDTHS...: no plans")
+    try:
+        return Path(values[0]), dict(plan_entry(v) for v in values[1:])
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(str(err)) from None
 
 
 def fill_codes(bits: list[int], B: int, L: int, D: int, device, plans: dict | None = None) -> PackedStore:
@@ -486,12 +494,9 @@ def main(argv: list[str] | None = None) -> None:
         help="recorded points or allocation files: the codes-only path at a map of each one's width pairs",
     )  # fmt: skip
     p.add_argument(
-        "--grouped-allocation", nargs="*", type=Path, default=[],
-        help="as --codes-allocation, the widths of --grouped-plans holding grouped rows (pca_block_ugs's points)",
-    )  # fmt: skip
-    p.add_argument(
-        "--grouped-plans", nargs="*", type=plan_entry, default=[],
-        help="WIDTH=GROUP_WIDTHS (kernels/groups.py) for --grouped-allocation's widths, keys and values alike",
+        "--grouped", nargs="+", action="append", default=[], metavar="POINT WIDTH=GROUP_WIDTHS",
+        help="as --codes-allocation, a point whose widths hold grouped rows under the plans after it (kernels/"
+        "groups.py; keys and values alike); repeat for each point (pca_block_ugs's, pca_block_ugsa's)",
     )  # fmt: skip
     p.add_argument("--qblock", type=int, default=128, help="tokens a query block on the codes-only path")
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny shape")
@@ -502,8 +507,11 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--config: {args.config!r} is not a head shape; allowed: {', '.join(shapes)}")
     check_version_files(p, args.files, "kernels/decode_attention.py")
     try:
-        codes = codes_maps(shapes[args.config][1], args.codes, args.codes_allocation, args.grouped_allocation,
-                           dict(args.grouped_plans))  # fmt: skip
+        grouped = [grouped_entry(values) for values in args.grouped]
+    except ValueError as err:
+        p.error(f"--grouped: {err}")
+    try:
+        codes = codes_maps(shapes[args.config][1], args.codes, args.codes_allocation, grouped)
     except ValueError as err:
         p.error(f"--codes: {err}")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":

@@ -76,7 +76,8 @@ CODES_POINTS = {"3.5x": FRONTIER / "f7becda42284dfac.json", "6x": FRONTIER / "0b
 CODES_TARGETS = {"3.5x": 2.3, "6x": 3.5}
 # ... and over pca_block_ugs (grouped rows, kernels/groups.py), with smollm2-135m's fitted plans (the same for keys
 # and values, every width's: harness.calibrate's pca_block_ugs fit) at the benchmark's head_dim 128 (each group of 16
-# components two), and plans of the dry run's head_dim 32 (two groups)
+# components two), and plans of the dry run's head_dim 32 (two groups); and over pca_block_ugsa (any group width 0-8,
+# its planes summed), with its fitted plans the same way
 GROUPED_POINTS = {"3.5x": FRONTIER / "b0a74dacb5380ec6.json", "6x": FRONTIER / "bb2384b039379b5e.json"}
 GROUPED_PLANS = [
     "1=2,2,1,1,1,1,0,0",
@@ -86,6 +87,16 @@ GROUPED_PLANS = [
     "6=8,8,8,8,4,4,4,4",
 ]
 GROUPED_PLANS_DRY = ["1=2,0", "2=4,0", "3=4,2", "5=8,2", "6=8,4"]
+PLANES_POINTS = {"3.5x": FRONTIER / "be0dd2da55481044.json", "6x": FRONTIER / "79cf23d35e5cfa22.json"}
+PLANES_PLANS = [
+    "1=2,2,1,1,1,1,0,0",
+    "2=3,3,2,2,2,2,1,1",
+    "3=4,4,3,3,3,3,2,2",
+    "4=5,5,4,4,4,4,3,3",
+    "5=6,6,5,5,5,5,4,4",
+    "6=7,7,6,6,6,6,5,5",
+]
+PLANES_PLANS_DRY = ["1=2,0", "2=3,1", "3=4,2", "4=5,3", "5=6,4", "6=7,5"]
 
 
 def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
@@ -96,21 +107,24 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
                  "--quantize-tokens", "8"]  # fmt: skip
         e2e = ["--dry-run", "--context", "20", "--batch", "2", "--new-tokens", "3", "--chunk", "8",
                "--caches", "dynamic", "mixed", "pca4", "ugs5", "mixed-graph"]  # fmt: skip
+        # (ugsa4 is ugs5's code with other plans: 35 s more of the interpreter, so left to the GPU run)
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]
         tests = ["tests/kernels/test_triton_kernels.py"]
         ab = ["--dry-run", "--batch", "2", "--context", "40", "--widths", "4", "16", "--codes", "4",
-              "--codes-allocation", str(CODES_POINTS["3.5x"]), "--grouped-allocation", str(GROUPED_POINTS["3.5x"]),
-              "--grouped-plans", *GROUPED_PLANS_DRY]  # fmt: skip
+              "--codes-allocation", str(CODES_POINTS["3.5x"]),
+              "--grouped", str(GROUPED_POINTS["3.5x"]), *GROUPED_PLANS_DRY,
+              "--grouped", str(PLANES_POINTS["3.5x"]), *PLANES_PLANS_DRY]  # fmt: skip
     else:
         runner = ["--timeout", str(budget["runner"] - 10)]
         # four test processes: most of the stage is Triton compiling kernels, on the CPU
         bench, tests = [], ["-n", "4", *GPU_TEST_FILES]
         # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt; not the graph replays)
-        e2e = ["--caches", "dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "--new-tokens", "24",
-               "--profile", "3"]  # fmt: skip
+        e2e = ["--caches", "dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "ugsa4",
+               "--new-tokens", "24", "--profile", "3"]  # fmt: skip
+        grouped = [["--grouped", str(path), *GROUPED_PLANS] for path in GROUPED_POINTS.values()]
+        grouped += [["--grouped", str(path), *PLANES_PLANS] for path in PLANES_POINTS.values()]
         ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3", "--codes", "4", "2",
-              "--codes-allocation", *map(str, CODES_POINTS.values()), "--grouped-allocation",
-              *map(str, GROUPED_POINTS.values()), "--grouped-plans", *GROUPED_PLANS]  # fmt: skip
+              "--codes-allocation", *map(str, CODES_POINTS.values()), *sum(grouped, [])]  # fmt: skip
     return {"bench": bench, "e2e": e2e, "runner": runner, "tests": tests, "ab": ab}
 
 
@@ -330,8 +344,8 @@ def targets(rows: list[dict]) -> list[tuple[str, float, str, str]]:
 
 
 def codes_targets(rows: list[dict], kind: str = "codes") -> list[tuple[str, float, str, str]]:
-    """The codes-only path's targets from ab.csv at 32x8, batch 8, context 32K: its time at each CODES_POINTS and
-    GROUPED_POINTS map
+    """The codes-only path's targets from ab.csv at 32x8, batch 8, context 32K: its time at each CODES_POINTS,
+    GROUPED_POINTS and PLANES_POINTS map
     (method <kind>:<KERNEL stem>, kind "codes" as launched, "codes-graph" replayed) against the fastest 16-bit
     attention, as `targets` gives them."""
     at = [r for r in rows if (r["config"], r["batch"], r["context"]) == ("32x8", "8", "32768")]
@@ -340,6 +354,7 @@ def codes_targets(rows: list[dict], kind: str = "codes") -> list[tuple[str, floa
     out = []
     points = [("codes-only", point, path) for point, path in CODES_POINTS.items()]
     points += [("grouped codes", point, path) for point, path in GROUPED_POINTS.items()]
+    points += [("grouped codes (planes)", point, path) for point, path in PLANES_POINTS.items()]
     for label, point, path in points:
         rows_at = [
             r for r in at if r["method"] == f"{kind}:{KERNEL.stem}" and r["note"].split(";")[0] == path.stem

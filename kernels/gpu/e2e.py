@@ -42,16 +42,17 @@ DRY = dict(
 )  # fmt: skip
 # a run cut short by its time limit still has the headline ones; "-graph": greedy decoding whose steps replay
 # from a CUDA graph (harness.cache.graphed), the rest model.generate
-CACHES = ("dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "2", "8")
+CACHES = ("dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "ugsa4", "2", "8")
 # pca4: pca_block_uf at 4 bits with one sink token (the pca family's fused path: codes-only stores, each decode step
 # folded around decode_attention_blocks); ugs5: pca_block_ugs at 5 bits (each head's components in groups of 16 at
-# 0-8 bits, one plan per role: kernels/groups.py; 5 bits is no flat width, so its rows are always grouped). Their
-# transforms and plans fitted on CALIBRATION random windows of the same model.
-PCA_CACHES = {"pca4": ("pca_block_uf", 4), "ugs5": ("pca_block_ugs", 5)}  # kind -> (scheme, width)
+# 0-8 bits, one plan per role: kernels/groups.py; 5 bits is no flat width, so its rows are always grouped); ugsa4:
+# pca_block_ugsa at 4 bits (groups of any width 0-8, their planes summed). Their transforms and plans fitted on
+# CALIBRATION random windows of the same model.
+PCA_CACHES = {"pca4": ("pca_block_uf", 4), "ugs5": ("pca_block_ugs", 5), "ugsa4": ("pca_block_ugsa", 4)}
 CALIBRATION = (4, 256)  # windows x tokens
-MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4, "ugs5": 5}  # the rest: the kind is the width
+MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4, "ugs5": 5, "ugsa4": 4}  # the rest: the kind is the width
 # caches not yet run on a GPU: one that fails is a row with the error in its note, and the caches after it still run
-TRIAL = ("pca4", "ugs5")
+TRIAL = ("pca4", "ugs5", "ugsa4")
 COLUMNS = [
     "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "step_ms_median", "step_ms_max",
     "tokens_per_s",

@@ -89,6 +89,16 @@ def test_two_files_with_one_name_are_refused(tmp_path, in_process):
     assert not (tmp_path / "ab.csv").exists()
 
 
+def test_a_grouped_point_without_plans_is_refused(tmp_path, in_process):
+    out = tmp_path / "ab.csv"
+    proc = in_process(ab.main, "kernels.gpu.ab", str(KERNEL), "--out", str(out), "--grouped", "p.json")
+    assert (
+        proc.returncode == 2
+        and "--grouped: 'p.json' is not POINT WIDTH=GROUP_WIDTHS...: no plans" in proc.stderr
+    )
+    assert not out.exists()
+
+
 def test_token_major_store_holds_the_same_bytes_as_the_head_major_one():
     """The older layout's view of a store: each head's packed row at its byte offset, scales at its slot."""
     import torch
@@ -151,22 +161,30 @@ def test_a_version_loads_with_its_own_copies_of_the_kernels_modules(tmp_path):
 
 
 def test_grouped_allocations_hold_grouped_rows(tmp_path):
-    """--grouped-allocation maps carry --grouped-plans for their widths (keys and values alike), and their stores
-    hold grouped rows whose codes stay within each group's width; a width with neither a plan nor a flat row is
-    refused, naming the file."""
+    """--grouped maps carry their own plans for their widths (keys and values alike; two points, two plan sets),
+    and their stores hold grouped rows whose codes stay within each group's width; a width with neither a plan
+    nor a flat row is refused, naming the file."""
     import json
 
     import torch
 
-    point = tmp_path / "point.json"
+    point, other = tmp_path / "point.json", tmp_path / "other.json"
     point.write_text(json.dumps({"allocation": {"key_bits": [[5, 4]], "value_bits": [[1, 4]]}}))
-    maps = ab.codes_maps(2, ["4"], [], [point], {5: (8, 2), 1: (2, 0), 2: (4, 0)})
+    other.write_text(json.dumps({"allocation": {"key_bits": [[5, 5]], "value_bits": [[5, 5]]}}))
+    plans = {5: (8, 2), 1: (2, 0), 2: (4, 0)}
+    maps = ab.codes_maps(2, ["4"], [], [(point, plans), (other, {5: (6, 4)})])
     assert maps["4"] == ([4, 4], [4, 4], {})
     assert maps["point"] == ([4, 5], [4, 1], {5: (8, 2), 1: (2, 0)})
+    assert maps["other"] == ([5, 5], [5, 5], {5: (6, 4)})
     st = ab.fill_codes([4, 5], 1, 20, 32, "cpu", maps["point"][2])
     assert st.plans == {5: (8, 2)}
     codes = st.head_codes(1)  # (B, L, 32): 16 codes of 8 bits, then 16 of 2
     assert int(codes[..., 16:].max()) <= 3 and int(codes[..., :16].max()) > 3
     assert torch.equal(st.head_codes(0), st.head_codes(0) & 15)
-    with pytest.raises(ValueError, match="point.json: 1-bit heads and no --grouped-plans entry"):
-        ab.codes_maps(2, [], [], [point], {5: (8, 2)})
+    with pytest.raises(ValueError, match="point.json: 1-bit heads and no plan for them"):
+        ab.codes_maps(2, [], [], [(point, {5: (8, 2)})])
+    assert ab.grouped_entry(["p.json", "5=8,2", "1=2,0"]) == (Path("p.json"), {5: (8, 2), 1: (2, 0)})
+    with pytest.raises(ValueError, match="no plans"):
+        ab.grouped_entry(["p.json"])
+    with pytest.raises(ValueError, match="'5:8,2' is not WIDTH=GROUP_WIDTHS"):
+        ab.grouped_entry(["p.json", "5:8,2"])

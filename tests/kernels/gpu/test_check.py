@@ -43,9 +43,11 @@ def test_dry_run_exercises_every_stage(tmp_path, cli):
     assert all(float(r["rel_err"]) < 2e-2 for r in ab if r["method"].startswith("fused:"))
     assert "## Kernel versions" in readme
     codes = [r for r in ab if r["method"] == "codes:decode_attention"]  # the pca family's path, at its maps
-    points = {gpu_check.CODES_POINTS["3.5x"].stem, gpu_check.GROUPED_POINTS["3.5x"].stem}
-    assert {r["note"].split(";")[0] for r in codes} == {"4", *points}  # flat and grouped rows
-    assert any("; grouped [" in r["note"] for r in codes)
+    points = {gpu_check.CODES_POINTS["3.5x"].stem, gpu_check.GROUPED_POINTS["3.5x"].stem,
+              gpu_check.PLANES_POINTS["3.5x"].stem}  # fmt: skip
+    assert {r["note"].split(";")[0] for r in codes} == {"4", *points}  # flat and grouped rows, two plan sets
+    grouped = {r["note"].split(";")[0] for r in codes if "; grouped [" in r["note"]}
+    assert grouped == points - {gpu_check.CODES_POINTS["3.5x"].stem}
     assert all(float(r["rel_err"]) < 1e-2 for r in codes)
     methods = {r["method"] for r in _rows(folder / "decode.csv")}
     assert {"sdpa_default", "flex_decode", "fp8_dequant_sdpa", "fused", "dequant_sdpa", "step_fused", "step_bf16",
@@ -189,8 +191,8 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
 
 def test_codes_targets_read_the_frontier_points_maps_off_the_ab():
     """The codes-only path's rows at the frontier points' maps (named in each row's note) against the fastest
-    16-bit row: 300 / 120 = 2.5 >= 2.3 met at 3.5x, 300 / 100 = 3.0 < 3.5 missed at 6x; other maps and kinds
-    ignored."""
+    16-bit row: 300 / 120 = 2.5 >= 2.3 met at 3.5x, 300 / 100 = 3.0 < 3.5 missed at 6x, pca_block_ugsa's 6x point
+    300 / 80 = 3.75 met; other maps and kinds ignored."""
     points = {k: p.stem for k, p in gpu_check.CODES_POINTS.items()}
     rows = [
         {**_decode_row("sdpa_default", "16", 300.0), "note": "flash_attention"},
@@ -205,14 +207,20 @@ def test_codes_targets_read_the_frontier_points_maps_off_the_ab():
             **_decode_row("codes:decode_attention", "5,5/4,5", 150.0),
             "note": f"{gpu_check.GROUPED_POINTS['3.5x'].stem}; qblock=128; splits=4; grouped [5]",
         },
+        {
+            **_decode_row("codes:decode_attention", "2,2/2,1", 80.0),
+            "note": f"{gpu_check.PLANES_POINTS['6x'].stem}; qblock=128; splits=4; grouped [1, 2]",
+        },
     ]
     got = gpu_check.codes_targets(rows)
     assert [(v, t, m) for _, v, t, m in got] == [
         (2.5, ">= 2.3x", "yes"),
         (3.0, ">= 3.5x", "no"),
         (2.0, ">= 2.3x", "no"),
+        (3.75, ">= 3.5x", "yes"),
     ]
     assert got[2][0].startswith("grouped codes at the 3.5x point's widths (5,5/4,5)")
+    assert got[3][0].startswith("grouped codes (planes) at the 6x point's widths (2,2/2,1)")
     assert "3.5x point's widths (4,4/4,3)" in got[0][0]
     ((_, replayed, _, met),) = gpu_check.codes_targets(rows, "codes-graph")
     assert replayed == 300 / 80 and met == "yes"
