@@ -78,14 +78,15 @@ class Bench:
         fn()
         return (time.perf_counter() - t0) * 1e3
 
-    def time_graph_ms(self, fn: Callable[[], object]) -> float:
+    def time_graph_ms(self, fn: Callable[[], object]) -> float | None:
         """Median milliseconds of fn replayed from a CUDA graph: the GPU's time alone, without the host's
-        launches (a decode step captured once and replayed, as CUDA-graph decoding runs it)."""
-        if self.device.type == "cuda":
-            import triton.testing
+        launches (a decode step captured once and replayed, as CUDA-graph decoding runs it). Without CUDA there
+        is no graph to replay: None (the row has no time)."""
+        if self.device.type != "cuda":
+            return None
+        import triton.testing
 
-            return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
-        return self.time_ms(fn)
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
     def copy_bandwidth(self, nbytes: int) -> float:
         """GB/s of a device-to-device copy (bytes read + bytes written per second)."""

@@ -105,7 +105,7 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
     if dry:
         bench = ["--dry-run", "--configs", "32x8", "--batch", "2", "--context", "40", "--widths", "2", "mixed",
                  "--quantize-tokens", "8"]  # fmt: skip
-        e2e = ["--dry-run", "--context", "20", "--batch", "2", "--new-tokens", "3", "--chunk", "8",
+        e2e = ["--dry-run", "--context", "20", "--batch", "1", "--new-tokens", "3", "--chunk", "8",
                "--caches", "dynamic", "mixed", "pca4", "ugs5", "mixed-graph"]  # fmt: skip
         # (ugsa4 is ugs5's code with other plans: 35 s more of the interpreter, so left to the GPU run)
         runner = ["--dry-run", "--timeout", str(budget["runner"] - 10)]

@@ -34,11 +34,12 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, interpreted):
     # 2 versions x 2 width maps x (default splits, 3 splits), each checked against SDPA over the stores
     assert len(fused) == 8 and {r["method"] for r in fused} == {"fused:decode_attention", "fused:copy"}
     assert all(0 < float(r["rel_err"]) < 2e-2 for r in fused)
-    # each version at its default splits replayed from a CUDA graph too (a dry call here: no figure)
+    # each version at its default splits replayed from a CUDA graph too (none without CUDA: rows without a time)
     graph = [r for r in rows if r["method"].startswith("graph:")]
     assert sorted((r["method"], r["widths"]) for r in graph) == sorted(
         (f"graph:{v}", w) for v in ("decode_attention", "copy") for w in ("4", "16")
     )
+    assert all(r["time_us"] == "nan" for r in rows if "graph:" in r["method"])
     defaults = {(r["method"][6:], r["widths"], r["note"]) for r in fused if r["note"] != "splits=3"}
     assert {(r["method"][6:], r["widths"], r["note"]) for r in graph} == defaults
     by_version = {}
