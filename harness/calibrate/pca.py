@@ -58,7 +58,6 @@ from kernels.reference import FP16_MAX
 
 CACHE_VERSION = 1
 SCALE_ITERATIONS = 20
-MIN_GROUPS = 4  # groups a head has at least: 4 groups of 0, 1, 2, 4, 8 bits reach every unit width 1 to 8
 CALIBRATION_FIRST = 1  # the first position a pca store quantizes: sink_tokens=1 keeps position 0 in fp16
 
 
@@ -109,18 +108,12 @@ def plan_bits(distortion: torch.Tensor, total: int) -> torch.Tensor:
     return torch.from_numpy(bits)
 
 
-def plan_group(fmt: PcaFormat, head_dim: int) -> int:
-    """Components a group of fmt's plans takes at head_dim: fmt.group (0: the whole head), at most a MIN_GROUPS-th
-    of the head (so that every unit width has a plan)."""
-    return min(fmt.group, max(head_dim // MIN_GROUPS, 1)) if fmt.group else head_dim
-
-
 def plan_groups(distortion: torch.Tensor, total: int, fmt: PcaFormat) -> torch.Tensor:
-    """plan_bits over groups of fmt.group consecutive components (0: the whole head; at most a MIN_GROUPS-th of
-    it), each group one width of fmt.group_widths:
+    """plan_bits over groups of fmt.group_at(D) consecutive components (PcaFormat.group_at), each group one width
+    of fmt.group_widths:
     the widths b (D,) int64 of least summed distortion (D, K + 1) with sum b_c == total."""
     D = distortion.shape[0]
-    group = plan_group(fmt, D)
+    group = fmt.group_at(D)
     if D % group or total % group:
         raise ValueError(f"pca plan: {total} bits over {D} components cannot go in groups of {group}")
     grouped = distortion.view(D // group, group, -1).sum(1)  # (G, K + 1)

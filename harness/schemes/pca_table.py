@@ -26,6 +26,7 @@ from harness.schemes.lloyd_max import lloyd_max, uniform_quantizer
 
 PCA_WIDTHS = (1, 2, 3, 4, 5, 6, 8)  # the unit widths (mean bits per element) a plan is fitted for
 MAX_COMPONENT_BITS = 8
+MIN_GROUPS = 4  # a plan has at least 4 groups: 4 groups of 0, 1, 2, 4, 8 bits reach every unit width 1 to 8
 SCALE_MIN = 2.0**-14  # the smallest normal fp16: a component never seen away from 0 keeps a positive scale
 PCA_ROLES = ("key", "value")
 PRE, BLOCK, POST = "pre", "block", "post"  # key frames
@@ -59,6 +60,11 @@ class PcaFormat:
         assert self.key_frame in (PRE, BLOCK, POST) and self.levels in QUANTIZERS, self
         assert (self.block > 0) == (self.key_frame == BLOCK), self
         assert 0 in self.group_widths and max(self.group_widths) <= MAX_COMPONENT_BITS, self
+
+    def group_at(self, head_dim: int) -> int:
+        """Components a group of this format's plans takes at head_dim: `group` (0: the whole head), at most a
+        MIN_GROUPS-th of the head (so that every unit width has a plan)."""
+        return min(self.group, max(head_dim // MIN_GROUPS, 1)) if self.group else head_dim
 
     def identity(self) -> str:
         """What a fit cached on disk adds to its identity for this format: nothing for pca's own."""

@@ -25,7 +25,6 @@ from harness.calibrate.pca import (
     fit_pca_calibration,
     fit_table,
     plan_bits,
-    plan_group,
     plan_groups,
     plans_for,
 )
@@ -218,7 +217,7 @@ def test_the_plan_is_the_least_distortion_brute_force_finds(seed, dim, options):
 def test_a_grouped_plan_is_the_least_distortion_over_whole_groups_of_allowed_widths(seed, dim, group):
     g = torch.Generator().manual_seed(seed)
     fmt = PcaFormat(group=group, group_widths=GROUP_WIDTHS)
-    size = plan_group(fmt, dim)  # a quarter of the head at most
+    size = fmt.group_at(dim)  # a quarter of the head at most
     assert size == min(group, max(dim // 4, 1))
     groups = dim // size
     assume(groups <= 4)  # the brute force below tries every plan
@@ -368,7 +367,7 @@ def test_a_variants_store_is_the_oracle_across_blocks(name, role):
         assert not torch.allclose(want, other, atol=1e-2)
     if fmt.group > 1:
         for w in PCA_WIDTHS:
-            plan = layer.key.plans[w].long().view(len(BITS), -1, plan_group(fmt, D))
+            plan = layer.key.plans[w].long().view(len(BITS), -1, fmt.group_at(D))
             assert (plan == plan[..., :1]).all() and set(plan.unique().tolist()) <= set(fmt.group_widths)
 
 
