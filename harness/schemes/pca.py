@@ -37,6 +37,7 @@ from harness.schemes.calkey import saturating_cast
 from harness.schemes.pca_fold import decode, format_reason
 from harness.schemes.pca_table import (
     BLOCK,
+    MIN_GROUPS,
     PCA_FORMAT,
     PCA_WIDTHS,
     POST,
@@ -152,6 +153,12 @@ class Pca(Scheme):
             reason = kernel_reason(self.pca_format, bits)
             if reason is not None:
                 raise NotImplementedError(reason)
+        group = self.pca_format.group_at(k_dim)
+        if self.pca_format.group and group != groups.GROUP:
+            raise NotImplementedError(
+                f"pca on the triton backend: {self.name}'s plans group {group} components at head_dim {k_dim}; the "
+                f"kernels read groups of {groups.GROUP} (head_dim {groups.GROUP * MIN_GROUPS} or more)"
+            )
         if sliding:
             raise NotImplementedError(
                 "pca on the triton backend: sliding-window layers are not supported (a window drops keys from the "

@@ -289,7 +289,8 @@ def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(devic
 
 def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
     """resolve_backend: pca_block_ugs and pca_block_ugsa (shared grouped plans) take the kernels at any of pca's
-    widths; pca_block_ug (a plan per head) and pca_block_u (a width per component) do not."""
+    widths where a head has 64 channels or more; pca_block_ug (a plan per head) and pca_block_u (a width per
+    component) do not."""
     cuda = torch.device("cuda")
     for name in ("pca_block_ugs", "pca_block_ugsa"):
         grouped = get_scheme(name, sink_tokens=1)
@@ -297,3 +298,14 @@ def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
     for name in ("pca_block_ug", "pca_block_u"):
         with pytest.raises(NotImplementedError, match="shared by every head"):
             get_scheme(name).check_kernel([4], [4], 64, 64, False)
+    # below 64 channels a plan's groups hold fewer than 16 components (a quarter of the head): auto takes torch
+    for name in ("pca_block_ugs", "pca_block_ugsa"):
+        grouped = get_scheme(name, sink_tokens=1)
+        assert resolve_backend("auto", cuda, grouped, [4, 4], [4, 4], 32, 32) == "torch", name
+        with pytest.raises(
+            NotImplementedError, match=f"{name}'s plans group 8 components at head_dim 32; the"
+        ):
+            grouped.check_kernel([4], [4], 32, 32, False)
+    assert (
+        resolve_backend("auto", cuda, get_scheme("pca_block_uf", sink_tokens=1), [4], [4], 32, 32) == "triton"
+    )
