@@ -263,11 +263,12 @@ def _pareto_panel(
         values = np.array([r[metric] for r in rows], dtype=float)
         return values - 1 if metric == "ppl_ratio" else values
 
-    hidden = 0
+    hidden = kept = 0
     for (name, is_peer), rows in drawn.items():
         values = y(rows)
         keep = values > 0 if shown else np.isfinite(values)
         hidden += int((~keep & np.isfinite(values)).sum())
+        kept += int(keep.sum())
         look = style.look(rows[0], is_peer)
         ax.scatter(
             np.array([r[X] for r in rows], dtype=float)[keep],
@@ -297,7 +298,7 @@ def _pareto_panel(
         )  # fmt: skip
     if pd.notna(unquantized) and not shown:
         ax.axhline(unquantized, color="grey", linestyle=":", linewidth=1, label="unquantized")
-    if shown:
+    if shown and kept:  # (a log axis over nothing positive cannot be drawn: every point hidden, say so)
         ax.set_yscale("log")
     ax.set_xscale("log")
     ax.set_xlim(*xlim)

@@ -447,6 +447,23 @@ def test_a_pareto_plot_of_many_policies_has_one_legend_entry_per_scheme_and_fami
     assert shape["entropy a=0.25"] == shape["entropy a=1"] != shape["uniform"]  # a marker per family
 
 
+def test_a_log_panel_with_no_positive_value_is_drawn_and_says_why_it_is_empty():
+    """Every point below the unquantized perplexity (ppl_ratio < 1: a random tiny model) leaves the ppl_ratio - 1
+    panel nothing to draw on a log axis; the figure still draws (it raised in matplotlib's tick locator), that
+    panel on a linear axis with its title counting the points left out, kl_mean's panel on its log axis."""
+    records = []
+    for scheme, ratio in (("pca_block_ugs", 0.95), ("pca_block_ugsa", 0.99)):
+        record = synthetic(scheme, "uniform", 5)
+        record["config"]["scheme"] = scheme
+        record["metrics"].update(ppl_ratio=ratio, kl_mean=0.02)
+        records.append(record)
+    fig = plots.plot_pareto(results.table(records), "m")
+    fig.draw_without_rendering()
+    kl, ppl = fig.axes[:2]
+    assert (kl.get_yscale(), ppl.get_yscale()) == ("log", "linear")
+    assert ppl.get_title() == "2 point(s) at ppl_ratio - 1 <= 0 not drawn" and kl.get_title() == ""
+
+
 def crowded_frame(variants: int, seed: int) -> pd.DataFrame:
     """A frontier-like run: `variants` storage variants of 6 scheme families (long option labels), each at 3
     budgets under uniform and measured, a ppl_ratio spanning 1.001 to 61, and two llama.cpp peers."""
