@@ -1,5 +1,7 @@
-"""The runner on the GPU against the CPU: `python -m harness +sweep=smoke` (and a grid of the pca family's flat block
-format: GRIDS) with device=cuda quant.backend=triton and with device=cpu quant.backend=torch, row by row.
+"""The runner on the GPU against the CPU: `python -m harness +sweep=smoke` (and grids of the pca family's flat and
+grouped block formats: GRIDS) with device=cuda quant.backend=triton and with device=cpu quant.backend=torch, row by
+row. A grid whose run fails or runs out of time is said (an error line, exit code 1) and its points are rows
+missing on that side; the grids that ran are compared all the same.
 
 This module owns that comparison. Both runs use the same grid, data and seed; rows are matched on the point
 key. What must agree, and why:
@@ -50,8 +52,10 @@ DRY_OVERRIDES = [
     "eval.bootstrap=10",
 ]
 
-# The grids each side runs (beside each other): the smoke sweep, and the pca family's flat block format (codes-only
-# stores and the fold around decode_attention_blocks on the triton backend) at 4 bits with its sink token.
+# The grids each side runs (beside each other): the smoke sweep, the pca family's flat block format (codes-only
+# stores and the fold around decode_attention_blocks on the triton backend) at 4 bits with its sink token, and its
+# grouped formats (pca_block_ugs, pca_block_ugsa: groups of 16 components, so heads of 64 channels) at 5 bits, a
+# width no flat row holds.
 GRIDS = {
     "smoke": [],
     "pca": [
@@ -59,6 +63,13 @@ GRIDS = {
         "quant.sink_tokens=1",
         "sweep.policies=[{name: uniform}]",
         "sweep.budgets=[4]",
+    ],
+    "grouped": [
+        "sweep.models=[tiny-llama-d64]",
+        "sweep.schemes=[pca_block_ugs,pca_block_ugsa]",
+        "quant.sink_tokens=1",
+        "sweep.policies=[{name: uniform}]",
+        "sweep.budgets=[5]",
     ],
 }
 # The dry run's one grid a side: both grids' points (uniform 4 bits, asym_token and pca_block_uf with its sink token)
@@ -158,14 +169,17 @@ def main(argv: list[str] | None = None) -> None:
             )
             procs[name, grid] = (run_dir, start_grid(run_dir, device, backend, [*extra, *overrides]))
     deadline = time.monotonic() + args.timeout
-    tables = {name: [] for name in runs}
+    tables, failed = {name: [] for name in runs}, []
     for (name, grid), (run_dir, proc) in procs.items():
         rc = wait_grid(proc, deadline)
-        if rc != 0:
-            sys.exit(
-                f"error: the {' '.join(runs[name])} {grid} run exited with {rc}; see {run_dir.with_suffix('.log')}"
+        if rc != 0:  # its points are missing on this side (rows below); the other grids are still compared
+            failed.append(
+                f"the {' '.join(runs[name])} {grid} run exited with {rc}; see {run_dir.with_suffix('.log')}"
             )
+            continue
         tables[name].append(pd.read_parquet(run_dir / "results.parquet"))
+    if not all(tables.values()):
+        sys.exit("error: " + "; ".join(failed))
     cpu, gpu = (pd.concat(tables[name], ignore_index=True).drop_duplicates("key") for name in runs)
     rows = compare(cpu, gpu)
     pd.DataFrame(rows).to_csv(args.out / "runner.csv", index=False)
@@ -173,8 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     points = len({r["key"] for r in rows})
     for r in bad:
         print(f"MISMATCH {r['point']} {r['column']}: cpu {r['cpu']} gpu {r['gpu']} ({r['tolerance']})")
+    for line in failed:
+        print(f"error: {line}", file=sys.stderr)
     print(f"runner: {points} points, {len(bad)} mismatches; wrote {args.out / 'runner.csv'}")
-    sys.exit(1 if bad else 0)
+    sys.exit(1 if bad or failed else 0)
 
 
 if __name__ == "__main__":
