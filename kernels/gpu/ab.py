@@ -14,8 +14,8 @@ Python as an eager decode step runs it (`fused:`), and replayed from a CUDA grap
 GPU's time alone: where the two differ, the host's launches (stage 1's, and the combine) set the pace. On CUDA
 each default call's launches are also profiled apart (ab-launches.csv beside the CSV: each launch's kernel and
 median device time), to show which launch takes a mixed map's time. `--dry-run` runs on CPU under
-TRITON_INTERPRET=1 at a tiny shape: a check that the code runs, no figure (its graph rows have no time). `--host` times the host side alone, on
-any machine (no GPU needed): each version's call with every Triton launch stubbed out (host_us: the call's own
+TRITON_INTERPRET=1 at a tiny shape: a check that the code runs, no figure (its graph rows have no time).
+`--host` times the host side alone, on any machine (no GPU needed): each version's call with every Triton launch stubbed out (host_us: the call's own
 Python), and with the JIT's argument binding for an sm_90 launch run in place of each launch (host_bind_us: the
 Python Triton runs before it launches), the versions interleaved on the same stores. Its file checks and module
 loading also serve harness/bench/perf_ab.py (the CPU read path's comparison). `--codes` and `--codes-allocation`

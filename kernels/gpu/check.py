@@ -121,10 +121,11 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
         # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt; not the graph replays)
         e2e = ["--caches", "dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "ugsa4",
                "--new-tokens", "24", "--profile", "3"]  # fmt: skip
-        grouped = [["--grouped", str(path), *GROUPED_PLANS] for path in GROUPED_POINTS.values()]
-        grouped += [["--grouped", str(path), *PLANES_PLANS] for path in PLANES_POINTS.values()]
+        grouped = [(path, GROUPED_PLANS) for path in GROUPED_POINTS.values()]
+        grouped += [(path, PLANES_PLANS) for path in PLANES_POINTS.values()]
         ab = ["--context", "32768", "--widths", "4", "2", "8", "mixed", "16", "3", "--codes", "4", "2",
-              "--codes-allocation", *map(str, CODES_POINTS.values()), *sum(grouped, [])]  # fmt: skip
+              "--codes-allocation", *map(str, CODES_POINTS.values()),
+              *(arg for path, plans in grouped for arg in ("--grouped", str(path), *plans))]  # fmt: skip
     return {"bench": bench, "e2e": e2e, "runner": runner, "tests": tests, "ab": ab}
 
 
