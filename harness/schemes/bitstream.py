@@ -3,10 +3,13 @@
 
 Bit k of a row is bit k - start[c] of code c, start[c] the sum of the widths before c; byte j holds bits
 8 j .. 8 j + 7, bit 8 j + i at value 2**i. With every width equal to b in (2, 3, 4, 8) a row is exactly
-kernels.reference.pack's (code j at bits [b j, b j + b)), and `pack`/`unpack` take that path (`Layout.width`):
-rows of mixed widths are written and read an element at a time through the two bytes that hold its bits (pack_bits,
-unpack_bits: the CPU packed path writes every new token and reads every stored block at every decode step). A width of 0 stores nothing (its code is 0). Every head of a
-layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
+kernels.reference.pack's (code j at bits [b j, b j + b)), and `pack`/`unpack` take that path (`Layout.width`).
+Where every head has the same widths and they fall in runs of one width that each start on a byte and fill whole
+bytes (a grouped plan: 16 components at 0, 1, 2, 4 or 8 bits a group), a row is those runs' reference rows side by
+side (`Layout.runs`), and pack/unpack go run by run. Other rows of mixed widths are written and read an element at a
+time through the two bytes that hold its bits (pack_bits, unpack_bits). The CPU packed path writes every new token
+and reads every stored block at every decode step through these. A width of 0 stores nothing (its code is 0). Every
+head of a layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ from kernels import reference
 
 MAX_WIDTH = 8
 REFERENCE_WIDTHS = (2, 3, 4, 8)  # one width for every element: kernels.reference's rows
+RUN_WIDTHS = (
+    0,
+    1,
+    *REFERENCE_WIDTHS,
+)  # the widths of Layout.runs: a run of 1 bit is 8 codes a byte, LSB first
 
 
 @dataclass(frozen=True, eq=False)
@@ -30,6 +38,9 @@ class Layout:
     # row, as is the second), and the element's first bit within it (H, D) int32
     byte: torch.Tensor
     shift: torch.Tensor
+    # where every head has the same widths in byte-aligned runs: (first element, end, first byte, end, width) per
+    # run of one width, in order (`_runs`); else None
+    runs: tuple[tuple[int, int, int, int, int], ...] | None = None
 
     @property
     def bits(self) -> int:
@@ -64,14 +75,51 @@ def layout(widths: torch.Tensor) -> Layout:
         )
     start = torch.cumsum(widths, 1) - widths  # (H, D): the first bit of each element
     last = max(int(totals[0]) // 8 - 1, 0) if len(totals) else 0
-    return Layout(widths, (start // 8).clamp(max=last), (start % 8).int())
+    return Layout(widths, (start // 8).clamp(max=last), (start % 8).int(), _runs(widths))
+
+
+def _runs(widths: torch.Tensor) -> tuple[tuple[int, int, int, int, int], ...] | None:
+    """Layout.runs of widths (H, D) int64: None unless every head's widths are the first's and each run of one width
+    starts on a byte and fills whole bytes, at a width RUN_WIDTHS reads (0 always; 3 in runs of 8 elements)."""
+    if not widths.numel() or bool((widths != widths[:1]).any()):
+        return None
+    row = widths[0].tolist()
+    runs, first, bit = [], 0, 0
+    for c in range(1, len(row) + 1):
+        if c < len(row) and row[c] == row[first]:
+            continue
+        w, n = row[first], c - first
+        if w not in RUN_WIDTHS or bit % 8 or (n * w) % 8 or (w == 3 and n % 8):
+            return None
+        runs.append((first, c, bit // 8, (bit + n * w) // 8, w))
+        first, bit = c, bit + n * w
+    return tuple(runs)
 
 
 def pack(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
     """codes (B, H, T, D) (integers in [0, 2**width)) -> uint8 (B, H, T, lay.nbytes)."""
     if lay.width is not None:
         return reference.pack(codes, lay.width)
+    if lay.runs is not None:
+        return pack_runs(codes, lay)
     return pack_bits(codes, lay)
+
+
+def pack_runs(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """pack run by run (Layout.runs): each run's codes packed as a reference row of its width, side by side."""
+    rows = []
+    for first, end, _, _, w in lay.runs:
+        part = codes[..., first:end]
+        if w == 1:
+            bits = part.to(torch.uint8).view(
+                *part.shape[:-1], -1, 8
+            )  # (..., n / 8, 8): byte j's bit i is code 8 j + i
+            rows.append(sum(bits[..., i] << i for i in range(8)).to(torch.uint8))
+        elif w:
+            rows.append(reference.pack(part, w))
+    if not rows:
+        return torch.zeros(*codes.shape[:-1], 0, dtype=torch.uint8, device=codes.device)
+    return torch.cat(rows, -1)
 
 
 def pack_bits(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
@@ -93,7 +141,21 @@ def unpack(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
     """uint8 (B, H, T, lay.nbytes) -> codes (B, H, T, D) int64 (0 where a width is 0)."""
     if lay.width is not None:
         return reference.unpack(packed, lay.width, lay.widths.shape[1]).long()
+    if lay.runs is not None:
+        return unpack_runs(packed, lay)
     return unpack_bits(packed, lay)
+
+
+def unpack_runs(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
+    """unpack run by run (Layout.runs): each run's bytes read as a reference row of its width."""
+    codes = torch.zeros(*packed.shape[:-1], lay.widths.shape[1], dtype=torch.uint8, device=packed.device)
+    for first, end, byte, byte_end, w in lay.runs:
+        part = packed[..., byte:byte_end]
+        if w == 1:
+            codes[..., first:end] = torch.stack([(part >> i) & 1 for i in range(8)], -1).flatten(-2)
+        elif w:
+            codes[..., first:end] = reference.unpack(part, w, end - first)
+    return codes.long()
 
 
 def unpack_bits(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
