@@ -4,7 +4,8 @@ This module owns the glue between transformers' attention interface and the pack
 steps that carry a layer's stores to its attention. On the packed paths a cache layer's `update` returns the new
 K/V themselves as placeholders and posts a step for them (`post_step`) on the installed `Steps`, by layer index:
 - `PackedStep` (the torch backend without quant.simulate, any number of new tokens): this attention hands it
-  to kernels/packed_attention.py, which reads the stores blockwise (softcapping included);
+  to kernels/packed_attention.py, which reads the stores blockwise (softcapping included), or, for one new token,
+  to the step the scheme gives where its stores allow (pca's fold: harness/schemes/pca_fold.py packed_decode);
 - `DecodeStep` (the triton backend, one new token): this attention runs the fused split-KV kernel
   kernels/decode_attention.py over the stores (or the step the scheme gives: pca's fold around it,
   harness/schemes/pca_fold.py); nothing is dequantized into memory.
@@ -59,8 +60,10 @@ class PackedStep:
     the layer's next update.
     """
 
-    def __init__(self, k_store, v_store):
+    def __init__(self, k_store, v_store, decode=None):
         self.stores = (k_store, v_store)
+        # the scheme's step for one query over these stores without dequantizing them (Scheme.packed_decode), or None
+        self.decode = decode
         self.attended = False
 
     def attend(
@@ -83,6 +86,10 @@ class PackedStep:
         if attention_mask is not None and attention_mask.dtype != torch.bool:
             attention_mask = attention_mask.float()
         self.attended = True
+        if self.decode is not None and query.shape[2] == 1 and softcap is None:
+            out = self.decode(query[:, :, 0], k_store, v_store, scaling, attention_mask)  # (B, Hq, D) or None
+            if out is not None:
+                return out.to(query.dtype).unsqueeze(1)
         out = packed_attention(query, k_store, v_store, scaling, mask=attention_mask, softcap=softcap)
         return out.to(query.dtype).transpose(1, 2).contiguous()
 

@@ -386,7 +386,7 @@ class QuantizedLayer(CacheLayerMixin):
         elif not packed:
             keys, values = self.k_store.dequantize(), self.v_store.dequantize()
         elif not self.fused:
-            self._step = PackedStep(self.k_store, self.v_store)
+            self._step = PackedStep(self.k_store, self.v_store, self.scheme.packed_decode())
             keys, values = key_states, value_states
         elif key_states.shape[-2] > 1:
             keys, values = self.k_store.dequantize(), self.v_store.dequantize()

@@ -267,6 +267,12 @@ class Scheme:
         length=None) -> (B, Hq, D); None: the kernels' own (kernels.decode_attention.decode_attention)."""
         return None
 
+    def packed_decode(self):
+        """A decode step of the packed torch path over this scheme's stores that dequantizes no stored token,
+        f(q (B, Hq, D), k_store, v_store, sm_scale, mask) -> (B, Hq, D) float32, or None from f for stores it cannot
+        read so; None: the path's blockwise dequantizing read (kernels/packed_attention.py) always."""
+        return None
+
     def label(self) -> str:
         """A short readable name, e.g. 'asym_token g32', 'kivi g32 kg128', 'kivi g32 sink_tokens=4 residual=16' or
         'codebook' (group sizes only where the scheme quantizes groups)."""

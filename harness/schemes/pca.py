@@ -34,7 +34,7 @@ import torch
 from harness.schemes.base import Scheme, Store, register
 from harness.schemes.bitstream import layout, pack, unpack
 from harness.schemes.calkey import saturating_cast
-from harness.schemes.pca_fold import decode, format_reason
+from harness.schemes.pca_fold import decode, format_reason, packed_decode
 from harness.schemes.pca_table import (
     BLOCK,
     MIN_GROUPS,
@@ -175,6 +175,9 @@ class Pca(Scheme):
     def decode_kernel(self):
         return decode
 
+    def packed_decode(self):
+        return packed_decode if format_reason(self.pca_format) is None else None
+
 
 class PcaStore(PositionedBlockStore):
     """One layer's keys or values in the pca format (module docstring), each quantized head at its width against
@@ -271,6 +274,14 @@ class PcaStore(PositionedBlockStore):
     def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
         """The codes (B, Hw, end - start, D) of tokens [start, end) of the heads at width w."""
         return unpack(self.codes[w][:, :, start:end], self.layout[w])
+
+    def code_block(self, start: int, end: int) -> torch.Tensor:
+        """The codes of tokens [start, end) of every head, (B, Hkv, end - start, D) float32, in a store whose heads
+        are all quantized (pca_fold.packed_decode's read)."""
+        out = torch.empty(self.batch, len(self.bits), end - start, self.head_dim, device=self.device)
+        for w in self.widths:
+            out.index_copy_(1, self.heads[w], self._codes(w, start, end).float())
+        return out
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         B, H, Tn, D = x.shape

@@ -24,11 +24,15 @@ Tokens kept in 16 bits beside the store (sink tokens) join the same softmax expr
 
 `decode` is one decode step of the triton backend over such stores (PcaStore with `codes_only`: the codes in
 kernels.layout codes-only stores): the fold around kernels/decode_attention.py's decode_attention_blocks.
+`packed_decode` is the same step on the torch backend (PcaStore: the codes in their bitstreams), the codes read and
+attended block by block in float32 (the online softmax of kernels/packed_attention.py): per stored token one
+unpack and two dot products of D, where reading dequantized tokens costs a level lookup and a D x D basis product.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from harness.schemes.pca_table import BLOCK, POST, UNIFORM, PcaFormat, level_tables
 from harness.schemes.rotary import turn
@@ -216,3 +220,89 @@ def decode(
         length=length,
     )
     return unfold_output(values, acc).to(q.dtype)
+
+
+PIECE_ELEMENTS = 1 << 21  # codes of one piece of packed_decode, per role: 8 MiB in float32
+
+
+def _piece_tokens(store, block: int | None) -> int:
+    """Tokens per piece of packed_decode: one piece's codes near PIECE_ELEMENTS, a whole number of the keys'
+    blocks of `block` tokens where they turn by block (so that a piece starts where a block does)."""
+    unit = block or 16
+    tokens = PIECE_ELEMENTS // max(store.batch * len(store.bits) * store.head_dim, 1)
+    return max(unit, tokens // unit * unit)
+
+
+def _piece_scores(
+    query: torch.Tensor, bias: torch.Tensor, codes: torch.Tensor, start: int, block: int | None
+):
+    """Scores (B, Hkv, G, Tp) of the codes (B, Hkv, Tp, D) float32 of stored tokens [start, start + Tp) against
+    the folded queries (B, Hkv, G, NB, D) and biases (B, Hkv, G, NB): each token against its block's (block None:
+    one frame, NB = 1). `start` is a multiple of `block`."""
+    if block is None:
+        return torch.einsum("bhgd,bhtd->bhgt", query[:, :, :, 0], codes) + bias[:, :, :, :1]
+    B, H, Tp, D = codes.shape
+    first, blocks = start // block, -(-Tp // block)
+    padded = F.pad(codes, (0, 0, 0, blocks * block - Tp)).view(B, H, blocks, block, D)
+    scores = torch.einsum("bhgnd,bhnsd->bhgns", query[:, :, :, first : first + blocks], padded)
+    scores = scores + bias[:, :, :, first : first + blocks, None]
+    return scores.flatten(-2)[..., :Tp]
+
+
+def packed_decode(
+    q: torch.Tensor, k_store, v_store, sm_scale: float, mask: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """One decode step of a layer whose stores are the torch backend's pca stores (sink tokens beside them), by the
+    fold (module docstring): q (B, Hq, D), mask None or the model's (B or 1, 1, 1, L) over the layer's L tokens
+    (bool, True = attend, or additive float) -> the attention output (B, Hq, D) float32; None where a store
+    cannot be folded (`foldable`: the caller reads the dequantized tokens instead). No token is dequantized: the
+    sinks become real-valued codes (to_codes), the stored codes are read piece by piece, and the output is mapped
+    out of the codes once (unfold_output). A row no key is visible to gives zeros."""
+    keys, k_sinks = split_sinks(k_store)
+    values, v_sinks = split_sinks(v_store)
+    if foldable(keys) is not None or foldable(values) is not None or (k_sinks is None) != (v_sinks is None):
+        return None
+    B, Hq, D = q.shape
+    Hkv = len(keys.bits)
+    G = Hq // Hkv
+    block = keys.fmt.block if keys.fmt.key_frame == BLOCK and len(keys.positions.theta) else None
+    query, bias = fold_queries(keys, q)  # (B, Hq, NB, D), (B, Hq, NB)
+    query, bias = query.view(B, Hkv, G, -1, D), bias.view(B, Hkv, G, -1)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
+    # the pieces: (scores (B, Hkv, G, Tp) before scaling, value codes (B, Hkv, Tp, D)), sinks first
+    pieces = []
+    if k_sinks is not None:
+        sink_codes = to_codes(keys, k_sinks, "key")  # (B, Hkv, S, D), in block 0's frame
+        pieces.append(
+            lambda: (_piece_scores(query, bias, sink_codes, 0, None), to_codes(values, v_sinks, "value"))
+        )
+    size = _piece_tokens(keys, block)
+    for start in range(0, keys.length, size):
+        end = min(start + size, keys.length)
+        piece = lambda s=start, e=end: (  # noqa: E731  read when its turn comes: one piece's codes alive at a time
+            _piece_scores(query, bias, keys.code_block(s, e), s, block),
+            values.code_block(s, e),
+        )
+        pieces.append(piece)
+    high = torch.full((B, Hkv, G), float("-inf"), device=q.device)  # the running maximum score
+    total = torch.zeros(B, Hkv, G, device=q.device)  # the running sum of exp(score - high)
+    acc = torch.zeros(B, Hkv, G, D, device=q.device)  # the running sum of exp(score - high) * value codes
+    column = 0
+    for read in pieces:
+        scores, codes = read()
+        scores = scores * sm_scale
+        if mask is not None:
+            scores = scores + mask[..., column : column + scores.shape[-1]].float().view(
+                -1, 1, 1, scores.shape[-1]
+            )
+        column += scores.shape[-1]
+        new_high = torch.maximum(high, scores.amax(-1))
+        safe = torch.where(torch.isinf(new_high), 0.0, new_high)  # rows that see no key yet
+        keep = torch.exp(high - safe)
+        p = torch.exp(scores - safe[..., None])  # (B, Hkv, G, Tp)
+        total = total * keep + p.sum(-1)
+        acc = acc * keep[..., None] + p @ codes  # (B, Hkv, G, D)
+        high = new_high
+    out = unfold_output(values, (acc / total.clamp(min=1e-30)[..., None]).view(B, Hq, D))
+    return out.masked_fill((total == 0).view(B, Hq, 1), 0.0)

@@ -1,6 +1,7 @@
 """harness.schemes.pca_fold: attention over a flat, evenly spaced pca store computed on its codes with the transforms
 folded into the query and the output equals attention over the store's dequantized tokens (the float64 oracle),
-sink tokens included; the stores it cannot fold are refused in one line."""
+sink tokens included; the torch path's decode step by the fold (packed_decode) equals it too, piece by piece, under a
+mask; the stores it cannot fold are refused in one line."""
 
 from __future__ import annotations
 
@@ -8,11 +9,20 @@ import pytest
 import torch
 
 from harness.calibrate.pca import fit_table
-from harness.schemes import SCHEMES, get_scheme
+from harness.schemes import SCHEMES, get_scheme, pca_fold
 from harness.schemes.bitstream import unpack
 from harness.schemes.pca import Pca
-from harness.schemes.pca_fold import block_count, fold_queries, foldable, to_codes, unfold_output
+from harness.schemes.pca_fold import (
+    block_count,
+    fold_queries,
+    foldable,
+    format_reason,
+    packed_decode,
+    to_codes,
+    unfold_output,
+)
 from harness.schemes.pca_table import PcaCalibration, PcaLayer
+from kernels.packed_attention import packed_attention
 from kernels.reference import attention_reference
 from tests.harness.test_pca import R, correlated, rope, theta
 
@@ -120,3 +130,42 @@ def test_what_cannot_be_folded_is_refused_in_one_line(name, reason):
     k16, _ = _stores("pca_block_uf", [4, 16], 40, 1)
     assert foldable(k16.base) == "a 16-bit head inside the store"
     assert foldable(k16) == "a SinkStore is not a pca-family store"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in SCHEMES.names()
+        if isinstance(get_scheme(n), Pca) and format_reason(get_scheme(n).pca_format) is None
+    ],
+)
+@pytest.mark.parametrize("bits, T, pieces", [([2, 4], 300, 3), ([3, 8, 4], 131, 2), ([4], 45, 1)])
+def test_the_torch_decode_step_by_the_fold_attends_the_dequantized_tokens(monkeypatch, name, bits, T, pieces):
+    k_sink, v_sink = _stores(name, bits, T, 3 * T + len(bits))
+    block = k_sink.base.fmt.block if k_sink.base.fmt.key_frame == "block" else 16
+    # pieces of one frame block (or 16 tokens) each: several pieces, the last one short
+    monkeypatch.setattr(pca_fold, "PIECE_ELEMENTS", 2 * len(bits) * D * block)
+    assert -(-(T - 1) // block) >= pieces
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(2, 2 * len(bits), D, generator=gen) * 0.3  # GQA: 2 query heads per KV head
+    scale = D**-0.5
+    want = attention_reference(q[:, :, None], k_sink.dequantize(), v_sink.dequantize(), scale)[:, :, 0]
+    got = packed_decode(q, k_sink, v_sink, scale)
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, atol=2e-5, rtol=1e-5), (
+        (got.double() - want).abs().max()
+    )
+    hidden = torch.rand(2, 1, 1, T, generator=gen) < 0.3  # the sink and any stored token may be hidden
+    hidden[..., -1] = False  # a decode step's own token stays visible
+    for mask in (~hidden, torch.zeros(hidden.shape).masked_fill(hidden, float("-inf"))):
+        want = packed_attention(q[:, :, None], k_sink, v_sink, scale, mask=mask)[:, :, 0]
+        got = packed_decode(q, k_sink, v_sink, scale, mask)
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-5), (got - want).abs().max()
+
+
+def test_the_torch_decode_step_leaves_what_it_cannot_fold_to_the_dequantizing_read():
+    k16, v16 = _stores("pca_block_uf", [4, 16], 40, 1)
+    assert packed_decode(torch.randn(2, 4, D), k16, v16, D**-0.5) is None
+    k, v = _stores("pca_block_u", [4], 40, 1)
+    assert packed_decode(torch.randn(2, 2, D), k, v, D**-0.5) is None
+    assert get_scheme("pca_block_u").packed_decode() is None and get_scheme("pca_block_uf").packed_decode()
