@@ -48,7 +48,7 @@ from harness.schemes.pca_table import (
     PcaTable,
     component_values,
     level_tables,
-    quantize_components,
+    quantize_codes,
 )
 from harness.schemes.rotary import TokenPositions, turn
 from harness.schemes.wrappers import PositionedBlockStore, head_index
@@ -265,11 +265,11 @@ class PcaStore(PositionedBlockStore):
         y = turn(part, -angle) - self.mean[w].float()[None, :, None]  # (B, Hw, Tn, D)
         return torch.einsum("bhtd,hdc->bhtc", y, self.basis[w].float())
 
-    def _quantize(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> (codes (B, Hw, Tn, D) int64,
-        their component values (B, Hw, Tn, D) float32) of the heads at width w (the module docstring's code, zq)."""
+    def _quantize(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> torch.Tensor:
+        """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> the codes (B, Hw, Tn, D) int64 of
+        the heads at width w (the module docstring's code)."""
         z = self._components(x, w, angle)
-        return quantize_components(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
+        return quantize_codes(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
 
     def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
         """The codes (B, Hw, end - start, D) of tokens [start, end) of the heads at width w."""
@@ -289,9 +289,10 @@ class PcaStore(PositionedBlockStore):
         angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
         new = torch.empty_like(x, dtype=self.dtype) if self.simulate else None  # (B, H, Tn, D)
         for w in self.widths:
-            code, zq = self._quantize(x, w, angle)
+            code = self._quantize(x, w, angle)
             self.codes[w] = torch.cat([self.codes[w], pack(code, self.layout[w])], 2)
             if new is not None:
+                zq = component_values(code, self.plan[w], self.scale[w].float(), self.fmt.levels)
                 new.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
         full = x.index_select(1, self.full_heads)
         self.full = torch.cat([self.full, full], 2)

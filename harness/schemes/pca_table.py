@@ -98,19 +98,25 @@ def level_tables(device: torch.device, kind: str = LLOYD) -> tuple[torch.Tensor,
     return levels.to(device), bounds.to(device)
 
 
-def quantize_components(
+def quantize_codes(
     z: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, kind: str = LLOYD
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """Components z (B, H, T, D) float32 at per-component widths bits (H, D) (0 to MAX_COMPONENT_BITS) and
-    scales scale (H, D) float32: (codes (B, H, T, D) int64, the index of the level of b bits (levels of `kind`)
-    whose cell holds z / scale, a value on a boundary taken by the lower level (0 at width 0); component_values of
-    the codes)."""
+    scales scale (H, D) float32 -> codes (B, H, T, D) int64: the index of the level of b bits (levels of `kind`)
+    whose cell holds z / scale, a value on a boundary taken by the lower level (0 at width 0)."""
     B, H, T, D = z.shape
     _, bounds = level_tables(torch.device(z.device), kind)
     rows = bounds[bits.long()].reshape(H * D, -1)  # (H D, 255): each component's boundaries, +inf padded
     y = (z / scale[None, :, None]).permute(1, 3, 0, 2).reshape(H * D, B * T)  # (H D, B T)
     code = torch.searchsorted(rows.contiguous(), y.contiguous(), side="left")  # (H D, B T)
-    code = code.view(H, D, B, T).permute(2, 0, 3, 1)  # (B, H, T, D)
+    return code.view(H, D, B, T).permute(2, 0, 3, 1)  # (B, H, T, D)
+
+
+def quantize_components(
+    z: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, kind: str = LLOYD
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantize_codes of z, bits, scale, kind; component_values of those codes)."""
+    code = quantize_codes(z, bits, scale, kind)
     return code, component_values(code, bits, scale, kind)
 
 
