@@ -137,25 +137,28 @@ def pack_bits(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
     return rows.to(torch.uint8)
 
 
-def unpack(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
-    """uint8 (B, H, T, lay.nbytes) -> codes (B, H, T, D) int64 (0 where a width is 0)."""
+def unpack(packed: torch.Tensor, lay: Layout, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """uint8 (B, H, T, lay.nbytes) -> codes (B, H, T, D) in dtype (int64, or a float type that holds them all
+    exactly) (0 where a width is 0)."""
     if lay.width is not None:
-        return reference.unpack(packed, lay.width, lay.widths.shape[1]).long()
+        return reference.unpack(packed, lay.width, lay.widths.shape[1]).to(dtype)
     if lay.runs is not None:
-        return unpack_runs(packed, lay)
-    return unpack_bits(packed, lay)
+        return unpack_runs(packed, lay, dtype)
+    return unpack_bits(packed, lay).to(dtype)
 
 
-def unpack_runs(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
+def unpack_runs(packed: torch.Tensor, lay: Layout, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """unpack run by run (Layout.runs): each run's bytes read as a reference row of its width."""
-    codes = torch.zeros(*packed.shape[:-1], lay.widths.shape[1], dtype=torch.uint8, device=packed.device)
+    codes = torch.empty(*packed.shape[:-1], lay.widths.shape[1], dtype=dtype, device=packed.device)
     for first, end, byte, byte_end, w in lay.runs:
         part = packed[..., byte:byte_end]
-        if w == 1:
+        if w == 0:
+            codes[..., first:end] = 0
+        elif w == 1:
             codes[..., first:end] = torch.stack([(part >> i) & 1 for i in range(8)], -1).flatten(-2)
-        elif w:
+        else:
             codes[..., first:end] = reference.unpack(part, w, end - first)
-    return codes.long()
+    return codes
 
 
 def unpack_bits(packed: torch.Tensor, lay: Layout) -> torch.Tensor:

@@ -278,9 +278,14 @@ class PcaStore(PositionedBlockStore):
     def code_block(self, start: int, end: int) -> torch.Tensor:
         """The codes of tokens [start, end) of every head, (B, Hkv, end - start, D) float32, in a store whose heads
         are all quantized (pca_fold.packed_decode's read)."""
+        if len(self.widths) == 1:  # every head at one width, in order
+            return unpack(
+                self.codes[self.widths[0]][:, :, start:end], self.layout[self.widths[0]], torch.float32
+            )
         out = torch.empty(self.batch, len(self.bits), end - start, self.head_dim, device=self.device)
         for w in self.widths:
-            out.index_copy_(1, self.heads[w], self._codes(w, start, end).float())
+            codes = unpack(self.codes[w][:, :, start:end], self.layout[w], torch.float32)
+            out.index_copy_(1, self.heads[w], codes)
         return out
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
