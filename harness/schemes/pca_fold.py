@@ -87,7 +87,10 @@ def code_steps(store, w: int) -> tuple[torch.Tensor, torch.Tensor]:
     bits = store.plan[w].long()  # (Hw, D)
     coded = bits > 0
     low = torch.where(coded, levels[bits, 0], 0.0)
-    spacing = torch.where(coded, levels[bits, 1] - levels[bits, 0], 1.0)
+    # the spacing over the whole span of levels, in float64: a code of up to 255 times it stays within a rounding of
+    # its level (levels[1] - levels[0] in float32 is off by up to half an ulp of levels[0], 255 times over)
+    top = levels[bits, (1 << bits) - 1].double()
+    spacing = torch.where(coded, (top - low.double()) / ((1 << bits) - 1).clamp(min=1), 1.0).float()
     scale = store.scale[w].float()  # (Hw, D)
     return low * scale, spacing * scale
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness.calibrate.pca import fit_table
+from harness.cache import QuantizedKVCache
+from harness.calibrate.pca import fit_pca_calibration, fit_table
+from harness.models import load_model
 from harness.schemes import SCHEMES, get_scheme, pca_fold
 from harness.schemes.bitstream import unpack
 from harness.schemes.pca import Pca
@@ -169,3 +171,35 @@ def test_the_torch_decode_step_leaves_what_it_cannot_fold_to_the_dequantizing_re
     k, v = _stores("pca_block_u", [4], 40, 1)
     assert packed_decode(torch.randn(2, 2, D), k, v, D**-0.5) is None
     assert get_scheme("pca_block_u").packed_decode() is None and get_scheme("pca_block_uf").packed_decode()
+
+
+@pytest.mark.parametrize("name", ["pca_block_uf", "pca_block_ugs"])
+@torch.no_grad()
+def test_a_model_decodes_through_the_fold_what_its_simulated_cache_gives(monkeypatch, packed, name):
+    """tiny-llama-d64 (heads of 64 channels: 4 groups of 16) at 5 bits, 1 sink token: greedy generation on the
+    packed path, whose decode steps go through packed_decode (counted), gives the tokens of the simulated cache
+    (dequantized tokens through SDPA), and its first decode step's logits within float32 noise of them (later steps
+    quantize keys that differ by that noise, and a code on the edge of its cell may round the other way)."""
+    import harness.schemes.pca as pca_module
+
+    model, _ = load_model("tiny-llama-d64")
+    packed(model)
+    fmt = get_scheme(name).pca_format
+    fit = fit_pca_calibration(model, torch.randint(0, model.config.vocab_size, (4, 64)), fmt)
+    calls = []
+    monkeypatch.setattr(pca_module, "packed_decode", lambda *a: calls.append(1) or packed_decode(*a))
+    prompts = torch.randint(0, model.config.vocab_size, (3, 21))
+    logits = {}
+    for simulate in (True, False):
+        cache = QuantizedKVCache(
+            model.config, 5, scheme=name, sink_tokens=1, key_calibration=fit, simulate=simulate
+        )
+        out = model.generate(prompts, max_new_tokens=6, do_sample=False, past_key_values=cache,
+                             output_logits=True, return_dict_in_generate=True)  # fmt: skip
+        logits[simulate] = (out.sequences, torch.stack(out.logits, 1))
+    assert (
+        len(calls) == 5 * model.config.num_hidden_layers
+    )  # every decode step of every layer, none of the prefill
+    assert torch.equal(logits[True][0], logits[False][0])
+    first_step = logits[True][1][:, 1], logits[False][1][:, 1]
+    assert torch.allclose(*first_step, atol=1e-4, rtol=1e-4), (first_step[0] - first_step[1]).abs().max()
