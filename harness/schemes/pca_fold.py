@@ -273,27 +273,26 @@ def packed_decode(
     query, bias = query.view(B, Hkv, G, -1, D), bias.view(B, Hkv, G, -1)
     if mask is not None and mask.dtype == torch.bool:
         mask = torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, float("-inf"))
-    # the pieces: (scores (B, Hkv, G, Tp) before scaling, value codes (B, Hkv, Tp, D)), sinks first
-    pieces = []
-    if k_sinks is not None:
-        sink_codes = to_codes(keys, k_sinks, "key")  # (B, Hkv, S, D), in block 0's frame
-        pieces.append(
-            lambda: (_piece_scores(query, bias, sink_codes, 0, None), to_codes(values, v_sinks, "value"))
-        )
     size = _piece_tokens(keys, block)
-    for start in range(0, keys.length, size):
-        end = min(start + size, keys.length)
-        piece = lambda s=start, e=end: (  # noqa: E731  read when its turn comes: one piece's codes alive at a time
-            _piece_scores(query, bias, keys.code_block(s, e), s, block),
-            values.code_block(s, e),
-        )
-        pieces.append(piece)
+
+    def pieces():
+        """(scores (B, Hkv, G, Tp) before scaling, value codes (B, Hkv, Tp, D)), sinks first; each piece read when
+        its turn comes (one piece's codes alive at a time)."""
+        if k_sinks is not None:
+            sink_codes = to_codes(keys, k_sinks, "key")  # (B, Hkv, S, D), in block 0's frame
+            yield _piece_scores(query, bias, sink_codes, 0, None), to_codes(values, v_sinks, "value")
+        for start in range(0, keys.length, size):
+            end = min(start + size, keys.length)
+            yield (
+                _piece_scores(query, bias, keys.code_block(start, end), start, block),
+                values.code_block(start, end),
+            )
+
     high = torch.full((B, Hkv, G), float("-inf"), device=q.device)  # the running maximum score
     total = torch.zeros(B, Hkv, G, device=q.device)  # the running sum of exp(score - high)
     acc = torch.zeros(B, Hkv, G, D, device=q.device)  # the running sum of exp(score - high) * value codes
     column = 0
-    for read in pieces:
-        scores, codes = read()
+    for scores, codes in pieces():
         scores = scores * sm_scale
         if mask is not None:
             scores = scores + mask[..., column : column + scores.shape[-1]].float().view(
