@@ -19,6 +19,8 @@ from transformers import DynamicCache
 from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache
 from harness.calibrate.pca import (
+    SCALE_ITERATIONS,
+    _fitted_scale,
     cached_pca_calibration,
     fit_components,
     fit_head,
@@ -41,6 +43,8 @@ from harness.schemes.pca_table import (
     MAX_COMPONENT_BITS,
     PCA_FORMAT,
     PCA_WIDTHS,
+    QUANTIZERS,
+    SCALE_MIN,
     PcaCalibration,
     PcaFormat,
     PcaLayer,
@@ -303,6 +307,36 @@ def test_the_fit_finds_the_principal_axes_least_squares_scales_and_spends_the_wi
         chosen = levels[torch.bucketize(z[:, c] / scales[i][c].double(), torch.tensor(q.boundaries).double())]
         best = float((z[:, c] * chosen).sum() / (chosen * chosen).sum())
         assert float(scales[i][c]) == pytest.approx(best, rel=5e-3)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    d=st.integers(1, 70),
+    bits=st.integers(1, MAX_COMPONENT_BITS),
+    kind=st.sampled_from(sorted(QUANTIZERS)),
+    tail=st.floats(1.0, 3.0),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_the_scale_fit_codes_only_moving_columns_and_ends_where_every_round_would(
+    n, d, bits, kind, tail, seed
+):
+    """_fitted_scale against Lloyd's iteration on the scale run for all SCALE_ITERATIONS rounds over every
+    column: the same scales to the bit, on heavy-tailed columns of mixed spreads (some constant)."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(n, d, generator=g)
+    z = z.sign() * z.abs() ** tail * torch.rand(d, generator=g) * 10
+    z[:, torch.rand(d, generator=g) < 0.1] = 0.0
+    start = z.std(0, correction=0).clamp(SCALE_MIN, reference.FP16_MAX)
+    levels = torch.tensor(QUANTIZERS[kind](bits).levels, dtype=torch.float32)
+    bounds = torch.tensor(QUANTIZERS[kind](bits).boundaries, dtype=torch.float32)
+    scale = start.clone()
+    for _ in range(SCALE_ITERATIONS):
+        chosen = levels[torch.bucketize(z / scale, bounds)]
+        energy = (chosen * chosen).sum(0)
+        scale = torch.where(energy > 0, (z * chosen).sum(0) / energy.clamp(min=1e-30), scale)
+        scale = scale.clamp(SCALE_MIN, reference.FP16_MAX)
+    assert torch.equal(_fitted_scale(z, bits, start, kind), scale.half().float())
 
 
 def test_pca_beats_per_channel_levels_on_correlated_vectors():
