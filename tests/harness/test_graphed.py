@@ -35,17 +35,20 @@ def _generate(model, ids, cache, new_tokens, **kw):
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("batch, new_tokens, sample", [(2, 7, False), (1, 1, False), (2, 6, True)])
+# (the greedy case's decode steps write tokens 14 to 16 into the first group of 16 and token 17 into the second)
+@pytest.mark.parametrize(
+    "batch, prompt, new_tokens, sample", [(2, 14, 4, False), (1, 11, 1, False), (2, 11, 3, True)]
+)
 @torch.no_grad()
-def test_graphed_generate_matches_generate(device, batch, new_tokens, sample):
+def test_graphed_generate_matches_generate(device, batch, prompt, new_tokens, sample):
     """generate() within graphed_decoding gives the tokens it gives without (greedy, and sampling from the same
     seed), and the cache stores the same bytes; afterwards the cache is back on host lengths."""
     model, _ = load_model("tiny-llama", device=device)
     gen = torch.Generator().manual_seed(batch + new_tokens)
-    ids = torch.randint(0, 256, (batch, 11), generator=gen).to(device)
+    ids = torch.randint(0, 256, (batch, prompt), generator=gen).to(device)
     kw = dict(do_sample=True, top_k=20) if sample else dict(do_sample=False)
     graphed = _cache(model)
-    with graphed_decoding(model, graphed, max_tokens=11 + new_tokens):
+    with graphed_decoding(model, graphed, max_tokens=prompt + new_tokens):
         torch.manual_seed(0)
         got = _generate(model, ids, graphed, new_tokens, **kw)
     eager = _cache(model)
@@ -54,7 +57,7 @@ def test_graphed_generate_matches_generate(device, batch, new_tokens, sample):
         want = _generate(model, ids, eager, new_tokens, **kw)
     assert torch.equal(got, want)
     n = eager.get_seq_length()
-    assert graphed.get_seq_length() == n == 11 + new_tokens - 1
+    assert graphed.get_seq_length() == n == prompt + new_tokens - 1
     for a, b in zip(graphed.quantized_layers(), eager.quantized_layers()):
         assert a.device_pos is None  # host lengths again
         for st_a, st_b in ((a.k_store, b.k_store), (a.v_store, b.v_store)):
