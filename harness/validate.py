@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness import data, io, precision, preload
+from harness import capacity, data, io, precision, preload
 from harness.cache import PREFILL_MODES, check_backend_device
 from harness.cache.eviction import EvictionSpec
 from harness.config import HARNESS, Point, config_key
@@ -353,15 +353,41 @@ def run_models(cfg: DictConfig, points: list[Point]) -> list[str]:
     return list(dict.fromkeys(p.model for p in points))
 
 
+def _check_kernel_layers(inputs: ModelInputs, shape: capacity.ModelShape) -> None:
+    """On an explicit quant.backend=triton, what the Triton kernels cannot store of the model's cached layers
+    (their head_dim, a sliding window: Scheme.check_kernel) stops the run here, not when the first cache is made."""
+    scheme = inputs.scheme
+    if scheme is None or not scheme.fusable or all(w == FULL_WIDTH for w in inputs.widths):
+        return
+    for dim, sliding in sorted(
+        {(layer.head_dim, layer.kind == "sliding") for layer in shape.layers if layer.cached}
+    ):
+        try:
+            scheme.check_kernel([], [], dim, dim, sliding)
+        except NotImplementedError as err:
+            raise ConfigError(
+                f"quant.backend: triton cannot store {inputs.model}'s "
+                f"{'sliding-window' if sliding else 'full-attention'} layers in {scheme.name}: {err}; allowed: "
+                "auto (those layers on torch), torch"
+            ) from None
+
+
 def check_model_inputs(cfg: DictConfig, points: list[Point]) -> None:
     """Checks that need the model's config or tokenizer, never its weights (harness.preload): the group size
-    against every head_dim, then the text against the windows asked for."""
+    against every head_dim, what an explicit triton backend cannot store of the model's layers, then the text
+    against the windows asked for."""
     inputs = [_inputs_of_claim(cfg)] if protocol(cfg) == "claim" else [_inputs_of_point(p) for p in points]
     dims: dict[str, set[int]] = {}
     for item in inputs:
         if item.model not in dims:
             dims[item.model] = preload.head_dims(item.model)
         _check_head_dims(item, dims[item.model])
+    if cfg.quant.backend == "triton":
+        shapes: dict[str, capacity.ModelShape] = {}
+        for item in inputs:
+            if item.model not in shapes:
+                shapes[item.model] = capacity.shape_from_registry(item.model)
+            _check_kernel_layers(item, shapes[item.model])
     texts: dict[tuple, list[Windows]] = {}
     for item in inputs:
         for w in item.windows:

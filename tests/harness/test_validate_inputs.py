@@ -11,7 +11,8 @@ from hydra import compose, initialize_config_dir
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from harness import data, preload
+from harness import capacity, data, preload
+from harness.cache.quantized import resolve_backend
 from harness.schemes import get_scheme
 from harness.validate import ConfigError, check_model_inputs, validate_config
 
@@ -134,3 +135,37 @@ def test_key_group_size_check_refuses_exactly_what_the_key_stores_refuse(scheme,
         ConfigError, match=rf"^quant.key_group_size: {key_group_size} does not divide tiny-gemma4's head_dim"
     ):
         check_model_inputs(cfg, points)
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-llama-d64", "tiny-gemma3", "tiny-gemma4"])
+@pytest.mark.parametrize("scheme", ["asym_token", "pca_block_uf", "pca_block_ugs"])
+def test_an_explicit_triton_backend_refuses_exactly_the_layers_the_caches_refuse(model, scheme):
+    """quant.backend=triton: check_model_inputs refuses a model whose cached layers (head_dim, sliding window) a
+    triton cache would refuse when made (harness.cache.quantized.resolve_backend, layer by layer), and nothing
+    else; quant.backend=auto never."""
+    overrides = ("quant=pca", f"quant.scheme={scheme}") if scheme != "asym_token" else ("quant=asym_token",)
+    refused = []
+    storage = get_scheme(scheme, 16, sink_tokens=1 if scheme != "asym_token" else 0)
+    for layer in capacity.shape_from_registry(model).layers:
+        try:
+            resolve_backend("triton", torch.device("cpu"), storage, [4], [4], layer.head_dim, layer.head_dim,
+                            layer.kind == "sliding")  # fmt: skip
+        except NotImplementedError as err:
+            refused.append((layer.kind, str(err)))
+    cfg = compose_cfg(
+        f"model={model}", "eval=tiny", *overrides, "quant.group_size=16", "quant.backend=triton"
+    )
+    points = validate_config(cfg)
+    if not refused:
+        check_model_inputs(cfg, points)
+    else:
+        with pytest.raises(ConfigError, match=r"^quant.backend: triton cannot store " + model) as err:
+            check_model_inputs(cfg, points)
+        message = str(err.value)
+        assert message.endswith("allowed: auto (those layers on torch), torch") and "\n" not in message
+        assert any(
+            reason in message and ("sliding-window" if kind == "sliding" else "full-attention") in message
+            for kind, reason in refused
+        )  # one of the refused layers, by its kind and the kernels' reason
+    auto = compose_cfg(f"model={model}", "eval=tiny", *overrides, "quant.group_size=16", "quant.backend=auto")
+    check_model_inputs(auto, validate_config(auto))
