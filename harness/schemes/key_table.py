@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -104,17 +105,24 @@ class KeyCalibration:
 
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, num_layers: int, levels: str = KMEANS) -> KeyCalibration:
-        """The inverse of to_frame for a model of num_layers decoder layers whose levels were fitted `levels`."""
+        """The inverse of to_frame for a model of num_layers decoder layers whose levels were fitted `levels` (the
+        columns read once, each layer's rows sliced off them)."""
         tables: list[KeyTable | None] = [None] * num_layers
-        for layer, rows in frame.groupby("layer"):
-            rows = rows.sort_values(["kv_head", "channel"])
-            shape = (int(rows.kv_head.max()) + 1, int(rows.channel.max()) + 1)
-            scale, zero = (torch.tensor(rows[c].to_numpy()).view(shape).half() for c in ("scale", "zero"))
-            turn = torch.tensor(rows.turn.to_numpy(), dtype=torch.float32).view(shape)[0]
+        frame = frame.sort_values(["layer", "kv_head", "channel"], kind="stable")
+        layer_of = frame["layer"].to_numpy(dtype="int64")
+        starts = np.flatnonzero(np.r_[True, layer_of[1:] != layer_of[:-1]])
+        heads, channels = frame["kv_head"].to_numpy(), frame["channel"].to_numpy()
+        scales, zeros, turns = (frame[c].to_numpy() for c in ("scale", "zero", "turn"))
+        level_values = frame[LEVEL_COLUMNS].to_numpy()
+        for start, end in zip(starts, np.r_[starts[1:], len(layer_of)]):
+            shape = (int(heads[start:end].max()) + 1, int(channels[start:end].max()) + 1)
+            scale, zero = (torch.tensor(c[start:end]).view(shape).half() for c in (scales, zeros))
+            turn = torch.tensor(turns[start:end], dtype=torch.float32).view(shape)[0]
             per_width, at = {}, 0
             for b in LEVEL_WIDTHS:
-                columns = LEVEL_COLUMNS[at : at + (1 << b)]
-                per_width[b] = torch.tensor(rows[columns].to_numpy()).view(*shape, 1 << b).half()
+                per_width[b] = (
+                    torch.tensor(level_values[start:end, at : at + (1 << b)]).view(*shape, 1 << b).half()
+                )
                 at += 1 << b
-            tables[int(layer)] = KeyTable(scale, zero, turn, per_width)
+            tables[int(layer_of[start])] = KeyTable(scale, zero, turn, per_width)
         return cls(tuple(tables), levels)

@@ -151,14 +151,21 @@ def test_a_channel_never_seen_away_from_zero_keeps_a_positive_scale():
     assert (table.scale >= SCALE_MIN).all() and table.zero[0, 1] == 5.0 and table.zero[0, 0] == 0.0
 
 
-def test_the_table_frame_round_trips():
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_the_table_frame_round_trips(shuffled):
+    """Layers apart by one without a table; the frame's rows in their order or in any (a table read back)."""
     _, cal = calibration()
-    tables = KeyCalibration((None, *cal.tables, None))
-    back = KeyCalibration.from_frame(tables.to_frame(), 3)
-    assert back.tables[0] is None and back.tables[2] is None
-    assert torch.equal(back.tables[1].scale, cal.tables[0].scale) and torch.equal(
-        back.tables[1].zero, cal.tables[0].zero
-    )
+    tables = KeyCalibration((None, *cal.tables, None, *cal.tables))
+    frame = tables.to_frame()
+    if shuffled:
+        frame = frame.sample(frac=1, random_state=int(torch.randint(0, 2**31, ())))
+    back = KeyCalibration.from_frame(frame, 5)
+    assert back.tables[0] is None and back.tables[2] is None and back.tables[4] is None
+    assert back.digest() == tables.digest()
+    for again in (back.tables[1], back.tables[3]):
+        assert torch.equal(again.scale, cal.tables[0].scale) and torch.equal(again.zero, cal.tables[0].zero)
+        assert torch.equal(again.turn, cal.tables[0].turn)
+        assert all(torch.equal(again.levels[b], cal.tables[0].levels[b]) for b in cal.tables[0].levels)
     with pytest.raises(ValueError, match="^key calibration: no fitted key table for layer 0$"):
         back.layer(0)
 

@@ -486,17 +486,27 @@ def test_bytes_widths_and_an_unbound_scheme():
         scheme.check_head_dim([2], 36, "value")
 
 
-def test_the_frame_round_trips_every_fitted_number():
+@pytest.mark.parametrize("shuffled", [False, True])
+def test_the_frame_round_trips_every_fitted_number(shuffled):
+    """Layers apart by one without a transform; the frame's rows in their order or in any (a table read back)."""
     _, _, cal = calibration()
-    back = PcaCalibration.from_frame(PcaCalibration((None, *cal.layers)).to_frame(), 2)
-    assert back.layers[0] is None and back.digest() == PcaCalibration((None, *cal.layers)).digest()
-    layer, again = cal.layer(0), back.layer(1)
-    assert torch.equal(layer.turn, again.turn)
-    for role in ("key", "value"):
-        a, b = layer.role(role), again.role(role)
-        assert torch.equal(a.mean, b.mean) and torch.equal(a.basis, b.basis)
-        for w in PCA_WIDTHS:
-            assert torch.equal(a.plans[w], b.plans[w]) and torch.equal(a.scales[w], b.scales[w])
+    layers = (None, *cal.layers, None, *cal.layers)
+    frame = PcaCalibration(layers).to_frame()
+    if shuffled:
+        frame = frame.sample(frac=1, random_state=int(torch.randint(0, 2**31, ())))
+    back = PcaCalibration.from_frame(frame, 4)
+    assert (
+        back.layers[0] is None and back.layers[2] is None and back.digest() == PcaCalibration(layers).digest()
+    )
+    layer = cal.layer(0)
+    for again in (back.layer(1), back.layer(3)):
+        assert torch.equal(layer.turn, again.turn)
+        for role in ("key", "value"):
+            a, b = layer.role(role), again.role(role)
+            assert torch.equal(a.mean, b.mean) and torch.equal(a.basis, b.basis)
+            assert a.basis.stride() == b.basis.stride() and a.mean.dtype == b.mean.dtype
+            for w in PCA_WIDTHS:
+                assert torch.equal(a.plans[w], b.plans[w]) and torch.equal(a.scales[w], b.scales[w])
 
 
 # ---------------------------------------------------------------------------------------------------------
