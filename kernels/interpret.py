@@ -11,6 +11,7 @@ kernel computes; outside the interpreter nothing is installed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import triton.language as tl
@@ -20,8 +21,10 @@ _LANGS = (tl, tl.core)
 _PENDING = frozenset({-1})  # a launch has begun and its kernel's own patch is next
 
 
+@functools.cache
 def _langs(fn) -> frozenset[int]:
-    """The triton.language modules fn's globals hold (those `_patch_lang` patches for fn), by identity."""
+    """The triton.language modules fn's globals hold (those `_patch_lang` patches for fn), by identity; read once a
+    function (a module's imports of triton.language do not change while it runs kernels)."""
     return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in _LANGS)
 
 
