@@ -22,7 +22,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
-import scipy.stats
 import torch
 from sacrebleu.metrics import BLEU
 
@@ -216,6 +215,8 @@ def expanded_level(level: float, n_items: int) -> float:
     expanded percentile bootstrap: alpha' / 2 = Phi(-sqrt(n / (n - 1)) * t_{n-1, 1 - alpha / 2}))."""
     if n_items < 2:
         return level
+    import scipy.stats  # here, not at the top: its import (about 1 s) would delay every command's start
+
     t = scipy.stats.t.ppf((1 + level) / 2, n_items - 1)
     return 1 - 2 * scipy.stats.norm.cdf(-math.sqrt(n_items / (n_items - 1)) * t)
 
