@@ -31,11 +31,11 @@ def _langs(fn) -> frozenset[int]:
 def install() -> bool:
     """Skip the repeated patch of triton.language by helpers inside a running kernel. False where this Triton's
     interpreter lacks what it wraps (nothing installed then: everything still runs, only slower)."""
-    patch_lang, executor = (
-        getattr(interpreter, "_patch_lang", None),
+    patch_lang = getattr(interpreter, "_patch_lang", None)
+    executor, scope_type = (
         getattr(interpreter, "GridExecutor", None),
+        getattr(interpreter, "_LangPatchScope", None),
     )
-    scope_type = getattr(interpreter, "_LangPatchScope", None)
     if patch_lang is None or executor is None or scope_type is None:
         return False
     if getattr(patch_lang, "skips_nested", False):
@@ -45,9 +45,8 @@ def install() -> bool:
 
     def patch_once(fn):
         if running[0] is not None and running[0] is not _PENDING and _langs(fn) <= running[0]:
-            return (
-                scope_type()
-            )  # a helper's call inside the kernel: nothing to patch (Triton drops this scope)
+            # a helper's call inside the kernel: nothing left to patch (Triton drops this scope unused)
+            return scope_type()
         if running[0] is _PENDING:
             running[0] = _langs(fn)
         return patch_lang(fn)
