@@ -32,24 +32,24 @@ if not torch.cuda.is_available():
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[1]
-# The test files that take longest on the 2-core CPU (one to three minutes each: Triton's interpreter, commands run
-# as new processes, real models), longest first, as measured (the sum of their tests' times in a full run's junit
-# report, 2026-12-01). `make test` keeps a file's tests on one worker (--dist loadfile) and hands the files out in
-# collection order (--no-loadscope-reorder): these first, so that the short files even out the two workers at the end
-# (xdist's own order, most tests first, handed out the 2-minute test_hub 62nd of 81 files).
+# The test files that take longest on the 2-core CPU (40 s to two minutes each: commands run as new processes, Triton's
+# interpreter, fits, real models), longest first, as measured (the sum of their tests' times in a full run's junit
+# report, 2026-12-02 at 10e02cb). `make test` keeps a file's tests on one worker (--dist loadfile) and hands the files out
+# in collection order (--no-loadscope-reorder): these first, so that the short files even out the two workers at the
+# end (xdist's own order, most tests first, handed out the 2-minute test_hub 62nd of 81 files).
 LONGEST_FIRST = (
     "tests/harness/test_api_schemes.py",
-    "tests/harness/test_fused_backend.py",
-    "tests/kernels/test_triton_kernels.py",
     "tests/kernels/gpu/test_check.py",
     "tests/harness/test_hub.py",
-    "tests/harness/test_graphed.py",
+    "tests/harness/test_fused_backend.py",
+    "tests/kernels/test_triton_kernels.py",
     "tests/harness/test_report.py",
-    "tests/harness/test_peers_llamacpp.py",
-    "tests/kernels/gpu/test_inspect.py",
     "tests/harness/test_sweep.py",
     "tests/harness/test_packed_cache.py",
-    "tests/harness/test_peers.py",
+    "tests/harness/test_peers_llamacpp.py",
+    "tests/harness/test_pca.py",
+    "tests/harness/test_cache_rows.py",
+    "tests/harness/test_slurm.py",
 )
 
 
