@@ -108,6 +108,8 @@ class KeyCalibration:
         """The inverse of to_frame for a model of num_layers decoder layers whose levels were fitted `levels` (the
         columns read once, each layer's rows sliced off them)."""
         tables: list[KeyTable | None] = [None] * num_layers
+        if frame.empty:  # no layer with a table of its own
+            return cls(tuple(tables), levels)
         frame = frame.sort_values(["layer", "kv_head", "channel"], kind="stable")
         layer_of = frame["layer"].to_numpy(dtype="int64")
         starts = np.flatnonzero(np.r_[True, layer_of[1:] != layer_of[:-1]])

@@ -166,6 +166,7 @@ def test_the_table_frame_round_trips(shuffled):
         assert torch.equal(again.scale, cal.tables[0].scale) and torch.equal(again.zero, cal.tables[0].zero)
         assert torch.equal(again.turn, cal.tables[0].turn)
         assert all(torch.equal(again.levels[b], cal.tables[0].levels[b]) for b in cal.tables[0].levels)
+    assert KeyCalibration.from_frame(KeyCalibration((None, None)).to_frame(), 2).tables == (None, None)
     with pytest.raises(ValueError, match="^key calibration: no fitted key table for layer 0$"):
         back.layer(0)
 
