@@ -87,15 +87,14 @@ def test_the_prediction_grows_as_the_widths_shrink():
     assert capacity_demo.predicted(args, 4, overhead=3 * 2**30) == 0  # nothing left for a cache
 
 
-def test_bad_arguments_exit_2_with_one_line(capsys):
+def test_bad_arguments_exit_2_with_one_line(in_process):
     for argv, line in [
         (["--bits", "5"], "error: --bits: 5; allowed: 2, 3, 4, 8, 16"),
         (["--batch", "0"], "error: sizes: allowed: positive numbers"),
         (["--malloc-mmap-threshold", "-1"], "error: --malloc-mmap-threshold: -1; allowed: 0 or more bytes"),
     ]:
-        with pytest.raises(SystemExit) as done:
-            capacity_demo.main(argv)
-        assert done.value.code == 2 and capsys.readouterr().err.strip() == line, argv
+        proc = in_process(capacity_demo.main, "harness.bench.capacity_demo", *argv)
+        assert proc.returncode == 2 and proc.stderr.strip() == line, argv
 
 
 @pytest.mark.parametrize("gib, fits", [(8, True), (0.25, False)])

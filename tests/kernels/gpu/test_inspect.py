@@ -15,15 +15,8 @@ from kernels.gpu import inspect as insp
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def refused(monkeypatch, capsys, *args: str) -> tuple[int, str]:
-    """`python -m kernels.gpu.inspect ARGS` refused in this process (as compiled: TRITON_INTERPRET unset), before
-    anything compiles: its exit code (1 for a message, as Python gives) and stderr."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(SystemExit) as done:
-        insp.main(list(args))
-    code, err = done.value.code, capsys.readouterr().err
-    return (1, err + code) if isinstance(code, str) else (code, err)
-
+# In this process, as compiled: the inspector refuses only TRITON_INTERPRET=1 (the tests run under the interpreter)
+COMPILED = {"TRITON_INTERPRET": "0"}
 
 SASS = """
         /*0100*/                   MOV R1, c[0x0][0x28] ;
@@ -115,11 +108,9 @@ def test_a_growing_cache_reuses_one_compiled_fast_kernel(tmp_path):
     assert proc.stdout.split() == ["1"]
 
 
-def test_inspector_refuses_interpreter_mode(monkeypatch, capsys):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    with pytest.raises(SystemExit) as done:
-        insp.main(["--widths", "4"])
-    assert "TRITON_INTERPRET=1 is set" in str(done.value.code)
+def test_inspector_refuses_interpreter_mode(in_process):
+    proc = in_process(insp.main, "kernels.gpu.inspect", "--widths", "4", env={"TRITON_INTERPRET": "1"})
+    assert proc.returncode != 0 and "TRITON_INTERPRET=1 is set" in proc.stderr
 
 
 def test_static_targets_name_what_a_variant_misses():
@@ -172,12 +163,12 @@ def test_inspector_reads_each_bucket_of_a_mixed_map(cli, tmp_path):
     )
 
 
-def test_inspector_refuses_a_map_of_the_wrong_length(monkeypatch, capsys):
-    code, err = refused(monkeypatch, capsys, "--map", "4,4,2")
-    assert code == 2 and "--map: 3 widths for --hkv 8 KV heads" in err
+def test_inspector_refuses_a_map_of_the_wrong_length(in_process):
+    proc = in_process(insp.main, "kernels.gpu.inspect", "--map", "4,4,2", env=COMPILED)
+    assert proc.returncode == 2 and "--map: 3 widths for --hkv 8 KV heads" in proc.stderr
 
 
-def test_inspector_compiles_the_codes_only_path(cli, tmp_path, monkeypatch, capsys):
+def test_inspector_compiles_the_codes_only_path(cli, in_process, tmp_path):
     """--codes compiles decode_attention_blocks' stage 1 over codes-only stores (blocks of --qblock tokens): its
     default tile and launch (CODES_LAUNCH), and instructions per KV byte over the payload alone."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -194,8 +185,8 @@ def test_inspector_compiles_the_codes_only_path(cli, tmp_path, monkeypatch, caps
         int(row["loop_instr"]) * 32 * 4 / (CODES_LAUNCH[4]["block_n"] * 2 * 64), rel=1e-2
     )
     assert "1" not in row["payload_load_bytes"].split() and int(row["i2f"]) == 0
-    code, err = refused(monkeypatch, capsys, "--codes", "--widths", "16")
-    assert code == 2 and "no 16-bit heads" in err
+    proc = in_process(insp.main, "kernels.gpu.inspect", "--codes", "--widths", "16", env=COMPILED)
+    assert proc.returncode == 2 and "no 16-bit heads" in proc.stderr
 
 
 def test_codes_rows_count_the_payload_and_take_their_own_targets():
@@ -212,7 +203,7 @@ def test_codes_rows_count_the_payload_and_take_their_own_targets():
     )
 
 
-def test_an_allocation_weighs_each_branch_by_the_heads_that_hold_its_widths(monkeypatch, capsys, tmp_path):
+def test_an_allocation_weighs_each_branch_by_the_heads_that_hold_its_widths(in_process, tmp_path):
     """--allocation: the (key, value) width pairs of a recorded point, counted over its (layer, KV head) units,
     and the launch's thread-instructions per KV byte over them (by hand: 3 units of a 4-bit pair, 568
     instructions a 128-token tile of 128 bytes a token; 1 unit of a 2-bit pair, 470 a tile of 64 bytes a token)."""
@@ -229,11 +220,13 @@ def test_an_allocation_weighs_each_branch_by_the_heads_that_hold_its_widths(monk
     point.write_text('{"allocation": {"key_bits": [[4, 2]], "value_bits": [[4]]}}')
     with pytest.raises(ValueError, match="holds no allocation"):
         insp.allocation_pairs(point)
-    code, err = refused(monkeypatch, capsys, "--codes", "--allocation", str(point))
-    assert code == 2 and "point.json holds no allocation with key_bits and value_bits" in err
+    proc = in_process(insp.main, "kernels.gpu.inspect", "--codes", "--allocation", str(point), env=COMPILED)
+    assert (
+        proc.returncode == 2 and "point.json holds no allocation with key_bits and value_bits" in proc.stderr
+    )
 
 
-def test_inspector_compiles_grouped_plans(cli, tmp_path, monkeypatch, capsys):
+def test_inspector_compiles_grouped_plans(cli, in_process, tmp_path):
     """--key-plans/--value-plans give a --codes map's widths grouped rows (kernels/groups.py): the branch compiles
     for sm_90a without spills (how its tiles are laid out depends on the Triton that compiles: results/kernels has
     3.6's); a plan without --codes, a width with neither plan nor flat kernel and a malformed plan are refused."""
@@ -246,12 +239,12 @@ def test_inspector_compiles_grouped_plans(cli, tmp_path, monkeypatch, capsys):
     (row,) = list(csv.DictReader(open(out)))
     assert row["format"] == "codes" and int(row["mma"]) > 0 and int(row["spill_bytes"]) == 0
     assert int(row["registers"]) <= 128  # a launch with a grouped bucket is capped (GROUPS_MAXNREG)
-    code, err = refused(monkeypatch, capsys, "--map", "2,2,2,2,2,2,2,2", *plan)
-    assert code == 2 and "add --codes" in err
-    code, err = refused(monkeypatch, capsys, "--codes", "--map", "5,5,5,5,5,5,5,5")
-    assert code == 2 and "one with a grouped plan" in err
-    code, err = refused(monkeypatch, capsys, "--codes", "--key-plans", "2:4,4")
-    assert code == 2 and "is not WIDTH=GROUP_WIDTHS" in err
+    proc = in_process(insp.main, "kernels.gpu.inspect", "--map", "2,2,2,2,2,2,2,2", *plan, env=COMPILED)
+    assert proc.returncode == 2 and "add --codes" in proc.stderr
+    proc = in_process(insp.main, "kernels.gpu.inspect", "--codes", "--map", "5,5,5,5,5,5,5,5", env=COMPILED)
+    assert proc.returncode == 2 and "one with a grouped plan" in proc.stderr
+    proc = in_process(insp.main, "kernels.gpu.inspect", "--codes", "--key-plans", "2:4,4", env=COMPILED)
+    assert proc.returncode == 2 and "is not WIDTH=GROUP_WIDTHS" in proc.stderr
 
 
 WRITE_KERNEL = """
