@@ -5,9 +5,11 @@ Bit k of a row is bit k - start[c] of code c, start[c] the sum of the widths bef
 8 j .. 8 j + 7, bit 8 j + i at value 2**i. With every width equal to b in (2, 3, 4, 8) a row is exactly
 kernels.reference.pack's (code j at bits [b j, b j + b)), and `pack`/`unpack` take that path (`Layout.width`).
 Where every head has the same widths and they fall in runs of one width that each start on a byte and fill whole
-bytes (a grouped plan: 16 components at 0, 1, 2, 4 or 8 bits a group), a row is those runs' reference rows side by
-side (`Layout.runs`), and pack/unpack go run by run. Other rows of mixed widths are written and read an element at a
-time through the two bytes that hold its bits (pack_bits, unpack_bits). The CPU packed path writes every new token
+bytes (a grouped plan: 16 components at 0 to 8 bits a group), a row is those runs' rows side by side (`Layout.runs`),
+and pack/unpack go run by run: a run of 2, 3, 4 or 8 bits is a reference row, one of 1 bit eight codes a byte, one of
+5, 6 or 7 bits eight codes in each little-endian word of that many bytes (the same bits, a word at a time). Other
+rows of mixed widths are written and read an element at a time through the two bytes that hold its bits (pack_bits,
+unpack_bits). The CPU packed path writes every new token
 and reads every stored block at every decode step through these. A width of 0 stores nothing (its code is 0). Every
 head of a layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
 """
@@ -22,11 +24,8 @@ from kernels import reference
 
 MAX_WIDTH = 8
 REFERENCE_WIDTHS = (2, 3, 4, 8)  # one width for every element: kernels.reference's rows
-RUN_WIDTHS = (
-    0,
-    1,
-    *REFERENCE_WIDTHS,
-)  # the widths of Layout.runs: a run of 1 bit is 8 codes a byte, LSB first
+WORD_WIDTHS = (5, 6, 7)  # widths whose runs go eight codes at a time through a word of that many bytes
+RUN_WIDTHS = (0, 1, *REFERENCE_WIDTHS, *WORD_WIDTHS)  # the widths of Layout.runs: 1 bit, 8 codes a byte
 
 
 @dataclass(frozen=True, eq=False)
@@ -80,7 +79,7 @@ def layout(widths: torch.Tensor) -> Layout:
 
 def _runs(widths: torch.Tensor) -> tuple[tuple[int, int, int, int, int], ...] | None:
     """Layout.runs of widths (H, D) int64: None unless every head's widths are the first's and each run of one width
-    starts on a byte and fills whole bytes, at a width RUN_WIDTHS reads (0 always; 3 in runs of 8 elements)."""
+    starts on a byte and fills whole bytes (a width other than 1, 2, 4 and 8 in runs of eight elements)."""
     if not widths.numel() or bool((widths != widths[:1]).any()):
         return None
     row = widths[0].tolist()
@@ -89,7 +88,7 @@ def _runs(widths: torch.Tensor) -> tuple[tuple[int, int, int, int, int], ...] | 
         if c < len(row) and row[c] == row[first]:
             continue
         w, n = row[first], c - first
-        if w not in RUN_WIDTHS or bit % 8 or (n * w) % 8 or (w == 3 and n % 8):
+        if w not in RUN_WIDTHS or bit % 8 or (n * w) % 8 or (w not in (1, 2, 4, 8) and n % 8):
             return None
         runs.append((first, c, bit // 8, (bit + n * w) // 8, w))
         first, bit = c, bit + n * w
@@ -113,8 +112,10 @@ def pack_runs(codes: torch.Tensor, lay: Layout) -> torch.Tensor:
         if w == 1:
             bits = part.to(torch.uint8).view(
                 *part.shape[:-1], -1, 8
-            )  # (..., n / 8, 8): byte j's bit i is code 8 j + i
+            )  # (..., n / 8, 8): byte j's bit i: code 8 j + i
             rows.append(sum(bits[..., i] << i for i in range(8)).to(torch.uint8))
+        elif w in WORD_WIDTHS:
+            rows.append(_pack_words(part, w))
         elif w:
             rows.append(reference.pack(part, w))
     if not rows:
@@ -148,7 +149,7 @@ def unpack(packed: torch.Tensor, lay: Layout, dtype: torch.dtype = torch.long) -
 
 
 def unpack_runs(packed: torch.Tensor, lay: Layout, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """unpack run by run (Layout.runs): each run's bytes read as a reference row of its width."""
+    """unpack run by run (Layout.runs): each run's bytes read as a reference row of its width, or a word at a time."""
     codes = torch.empty(*packed.shape[:-1], lay.widths.shape[1], dtype=dtype, device=packed.device)
     for first, end, byte, byte_end, w in lay.runs:
         part = packed[..., byte:byte_end]
@@ -156,9 +157,35 @@ def unpack_runs(packed: torch.Tensor, lay: Layout, dtype: torch.dtype = torch.lo
             codes[..., first:end] = 0
         elif w == 1:
             codes[..., first:end] = torch.stack([(part >> i) & 1 for i in range(8)], -1).flatten(-2)
+        elif w in WORD_WIDTHS:
+            codes[..., first:end] = _unpack_words(part, w)
         else:
             codes[..., first:end] = reference.unpack(part, w, end - first)
     return codes
+
+
+def _pack_words(codes: torch.Tensor, w: int) -> torch.Tensor:
+    """codes (..., n) of w bits, n a multiple of 8 -> uint8 (..., n w / 8): code 8 j + i at bits [w i, w i + w) of
+    word j, a little-endian integer of bytes [w j, w j + w)."""
+    lead, n = codes.shape[:-1], codes.shape[-1]
+    c = codes.to(torch.int64).view(*lead, n // 8, 8)
+    word = c[..., 0].clone()
+    for i in range(1, 8):
+        word |= c[..., i] << (w * i)
+    return (
+        torch.stack([(word >> (8 * b)) & 0xFF for b in range(w)], -1).to(torch.uint8).view(*lead, n * w // 8)
+    )
+
+
+def _unpack_words(part: torch.Tensor, w: int) -> torch.Tensor:
+    """Inverse of _pack_words: uint8 (..., n w / 8) -> int64 codes (..., n)."""
+    lead = part.shape[:-1]
+    b = part.to(torch.int64).view(*lead, -1, w)  # (..., n / 8, w): word j's bytes
+    word = b[..., 0].clone()
+    for i in range(1, w):
+        word |= b[..., i] << (8 * i)
+    mask = (1 << w) - 1
+    return torch.stack([(word >> (w * i)) & mask for i in range(8)], -1).view(*lead, -1)
 
 
 def unpack_bits(packed: torch.Tensor, lay: Layout) -> torch.Tensor:

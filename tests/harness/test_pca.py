@@ -183,10 +183,10 @@ def test_rows_of_mixed_widths_are_the_bits_in_order(seed, heads, dim):
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 10_000), st.integers(1, 4), st.sampled_from([8, 16]), st.integers(1, 6))
 def test_rows_of_byte_aligned_runs_are_read_run_by_run_as_bit_by_bit(seed, heads, group, groups):
-    """A plan shared by every head, in groups of `group` elements at widths 0, 1, 2, 3, 4 or 8 (a grouped pca plan):
-    pack and unpack go run by run (Layout.runs) and give the element-at-a-time path's rows and codes."""
+    """A plan shared by every head, in groups of `group` elements at widths 0 to 8 (a grouped pca plan): pack and
+    unpack go run by run (Layout.runs) and give the element-at-a-time path's rows and codes."""
     g = torch.Generator().manual_seed(seed)
-    options = torch.tensor([0, 1, 2, 3, 4, 8])
+    options = torch.arange(9)
     row = options[torch.randint(0, len(options), (groups,), generator=g)].repeat_interleave(group)
     widths = row.expand(heads, -1)  # (H, D)
     codes = torch.randint(0, 256, (2, heads, 3, len(row)), generator=g) % (1 << widths)[None, :, None]
@@ -203,6 +203,8 @@ def test_runs_are_only_whole_bytes_of_one_plan():
     assert bitstream.layout(torch.tensor([[3, 5]])).runs is None  # runs that cut bytes
     assert bitstream.layout(torch.tensor([[4, 4], [8, 0]])).runs is None  # heads with their own widths
     assert bitstream.layout(torch.tensor([[3] * 4 + [6] * 2])).runs is None  # 3 bits in a run short of 8
+    assert bitstream.layout(torch.tensor([[5] * 8 + [4] * 2])).runs == ((0, 8, 0, 5, 5), (8, 10, 5, 6, 4))
+    assert bitstream.layout(torch.tensor([[6] * 4 + [7] * 8])).runs is None  # 6 bits in a run short of 8
 
 
 def plan(total: int, dim: int, g: torch.Generator) -> list[int]:
