@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 import torch
+import torch.nn.functional as F
 
 from harness.schemes.lloyd_max import lloyd_max, uniform_quantizer
 
@@ -102,15 +103,39 @@ def level_tables(device: torch.device, kind: str = LLOYD) -> tuple[torch.Tensor,
 def quantize_codes(
     z: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, kind: str = LLOYD
 ) -> torch.Tensor:
-    """Components z (B, H, T, D) float32 at per-component widths bits (H, D) (0 to MAX_COMPONENT_BITS) and
-    scales scale (H, D) float32 -> codes (B, H, T, D) int64: the index of the level of b bits (levels of `kind`)
+    """Components z (B, H, T, D) float32 (finite) at per-component widths bits (H, D) (0 to MAX_COMPONENT_BITS)
+    and scales scale (H, D) float32 -> codes (B, H, T, D) int64: the index of the level of b bits (levels of `kind`)
     whose cell holds z / scale, a value on a boundary taken by the lower level (0 at width 0)."""
     B, H, T, D = z.shape
-    _, bounds = level_tables(torch.device(z.device), kind)
-    rows = bounds[bits.long()].reshape(H * D, -1)  # (H D, 255): each component's boundaries, +inf padded
-    y = (z / scale[None, :, None]).permute(1, 3, 0, 2).reshape(H * D, B * T)  # (H D, B T)
-    code = torch.searchsorted(rows.contiguous(), y.contiguous(), side="left")  # (H D, B T)
+    bits = bits.long()
+    levels, bounds = level_tables(torch.device(z.device), kind)
+    y = z / scale[None, :, None]  # (B, H, T, D)
+    if kind == UNIFORM:
+        return _uniform_codes(y, bits, levels, bounds)
+    rows = bounds[bits].reshape(H * D, -1)  # (H D, 255): each component's boundaries, +inf padded
+    y = y.permute(1, 3, 0, 2).reshape(H * D, B * T)  # (H D, B T)
+    code = torch.searchsorted(rows, y.contiguous(), side="left")  # (H D, B T)
     return code.view(H, D, B, T).permute(2, 0, 3, 1)  # (B, H, T, D)
+
+
+def _uniform_codes(
+    y: torch.Tensor, bits: torch.Tensor, levels: torch.Tensor, bounds: torch.Tensor
+) -> torch.Tensor:
+    """quantize_codes' codes of y = z / scale at evenly spaced levels (level_tables' levels and bounds), bit for bit
+    its search, without one: the code below y's place on the levels' spacing, less a quarter step (so within one of
+    the answer, at or below it), then raised past the one boundary it may lie below."""
+    coded = bits > 0  # (H, D); at 0 bits every code is 0 (its boundaries are all +inf)
+    low, high = levels[bits, 0].double(), levels[bits, (1 << bits) - 1].double()
+    spacing = torch.where(coded, (high - low) / ((1 << bits) - 1).clamp(min=1), 1.0)  # (H, D) float64
+    first = torch.where(coded, low + spacing / 2, 0.0)  # the lowest boundary
+    inv = (1 / spacing).float()[None, :, None]  # (1, H, 1, D)
+    shift = (0.75 - first / spacing).float()[None, :, None]
+    top = ((1 << bits) - 1).float()[None, :, None]  # the highest code
+    code = torch.minimum((y * inv + shift).floor_().clamp_(min=0), top).long()  # (B, H, T, D)
+    # every width's boundaries, one +inf more (the highest code, 255 at 8 bits, reads one above it): a component's
+    # are row `bits` of it
+    padded = F.pad(bounds, (0, 1), value=float("inf")).reshape(-1)  # ((MAX_COMPONENT_BITS + 1) 256)
+    return code + (y > padded[code + (bits * 256)[None, :, None]]).long()
 
 
 def quantize_components(

@@ -7,6 +7,7 @@ only, and a tiny run through the runner."""
 
 from __future__ import annotations
 
+import itertools
 from types import SimpleNamespace
 
 import numpy as np
@@ -40,14 +41,19 @@ from harness.schemes import SCHEMES, Pca, bitstream, get_scheme
 from harness.schemes.lloyd_max import lloyd_max, uniform_quantizer
 from harness.schemes.pca import GROUP_WIDTHS
 from harness.schemes.pca_table import (
+    LLOYD,
     MAX_COMPONENT_BITS,
     PCA_FORMAT,
     PCA_WIDTHS,
     QUANTIZERS,
     SCALE_MIN,
+    UNIFORM,
     PcaCalibration,
     PcaFormat,
     PcaLayer,
+    component_values,
+    level_tables,
+    quantize_codes,
 )
 from harness.schemes.rotary import POSITION_BYTES
 from kernels import reference
@@ -225,6 +231,39 @@ def test_a_layout_must_hold_whole_bytes_alike():
 
 # ---------------------------------------------------------------------------------------------------------
 # the fit
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([LLOYD, UNIFORM]), st.floats(0.0, 0.6))
+def test_codes_are_the_levels_cells_ties_to_the_lower_level(seed, kind, on_boundary):
+    """quantize_codes at every width 0-8 (evenly spaced levels: found without a search) against a search of the
+    boundaries, with a share of the components on a boundary (to the rounding of z / scale; a tie goes to the lower
+    level) and some far outside the levels at both ends; component_values of those codes against the level times
+    the scale."""
+    g = torch.Generator().manual_seed(seed)
+    H, T, D = 3, 11, 24
+    bits = torch.randint(0, MAX_COMPONENT_BITS + 1, (H, D), generator=g)
+    scale = torch.rand(H, D, generator=g) + 0.05
+    levels, bounds = level_tables(torch.device("cpu"), kind)
+    y = torch.randn(2, H, T, D, generator=g) * 2.5  # in units of the scale
+    cell = torch.randint(0, 255, y.shape, generator=g) % ((1 << bits) - 1).clamp(min=1)[None, :, None]
+    edge = bounds[bits[None, :, None].expand_as(cell), cell]  # a boundary of the component's width
+    pick = (torch.rand(y.shape, generator=g) < on_boundary) & (bits > 0)[None, :, None]
+    y = torch.where(pick, edge, y)
+    y[0, :, 0] = 1e6
+    y[0, :, 1] = -1e6
+    z = y * scale[None, :, None]
+    got = quantize_codes(z, bits, scale, kind)
+    want = torch.empty_like(got)
+    for h, c in itertools.product(range(H), range(D)):
+        cells = bounds[bits[h, c], : (1 << bits[h, c]) - 1]
+        want[:, h, :, c] = torch.searchsorted(cells, (z[:, h, :, c] / scale[h, c]).contiguous(), side="left")
+    assert torch.equal(got, want)
+    values = component_values(got, bits, scale, kind)
+    expected = torch.where(
+        bits[None, :, None] > 0, levels[bits[None, :, None], got] * scale[None, :, None], 0.0
+    )
+    assert torch.equal(values, expected)
 
 
 @settings(max_examples=40, deadline=None)
