@@ -9,9 +9,9 @@ bytes (a grouped plan: 16 components at 0 to 8 bits a group), a row is those run
 and pack/unpack go run by run: a run of 2, 3, 4 or 8 bits is a reference row, one of 1 bit eight codes a byte, one of
 5, 6 or 7 bits eight codes in each little-endian word of that many bytes (the same bits, a word at a time). Other
 rows of mixed widths are written and read an element at a time through the two bytes that hold its bits (pack_bits,
-unpack_bits). The CPU packed path writes every new token
-and reads every stored block at every decode step through these. A width of 0 stores nothing (its code is 0). Every
-head of a layout holds the same number of bits, a whole number of bytes (the rows of one store line up).
+unpack_bits). The CPU packed path writes every new token and reads every stored block at every decode step through
+these. A width of 0 stores nothing (its code is 0). Every head of a layout holds the same number of bits, a whole
+number of bytes (the rows of one store line up).
 """
 
 from __future__ import annotations
