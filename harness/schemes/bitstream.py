@@ -25,7 +25,8 @@ from kernels import reference
 MAX_WIDTH = 8
 REFERENCE_WIDTHS = (2, 3, 4, 8)  # one width for every element: kernels.reference's rows
 WORD_WIDTHS = (5, 6, 7)  # widths whose runs go eight codes at a time through a word of that many bytes
-RUN_WIDTHS = (0, 1, *REFERENCE_WIDTHS, *WORD_WIDTHS)  # the widths of Layout.runs: 1 bit, 8 codes a byte
+# the widths of Layout.runs; 1 bit goes 8 codes a byte in uint8 (a 1-byte word, without _pack_words' int64)
+RUN_WIDTHS = (0, 1, *REFERENCE_WIDTHS, *WORD_WIDTHS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -79,7 +80,7 @@ def layout(widths: torch.Tensor) -> Layout:
 
 def _runs(widths: torch.Tensor) -> tuple[tuple[int, int, int, int, int], ...] | None:
     """Layout.runs of widths (H, D) int64: None unless every head's widths are the first's and each run of one width
-    starts on a byte and fills whole bytes (a width other than 1, 2, 4 and 8 in runs of eight elements)."""
+    starts on a byte and fills whole bytes (3, 5, 6 or 7 bits in runs of eight elements; 0 bits any run)."""
     if not widths.numel() or bool((widths != widths[:1]).any()):
         return None
     row = widths[0].tolist()
@@ -88,7 +89,7 @@ def _runs(widths: torch.Tensor) -> tuple[tuple[int, int, int, int, int], ...] | 
         if c < len(row) and row[c] == row[first]:
             continue
         w, n = row[first], c - first
-        if w not in RUN_WIDTHS or bit % 8 or (n * w) % 8 or (w not in (1, 2, 4, 8) and n % 8):
+        if w not in RUN_WIDTHS or bit % 8 or (n * w) % 8 or (w in (3, *WORD_WIDTHS) and n % 8):
             return None
         runs.append((first, c, bit // 8, (bit + n * w) // 8, w))
         first, bit = c, bit + n * w
