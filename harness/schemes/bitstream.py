@@ -7,15 +7,17 @@ kernels.reference.pack's (code j at bits [b j, b j + b)), and `pack`/`unpack` ta
 Where every head has the same widths and they fall in runs of one width that each start on a byte and fill whole
 bytes (a grouped plan: 16 components at 0 to 8 bits a group), a row is those runs' rows side by side (`Layout.runs`),
 and pack/unpack go run by run: a run of 2, 3, 4 or 8 bits is a reference row, one of 1 bit eight codes a byte, one of
-5, 6 or 7 bits eight codes in each little-endian word of that many bytes (the same bits, a word at a time). Other
-rows of mixed widths are written and read an element at a time through the two bytes that hold its bits (pack_bits,
-unpack_bits). The CPU packed path writes every new token and reads every stored block at every decode step through
-these. A width of 0 stores nothing (its code is 0). Every head of a layout holds the same number of bits, a whole
-number of bytes (the rows of one store line up).
+5, 6 or 7 bits eight codes in each little-endian word of that many bytes (the same bits, a word at a time; read back
+in uint8, each code from the one or two bytes its bits lie in). Other rows of mixed widths are written and read an
+element at a time through the two bytes that hold its bits (pack_bits, unpack_bits). The CPU packed path writes
+every new token and reads every stored block at every decode step through these. A width of 0 stores nothing (its
+code is 0). Every head of a layout holds the same number of bits, a whole number of bytes (the rows of one store
+line up).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -178,15 +180,34 @@ def _pack_words(codes: torch.Tensor, w: int) -> torch.Tensor:
     )
 
 
+@functools.cache
+def _word_plan(w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where code i (0-7) of a w-bit word lies (_pack_words): its first byte (8,) int64 and the bit it starts at in
+    it (8,) uint8; the byte holding its last bit (8,) int64 and, where that is the next byte, the factor 2**(8 -
+    start bit) (8,) uint8 that moves that byte's low bits above the first byte's (else 0)."""
+    first_bit = torch.arange(8) * w
+    first, start = first_bit // 8, first_bit % 8
+    crosses = start + w > 8
+    last = torch.where(crosses, first + 1, first)
+    carry = torch.where(crosses, 2 ** (8 - start), 0)
+    return (
+        first.to(device),
+        start.to(torch.uint8).to(device),
+        last.to(device),
+        carry.to(torch.uint8).to(device),
+    )
+
+
 def _unpack_words(part: torch.Tensor, w: int) -> torch.Tensor:
-    """Inverse of _pack_words: uint8 (..., n w / 8) -> int64 codes (..., n)."""
-    lead = part.shape[:-1]
-    b = part.to(torch.int64).view(*lead, -1, w)  # (..., n / 8, w): word j's bytes
-    word = b[..., 0].clone()
-    for i in range(1, w):
-        word |= b[..., i] << (8 * i)
-    mask = (1 << w) - 1
-    return torch.stack([(word >> (w * i)) & mask for i in range(8)], -1).view(*lead, -1)
+    """Inverse of _pack_words: uint8 (..., n w / 8) -> uint8 codes (..., n), in uint8 arithmetic: each code from
+    the byte its first bit lies in, shifted down, and the next byte's low bits multiplied into place where it runs
+    past (uint8 products keep their low 8 bits: what overflows lies above the code's w bits, which the mask drops)."""
+    first, start, last, carry = _word_plan(w, part.device)
+    words = part.unflatten(-1, (-1, w))  # (..., n / 8, w): word j's bytes
+    codes = words.index_select(-1, first) >> start  # (..., n / 8, 8): code 8 j + i at [..., j, i]
+    codes |= words.index_select(-1, last) * carry
+    codes &= (1 << w) - 1
+    return codes.flatten(-2)
 
 
 def unpack_bits(packed: torch.Tensor, lay: Layout) -> torch.Tensor:
