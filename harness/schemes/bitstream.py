@@ -169,15 +169,18 @@ def unpack_runs(packed: torch.Tensor, lay: Layout, dtype: torch.dtype = torch.lo
 
 def _pack_words(codes: torch.Tensor, w: int) -> torch.Tensor:
     """codes (..., n) of w bits, n a multiple of 8 -> uint8 (..., n w / 8): code 8 j + i at bits [w i, w i + w) of
-    word j, a little-endian integer of bytes [w j, w j + w)."""
+    word j, a little-endian integer of bytes [w j, w j + w). The word is the sum of its codes moved into place (no
+    two share a bit), its bytes one broadcast shift of it."""
     lead, n = codes.shape[:-1], codes.shape[-1]
-    c = codes.to(torch.int64).view(*lead, n // 8, 8)
-    word = c[..., 0].clone()
-    for i in range(1, 8):
-        word |= c[..., i] << (w * i)
-    return (
-        torch.stack([(word >> (8 * b)) & 0xFF for b in range(w)], -1).to(torch.uint8).view(*lead, n * w // 8)
-    )
+    code_bits, byte_bits = _word_shifts(w, codes.device)
+    word = (codes.to(torch.int64).view(*lead, n // 8, 8) << code_bits).sum(-1)  # (..., n / 8)
+    return ((word[..., None] >> byte_bits) & 0xFF).to(torch.uint8).view(*lead, n * w // 8)
+
+
+@functools.cache
+def _word_shifts(w: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first bit of each of a w-bit word's 8 codes (8,) and of each of its w bytes (w,), int64."""
+    return torch.arange(0, 8 * w, w, device=device), torch.arange(0, 8 * w, 8, device=device)
 
 
 @functools.cache
