@@ -27,6 +27,7 @@ weighted by the loss's Fisher information) and for_layer refuses tables fitted t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import ClassVar, Protocol, runtime_checkable
@@ -40,6 +41,7 @@ from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
 ROLES = ("key", "value")
+OUTLIER_INDEX_LIMIT = 256  # outlier channel (or component) indices are uint8
 
 
 @runtime_checkable
@@ -319,8 +321,17 @@ class Scheme:
                 f"allowed: {allowed}"
             )
 
+    def outlier_count(self, head_dim: int) -> int:
+        """k = ceil(outliers * head_dim) outliers per key token of a quantized head (keeps_outliers schemes)."""
+        return math.ceil(round(self.outliers * head_dim, 9))
+
     def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         """ValueError unless this scheme can store heads of `head_dim` at `bits` in `role`."""
+        if role == "key" and self.outliers and head_dim > OUTLIER_INDEX_LIMIT:
+            raise ValueError(
+                f"quant.outliers: channel indices are stored as uint8, so head_dim must be <= "
+                f"{OUTLIER_INDEX_LIMIT}; the model's is {head_dim}; allowed: 0"
+            )
         quantized = any(b != FULL_WIDTH for b in bits)
         group = self.role_group_size(role)
         if quantized and self.head_dim_groups and not self.per_channel(role) and head_dim % group:

@@ -24,7 +24,6 @@ binds each layer's scheme to its layer's table (`for_layer`); an unbound calkey 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -37,7 +36,6 @@ from harness.schemes.wrappers import BlockStore, head_index, take_tokens
 from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
-INDEX_LIMIT = 256  # outlier channel indices are uint8
 UNBOUND = (  # .format(name=the scheme's name)
     "quant.scheme: {name} stores keys against tables fitted on the calibration windows; none were given "
     "(QuantizedKVCache key_calibration: harness.calibrate.keys.cached_key_calibration)"
@@ -63,18 +61,6 @@ class CalKey(AsymToken):
             raise ValueError(
                 f"quant.key_group_size: {self.key_group_size} with calkey, whose keys have no groups (a fitted "
                 "scale and zero per channel); allowed: null"
-            )
-
-    def outlier_count(self, head_dim: int) -> int:
-        """k = ceil(outliers * head_dim) outliers per key token of a quantized head."""
-        return math.ceil(round(self.outliers * head_dim, 9))
-
-    def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
-        super().check_head_dim(bits, head_dim, role)
-        if role == "key" and self.outliers and head_dim > INDEX_LIMIT:
-            raise ValueError(
-                f"quant.outliers: channel indices are stored as uint8, so head_dim must be <= {INDEX_LIMIT}; "
-                f"the model's is {head_dim}; allowed: 0"
             )
 
     def for_layer(self, layer: int, key_calibration: KeyCalibration | None) -> CalKey:
