@@ -18,9 +18,16 @@ to w D) and scales s (D,) fp16; keys also the layer's rotary turns theta (R / 2,
 The key store knows each token's position as nuqkey's does (rotary.TokenPositions: the token after the sink tokens
 starts at position sink_tokens; kept, int32, after a scattered eviction, and counted in its bytes).
 
-Bytes: a token of a head at width w costs w D / 8 bytes; a quantized head's table, its mean, basis and scales (fp16)
-and plan (uint8 per component), 2 D**2 + 5 D bytes, is held once per store (Scheme.table_bytes), for keys and values
-alike. head_dim must be a multiple of 8 (a row of w D bits is whole bytes at every width).
+Dense-and-sparse keys (quant.outliers > 0, KVQuant's idea on the components): of each key token of a quantized head,
+the k = ceil(outliers * D) components whose coded value misses z most, |z_c - zq_c| largest (a 0-bit component's
+miss is |z_c|), keep z_c itself in a 2-byte float (bf16 in a bfloat16 store, else fp16, saturating) with its uint8
+index, and dequantize to it instead of zq_c; their codes stay in the row. Such a store is read by dequantizing its
+blocks (no fold, no triton backend).
+
+Bytes: a token of a head at width w costs w D / 8 bytes (a key 3 k more with outliers); a quantized head's table,
+its mean, basis and scales (fp16) and plan (uint8 per component), 2 D**2 + 5 D bytes, is held once per store
+(Scheme.table_bytes), for keys and values alike. head_dim must be a multiple of 8 (a row of w D bits is whole bytes
+at every width).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import torch
 
 from harness.schemes.base import Scheme, Store, register
 from harness.schemes.bitstream import layout, pack, unpack
-from harness.schemes.calkey import saturating_cast
+from harness.schemes.calkey import outlier_dtype, saturating_cast
 from harness.schemes.pca_fold import decode, format_reason, packed_decode
 from harness.schemes.pca_table import (
     BLOCK,
@@ -87,6 +94,7 @@ class Pca(Scheme):
     widths: ClassVar[tuple[int, ...]] = PCA_WIDTHS
     head_dim_groups: ClassVar[bool] = False  # a basis per head: no groups along head_dim
     key_tables: ClassVar[bool] = True  # reads parts fitted per layer on calibration text
+    keeps_outliers: ClassVar[bool] = True  # dense-and-sparse keys (module docstring)
     fit: ClassVar[str] = "pca"  # which: harness.calibrate.FITS
     pca_format: ClassVar[PcaFormat] = PCA_FORMAT  # what the fit and the store code against
 
@@ -108,7 +116,8 @@ class Pca(Scheme):
             )
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
-        return bits * head_dim / 8
+        outliers = self.outlier_count(head_dim) if role == "key" else 0
+        return bits * head_dim / 8 + outliers * (FP16_BYTES + 1)  # codes; outlier values, uint8 indices
 
     def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         if bits == FULL_WIDTH:
@@ -139,16 +148,22 @@ class Pca(Scheme):
         theta = self.fitted.rotary_frequencies if keys else torch.zeros(0)
         first = self.sink_tokens if keys else 0
         table = self.fitted.role(role)
+        outliers = self.outlier_count(head_dim) if keys else 0
         return store_type(
-            bits, head_dim, batch, dtype, device, table, theta, first, simulate, self.pca_format
+            bits, head_dim, batch, dtype, device, table, theta, first, simulate, self.pca_format, outliers
         )
 
     @property
     def fusable(self) -> bool:
-        """The flat, evenly spaced formats (pca_fold.format_reason), sink tokens beside them, no residual."""
-        return format_reason(self.pca_format) is None and self.residual == 0
+        """The flat, evenly spaced formats (pca_fold.format_reason), sink tokens beside them, no residual, no
+        outliers."""
+        return format_reason(self.pca_format) is None and self.residual == 0 and not self.outliers
 
     def check_kernel(self, key_bits, value_bits, k_dim: int, v_dim: int, sliding: bool) -> None:
+        if self.outliers:
+            raise NotImplementedError(
+                f"pca on the triton backend: quant.outliers {self.outliers:g}; the kernels read no outliers"
+            )
         for bits in (key_bits, value_bits):
             reason = kernel_reason(self.pca_format, bits)
             if reason is not None:
@@ -176,7 +191,7 @@ class Pca(Scheme):
         return decode
 
     def packed_decode(self):
-        return packed_decode if format_reason(self.pca_format) is None else None
+        return packed_decode if format_reason(self.pca_format) is None and not self.outliers else None
 
 
 class PcaStore(PositionedBlockStore):
@@ -195,8 +210,10 @@ class PcaStore(PositionedBlockStore):
         first_position: int = 0,
         simulate: bool = False,
         fmt: PcaFormat = PCA_FORMAT,
+        outliers: int = 0,
     ):
         self.bits = tuple(int(b) for b in bits)
+        self.outliers = outliers  # k: components of each token kept as they are (module docstring)
         self.fmt, self.first = fmt, first_position
         if tuple(table.mean.shape) != (len(self.bits), head_dim):
             raise ValueError(
@@ -220,6 +237,12 @@ class PcaStore(PositionedBlockStore):
         empty = functools.partial(torch.empty, batch, dtype=torch.uint8, device=device)
         # per width w: codes uint8 (B, Hw, T, w D / 8), tokens along dim 2
         self.codes = {w: empty(len(self.heads[w]), 0, self.layout[w].nbytes) for w in self.widths}
+        # per width w with outliers: their uint8 indices and 2-byte float components (B, Hw, T, k)
+        kept = outlier_dtype(dtype)
+        self.outlier_index = {w: empty(len(self.heads[w]), 0, outliers) for w in self.widths if outliers}
+        self.outlier_values = {
+            w: empty(len(self.heads[w]), 0, outliers, dtype=kept) for w in self.widths if outliers
+        }
         self.full_heads = head_index(self.bits, False, device)
         self.full = empty(len(self.full_heads), 0, head_dim, dtype=dtype)  # (B, Hf, T, D)
         self.positions = TokenPositions(theta, batch, device, first_position)
@@ -243,6 +266,9 @@ class PcaStore(PositionedBlockStore):
         """Replace every token-major tensor t (tokens along dim 2) by change(t)."""
         for w in self.widths:
             self.codes[w] = change(self.codes[w])
+        for w in self.outlier_index:
+            self.outlier_index[w] = change(self.outlier_index[w])
+            self.outlier_values[w] = change(self.outlier_values[w])
         self.full = change(self.full)
         if self.simulate:
             self._values = change(self._values)
@@ -265,11 +291,19 @@ class PcaStore(PositionedBlockStore):
         y = turn(part, -angle) - self.mean[w].float()[None, :, None]  # (B, Hw, Tn, D)
         return torch.einsum("bhtd,hdc->bhtc", y, self.basis[w].float())
 
-    def _quantize(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> torch.Tensor:
-        """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> the codes (B, Hw, Tn, D) int64 of
-        the heads at width w (the module docstring's code)."""
-        z = self._components(x, w, angle)
-        return quantize_codes(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
+    def _outliers(self, z: torch.Tensor, zq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Components z (B, Hw, Tn, D) float32 and their coded values zq -> the outliers (module docstring): uint8
+        indices and 2-byte float components (B, Hw, Tn, k), the k components zq misses most."""
+        index = (z - zq).abs().topk(self.outliers, -1).indices
+        kept = saturating_cast(z.gather(-1, index), outlier_dtype(self.dtype))
+        return index.to(torch.uint8), kept
+
+    def _keep_outliers(self, zq: torch.Tensor, w: int, start: int, end: int) -> torch.Tensor:
+        """zq (B, Hw, end - start, D) float32 of tokens [start, end) at width w with their outliers put back."""
+        if not self.outliers:
+            return zq
+        index = self.outlier_index[w][:, :, start:end].long()
+        return zq.scatter(-1, index, self.outlier_values[w][:, :, start:end].float())
 
     def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
         """The codes (B, Hw, end - start, D) of tokens [start, end) of the heads at width w."""
@@ -294,10 +328,18 @@ class PcaStore(PositionedBlockStore):
         angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
         new = torch.empty_like(x, dtype=self.dtype) if self.simulate else None  # (B, H, Tn, D)
         for w in self.widths:
-            code = self._quantize(x, w, angle)
+            z = self._components(x, w, angle)
+            code = quantize_codes(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
             self.codes[w] = torch.cat([self.codes[w], pack(code, self.layout[w])], 2)
+            if new is None and not self.outliers:
+                continue
+            zq = component_values(code, self.plan[w], self.scale[w].float(), self.fmt.levels)
+            if self.outliers:
+                index, kept = self._outliers(z, zq)
+                self.outlier_index[w] = torch.cat([self.outlier_index[w], index], 2)
+                self.outlier_values[w] = torch.cat([self.outlier_values[w], kept], 2)
+                zq = self._keep_outliers(zq, w, self.length, self.length + Tn)
             if new is not None:
-                zq = component_values(code, self.plan[w], self.scale[w].float(), self.fmt.levels)
                 new.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
         full = x.index_select(1, self.full_heads)
         self.full = torch.cat([self.full, full], 2)
@@ -317,6 +359,7 @@ class PcaStore(PositionedBlockStore):
             zq = component_values(
                 self._codes(w, start, end), self.plan[w], self.scale[w].float(), self.fmt.levels
             )
+            zq = self._keep_outliers(zq, w, start, end)
             out.index_copy_(1, self.heads[w], self._restore(zq, w, angle))
         if len(self.full_heads):
             out.index_copy_(1, self.full_heads, self.full[:, :, start:end])
@@ -329,6 +372,7 @@ class PcaStore(PositionedBlockStore):
 
     def nbytes(self) -> int:
         codes = sum(t.numel() for t in self.codes.values())
+        codes += sum(t.numel() * (1 + FP16_BYTES) for t in self.outlier_index.values())  # index, value
         return codes + self.table_nbytes() + self.positions.nbytes() + self.full.numel() * FP16_BYTES
 
     def nbytes_fp16(self) -> int:
@@ -348,6 +392,8 @@ class PcaCodesStore(PcaStore):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         reason = kernel_reason(self.fmt, self.bits)
+        if self.outliers:
+            reason = "quant.outliers: the kernels read no outliers"
         if reason is not None:
             raise NotImplementedError(f"pca on the triton backend: {reason}")
         if self.simulate:

@@ -66,6 +66,8 @@ def foldable(store) -> str | None:
         return "keys coded before RoPE turn by each token's own position: no query can hold that"
     if FULL_WIDTH in store.bits:
         return "a 16-bit head inside the store"
+    if getattr(store, "outliers", 0):
+        return "outliers kept beside the codes (quant.outliers)"
     if store.positions.kept is not None:
         return "positions left scattered by an eviction"
     turned_blocks = fmt.key_frame == BLOCK and len(store.positions.theta)

@@ -471,7 +471,7 @@ def test_quant_calkey_validates_and_keys_outliers_only_when_set():
     [
         (
             ["quant.outliers=0.01"],
-            r"^quant.outliers: 0.01 with quant.scheme asym_token, which keeps no outliers; allowed: 0, or a scheme that keeps them \(calkey, nuqkey, nuqkey_codebook\)$",
+            r"^quant.outliers: 0.01 with quant.scheme asym_token, which keeps no outliers; allowed: 0, or a scheme that keeps them \(calkey, nuqkey, nuqkey_codebook, pca, pca_post, pca_block, .*pca_post_ug\)$",
         ),
         (
             ["quant=calkey", "quant.outliers=1.5"],

@@ -40,6 +40,7 @@ from harness.run.measure import key_calibration
 from harness.schemes import SCHEMES, Pca, bitstream, get_scheme
 from harness.schemes.lloyd_max import lloyd_max, uniform_quantizer
 from harness.schemes.pca import GROUP_WIDTHS
+from harness.schemes.pca_fold import foldable
 from harness.schemes.pca_table import (
     LLOYD,
     MAX_COMPONENT_BITS,
@@ -122,10 +123,13 @@ def oracle(
     role: str,
     fmt: PcaFormat = PCA_FORMAT,
     first: int = 0,
+    outliers: int = 0,
+    kept: torch.dtype = torch.float16,
 ) -> torch.Tensor:
     """x (B, H, T, D) at `positions` (T,) stored as the pca family stores `role` in format `fmt` (its key frame
     from the store's `first` position, its levels), head h at bits[h], in float64 from the format's contract;
-    16-bit heads unchanged."""
+    16-bit heads unchanged. With `outliers` k: each token's k components of largest |z - zq| keep z rounded to
+    `kept`."""
     table = layer.role(role)
     quantizer = {"lloyd": lloyd_max, "uniform": uniform_quantizer}[fmt.levels]
     turned = frame_positions(positions, fmt.key_frame, fmt.block, first)
@@ -147,6 +151,9 @@ def oracle(
             levels = torch.tensor(q.levels, dtype=torch.float64)
             code = torch.bucketize(z[..., c] / scale[c], torch.tensor(q.boundaries, dtype=torch.float64))
             zq[..., c] = levels[code] * scale[c]
+        if outliers:
+            index = (z - zq).abs().topk(outliers, -1).indices  # (B, T, k)
+            zq.scatter_(-1, index, z.gather(-1, index).to(kept).double())
         restored = mean + zq @ basis.T
         out[:, h] = rope(restored, turned, 1.0, layer.rotary_frequencies) if role == "key" else restored
     return out
@@ -469,6 +476,68 @@ def test_a_variants_store_is_the_oracle_across_blocks(name, role):
         for w in PCA_WIDTHS:
             plan = layer.key.plans[w].long().view(len(BITS), -1, fmt.group_at(D))
             assert (plan == plan[..., :1]).all() and set(plan.unique().tolist()) <= set(fmt.group_widths)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outlier_keys_are_the_oracle_cost_their_bytes_and_follow_eviction(dtype):
+    """quant.outliers on pca's keys: each token's components the codes miss most kept in a 2-byte float (fp16, bf16
+    in a bfloat16 store), against the oracle with them; the same packed and simulated; 3 bytes more a key token of
+    a quantized head, values untouched; after keep_last and select still the oracle's tokens; no fold, no kernel."""
+    keys, _, cal = calibration()
+    g = torch.Generator().manual_seed(11)
+    T, k = 37, 2  # ceil(0.05 * 32)
+    x0 = keys[torch.randint(0, len(keys), (B * T,), generator=g)].view(B, T, -1, D).transpose(1, 2)
+    x0 = x0 + 0.05 * torch.randn(x0.shape, generator=g)
+    x = rope(x0.double(), torch.arange(T)).to(dtype)  # (B, H, T, D)
+    bound = get_scheme("pca", outliers=0.05, residual=0).for_layer(0, cal)
+    plain = get_scheme("pca", residual=0).for_layer(0, cal)
+    assert bound.outlier_count(D) == k
+    packed = bound.new_store(BITS, D, B, dtype, "cpu", "key")
+    feed(packed, x, [1, 15, 1, 20])
+    simulated = feed(bound.new_store(BITS, D, B, dtype, "cpu", "key", simulate=True), x, [1, 15, 1, 20])
+    got = packed.dequantize()
+    torch.testing.assert_close(got, simulated, rtol=1e-5, atol=1e-5)
+    kept = torch.bfloat16 if dtype == torch.bfloat16 else torch.float16
+    want = oracle(x, torch.arange(T), BITS, cal.layer(0), "key", outliers=k, kept=kept)
+    close = ((got.double() - want.to(dtype).double()).abs() <= 1e-3 + 1e-2 * want.abs()).all(-1)  # (B, H, T)
+    assert close.float().mean() > 0.97, (~close).nonzero()[:5]
+    # the outliers are felt: nearer x than the codes alone, on every quantized head
+    alone = oracle(x, torch.arange(T), BITS, cal.layer(0), "key")
+    quantized = [h for h, b in enumerate(BITS) if b != FULL_WIDTH]
+    miss = lambda y: (y[:, quantized] - x[:, quantized].double()).norm(dim=-1).mean(-1)  # noqa: E731  (B, Hq)
+    assert (miss(want) < miss(alone)).all()
+    assert torch.equal(got[:, 1], x[:, 1])  # the 16-bit head
+    # bytes: 3 k more a key token of a quantized head; values and 16-bit heads as without outliers
+    for w in PCA_WIDTHS:
+        assert bound.token_bytes(w, D, "key") == plain.token_bytes(w, D, "key") + 3 * k
+        assert bound.token_bytes(w, D, "value") == plain.token_bytes(w, D, "value")
+    assert bound.token_bytes(FULL_WIDTH, D, "key") == plain.token_bytes(FULL_WIDTH, D, "key")
+    tables = sum(bound.table_bytes(b, D, "key") for b in BITS)
+    positions = packed.positions.nbytes()
+    assert packed.nbytes() == tables + positions + sum(B * T * bound.token_bytes(b, D, "key") for b in BITS)
+    # eviction keeps each token's outliers with its codes
+    packed.keep_last(12)
+    torch.testing.assert_close(packed.dequantize(), got[:, :, -12:])
+    index = torch.stack([torch.tensor([0, 3, 4, 9, 11]), torch.tensor([1, 2, 5, 6, 10]), torch.arange(5)])
+    packed.select(index)
+    torch.testing.assert_close(
+        packed.dequantize(), torch.stack([got[b, :, -12:][:, index[b]] for b in range(B)])
+    )
+    # read by dequantizing: no fold, no triton backend
+    assert (
+        bound.packed_decode() is None and plain.packed_decode() is None
+    )  # pca's Lloyd-Max levels fold never
+    assert get_scheme("pca_block_ugs", outliers=0.05).packed_decode() is None
+    assert get_scheme("pca_block_ugs").packed_decode() is not None
+    uf = get_scheme("pca_block_uf", outliers=0.05)
+    turns = cal.layer(0).rotary_frequencies
+    fitted = PcaLayer(fit_table(keys, fmt=uf.pca_format), fit_table(keys, fmt=uf.pca_format), turns)
+    flat = uf.for_layer(0, PcaCalibration((fitted,))).new_store([4] * len(BITS), D, B, dtype, "cpu", "key")
+    assert foldable(flat) == "outliers kept beside the codes (quant.outliers)"
+    with pytest.raises(NotImplementedError, match="quant.outliers 0.05; the kernels read no outliers"):
+        get_scheme("pca_block_ugs", outliers=0.05).check_kernel([4], [4], 64, 64, False)
+    with pytest.raises(ValueError, match="^quant.outliers: channel indices are stored as uint8"):
+        bound.check_head_dim([4], 512, "key")
 
 
 def test_positions_follow_starts_at_keep_last_and_select():
