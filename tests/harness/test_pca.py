@@ -632,19 +632,19 @@ def chunked_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
 
 
 class OracleCache(DynamicCache):
-    """A DynamicCache that holds the oracle's keys and values (each layer's transforms, every head at `bits`),
-    token 0 exact (one sink token)."""
+    """A DynamicCache that holds the oracle's keys and values (each layer's transforms, every head at `bits`, each
+    key with `outliers` outliers in fp16), token 0 exact (one sink token)."""
 
-    def __init__(self, config, bits: int, cal: PcaCalibration):
+    def __init__(self, config, bits: int, cal: PcaCalibration, outliers: int = 0):
         super().__init__(config=config)
-        self.bits, self.cal, self.seen = bits, cal, {}
+        self.bits, self.cal, self.seen, self.outliers = bits, cal, {}, outliers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         start = self.seen.get(layer_idx, 0)
         positions = torch.arange(start, start + key_states.shape[2])
         self.seen[layer_idx] = start + key_states.shape[2]
         layer, heads = self.cal.layer(layer_idx), [self.bits] * key_states.shape[1]
-        keys = oracle(key_states, positions, heads, layer, "key")
+        keys = oracle(key_states, positions, heads, layer, "key", outliers=self.outliers)
         values = oracle(value_states, positions, heads, layer, "value")
         sink = positions == 0
         keys[:, :, sink], values[:, :, sink] = (
@@ -656,24 +656,28 @@ class OracleCache(DynamicCache):
         )
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name, outliers", [("tiny-llama", 0.0), ("tiny-gemma3", 0.0), ("tiny-llama", 0.05)])
 @torch.no_grad()
-def test_tiny_model_through_the_cache_is_the_oracle(name):
+def test_tiny_model_through_the_cache_is_the_oracle(name, outliers):
     model = load_model(name)[0]
     g = torch.Generator().manual_seed(12)
     cal = fit_pca_calibration(model, torch.randint(0, 256, (16, 48), generator=g))
     ids = torch.randint(0, 256, (2, 29), generator=g)  # past tiny-gemma3's sliding window of 16
     chunks = [12, 9, 1, 1, 6]
     exact = chunked_logits(model, ids, DynamicCache(config=model.config), chunks)
-    options = dict(scheme="pca", prefill="quantized", key_calibration=cal, sink_tokens=1)
+    options = dict(scheme="pca", prefill="quantized", key_calibration=cal, sink_tokens=1, outliers=outliers)
     with installed(model, PACKED):
         packed = chunked_logits(model, ids, QuantizedKVCache(model.config, 4, **options), chunks)
         cache = QuantizedKVCache(model.config, 4, simulate=True, **options)
         simulated = chunked_logits(model, ids, cache, chunks)
-    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal), chunks)
+    k = cache.scheme.outlier_count(model.config.head_dim)
+    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal, k), chunks)
     assert (packed - simulated).abs().amax() <= 0.01 * exact.abs().amax()
     assert (simulated - want).abs().amax() <= 5e-3 * exact.abs().amax()
     assert (simulated - exact).abs().amax() > 0  # the quantization is felt
+    if k:  # and so are the outliers: the oracle without them is farther
+        without = chunked_logits(model, ids, OracleCache(model.config, 4, cal), chunks)
+        assert (simulated - without).abs().amax() > 4 * (simulated - want).abs().amax()
     # the fitted tables (held once: more than these few tokens' fp16 bytes) aside, fewer bytes than fp16
     layers = cache.quantized_layers()
     tables = sum(
