@@ -243,6 +243,17 @@ INGREDIENTS = (
         {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 2.4},
     ),
     (
+        "3.5x: 1% of each key's pca components kept in 2 bytes (dense-and-sparse; pca's knapsack at 4.2 bits) "
+        "against none (at 4.4 bits), about the same bytes",
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 4.4, "outliers": 0.0},
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 4.2, "outliers": 0.01},
+    ),
+    (
+        "6x: the same at 2.2 bits against none at 2.4",
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 2.4, "outliers": 0.0},
+        {"scheme": "pca", "sink_tokens": 1, "policy": "measured", "budget": 2.2, "outliers": 0.01},
+    ),
+    (
         "cross-layer prediction (xlayer: codebook's format for the residual of the layer below's prediction), "
         "3 bits",
         {"scheme": "codebook", "policy": "uniform", "budget": 3},
