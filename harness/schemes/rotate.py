@@ -73,7 +73,9 @@ class Rotated(Scheme):
         role: str,
         simulate: bool,
     ) -> Store:
-        inner = self.inner.base_store(bits, head_dim, batch, torch.float32, device, role, simulate)
+        # The inner store keeps only its stored form: under simulate the wrapper's working copy is read from it
+        # (the same values its own working copy would hold, bit for bit), so one copy is kept, not two.
+        inner = self.inner.base_store(bits, head_dim, batch, torch.float32, device, role, False)
         return RotatedStore(inner, bits, head_dim, batch, dtype, device, simulate)
 
 
@@ -121,11 +123,11 @@ class RotatedStore:
 
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         Tn = x.shape[2]
-        stored = self.base.append(self._turn(x, torch.float32))  # (B, Hkv, length, D) float32, rotated
+        self.base.append(self._turn(x, torch.float32))
         if not self.simulate:
             return None
-        new = self._turn(stored[:, :, stored.shape[2] - Tn :], self.dtype)
-        self._values = torch.cat([self._values, new], 2)
+        stored = self.block(self.length - Tn, self.length)  # (B, Hkv, Tn, D) float32, rotated
+        self._values = torch.cat([self._values, self._turn(stored, self.dtype)], 2)
         return self._values
 
     def dequantize(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ from harness.attention import PACKED, installed
 from harness.cache import QuantizedKVCache, QuantizedSlidingLayer
 from harness.models import load_model
 from harness.schemes import Fp8, Scheme, check_backend, get_scheme
+from harness.schemes.rotate import RotatedStore
 from harness.validate import ConfigError, validate_config
 from kernels import reference
 
@@ -135,6 +136,27 @@ def test_hadamard_is_orthonormal_and_rotation_round_trips():
         get_scheme("rotate+asym_token", group_size=8).new_store(
             [4], 24, 1, torch.float32, "cpu", role="value"
         )
+
+
+@pytest.mark.parametrize("name", ["rotate+asym_token", "rotate+sym_token", "rotate+kivi", "rotate+fp8"])
+def test_rotated_working_copy_is_the_stored_form_and_kept_once(name):
+    """Under simulate, rotate+'s working copy is what a packed-only twin dequantizes, bit for bit, append by append
+    (kivi's keys in whole groups), while its inner store keeps no working copy of its own (one copy, not two)."""
+    scheme = get_scheme(name, group_size=8, residual=0)
+    bits = [8, 16, 8] if name == "rotate+fp8" else [4, 16, 2]
+    for role in ("key", "value"):
+        simulated = scheme.new_store(bits, 16, 3, torch.float32, "cpu", role=role, simulate=True)
+        packed = scheme.new_store(bits, 16, 3, torch.float32, "cpu", role=role)
+        rotated = simulated
+        while not isinstance(rotated, RotatedStore):  # kivi's keys: inside the residual window's chunker
+            rotated = rotated.base
+        assert rotated.simulate and not rotated.base.simulate
+        for tn in (8, 24, 16):
+            x = torch.randn(3, 3, tn, 16) * 4
+            got = simulated.append(x)
+            assert packed.append(x) is None
+            assert torch.equal(got, packed.dequantize())
+        assert simulated.nbytes() == packed.nbytes()
 
 
 def test_fp8_matches_torch_e4m3_cast():
