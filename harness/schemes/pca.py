@@ -15,6 +15,9 @@ to w D) and scales s (D,) fp16; keys also the layer's rotary turns theta (R / 2,
            boundary to the lower level; 0 when b_c = 0), packed into w D / 8 bytes (harness/schemes/bitstream.py)
     zq_c = level_{b_c}[code_c] * float32(s_c)   (0 when b_c = 0)
     out  = float32(m) + zq @ float32(U).T, keys turned by +p * theta_i; cast to the store's dtype saturating
+Evenly spaced levels (the pca_block and pca_post formats) read a run of tokens that share one turn back (a block's
+keys, or values) in one product: zq = offset + step * code (pca_fold.code_steps), so out = R(r) (m + U offset) +
+code @ (R(r) U diag(step)).T, the tokens above within float rounding (`_restore_codes`), no level lookup.
 The key store knows each token's position as nuqkey's does (rotary.TokenPositions: the token after the sink tokens
 starts at position sink_tokens; kept, int32, after a scattered eviction, and counted in its bytes).
 
@@ -41,7 +44,7 @@ import torch
 from harness.schemes.base import Scheme, Store, register
 from harness.schemes.bitstream import layout, pack, unpack
 from harness.schemes.calkey import outlier_dtype, saturating_cast
-from harness.schemes.pca_fold import decode, format_reason, packed_decode
+from harness.schemes.pca_fold import code_steps, decode, format_reason, packed_decode
 from harness.schemes.pca_table import (
     BLOCK,
     MIN_GROUPS,
@@ -278,6 +281,49 @@ class PcaStore(PositionedBlockStore):
         y = self.mean[w].float()[None, :, None] + torch.einsum("bhtc,hdc->bhtd", zq, self.basis[w].float())
         return saturating_cast(turn(y, angle), self.dtype)
 
+    def _folded_basis(self, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Of the heads at width w, float32: (U diag(step))^T (Hw, D, D) and m + U offset (Hw, D), so that codes
+        stand for the tokens m + U (offset + step * code) = codes @ the first + the second (evenly spaced levels:
+        pca_fold.code_steps' offset and step). Computed at each read (not kept: the store holds its bytes only)."""
+        offset, step = code_steps(self, w)  # (Hw, D) each
+        basis = self.basis[w].float()  # (Hw, D, C): column c is component c
+        through = (basis * step[:, None]).transpose(1, 2).contiguous()  # (Hw, C, D)
+        return through, self.mean[w].float() + torch.einsum("hdc,hc->hd", basis, offset)
+
+    def _frame_runs(self, positions: torch.Tensor) -> list[tuple[int, int, torch.Tensor | None]] | None:
+        """Tokens at positions (B or 1, T) as runs [s, e) that share one turn into the format's frame, each with its
+        angles (1, 1, 1, R / 2) (None: no turn), where `_restore_codes` can read them: evenly spaced levels, no
+        outliers, every batch row's positions alike, and at most one run per 16 tokens (keys turned back to their
+        block's first position, or after RoPE; not keys before RoPE, each at its own angle). Else None."""
+        if self.fmt.levels != UNIFORM or self.outliers or positions.shape[0] != 1:
+            return None
+        T = positions.shape[1]
+        if not len(self.positions.theta):
+            return [(0, T, None)]
+        reference = self.fmt.reference_positions(positions, self.first)[0]  # (T,)
+        bounds = [0, *((reference[1:] != reference[:-1]).nonzero().flatten() + 1).tolist(), T]
+        if len(bounds) - 1 > max(T // 16, 1):
+            return None
+        return [
+            (s, e, self.positions.angle(reference[None, s : s + 1])) for s, e in zip(bounds[:-1], bounds[1:])
+        ]
+
+    def _restore_codes(
+        self, code: torch.Tensor, w: int, runs: list[tuple[int, int, torch.Tensor | None]], out: torch.Tensor
+    ) -> None:
+        """Codes (B, Hw, T, D) float32 of the heads at width w, in `_frame_runs`' runs -> their tokens, written into
+        out (B, Hkv, T, D) (the store's dtype) at those heads: a run of a head in one product with the folded basis
+        turned by the run's angle (the tokens `_restore` gives from component_values' components, within float
+        rounding)."""
+        folded, mean = self._folded_basis(w)  # (Hw, C, D), (Hw, D)
+        for s, e, angle in runs:
+            through, shift = folded, mean
+            if angle is not None:  # every token of the run turned: the basis' and the mean's D axis instead
+                through, shift = turn(folded[None], angle)[0], turn(mean[None, :, None], angle)[0, :, 0]
+            for i, head in enumerate(self.heads[w].tolist()):
+                y = torch.matmul(code[:, i, s:e], through[i]).add_(shift[i])  # (B, e - s, D)
+                out[:, head, s:e] = saturating_cast(y, self.dtype)
+
     def _angle(self, positions: torch.Tensor) -> torch.Tensor:
         """The angles (B or 1, 1, T, R / 2) keys at positions (B or 1, T) are turned by into the format's frame."""
         return self.positions.angle(self.fmt.reference_positions(positions, self.first))
@@ -305,9 +351,10 @@ class PcaStore(PositionedBlockStore):
         index = self.outlier_index[w][:, :, start:end].long()
         return zq.scatter(-1, index, self.outlier_values[w][:, :, start:end].float())
 
-    def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
-        """The codes (B, Hw, end - start, D) of tokens [start, end) of the heads at width w."""
-        return unpack(self.codes[w][:, :, start:end], self.layout[w])
+    def _codes(self, w: int, start: int, end: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """The codes (B, Hw, end - start, D) of tokens [start, end) of the heads at width w, in dtype (int64 or a
+        float type)."""
+        return unpack(self.codes[w][:, :, start:end], self.layout[w], dtype)
 
     def code_block(self, start: int, end: int) -> torch.Tensor:
         """The codes of tokens [start, end) of every head, (B, Hkv, end - start, D) float32, in a store whose heads
@@ -325,12 +372,17 @@ class PcaStore(PositionedBlockStore):
     def append(self, x: torch.Tensor) -> torch.Tensor | None:
         B, H, Tn, D = x.shape
         assert (B, H, D) == (self.batch, len(self.bits), self.head_dim), (x.shape, self.bits, self.head_dim)
-        angle = self._angle(self.positions.new(Tn))  # (1, 1, Tn, R / 2)
+        positions = self.positions.new(Tn)  # (1, Tn)
+        angle = self._angle(positions)  # (1, 1, Tn, R / 2)
         new = torch.empty_like(x, dtype=self.dtype) if self.simulate else None  # (B, H, Tn, D)
+        runs = self._frame_runs(positions) if new is not None else None
         for w in self.widths:
             z = self._components(x, w, angle)
             code = quantize_codes(z, self.plan[w], self.scale[w].float(), self.fmt.levels)
             self.codes[w] = torch.cat([self.codes[w], pack(code, self.layout[w])], 2)
+            if runs is not None:
+                self._restore_codes(code.float(), w, runs, new)
+                continue
             if new is None and not self.outliers:
                 continue
             zq = component_values(code, self.plan[w], self.scale[w].float(), self.fmt.levels)
@@ -354,8 +406,13 @@ class PcaStore(PositionedBlockStore):
         out = torch.empty(
             self.batch, len(self.bits), end - start, self.head_dim, dtype=self.dtype, device=self.device
         )
-        angle = self._angle(self.positions.held(start, end, self.length))
+        positions = self.positions.held(start, end, self.length)  # (B or 1, end - start)
+        angle = self._angle(positions)
+        runs = self._frame_runs(positions)
         for w in self.widths:
+            if runs is not None:
+                self._restore_codes(self._codes(w, start, end, torch.float32), w, runs, out)
+                continue
             zq = component_values(
                 self._codes(w, start, end), self.plan[w], self.scale[w].float(), self.fmt.levels
             )
@@ -477,11 +534,11 @@ class PcaCodesStore(PcaStore):
         self.packed.advance(n)
         self.positions.next += n
 
-    def _codes(self, w: int, start: int, end: int) -> torch.Tensor:
+    def _codes(self, w: int, start: int, end: int, dtype: torch.dtype = torch.long) -> torch.Tensor:
         payload = self.packed.bucket_of[w].payload[:, :, start:end]
         if w in self.packed.plans:
-            return groups.unpack(payload, self.packed.plans[w])
-        return reference.unpack(payload, w, self.head_dim)
+            return groups.unpack(payload, self.packed.plans[w]).to(dtype)
+        return reference.unpack(payload, w, self.head_dim).to(dtype)
 
     # rows and tokens: the positions as PositionedBlockStore keeps them, the codes as the PackedStore does
     def take_rows(self, index: torch.Tensor) -> None:

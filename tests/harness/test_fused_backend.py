@@ -199,7 +199,10 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
     decode_attention_blocks, the sink token beside the codes) generates what the torch backend's packed path
     does: the same tokens, logits within float summation order, the same bytes, layer 0's codes (written by the
     Triton kernel) bit for bit. A prompt of 131 tokens puts the decode steps in the second block of 128 (two
-    queries a head); heads at 2, 3, 4 and 8 bits, keys and values apart."""
+    queries a head); heads at 2, 3, 4 and 8 bits, keys and values apart. The layers above see inputs that differ
+    by that summation order (the prefill attends all its tokens dequantized at once here, block by block there),
+    so a few of their codes may lie one level apart (a value on the edge of its cell), and the logits then move
+    by what such a level moves them."""
     model, _ = load_model("tiny-llama", device=device)
     bits, value_bits = (
         torch.tensor([[4, 2, 8], [3, 4, 4], [2, 8, 3]]),
@@ -221,9 +224,18 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
     steps = kw["max_new_tokens"] - 1  # the first token comes from the prefill
     assert calls == [128] * steps * model.config.num_hidden_layers  # every decode step of every layer
     assert torch.equal(got.sequences, want.sequences)
+    pairs = [
+        (getattr(ours, role).parts[1], getattr(theirs, role).parts[1], w)
+        for ours, theirs in zip(triton_cache.quantized_layers(), torch_cache.quantized_layers())
+        for role in ("k_store", "v_store")
+        for w in getattr(ours, role).parts[1].widths
+    ]
+    apart = torch.cat([(a._codes(w, 0, a.length) - b._codes(w, 0, b.length)).flatten() for a, b, w in pairs])
+    assert apart.abs().max() <= 1 and (apart != 0).sum() <= 1e-3 * apart.numel(), (apart != 0).sum()
+    tolerance = 1e-3 if apart.any() else 1e-4
     for step, (a, b) in enumerate(zip(want.logits, got.logits)):
         err = ((a - b).norm() / a.norm()).item()
-        assert err < 1e-4, (step, err)
+        assert err < tolerance, (step, err)
     assert triton_cache.nbytes() == torch_cache.nbytes() > 0
     k_store = triton_cache.quantized_layers()[0].k_store.parts[1]
     assert k_store.packed.codes_only and k_store.length == 131 + steps - 1  # the sink token apart

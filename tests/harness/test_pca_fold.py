@@ -178,8 +178,10 @@ def test_the_torch_decode_step_leaves_what_it_cannot_fold_to_the_dequantizing_re
 def test_a_model_decodes_through_the_fold_what_its_simulated_cache_gives(monkeypatch, packed, name):
     """tiny-llama-d64 (heads of 64 channels: 4 groups of 16) at 5 bits, 1 sink token: greedy generation on the
     packed path, whose decode steps go through packed_decode (counted), gives the tokens of the simulated cache
-    (dequantized tokens through SDPA), and its first decode step's logits within float32 noise of them (later steps
-    quantize keys that differ by that noise, and a code on the edge of its cell may round the other way)."""
+    (dequantized tokens through SDPA) and the same codes but where float32 noise moved a value across the edge of
+    its cell (each such code one level off, a few of them: the decode steps quantize keys computed from attention
+    outputs that differ by that noise); its first decode step's logits are within float32 noise of the simulated
+    cache's where no code differs, else within what one level of an 8-bit group moves them."""
     import harness.schemes.pca as pca_module
 
     model, _ = load_model("tiny-llama-d64")
@@ -189,7 +191,7 @@ def test_a_model_decodes_through_the_fold_what_its_simulated_cache_gives(monkeyp
     calls = []
     monkeypatch.setattr(pca_module, "packed_decode", lambda *a: calls.append(1) or packed_decode(*a))
     prompts = torch.randint(0, model.config.vocab_size, (3, 21))
-    logits = {}
+    logits, codes = {}, {}
     for simulate in (True, False):
         cache = QuantizedKVCache(
             model.config, 5, scheme=name, sink_tokens=1, key_calibration=fit, simulate=simulate
@@ -197,9 +199,17 @@ def test_a_model_decodes_through_the_fold_what_its_simulated_cache_gives(monkeyp
         out = model.generate(prompts, max_new_tokens=6, do_sample=False, past_key_values=cache,
                              output_logits=True, return_dict_in_generate=True)  # fmt: skip
         logits[simulate] = (out.sequences, torch.stack(out.logits, 1))
+        codes[simulate] = torch.cat([unpack(s.parts[1].codes[w], s.parts[1].layout[w]).flatten()
+                                     for layer in cache.layers for s in (layer.k_store, layer.v_store)
+                                     for w in s.parts[1].widths])  # fmt: skip
     assert (
         len(calls) == 5 * model.config.num_hidden_layers
     )  # every decode step of every layer, none of the prefill
     assert torch.equal(logits[True][0], logits[False][0])
+    moved = codes[True] != codes[False]
+    assert (codes[True] - codes[False]).abs().max() <= 1 and moved.sum() <= 1e-3 * moved.numel(), moved.sum()
     first_step = logits[True][1][:, 1], logits[False][1][:, 1]
-    assert torch.allclose(*first_step, atol=1e-4, rtol=1e-4), (first_step[0] - first_step[1]).abs().max()
+    tolerance = 1e-4 if not moved.any() else 5e-3
+    assert torch.allclose(*first_step, atol=tolerance, rtol=tolerance), (
+        (first_step[0] - first_step[1]).abs().max()
+    )

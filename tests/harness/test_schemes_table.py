@@ -172,7 +172,9 @@ def test_round_trip_within_one_step(case, role):
     if not case.simulated_only:
         packed = scheme.new_store(bits, D, B, torch.float32, "cpu", role)
         assert feed(packed, x) is None  # packed-only: nothing dequantized is returned or kept
-        torch.testing.assert_close(packed.dequantize(), simulated, rtol=1e-6, atol=1e-6)
+        # the same stored form, read whole here and append by append there: within float summation order (pca's
+        # evenly spaced levels are one product per run of tokens, whose sums a run's length may reorder)
+        torch.testing.assert_close(packed.dequantize(), simulated, rtol=1e-5, atol=1e-5)
     got = simulated
     rotated = scheme.rotated and not (role == "key" and scheme.key_tables)  # nuqkey_codebook's keys are not
     if rotated:  # compare in the rotated domain, where the format quantized (H is its own inverse)
