@@ -478,6 +478,52 @@ def test_a_variants_store_is_the_oracle_across_blocks(name, role):
             assert (plan == plan[..., :1]).all() and set(plan.unique().tolist()) <= set(fmt.group_widths)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        n
+        for n in SCHEMES.names()
+        if isinstance(get_scheme(n), Pca) and get_scheme(n).pca_format.levels == UNIFORM
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_evenly_spaced_levels_read_a_run_in_one_product_as_the_lookup_does(name, dtype):
+    """A store of evenly spaced levels reads back a run of tokens sharing one turn (a block's keys, values) in one
+    product with the steps folded into the basis: the tokens the level lookup, the basis product and the per-token
+    turn give from the same codes, within float rounding, over ranges that start and end inside blocks (a sink
+    token first, so the blocks start at token 1), in keys and values, fp32 and bf16 stores."""
+    scheme = get_scheme(name, sink_tokens=1)
+    fmt = scheme.pca_format
+    keys, values = correlated(400, len(BITS), 4, mixing=0), correlated(400, len(BITS), 5, mixing=1)
+    turns = torch.zeros(D)
+    turns[: R // 2], turns[R // 2 : R] = theta(), theta()
+    layer = PcaLayer(fit_table(keys, fmt=fmt), fit_table(values, fmt=fmt), turns)
+    bound = scheme.for_layer(0, PcaCalibration((layer,)))
+    g = torch.Generator().manual_seed(5)
+    T = 300
+    for role, pool in (("key", keys), ("value", values)):
+        x0 = pool[torch.randint(0, len(pool), (B * T,), generator=g)].view(B, T, -1, D).transpose(1, 2)
+        x = rope(x0.double(), torch.arange(T)).float() if role == "key" else x0.float()
+        store = bound.new_store(BITS, D, B, dtype, "cpu", role).parts[
+            1
+        ]  # the pca store behind the sink token
+        feed(store, x[:, :, 1:].to(dtype), [37, 1, 261])
+        for start, end in ((0, store.length), (5, 6), (100, 260), (127, 129)):
+            positions = store.positions.held(start, end, store.length)
+            runs = store._frame_runs(
+                positions
+            )  # None: a few tokens over two blocks, read by the lookup itself
+            assert runs is not None or (role == "key" and fmt.key_frame == "pre") or end - start < 16
+            angle = store._angle(positions)
+            for w in store.widths:
+                codes = store._codes(w, start, end)
+                zq = component_values(codes, store.plan[w], store.scale[w].float(), fmt.levels)
+                want = store._restore(zq, w, angle)  # (B, Hw, T, D) in dtype
+                got = store.block(start, end).index_select(1, store.heads[w])
+                tol = 1e-5 if dtype == torch.float32 else 2**-7
+                torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_outlier_keys_are_the_oracle_cost_their_bytes_and_follow_eviction(dtype):
     """quant.outliers on pca's keys: each token's components the codes miss most kept in a 2-byte float (fp16, bf16
