@@ -441,6 +441,17 @@ def test_store_is_the_oracle_packed_and_simulated(role, dtype, sinks, residual):
     assert (got[:, 0] != x[:, 0]).any()  # the quantization is felt
 
 
+def _fitted_variant(name: str, seed: int):
+    """Scheme `name` with one sink token bound to a layer fitted in its format on correlated keys (seed) and values
+    (seed + 1) with rotary turns: (its format, keys, values, the layer, the bound scheme)."""
+    fmt = get_scheme(name).pca_format
+    keys, values = correlated(400, len(BITS), seed, mixing=0), correlated(400, len(BITS), seed + 1, mixing=1)
+    turns = torch.zeros(D)
+    turns[: R // 2], turns[R // 2 : R] = theta(), theta()
+    layer = PcaLayer(fit_table(keys, fmt=fmt), fit_table(values, fmt=fmt), turns)
+    return fmt, keys, values, layer, get_scheme(name, sink_tokens=1).for_layer(0, PcaCalibration((layer,)))
+
+
 @pytest.mark.parametrize(
     "name", [n for n in SCHEMES.names() if n != "pca" and isinstance(get_scheme(n), Pca)]
 )
@@ -448,13 +459,7 @@ def test_store_is_the_oracle_packed_and_simulated(role, dtype, sinks, residual):
 def test_a_variants_store_is_the_oracle_across_blocks(name, role):
     """Each variant's store against the oracle in its format, over 300 tokens (three blocks of 128 after one sink
     token), a table fitted in that format (levels and plan groups)."""
-    scheme = get_scheme(name, sink_tokens=1)
-    fmt = scheme.pca_format
-    keys, values = correlated(400, len(BITS), 0, mixing=0), correlated(400, len(BITS), 1, mixing=1)
-    turns = torch.zeros(D)
-    turns[: R // 2], turns[R // 2 : R] = theta(), theta()
-    layer = PcaLayer(fit_table(keys, fmt=fmt), fit_table(values, fmt=fmt), turns)
-    bound = scheme.for_layer(0, PcaCalibration((layer,)))
+    fmt, keys, values, layer, bound = _fitted_variant(name, 0)
     g = torch.Generator().manual_seed(3)
     T = 300
     pool = keys if role == "key" else values
@@ -492,21 +497,14 @@ def test_evenly_spaced_levels_read_a_run_in_one_product_as_the_lookup_does(name,
     product with the steps folded into the basis: the tokens the level lookup, the basis product and the per-token
     turn give from the same codes, within float rounding, over ranges that start and end inside blocks (a sink
     token first, so the blocks start at token 1), in keys and values, fp32 and bf16 stores."""
-    scheme = get_scheme(name, sink_tokens=1)
-    fmt = scheme.pca_format
-    keys, values = correlated(400, len(BITS), 4, mixing=0), correlated(400, len(BITS), 5, mixing=1)
-    turns = torch.zeros(D)
-    turns[: R // 2], turns[R // 2 : R] = theta(), theta()
-    layer = PcaLayer(fit_table(keys, fmt=fmt), fit_table(values, fmt=fmt), turns)
-    bound = scheme.for_layer(0, PcaCalibration((layer,)))
+    fmt, keys, values, layer, bound = _fitted_variant(name, 4)
     g = torch.Generator().manual_seed(5)
     T = 300
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
     for role, pool in (("key", keys), ("value", values)):
         x0 = pool[torch.randint(0, len(pool), (B * T,), generator=g)].view(B, T, -1, D).transpose(1, 2)
         x = rope(x0.double(), torch.arange(T)).float() if role == "key" else x0.float()
-        store = bound.new_store(BITS, D, B, dtype, "cpu", role).parts[
-            1
-        ]  # the pca store behind the sink token
+        store = bound.new_store(BITS, D, B, dtype, "cpu", role).parts[1]  # the pca store behind the sink
         feed(store, x[:, :, 1:].to(dtype), [37, 1, 261])
         for start, end in ((0, store.length), (5, 6), (100, 260), (127, 129)):
             positions = store.positions.held(start, end, store.length)
@@ -520,7 +518,6 @@ def test_evenly_spaced_levels_read_a_run_in_one_product_as_the_lookup_does(name,
                 zq = component_values(codes, store.plan[w], store.scale[w].float(), fmt.levels)
                 want = store._restore(zq, w, angle)  # (B, Hw, T, D) in dtype
                 got = store.block(start, end).index_select(1, store.heads[w])
-                tol = 1e-5 if dtype == torch.float32 else 2**-7
                 torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
