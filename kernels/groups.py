@@ -21,7 +21,11 @@ of the group, L = 4 / (the group's words; a 1-bit group's half word counts as on
 broadcast to its L lanes in registers. A pair is two fp16 lanes h = 0, 1 made by one rotation and one lop3
 (kernels.unpack's trick): codes (j, j + 2) of a word at 8 bits under exponent 1024, (j, j + 4) at 4 bits and
 (j, j + 8) at 2 bits on mantissa bits [6, 10) and [8, 10) under 16 and 4, and at 1 bit (j, j + 8) of the half word on
-mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. Each lane is that offset + its code
+mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. In a group of one plane of 1, 2 or 4
+bits (COUPLED) the rotation that puts pair j + 1 there puts pair j a field below it, which a second lop3 takes
+under an exponent a field's ratio higher (at 4 bits mantissa bits [2, 6) under 256, at 2 bits [6, 8) under 16, at 1
+bit bit 8 under 4 and the high lane's bit 0 under 1024): one rotation a lane's two pairs (kernels.unpack's two
+fields a lane). Each lane is that offset + its code
 (`offsets`: the scores take the offsets out, a group's planes' offsets scaled and summed); `columns` says which
 component each tile column holds (its group's widest plane's order). A group of 0 bits is zeros. Value tiles
 (group_value_tile, below) hold the codes themselves in an order of their own.
@@ -44,6 +48,7 @@ FIELD_BITS = (
 )
 PASS_BITS = 16 * FIELD_BITS  # a pass's fields in a plan code: up to 16 groups'
 PASSES = 3  # a group has at most three planes (7 = 4 + 2 + 1)
+COUPLED = (4, 2, 1)  # widths whose two pairs a lane makes from one rotation (in a group of one plane)
 _GROUP = tl.constexpr(GROUP)  # as the kernels read it (a field: 12 bits there, FIELD_BITS)
 
 
@@ -206,8 +211,12 @@ def _code_in_group(column: int, w: int) -> int:
     return {8: 4 * word + j + 2 * h, 4: 8 * word + j + 4 * h, 2: j + 8 * h, 1: j + 8 * h}.get(w, column)
 
 
-def _offset_in_group(column: int, w: int) -> float:
-    """What a group's column adds to its code at width w: the exponent under which the code lies."""
+def _offset_in_group(column: int, w: int, couple: bool = False) -> float:
+    """What a group's column adds to its code at width w: the exponent under which the code lies (with `couple`,
+    a group of one plane: the lower pair of a lane's couple lies a field lower, under an exponent a field's ratio
+    higher)."""
+    if couple and w in COUPLED and (column // 2) % 2 == 0:
+        return {4: 256.0, 2: 16.0, 1: 1024.0 if column % 2 else 4.0}[w]
     return {8: 1024.0, 4: 16.0, 2: 4.0, 1: 512.0 if column % 2 else 2.0}.get(w, 0.0)
 
 
@@ -223,7 +232,8 @@ def offsets(plan: tuple[int, ...]) -> list[float]:
     """What each column's lane adds to its code (module docstring): its planes' offsets, each scaled as its plane."""
     return [
         sum(
-            _offset_in_group(d % GROUP, p) * 2 ** plane_shift(plan[d // GROUP], p)
+            _offset_in_group(d % GROUP, p, len(planes(plan[d // GROUP])) == 1)
+            * 2 ** plane_shift(plan[d // GROUP], p)
             for p in planes(plan[d // GROUP])
         )
         for d in range(GROUP * len(plan))
@@ -244,31 +254,58 @@ def _rotl(x, n, ASM: tl.constexpr):
 
 
 @triton.jit
-def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr):
-    """Pair j (an int32 tensor (4,) by lane) of each lane's word (R, 4) of a W-bit group: int32 of two fp16 lanes,
-    code_offset + code. HIGH: a 1-bit group in the word's high half."""
+def _field(t, W: tl.constexpr, LOWER: tl.constexpr, ASM: tl.constexpr):
+    """A pair from a word t rotated so that its codes lie on the field of a W-bit pair (_pairs'), or with LOWER
+    (W in COUPLED) on the field one code below it: (t & mask) | exponent, one lop3. The lower field's exponent is a
+    field's ratio higher, so that its lanes too are offset + code (4 bits: 256, 2 bits: 16, 1 bit: 4 and 1024)."""
     if W == 8:
-        amount = (32 - 8 * j) & 31
         mask: tl.constexpr = "16711935"  # 0x00FF00FF
         bits: tl.constexpr = "1677747200"  # 0x64006400 (1024, 1024)
     elif W == 4:
-        amount = (6 - 4 * j) & 31
-        mask: tl.constexpr = "62915520"  # 0x03C003C0
-        bits: tl.constexpr = "1275087872"  # 0x4C004C00 (16, 16)
+        mask: tl.constexpr = "3932220" if LOWER else "62915520"  # 0x003C003C, 0x03C003C0
+        bits: tl.constexpr = "1543527424" if LOWER else "1275087872"  # 0x5C005C00 (256), 0x4C004C00 (16)
     elif W == 2:
-        amount = (8 - 2 * j) & 31
-        mask: tl.constexpr = "50332416"  # 0x03000300
-        bits: tl.constexpr = "1140868096"  # 0x44004400 (4, 4)
+        mask: tl.constexpr = "12583104" if LOWER else "50332416"  # 0x00C000C0, 0x03000300
+        bits: tl.constexpr = "1275087872" if LOWER else "1140868096"  # 0x4C004C00 (16), 0x44004400 (4)
     else:
-        amount = (9 - j - 16 * HIGH) & 31
-        mask: tl.constexpr = "131584"  # 0x00020200
-        bits: tl.constexpr = "1610629120"  # 0x60004000 (2, 512)
-    t = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
+        mask: tl.constexpr = "65792" if LOWER else "131584"  # 0x00010100, 0x00020200
+        # 0x64004400 (4, 1024), 0x60004000 (2, 512)
+        bits: tl.constexpr = "1677739008" if LOWER else "1610629120"
     if ASM:
         t = _lop3(t, mask, bits)
     else:
         t = (t & int(mask)) | int(bits)
     return t
+
+
+@triton.jit
+def _rotation(j, W: tl.constexpr, HIGH: tl.constexpr):
+    """The left rotation (an int32 tensor of j's shape) that puts pair j of a W-bit group's word on its field."""
+    if W == 8:
+        amount = (32 - 8 * j) & 31
+    elif W == 4:
+        amount = (6 - 4 * j) & 31
+    elif W == 2:
+        amount = (8 - 2 * j) & 31
+    else:
+        amount = (9 - j - 16 * HIGH) & 31
+    return amount
+
+
+@triton.jit
+def _pairs(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Pair j (an int32 tensor (4,) by lane) of each lane's word (R, 4) of a W-bit group: int32 of two fp16 lanes,
+    code_offset + code. HIGH: a 1-bit group in the word's high half."""
+    t = _rotl(words, tl.broadcast_to(_rotation(j, W, HIGH)[None, :], words.shape), ASM)
+    return _field(t, W, False, ASM)
+
+
+@triton.jit
+def _couple(words, j, W: tl.constexpr, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """Pairs j and j + 1 of each lane's word (R, 4) of a W-bit group (W in COUPLED) from one rotation: the one that
+    puts pair j + 1 on its field puts pair j on the field below it (_field's LOWER)."""
+    t = _rotl(words, tl.broadcast_to(_rotation(j + 1, W, HIGH)[None, :], words.shape), ASM)
+    return _field(t, W, True, ASM), _field(t, W, False, ASM)
 
 
 @triton.jit
@@ -297,7 +334,7 @@ def _load_words(
 
 
 @triton.jit
-def _group_codes(loaded, FIELD: tl.constexpr, ASM: tl.constexpr):
+def _group_codes(loaded, FIELD: tl.constexpr, COUPLE: tl.constexpr, ASM: tl.constexpr):
     """One group's codes as fp16 (R, 4, 2, 2) from its words `loaded` (R, NWG): [.., c, i_lo, h] is the group's
     column 4 c + 2 i_lo + h (module docstring); FIELD the group's plan field (not 0 bits)."""
     R: tl.constexpr = loaded.shape[0]
@@ -308,16 +345,18 @@ def _group_codes(loaded, FIELD: tl.constexpr, ASM: tl.constexpr):
     # (R, 4): each lane's word, lane c reading word c // LANES (loaded once, broadcast in registers)
     words = tl.reshape(tl.broadcast_to(loaded[:, :, None], (R, NWG, LANES)), (R, 4))
     j = 2 * (c % LANES)
-    x = tl.join(
-        _pairs(words, j, W, (FIELD >> 4) % 2, ASM),
-        _pairs(words, j + 1, W, (FIELD >> 4) % 2, ASM),
-    )
+    if COUPLE and W != 8:
+        x = tl.join(*_couple(words, j, W, (FIELD >> 4) % 2, ASM))
+    else:
+        x = tl.join(
+            _pairs(words, j, W, (FIELD >> 4) % 2, ASM), _pairs(words, j + 1, W, (FIELD >> 4) % 2, ASM)
+        )
     lo, hi = _halves(x)
     return tl.join(lo, hi)
 
 
 @triton.jit
-def _group(p_ptr, rows, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.constexpr,
+def _group(p_ptr, rows, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, COUPLE: tl.constexpr, ASM: tl.constexpr,
            MASKED: tl.constexpr):  # fmt: skip
     """One group's codes as fp16 (R, 4, 2, 2) (_group_codes'), its words loaded on their own; FIELD its plan field."""
     R: tl.constexpr = rows.shape[0]
@@ -325,7 +364,8 @@ def _group(p_ptr, rows, mask_n, NW: tl.constexpr, FIELD: tl.constexpr, ASM: tl.c
         out = tl.zeros((R, 4, 2, 2), tl.float16)
     else:
         NWG: tl.constexpr = 4 // (1 if FIELD & 15 == 8 else 2 if FIELD & 15 == 4 else 4)
-        out = _group_codes(_load_words(p_ptr, rows, mask_n, NW, (FIELD >> 4) // 2, NWG, MASKED), FIELD, ASM)
+        words = _load_words(p_ptr, rows, mask_n, NW, (FIELD >> 4) // 2, NWG, MASKED)
+        out = _group_codes(words, FIELD, COUPLE, ASM)
     return out
 
 
@@ -338,11 +378,11 @@ def _lower(x, p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, G_: tl.
     F1: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * G_)) & 4095
     F2: tl.constexpr = (plan_pass(PLAN, 2) >> (12 * G_)) & 4095
     if F1 & 15:
-        x = x * (1 << _shift(PLAN, G_, 0)) + _group(p_ptr, rows, mask_n, NW, F1, ASM, MASKED) * (
+        x = x * (1 << _shift(PLAN, G_, 0)) + _group(p_ptr, rows, mask_n, NW, F1, False, ASM, MASKED) * (
             1 << _shift(PLAN, G_, 1)
         )
     if F2 & 15:
-        x = x + _group(p_ptr, rows, mask_n, NW, F2, ASM, MASKED)
+        x = x + _group(p_ptr, rows, mask_n, NW, F2, False, ASM, MASKED)
     return x
 
 
@@ -354,19 +394,21 @@ def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, GA: t
     1-bit planes of one word load it once; others load their own."""
     FA: tl.constexpr = (PLAN >> (12 * GA)) & 4095
     FB: tl.constexpr = (PLAN >> (12 * GA + 12)) & 4095
+    CA: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * GA)) & 15 == 0  # one plane: its pairs in couples
+    CB: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * GA + 12)) & 15 == 0
     if ((FA & 15) == (FB & 15)) & ((FA & 15) >= 2) & ((FB >> 4) == (FA >> 4) + (FA & 15)):
         NWG: tl.constexpr = (FA & 15) // 2  # each group's words
         run = _load_words(p_ptr, rows, mask_n, NW, (FA >> 4) // 2, 2 * NWG, MASKED)  # (R, 2 NWG)
         first, second = tl.split(tl.permute(tl.reshape(run, (run.shape[0], 2, NWG)), (0, 2, 1)))
-        a = _group_codes(first, FA, ASM)
-        b = _group_codes(second, FB, ASM)
+        a = _group_codes(first, FA, CA, ASM)
+        b = _group_codes(second, FB, CB, ASM)
     elif ((FA & 15) == 1) & ((FB & 15) == 1) & ((FA >> 5) == (FB >> 5)):  # one word: halves FA >> 4, FB >> 4
         word = _load_words(p_ptr, rows, mask_n, NW, FA >> 5, 1, MASKED)
-        a = _group_codes(word, FA, ASM)
-        b = _group_codes(word, FB, ASM)
+        a = _group_codes(word, FA, CA, ASM)
+        b = _group_codes(word, FB, CB, ASM)
     else:
-        a = _group(p_ptr, rows, mask_n, NW, FA, ASM, MASKED)
-        b = _group(p_ptr, rows, mask_n, NW, FB, ASM, MASKED)
+        a = _group(p_ptr, rows, mask_n, NW, FA, CA, ASM, MASKED)
+        b = _group(p_ptr, rows, mask_n, NW, FB, CB, ASM, MASKED)
     return (_lower(a, p_ptr, rows, mask_n, NW, PLAN, GA, ASM, MASKED),
             _lower(b, p_ptr, rows, mask_n, NW, PLAN, GA + 1, ASM, MASKED))  # fmt: skip
 
@@ -434,21 +476,25 @@ def _code_in_group_jit(k, W: tl.constexpr):
 
 
 @triton.jit
-def _offset_in_group_jit(k, W: tl.constexpr):
+def _offset_in_group_jit(k, W: tl.constexpr, COUPLE: tl.constexpr):
     """_offset_in_group at a group's columns k, as float32, in the kernel."""
     if W == 1:
         out = tl.where(k % 2 == 1, 512.0, 2.0)
     else:
         out = tl.full(k.shape, 1024.0 if W == 8 else 16.0 if W == 4 else 4.0 if W == 2 else 0.0, tl.float32)
+    if COUPLE and (W == 4 or W == 2 or W == 1):  # COUPLED: the lower pair of a lane's couple
+        lower = 256.0 if W == 4 else 16.0 if W == 2 else tl.where(k % 2 == 1, 1024.0, 4.0)
+        out = tl.where((k // 2) % 2 == 0, lower, out)
     return out
 
 
 @triton.jit
 def _group_offset_jit(k, PLAN: tl.constexpr, G_: tl.constexpr):
     """`offsets` at group G_'s columns k, as float32, in the kernel: its planes' offsets, each scaled as its plane."""
-    out = _offset_in_group_jit(k, (plan_pass(PLAN, 0) >> (12 * G_)) & 15) * (1 << _shift(PLAN, G_, 0))
-    out += _offset_in_group_jit(k, (plan_pass(PLAN, 1) >> (12 * G_)) & 15) * (1 << _shift(PLAN, G_, 1))
-    return out + _offset_in_group_jit(k, (plan_pass(PLAN, 2) >> (12 * G_)) & 15)
+    ONE: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * G_)) & 15 == 0  # one plane: its pairs in couples
+    out = _offset_in_group_jit(k, (plan_pass(PLAN, 0) >> (12 * G_)) & 15, ONE) * (1 << _shift(PLAN, G_, 0))
+    out += _offset_in_group_jit(k, (plan_pass(PLAN, 1) >> (12 * G_)) & 15, False) * (1 << _shift(PLAN, G_, 1))
+    return out + _offset_in_group_jit(k, (plan_pass(PLAN, 2) >> (12 * G_)) & 15, False)
 
 
 @triton.jit
@@ -571,20 +617,28 @@ def group_value_columns_jit(PLAN: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
-def _value_pair(
-    words, J: tl.constexpr, width, high, mask, bits, remap, LOWER: tl.constexpr, ASM: tl.constexpr
-):
-    """Pair J of every group (value order) from its word `words` (R, G): int32 of two fp16 lanes, the codes; with
-    LOWER, a group where `remap` (G,) holds reads pair place f(J) (_value_pass) at 1 and 2 bits."""
-    # the pair's place in its word
+def _value_place(J: tl.constexpr, width, remap, LOWER: tl.constexpr):
+    """Pair J's place in its word for every group (value order), (G,) int32; with LOWER, a group where `remap` (G,)
+    holds reads pair place f(J) (_value_pass) at 1 and 2 bits."""
     i = tl.where(width == 8, J % 2, tl.where(width == 4, J % 2 + 2 * (J // 4), J))
     if LOWER:
         i = tl.where(remap, (J & 1) | ((J >> 2) & 1) << 1 | ((J >> 1) & 1) << 2, i)
+    return i
+
+
+@triton.jit
+def _value_rotation(i, width, high):
+    """The left rotation that puts pair place i of every group's word on its field (_rotation's), (G,) int32."""
     amount = tl.where(width == 8, 32 - 8 * i, tl.where(width == 4, 6 - 4 * i, 8 - 2 * i))
-    amount = tl.where(width == 1, 9 - i - 16 * high, amount) & 31  # (G,)
-    t = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
-    m = tl.broadcast_to(mask[None, :], words.shape)
-    b = tl.broadcast_to(bits[None, :], words.shape)
+    return tl.where(width == 1, 9 - i - 16 * high, amount) & 31
+
+
+@triton.jit
+def _value_codes(t, mask, bits, ASM: tl.constexpr):
+    """The codes of pairs in words t (R, G) rotated onto their fields: (t & mask) | bits, less bits (mask, bits
+    (G,) by group), one lop3 and one sub.f16x2."""
+    m = tl.broadcast_to(mask[None, :], t.shape)
+    b = tl.broadcast_to(bits[None, :], t.shape)
     if ASM:
         t = tl.inline_asm_elementwise(
             "{.reg .b32 t; lop3.b32 t, $1, $2, $3, 234; sub.f16x2 $0, t, $3;}", "=r,r,r,r", [t, m, b], tl.int32,
@@ -593,6 +647,25 @@ def _value_pair(
     else:
         t = _sub_f16x2((t & m) | b, b)
     return t
+
+
+@triton.jit
+def _value_couple(words, J: tl.constexpr, width, high, fields, remap, LOWER: tl.constexpr,
+                  EIGHT: tl.constexpr, ASM: tl.constexpr):  # fmt: skip
+    """Pairs J and J + 1 (J even) of every group (value order) from its word `words` (R, G): int32 of two fp16
+    lanes each, the codes. Places J and J + 1 are neighbours in a word of 1, 2 or 4 bits (COUPLED), so that one
+    rotation serves both (pair J on the field below pair J + 1's: _field's LOWER); with EIGHT (8-bit groups in the
+    pass) an 8-bit group's pair J takes a rotation of its own. fields: (mask, bits, lower mask, lower bits) (G,)."""
+    mask, bits, lower_mask, lower_bits = fields
+    i = _value_place(J + 1, width, remap, LOWER)
+    t = _rotl(words, tl.broadcast_to(_value_rotation(i, width, high)[None, :], words.shape), ASM)
+    if EIGHT:
+        ie = _value_place(J, width, remap, LOWER)
+        amount = tl.where(width == 8, _value_rotation(ie, width, high), _value_rotation(i, width, high))
+        t_low = _rotl(words, tl.broadcast_to(amount[None, :], words.shape), ASM)
+    else:
+        t_low = t
+    return _value_codes(t_low, lower_mask, lower_bits, ASM), _value_codes(t, mask, bits, ASM)
 
 
 @triton.jit
@@ -667,20 +740,22 @@ def _value_pass(p_ptr, rows, mask_n, PLAN: tl.constexpr, K: tl.constexpr, D: tl.
     mask = tl.where(width == 1, 0x00020200, tl.where(width == 0, 0, mask))
     bits = tl.where(width == 8, 0x64006400, tl.where(width == 4, 0x4C004C00, 0x44004400))
     bits = tl.where(width == 1, 0x60004000, tl.where(width == 0, 0, bits))
+    # the field a code below (_field's LOWER; an 8-bit group's pair J is on the same field, rotated on its own)
+    lower_mask = tl.where(width == 4, 0x003C003C, tl.where(width == 2, 0x00C000C0, 0x00010100))
+    lower_mask = tl.where(width == 8, mask, tl.where(width == 0, 0, lower_mask))
+    lower_bits = tl.where(width == 4, 0x5C005C00, tl.where(width == 2, 0x4C004C00, 0x64004400))
+    lower_bits = tl.where(width == 8, bits, tl.where(width == 0, 0, lower_bits))
+    fields = (mask, bits, lower_mask, lower_bits)
     high = half % 2
     top, _, _ = _group_fields(plan_pass(PLAN, 0), G)
     remap = (top == 4) & (K > 0)
+    EIGHT: tl.constexpr = _has_width(PK, 8)
     w01, w23, w45, w67 = _pair_words(p_ptr, rows, mask_n, PK, width, half, start, NW, MASKED)
-    x = _stack8(
-        _value_pair(w01, 0, width, high, mask, bits, remap, K > 0, ASM),
-        _value_pair(w01, 1, width, high, mask, bits, remap, K > 0, ASM),
-        _value_pair(w23, 2, width, high, mask, bits, remap, K > 0, ASM),
-        _value_pair(w23, 3, width, high, mask, bits, remap, K > 0, ASM),
-        _value_pair(w45, 4, width, high, mask, bits, remap, K > 0, ASM),
-        _value_pair(w45, 5, width, high, mask, bits, remap, K > 0, ASM),
-        _value_pair(w67, 6, width, high, mask, bits, remap, K > 0, ASM),
-        _value_pair(w67, 7, width, high, mask, bits, remap, K > 0, ASM),
-    )  # (R, G, 2, 2, 2): pair 4 m + 2 n + j
+    p0, p1 = _value_couple(w01, 0, width, high, fields, remap, K > 0, EIGHT, ASM)
+    p2, p3 = _value_couple(w23, 2, width, high, fields, remap, K > 0, EIGHT, ASM)
+    p4, p5 = _value_couple(w45, 4, width, high, fields, remap, K > 0, EIGHT, ASM)
+    p6, p7 = _value_couple(w67, 6, width, high, fields, remap, K > 0, EIGHT, ASM)
+    x = _stack8(p0, p1, p2, p3, p4, p5, p6, p7)  # (R, G, 2, 2, 2): pair 4 m + 2 n + j
     lo, hi = _halves(x)
     return tl.reshape(tl.join(lo, hi), (R, D))
 

@@ -94,6 +94,24 @@ def test_planes_lie_where_the_docstring_puts_them():
     assert groups.plane_starts(plan) == {(0, 4): 0, (1, 4): 4, (2, 4): 8, (3, 2): 12, (0, 1): 14, (3, 1): 15}
 
 
+def test_offsets_by_hand():
+    """What each column's lane adds to its code, by hand (a lane's columns 4 c + 2 i_lo + h: pair i_lo, fp16 lane
+    h). A group of one plane makes a lane's two pairs from one rotation, pair 0 on the field below pair 1's, under
+    an exponent a field's ratio higher (4 bits: 256 against 16, 2 bits: 16 against 4, 1 bit: 4 and 1024 against 2
+    and 512); a group of several planes keeps one rotation a pair, its planes' offsets scaled as the planes and
+    summed (5 = 4 + 1: 2 (16) + (2 or 512); 3 = 2 + 1: 2 (4) + (2 or 512))."""
+    lane = {
+        4: [256.0, 256.0, 16.0, 16.0],
+        2: [16.0, 16.0, 4.0, 4.0],
+        1: [4.0, 1024.0, 2.0, 512.0],
+        8: [1024.0] * 4,
+        5: [34.0, 544.0, 34.0, 544.0],
+        3: [10.0, 520.0, 10.0, 520.0],
+    }
+    for plan in [(4, 2, 1, 1), (8, 4, 2, 1), (5, 4, 4, 3)]:
+        assert groups.offsets(plan) == [x for w in plan for x in lane[w] * 4], plan
+
+
 def test_check_plan_refusals():
     groups.check_plan((4, 2, 1, 1), 2, 64)
     groups.check_plan((1, 2, 4, 1), 2, 64)  # any order: planes of 2 bits or more always start on a word
