@@ -21,8 +21,8 @@ of the group, L = 4 / (the group's words; a 1-bit group's half word counts as on
 broadcast to its L lanes in registers. A pair is two fp16 lanes h = 0, 1 made by one rotation and one lop3
 (kernels.unpack's trick): codes (j, j + 2) of a word at 8 bits under exponent 1024, (j, j + 4) at 4 bits and
 (j, j + 8) at 2 bits on mantissa bits [6, 10) and [8, 10) under 16 and 4, and at 1 bit (j, j + 8) of the half word on
-mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. In a group of one plane of 1, 2 or 4
-bits (COUPLED) the rotation that puts pair j + 1 there puts pair j a field below it, which a second lop3 takes
+mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. In a plane of 1, 2 or 4 bits (COUPLED,
+but a 7-bit group's 4-bit one: `couples`) the rotation that puts pair j + 1 there puts pair j a field below it, which a second lop3 takes
 under an exponent a field's ratio higher (at 4 bits mantissa bits [2, 6) under 256, at 2 bits [6, 8) under 16, at 1
 bit bit 8 under 4 and the high lane's bit 0 under 1024): one rotation a lane's two pairs (kernels.unpack's two
 fields a lane). Each lane is that offset + its code
@@ -48,7 +48,7 @@ FIELD_BITS = (
 )
 PASS_BITS = 16 * FIELD_BITS  # a pass's fields in a plan code: up to 16 groups'
 PASSES = 3  # a group has at most three planes (7 = 4 + 2 + 1)
-COUPLED = (4, 2, 1)  # widths whose two pairs a lane makes from one rotation (in a group of one plane)
+COUPLED = (4, 2, 1)  # plane widths whose two pairs a lane makes from one rotation (couples: `couples`)
 _GROUP = tl.constexpr(GROUP)  # as the kernels read it (a field: 12 bits there, FIELD_BITS)
 
 
@@ -60,6 +60,13 @@ def planes(w: int) -> list[int]:
 def plane_shift(w: int, p: int) -> int:
     """Where plane p of a w-bit group lies in its codes: the width of the planes below it (5, 4 -> 1)."""
     return int(w) & (p - 1)
+
+
+def couples(w: int, p: int) -> bool:
+    """Whether a lane makes its two pairs of plane p of a w-bit group from one rotation (module docstring): every
+    plane of 1, 2 or 4 bits but a 7-bit group's 4-bit one, whose lower pair's offset (256, scaled by 8) would leave
+    the sum of its planes past 2048, fp16's last exact integer."""
+    return p in COUPLED and not (int(w) == 7 and p == 4)
 
 
 @triton.constexpr_function
@@ -80,6 +87,16 @@ def _has_width(plan_code, width) -> bool:
 def _has_narrow(plan_code, odd) -> bool:
     """Whether some 1- or 2-bit group of one pass of the plan lies in an odd (odd) or even word of its row."""
     return any(w < 4 and (half // 2) % 2 == int(odd) for w, half in _fields(int(plan_code)))
+
+
+@triton.constexpr_function
+def _couples(plan_code, g, k) -> bool:
+    """`couples` for group g's k-th plane of a plan code (False where it has none)."""
+    fields = [(int(plan_code) >> (PASS_BITS * j + FIELD_BITS * int(g))) & 15 for j in range(PASSES)]
+    p = fields[int(k)]
+    return p in COUPLED and not (
+        sum(fields) == 7 and p == 4
+    )  # (a kernel's constant may call no plain function)
 
 
 @triton.constexpr_function
@@ -213,7 +230,7 @@ def _code_in_group(column: int, w: int) -> int:
 
 def _offset_in_group(column: int, w: int, couple: bool = False) -> float:
     """What a group's column adds to its code at width w: the exponent under which the code lies (with `couple`,
-    a group of one plane: the lower pair of a lane's couple lies a field lower, under an exponent a field's ratio
+    a plane that `couples`: the lower pair of a lane's couple lies a field lower, under an exponent a field's ratio
     higher)."""
     if couple and w in COUPLED and (column // 2) % 2 == 0:
         return {4: 256.0, 2: 16.0, 1: 1024.0 if column % 2 else 4.0}[w]
@@ -232,7 +249,7 @@ def offsets(plan: tuple[int, ...]) -> list[float]:
     """What each column's lane adds to its code (module docstring): its planes' offsets, each scaled as its plane."""
     return [
         sum(
-            _offset_in_group(d % GROUP, p, len(planes(plan[d // GROUP])) == 1)
+            _offset_in_group(d % GROUP, p, couples(plan[d // GROUP], p))
             * 2 ** plane_shift(plan[d // GROUP], p)
             for p in planes(plan[d // GROUP])
         )
@@ -378,11 +395,11 @@ def _lower(x, p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, G_: tl.
     F1: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * G_)) & 4095
     F2: tl.constexpr = (plan_pass(PLAN, 2) >> (12 * G_)) & 4095
     if F1 & 15:
-        x = x * (1 << _shift(PLAN, G_, 0)) + _group(p_ptr, rows, mask_n, NW, F1, False, ASM, MASKED) * (
-            1 << _shift(PLAN, G_, 1)
-        )
+        x = x * (1 << _shift(PLAN, G_, 0)) + _group(
+            p_ptr, rows, mask_n, NW, F1, _couples(PLAN, G_, 1), ASM, MASKED
+        ) * (1 << _shift(PLAN, G_, 1))
     if F2 & 15:
-        x = x + _group(p_ptr, rows, mask_n, NW, F2, False, ASM, MASKED)
+        x = x + _group(p_ptr, rows, mask_n, NW, F2, _couples(PLAN, G_, 2), ASM, MASKED)
     return x
 
 
@@ -394,8 +411,8 @@ def _group_pair(p_ptr, rows, mask_n, NW: tl.constexpr, PLAN: tl.constexpr, GA: t
     1-bit planes of one word load it once; others load their own."""
     FA: tl.constexpr = (PLAN >> (12 * GA)) & 4095
     FB: tl.constexpr = (PLAN >> (12 * GA + 12)) & 4095
-    CA: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * GA)) & 15 == 0  # one plane: its pairs in couples
-    CB: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * GA + 12)) & 15 == 0
+    CA: tl.constexpr = _couples(PLAN, GA, 0)  # the widest planes' pairs in couples
+    CB: tl.constexpr = _couples(PLAN, GA + 1, 0)
     if ((FA & 15) == (FB & 15)) & ((FA & 15) >= 2) & ((FB >> 4) == (FA >> 4) + (FA & 15)):
         NWG: tl.constexpr = (FA & 15) // 2  # each group's words
         run = _load_words(p_ptr, rows, mask_n, NW, (FA >> 4) // 2, 2 * NWG, MASKED)  # (R, 2 NWG)
@@ -491,10 +508,12 @@ def _offset_in_group_jit(k, W: tl.constexpr, COUPLE: tl.constexpr):
 @triton.jit
 def _group_offset_jit(k, PLAN: tl.constexpr, G_: tl.constexpr):
     """`offsets` at group G_'s columns k, as float32, in the kernel: its planes' offsets, each scaled as its plane."""
-    ONE: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * G_)) & 15 == 0  # one plane: its pairs in couples
-    out = _offset_in_group_jit(k, (plan_pass(PLAN, 0) >> (12 * G_)) & 15, ONE) * (1 << _shift(PLAN, G_, 0))
-    out += _offset_in_group_jit(k, (plan_pass(PLAN, 1) >> (12 * G_)) & 15, False) * (1 << _shift(PLAN, G_, 1))
-    return out + _offset_in_group_jit(k, (plan_pass(PLAN, 2) >> (12 * G_)) & 15, False)
+    W0: tl.constexpr = (plan_pass(PLAN, 0) >> (12 * G_)) & 15
+    W1: tl.constexpr = (plan_pass(PLAN, 1) >> (12 * G_)) & 15
+    W2: tl.constexpr = (plan_pass(PLAN, 2) >> (12 * G_)) & 15
+    out = _offset_in_group_jit(k, W0, _couples(PLAN, G_, 0)) * (1 << _shift(PLAN, G_, 0))
+    out += _offset_in_group_jit(k, W1, _couples(PLAN, G_, 1)) * (1 << _shift(PLAN, G_, 1))
+    return out + _offset_in_group_jit(k, W2, _couples(PLAN, G_, 2))
 
 
 @triton.jit

@@ -96,20 +96,25 @@ def test_planes_lie_where_the_docstring_puts_them():
 
 def test_offsets_by_hand():
     """What each column's lane adds to its code, by hand (a lane's columns 4 c + 2 i_lo + h: pair i_lo, fp16 lane
-    h). A group of one plane makes a lane's two pairs from one rotation, pair 0 on the field below pair 1's, under
-    an exponent a field's ratio higher (4 bits: 256 against 16, 2 bits: 16 against 4, 1 bit: 4 and 1024 against 2
-    and 512); a group of several planes keeps one rotation a pair, its planes' offsets scaled as the planes and
-    summed (5 = 4 + 1: 2 (16) + (2 or 512); 3 = 2 + 1: 2 (4) + (2 or 512))."""
+    h). A plane of 1, 2 or 4 bits makes a lane's two pairs from one rotation, pair 0 on the field below pair 1's,
+    under an exponent a field's ratio higher (4 bits: 256 against 16, 2 bits: 16 against 4, 1 bit: 4 and 1024
+    against 2 and 512), but a 7-bit group's 4-bit plane (256 x 8 would pass 2048); a group of several planes sums its
+    planes' offsets, each scaled as its plane (5 = 4 + 1: 2 (256 or 16) + (4, 1024, 2 or 512); 3 = 2 + 1: 2 (16 or
+    4) + ...; 6 = 4 + 2: 4 (256 or 16) + (16 or 4); 7 = 4 + 2 + 1: 8 (16) + 2 (16 or 4) + ...)."""
     lane = {
         4: [256.0, 256.0, 16.0, 16.0],
         2: [16.0, 16.0, 4.0, 4.0],
         1: [4.0, 1024.0, 2.0, 512.0],
         8: [1024.0] * 4,
-        5: [34.0, 544.0, 34.0, 544.0],
-        3: [10.0, 520.0, 10.0, 520.0],
+        5: [516.0, 1536.0, 34.0, 544.0],
+        3: [36.0, 1056.0, 10.0, 520.0],
+        6: [1040.0, 1040.0, 68.0, 68.0],
+        7: [164.0, 1184.0, 138.0, 648.0],
     }
-    for plan in [(4, 2, 1, 1), (8, 4, 2, 1), (5, 4, 4, 3)]:
+    for plan in [(4, 2, 1, 1), (8, 4, 2, 1), (5, 4, 4, 3), (7, 4, 4, 1), (6, 5, 3, 2)]:
         assert groups.offsets(plan) == [x for w in plan for x in lane[w] * 4], plan
+    for plan in [(7, 7, 7, 7), (5, 6, 7, 3)]:  # every lane stays an exact fp16 integer
+        assert max(groups.offsets(plan)) + 127 <= 2048
 
 
 def test_check_plan_refusals():
