@@ -383,11 +383,12 @@ def ab_as_decode(rows: list[dict], kind: str = "fused") -> list[dict]:
 
 
 def current_kernel_sha() -> str:
-    """kernels.gpu.inspect's kernel_sha of the files here (standard library only, as this module)."""
+    """kernels.gpu.inspect's kernel_sha of the files here (standard library only, as this module): its
+    KERNEL_SOURCES, in their order."""
     import hashlib
 
     digest = hashlib.sha256()
-    for name in ("decode_attention.py", "unpack.py", "layout.py"):
+    for name in ("decode_attention.py", "unpack.py", "groups.py", "layout.py"):
         path = KERNEL.parent / name
         digest.update(path.read_bytes() if path.exists() else b"")
     return digest.hexdigest()[:12]

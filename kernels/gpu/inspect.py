@@ -12,7 +12,8 @@ ptxas and cuobjdump (both ship in Triton's wheel) then give:
 - the main loop: the SASS between the target and the source of the backward branch that closes the loop over
   tiles (the largest loop holding a tensor-core instruction), its instruction count per tile, and its
   instruction mix (HMMA / HGMMA, int-to-float I2F / I2FP, float conversions F2F / F2FP, shared-memory LDS / STS,
-  barriers BAR, global loads by width);
+  barriers BAR, global loads by width, and `local`: the loop's local-memory loads and stores LDL / STL, the spill
+  code that runs every tile);
 - `instr_per_byte`: thread-instructions per KV byte, i.e. loop instructions x 32 x warps / (BLOCK_N x the K and V
   bytes of one token of one head: packed rows, scales and zeros), the quantity whose product with the achieved
   share of copy bandwidth measured about 3.1 on the H200 (kernel issue);
@@ -70,7 +71,7 @@ KERNEL_SOURCES = tuple(
 COLUMNS = [
     "triton", "kernel_sha", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
     "shared_bytes", "loop_instr", "kv_bytes_per_tile", "instr_per_byte", "payload_load_bytes", "mma", "i2f",
-    "f2f", "lds", "sts", "bar", "lop3", "shf", "prmt", "ffma", "ldg", "ldgsts", "static_targets", "note",
+    "f2f", "lds", "sts", "bar", "lop3", "shf", "prmt", "ffma", "ldg", "ldgsts", "local", "static_targets", "note",
     "format", "qblock",
 ]  # fmt: skip
 # DESIGN.md section 8's static targets: main-loop thread-instructions per KV byte by width (uniform K and V)
@@ -82,7 +83,7 @@ MAX_REGISTERS = 128
 MIX = {
     "HMMA": "mma", "HGMMA": "mma", "I2F": "i2f", "I2FP": "i2f", "F2F": "f2f", "F2FP": "f2f", "LDS": "lds",
     "LDSM": "lds", "STS": "sts", "BAR": "bar", "LOP3": "lop3", "SHF": "shf", "PRMT": "prmt", "FFMA": "ffma",
-    "LDG": "ldg", "LDGSTS": "ldgsts",
+    "LDG": "ldg", "LDGSTS": "ldgsts", "LDL": "local", "STL": "local",  # local: spill code in the loop
 }  # fmt: skip
 LOAD_WIDTH = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}  # SASS load suffix -> bytes (else 4)
 
@@ -231,6 +232,11 @@ def main_loop(instrs: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
     return max(mma_loops(instrs), key=len, default=[])
 
 
+def loop_mix(loop: list[tuple[int, str, str]]) -> Counter:
+    """The loop's instruction mix: MIX's column -> how many of its instructions count there (None: the rest)."""
+    return Counter(MIX.get(op.split(".")[0]) for _, op, _ in loop)
+
+
 def load_width(op: str) -> int | None:
     """Bytes per thread of a global load (LDG or cp.async LDGSTS), None for any other instruction."""
     parts = op.split(".")
@@ -284,7 +290,7 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
         raise RuntimeError(f"{len(buckets)} buckets but {len(loops)} loops with an mma in the machine code")
     rows = []
     for i, ((kw, vw, block_n, stages), loop) in enumerate(zip(buckets, loops)):
-        mix = Counter(MIX.get(op.split(".")[0]) for _, op, _ in loop)
+        mix = loop_mix(loop)
         widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
         tile = block_n * (
             kv_bytes_per_token(kw, shape["head_dim"], codes=codes)

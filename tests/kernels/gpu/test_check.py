@@ -189,6 +189,15 @@ def test_ab_rows_stand_in_for_the_bench_in_the_targets():
     )  # static figures of another kernel: left out
 
 
+def test_current_kernel_sha_is_the_inspectors(monkeypatch):
+    """The check picks inspect.csv's rows of the kernel it times by kernel_sha: its own digest (standard library
+    only) must be the inspector's over the same files (before this test, groups.py was missing from it)."""
+    from kernels.gpu import inspect as insp
+
+    monkeypatch.chdir(ROOT)
+    assert gpu_check.current_kernel_sha() == insp.kernel_sha()
+
+
 def test_codes_targets_read_the_frontier_points_maps_off_the_ab():
     """The codes-only path's rows at the frontier points' maps (named in each row's note) against the fastest
     16-bit row: 300 / 120 = 2.5 >= 2.3 met at 3.5x, 300 / 100 = 3.0 < 3.5 missed at 6x, pca_block_ugsa's 6x point

@@ -45,6 +45,25 @@ def test_main_loop_is_the_backward_branch_around_an_mma():
     )
 
 
+def test_loop_mix_counts_spill_code_as_local():
+    """A spilled register's reload and store inside the loop count in `local`; the loop's other columns as MIX."""
+    sass = SASS.replace("HMMA.16816.F32 R12, R8, R10, R12 ;", "LDL.LU R9, [R1+0x4] ;").replace(
+        "LDG.E.128 R8, desc[UR4][R6.64] ;", "STL [R1+0x8], R2 ;"
+    )
+    assert insp.loop_mix(insp.main_loop(insp.instructions(SASS))) == {
+        "ldg": 1,
+        "ldgsts": 1,
+        "mma": 1,
+        None: 1,
+    }
+    mix = insp.loop_mix([(0, "LDL.LU", ""), (1, "STL.64", ""), (2, "LDS.U", ""), (3, "FADD", "")])
+    assert mix == {"local": 2, "lds": 1, None: 1} and "local" in insp.COLUMNS
+    assert (
+        insp.loop_mix([(a, op, x) for a, op, x in insp.instructions(sass) if 0x140 <= a <= 0x170])["local"]
+        == 2
+    )
+
+
 def test_kv_bytes_per_token_counts_payload_scales_and_zeros():
     assert insp.kv_bytes_per_token(4, 128) == 64 + 4 * 2 * 2
     assert insp.kv_bytes_per_token(2, 64, group_size=16) == 16 + 4 * 2 * 2
