@@ -22,10 +22,10 @@ broadcast to its L lanes in registers. A pair is two fp16 lanes h = 0, 1 made by
 (kernels.unpack's trick): codes (j, j + 2) of a word at 8 bits under exponent 1024, (j, j + 4) at 4 bits and
 (j, j + 8) at 2 bits on mantissa bits [6, 10) and [8, 10) under 16 and 4, and at 1 bit (j, j + 8) of the half word on
 mantissa bit 9 of the low lane under 2 and bit 1 of the high lane under 512. In a plane of 1, 2 or 4 bits (COUPLED,
-but a 7-bit group's 4-bit one: `couples`) the rotation that puts pair j + 1 there puts pair j a field below it,
-which a second lop3 takes under an exponent a field's ratio higher (at 4 bits mantissa bits [2, 6) under 256, at 2
-bits [6, 8) under 16, at 1 bit bit 8 under 4 and the high lane's bit 0 under 1024): one rotation a lane's two pairs
-(kernels.unpack's two fields a lane). Each lane is that offset + its code
+but a 7-bit group's 4-bit one: `couples`) the rotation that puts pair j + 1 there puts pair j a field below it, which a second lop3 takes
+under an exponent a field's ratio higher (at 4 bits mantissa bits [2, 6) under 256, at 2 bits [6, 8) under 16, at 1
+bit bit 8 under 4 and the high lane's bit 0 under 1024): one rotation a lane's two pairs (kernels.unpack's two
+fields a lane). Each lane is that offset + its code
 (`offsets`: the scores take the offsets out, a group's planes' offsets scaled and summed); `columns` says which
 component each tile column holds (its group's widest plane's order). A group of 0 bits is zeros. Value tiles
 (group_value_tile, below) hold the codes themselves in an order of their own.
@@ -91,11 +91,12 @@ def _has_narrow(plan_code, odd) -> bool:
 
 @triton.constexpr_function
 def _couples(plan_code, g, k) -> bool:
-    """`couples` for group g's k-th plane of a plan code (False where it has none), restated: a kernel's constant
-    may call no plain function."""
+    """`couples` for group g's k-th plane of a plan code (False where it has none)."""
     fields = [(int(plan_code) >> (PASS_BITS * j + FIELD_BITS * int(g))) & 15 for j in range(PASSES)]
     p = fields[int(k)]
-    return p in COUPLED and not (sum(fields) == 7 and p == 4)
+    return p in COUPLED and not (
+        sum(fields) == 7 and p == 4
+    )  # (a kernel's constant may call no plain function)
 
 
 @triton.constexpr_function
