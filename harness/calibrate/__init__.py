@@ -7,6 +7,7 @@ the model, the windows' tokens and the calibration source (`disk`):
 | keys      | per-channel key scales, zeros and pre-RoPE levels (KeyCalibration) | calkey, nuqkey, nuqkey_codebook |
 | pca       | per-head bases, plans and scales of keys before RoPE and values (PcaCalibration) | pca; vq2, vq4, vq8 (means) |
 | xlayer    | cross-layer predictors at a rank (CrossLayerCalibration)    | xlayer, xlayer_r32, xlayer_r8         |
+|           | and pca's transforms of their residuals                     | xlayer_pca                            |
 | cq        | channel-group codebooks (CqCalibration)                     | cq2, cq4                              |
 
 `windows` gives what every fit reads (each cached layer's keys, values, positions, key gradients; the model's
@@ -25,7 +26,7 @@ from harness.calibrate.entropy import cached_head_entropies, head_entropies
 from harness.calibrate.keys import cached_key_calibration
 from harness.calibrate.pca import cached_pca_calibration
 from harness.calibrate.windows import layer_types
-from harness.calibrate.xlayer import cached_xlayer_calibration
+from harness.calibrate.xlayer import cached_xlayer_calibration, cached_xlayer_pca_calibration
 from harness.schemes import KMEANS, Scheme
 
 __all__ = ["FITS", "cached_fit", "cached_head_entropies", "head_entropies", "layer_types"]
@@ -40,6 +41,9 @@ FITS = {
     ),
     "xlayer": lambda scheme, model, name, ids, span, levels, source: cached_xlayer_calibration(
         model, name, ids, scheme.rank, source
+    ),
+    "xlayer_pca": lambda scheme, model, name, ids, span, levels, source: cached_xlayer_pca_calibration(
+        model, name, ids, source
     ),
     "cq": lambda scheme, model, name, ids, span, levels, source: cached_cq_calibration(
         model, name, ids, scheme.channels, source

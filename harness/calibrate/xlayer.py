@@ -12,6 +12,9 @@ Fit (`fit_predictor`), from calibration vectors (x (N, in), y (N, out)), least s
 and at `rank` r the reduced-rank map: the fitted values' top r right singular vectors V_r (out, r), W V_r V_r'
 stored as down = W V_r (in, r) and up = V_r' (r, out). The calibration's own K/V are the inputs here (AQUA-KV fits
 on the previous layer's reconstruction; the store predicts from its reconstruction).
+
+xlayer_pca's residual transforms (`fit_residual_pca`): per layer, role and KV head, pca's fit (harness/calibrate/
+pca.py) of the residuals y - pred of the same rows, pred the fitted (fp16) full-rank predictor's.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from harness.calibrate.disk import disk_cached, model_identity, source_identity
+from harness.calibrate.pca import fit_table
 from harness.calibrate.windows import layer_types, rotary_frequencies, unturn
+from harness.schemes.pca_table import PCA_WIDTHS, PcaCalibration, PcaLayer
 from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
 from kernels.reference import FP16_MAX
 
@@ -78,6 +83,27 @@ def _window_vectors(model, window: torch.Tensor, inv_freq: list[torch.Tensor]) -
     return out
 
 
+def _layer_rows(windows: list[list[dict | None]], i: int, previous: int | None) -> dict[str, tuple]:
+    """Layer i's calibration rows, role -> (inputs (N, in), targets (N, H, D)), over every window's positions that
+    layer i and the cached layer below it (`previous`; None: none) both hold (module docstring's inputs)."""
+    rows = {"key": ([], []), "value": ([], [])}  # role -> (inputs, targets) per window
+    for held in windows:
+        positions = sorted(held[i] if previous is None else held[i].keys() & held[previous].keys())
+        key = torch.stack([held[i][p][0] for p in positions])  # (n, H, D)
+        value = torch.stack([held[i][p][1] for p in positions])
+        if previous is None:  # the first cached layer: keys from nothing (a bias), values from its keys
+            key_inputs, value_inputs = key.new_zeros(len(key), 0), key.flatten(1)
+        else:
+            below_key = torch.stack([held[previous][p][0] for p in positions]).flatten(1)  # (n, Hp D)
+            below_value = torch.stack([held[previous][p][1] for p in positions]).flatten(1)
+            key_inputs, value_inputs = below_key, torch.cat([key.flatten(1), below_value], -1)
+        rows["key"][0].append(key_inputs)
+        rows["key"][1].append(key)
+        rows["value"][0].append(value_inputs)
+        rows["value"][1].append(value)
+    return {role: (torch.cat(x), torch.cat(y)) for role, (x, y) in rows.items()}
+
+
 def fit_xlayer_calibration(model, input_ids: torch.Tensor, rank: int | None = None) -> CrossLayerCalibration:
     """Every cached layer's predictors fitted on the calibration windows input_ids (C, Tc) at `rank` (None: full)."""
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
@@ -89,28 +115,34 @@ def fit_xlayer_calibration(model, input_ids: torch.Tensor, rank: int | None = No
         if windows[0][i] is None:
             layers.append(None)
             continue
-        rows = {"key": ([], []), "value": ([], [])}  # role -> (inputs, targets) per window
-        for held in windows:
-            positions = sorted(held[i] if previous is None else held[i].keys() & held[previous].keys())
-            key = torch.stack([held[i][p][0] for p in positions])  # (n, H, D)
-            value = torch.stack([held[i][p][1] for p in positions])
-            if previous is None:  # the first cached layer: keys from nothing (a bias), values from its keys
-                key_inputs, value_inputs = key.new_zeros(len(key), 0), key.flatten(1)
-            else:
-                below_key = torch.stack([held[previous][p][0] for p in positions]).flatten(1)  # (n, Hp D)
-                below_value = torch.stack([held[previous][p][1] for p in positions]).flatten(1)
-                key_inputs, value_inputs = below_key, torch.cat([key.flatten(1), below_value], -1)
-            rows["key"][0].append(key_inputs)
-            rows["key"][1].append(key)
-            rows["value"][0].append(value_inputs)
-            rows["value"][1].append(value)
-        fits = {role: predictor(torch.cat(x), torch.cat(y), rank) for role, (x, y) in rows.items()}
+        fits = {role: predictor(x, y, rank) for role, (x, y) in _layer_rows(windows, i, previous).items()}
         half = len(inv_freq[i])
         turns = torch.zeros(fits["key"].bias.shape[1])
         turns[:half], turns[half : 2 * half] = inv_freq[i], inv_freq[i]
         layers.append(CrossLayerLayer(fits["key"], fits["value"], turns, previous))
         previous = i
     return CrossLayerCalibration(tuple(layers), rank)
+
+
+@torch.no_grad()
+def fit_residual_pca(model, input_ids: torch.Tensor, predictors: CrossLayerCalibration) -> PcaCalibration:
+    """pca's transforms (harness/calibrate/pca.py's fit_table: a basis, Lloyd-Max scales and plans per KV head) of
+    every cached layer's residuals y - pred on the calibration windows input_ids (C, Tc): the targets less what
+    `predictors` (fitted on the same windows) make of their inputs, keys before RoPE (xlayer_pca's store)."""
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    inv_freq = [rotary_frequencies(model, t) for t in types]
+    windows = [_window_vectors(model, w, inv_freq) for w in input_ids]
+    layers: list[PcaLayer | None] = []
+    for i, layer in enumerate(predictors.layers):
+        if layer is None:
+            layers.append(None)
+            continue
+        tables = {}
+        for role, (x, y) in _layer_rows(windows, i, layer.previous).items():
+            residual = y - layer.role(role).apply(x[None])[0].transpose(0, 1)  # (N, H, D)
+            tables[role] = fit_table(residual.clamp(-FP16_MAX, FP16_MAX))
+        layers.append(PcaLayer(tables["key"], tables["value"], torch.zeros(tables["key"].mean.shape[1])))
+    return PcaCalibration(tuple(layers))
 
 
 def cached_xlayer_calibration(
@@ -127,3 +159,22 @@ def cached_xlayer_calibration(
         lambda: fit_xlayer_calibration(model, calib_ids, rank).to_frame(),
     )
     return CrossLayerCalibration.from_frame(frame, len(layer_types(model.config)), rank)
+
+
+def cached_xlayer_pca_calibration(
+    model, model_name: str, calib_ids: torch.Tensor, source: str | None = None
+) -> CrossLayerCalibration:
+    """The full-rank predictors (cached_xlayer_calibration) with the pca transforms of their residuals
+    (fit_residual_pca) as `residual`, each read from disk when fitted before (the residuals' keyed by the
+    predictors' digest)."""
+    predictors = cached_xlayer_calibration(model, model_name, calib_ids, None, source)
+    identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{PCA_WIDTHS}|{tuple(calib_ids.shape)}"
+    identity += source_identity(source) + f"|{predictors.digest()}"
+    frame = disk_cached(
+        f"{model_name}-xlayer-pca",
+        identity,
+        calib_ids,
+        lambda: fit_residual_pca(model, calib_ids, predictors).to_frame(),
+    )
+    residual = PcaCalibration.from_frame(frame, len(layer_types(model.config)))
+    return CrossLayerCalibration(predictors.layers, None, residual)

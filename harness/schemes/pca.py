@@ -50,6 +50,7 @@ from harness.schemes.pca_table import (
     MIN_GROUPS,
     PCA_FORMAT,
     PCA_WIDTHS,
+    PLAN_BYTES,
     POST,
     UNIFORM,
     PcaCalibration,
@@ -57,6 +58,7 @@ from harness.schemes.pca_table import (
     PcaLayer,
     PcaTable,
     component_values,
+    head_table_bytes,
     level_tables,
     quantize_codes,
 )
@@ -66,7 +68,6 @@ from kernels import groups, reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH, PackedStore
 from kernels.unpack import fast_path_fits
 
-PLAN_BYTES = 1  # a component's width, uint8
 KERNEL_WIDTHS = (2, 3, 4, 8)  # the widths a codes-only store holds flat (kernels/layout.py); grouped: any
 UNBOUND = (
     "quant.scheme: pca stores keys and values against transforms fitted on the calibration windows; none were "
@@ -125,9 +126,7 @@ class Pca(Scheme):
     def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
         if bits == FULL_WIDTH:
             return 0
-        return (
-            head_dim * head_dim + 2 * head_dim
-        ) * FP16_BYTES + head_dim * PLAN_BYTES  # basis, mean, scales; plan
+        return head_table_bytes(head_dim)
 
     def base_store(
         self,

@@ -82,6 +82,13 @@ class PcaFormat:
 
 
 PCA_FORMAT = PcaFormat()  # pca's own: keys before RoPE, Lloyd-Max levels, a width per component
+PLAN_BYTES = 1  # a component's width, uint8
+
+
+def head_table_bytes(head_dim: int) -> int:
+    """Bytes of one quantized head's fitted table: its basis, mean and scales (fp16) and plan (uint8 a component),
+    2 D**2 + 5 D."""
+    return (head_dim * head_dim + 2 * head_dim) * 2 + head_dim * PLAN_BYTES
 
 
 @functools.cache

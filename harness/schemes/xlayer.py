@@ -22,6 +22,12 @@ layer below a full one has dropped the tokens it would need). Every row says so 
 Bytes: a token of a quantized head at width b costs codebook's packed_dim(D, b) + 2 bytes; a quantized head's
 predictor (fp16: xlayer_table's map and bias) is held once per store (Scheme.table_bytes reads the bound layer's
 shapes). head_dim must be a power of two (the residual's rotation).
+
+`xlayer_pca` stores the full-rank prediction's residual r in pca's format instead (harness/schemes/pca.py, keys'
+frame the residual's: no turn), against transforms fitted on the calibration windows' residuals (harness/calibrate/
+xlayer.py's fit_residual_pca): z = (r - m) @ U, each component at its plan's width against Lloyd-Max levels times
+its scale, y^ = pred + m + zq @ U.T. A token of a head at width w costs w D / 8 bytes (no scale), a quantized head
+its predictor and pca's table, 2 D**2 + 5 D bytes; widths pca's (1-6, 8); head_dim a multiple of 8.
 """
 
 from __future__ import annotations
@@ -32,9 +38,11 @@ from typing import ClassVar
 
 import torch
 
-from harness.schemes.base import SCHEMES, Scheme, Store
+from harness.schemes.base import SCHEMES, Scheme, Store, register
 from harness.schemes.calkey import saturating_cast
 from harness.schemes.codebook import quantize as codebook_quantize
+from harness.schemes.pca import PcaStore
+from harness.schemes.pca_table import PCA_WIDTHS, PcaLayer, PcaTable, head_table_bytes
 from harness.schemes.rotary import TokenPositions, turn
 from harness.schemes.wrappers import PositionedBlockStore, head_index
 from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
@@ -112,19 +120,18 @@ class Xlayer(Scheme):
             raise ValueError(SIMULATED_ONLY.format(name=self.name))
         keys = role == "key"
         theta = self.fitted.rotary_frequencies if keys else torch.zeros(0)
-        store = XlayerStore(
-            bits,
-            head_dim,
-            batch,
-            dtype,
-            device,
-            self.fitted.role(role),
-            theta,
-            self.sink_tokens if keys else 0,
-        )
+        store_type, residual = self._residual_format(role)
+        store = store_type(
+            bits, head_dim, batch, dtype, device, self.fitted.role(role), theta, self.sink_tokens if keys else 0,
+            residual,
+        )  # fmt: skip
         self.chain[(self.layer, role)] = store
         store.inputs = functools.partial(self._inputs, role)
         return store
+
+    def _residual_format(self, role: str) -> tuple[type, PcaTable | None]:
+        """The store of the residuals' format and its fitted table of `role` (codebook's: none)."""
+        return XlayerStore, None
 
     def _inputs(self, role: str) -> torch.Tensor:
         """The predictor's inputs (B, n, in) float32 for the tokens being stored: the reconstructions (before RoPE)
@@ -150,6 +157,48 @@ for _name in RANKS:
     SCHEMES.register(_name)(functools.partial(Xlayer, _name))
 
 
+@register
+@dataclass(frozen=True)
+class XlayerPca(Xlayer):
+    """The full-rank prediction's residuals in pca's format (XlayerPcaStore; module docstring). `residual_fit`: the
+    layer's fitted transforms of them (for_layer binds them)."""
+
+    name: str = "xlayer_pca"
+    residual_fit: PcaLayer | None = field(default=None, compare=False, repr=False)
+
+    widths: ClassVar[tuple[int, ...]] = PCA_WIDTHS
+    rotated: ClassVar[bool] = False  # pca's basis: head_dim a multiple of 8
+    fit: ClassVar[str] = "xlayer_pca"
+
+    @property
+    def rank(self) -> int | None:
+        return None
+
+    def for_layer(self, layer: int, key_calibration) -> XlayerPca:
+        bound = super().for_layer(layer, key_calibration)
+        if key_calibration.residual is None:
+            raise ValueError(UNBOUND.format(name=self.name))
+        return replace(bound, residual_fit=key_calibration.residual.layer(layer))
+
+    def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
+        super().check_head_dim(bits, head_dim, role)
+        if head_dim % 8:
+            raise ValueError(
+                f"quant.scheme: xlayer_pca needs a head_dim that is a multiple of 8; the model's is {head_dim}"
+            )
+
+    def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
+        return bits * head_dim / 8  # the residual's codes, no per-token scale
+
+    def table_bytes(self, bits: int, head_dim: int, role: str) -> int:
+        if bits == FULL_WIDTH:
+            return 0
+        return super().table_bytes(bits, head_dim, role) + head_table_bytes(head_dim)
+
+    def _residual_format(self, role: str) -> tuple[type, PcaTable | None]:
+        return XlayerPcaStore, self.residual_fit.role(role)
+
+
 class XlayerStore(PositionedBlockStore):
     """One layer's keys or values as residuals of the cross-layer prediction (module docstring), each quantized head
     at its width; 16-bit heads exact. Keeps its reconstruction (the working copy attention reads) and the last
@@ -165,6 +214,7 @@ class XlayerStore(PositionedBlockStore):
         predictor: Predictor,
         theta: torch.Tensor,
         first_position: int = 0,
+        residual: PcaTable | None = None,
     ):
         self.bits = tuple(int(b) for b in bits)
         if tuple(predictor.bias.shape) != (len(self.bits), head_dim):
@@ -181,11 +231,8 @@ class XlayerStore(PositionedBlockStore):
         }
         self.quant_heads = head_index(self.bits, True, device)
         self.full_heads = head_index(self.bits, False, device)
-        self.h = reference.hadamard(head_dim, device) if self.widths else None  # (D, D)
         empty = functools.partial(torch.empty, batch, dtype=torch.uint8, device=device)
-        # per width w: the residuals' codes uint8 (B, Hw, T, packed_dim(D, w)) and fp16 scales (B, Hw, T)
-        self.codes = {w: empty(len(self.heads[w]), 0, reference.packed_dim(head_dim, w)) for w in self.widths}
-        self.scale = {w: empty(len(self.heads[w]), 0, dtype=torch.float16) for w in self.widths}
+        self._coding_init(residual)
         self.full = empty(len(self.full_heads), 0, head_dim, dtype=dtype)  # (B, Hf, T, D)
         self.positions = TokenPositions(theta, batch, device, first_position)
         self._values = empty(len(self.bits), 0, head_dim, dtype=dtype)  # the reconstruction (working copy)
@@ -197,6 +244,35 @@ class XlayerStore(PositionedBlockStore):
 
     def starts_at(self, position: int) -> None:
         self.positions.starts_at(position, self.length)
+
+    def _coding_init(self, residual: PcaTable | None) -> None:
+        """codebook's format of the residuals: per width w, codes uint8 (B, Hw, T, packed_dim(D, w)) and fp16
+        scales (B, Hw, T), and the rotation (D, D)."""
+        empty = functools.partial(torch.empty, self.batch, dtype=torch.uint8, device=self.device)
+        self.h = reference.hadamard(self.head_dim, self.device) if self.widths else None
+        self.codes = {
+            w: empty(len(self.heads[w]), 0, reference.packed_dim(self.head_dim, w)) for w in self.widths
+        }
+        self.scale = {w: empty(len(self.heads[w]), 0, dtype=torch.float16) for w in self.widths}
+
+    def _code(self, residual: torch.Tensor) -> torch.Tensor:
+        """Stores the residuals (B, H, Tn, D) float32 of the quantized heads (every head's given; 16-bit heads' are
+        not read) and returns what they dequantize to (B, Hq, Tn, D) float32, heads in quant_heads' order."""
+        out = []
+        for w in self.widths:
+            codes, scale, values = codebook_quantize(
+                residual.index_select(1, self.heads[w]), w, torch.float32, self.h
+            )
+            self.codes[w] = torch.cat([self.codes[w], codes], 2)
+            self.scale[w] = torch.cat([self.scale[w], scale], 2)
+            out.append(values)
+        order = torch.cat([self.heads[w] for w in self.widths]).argsort()  # to quant_heads' (ascending) order
+        return torch.cat(out, 1).index_select(1, order) if out else residual[:, :0]
+
+    def _coded_nbytes(self) -> int:
+        """Bytes of the stored residuals (their codes, scales and tables)."""
+        codes = sum(t.numel() for t in self.codes.values())
+        return codes + sum(t.numel() for t in self.scale.values()) * FP16_BYTES
 
     def _each(self, change) -> None:
         for w in self.widths:
@@ -215,12 +291,9 @@ class XlayerStore(PositionedBlockStore):
             )
         predicted = self.predictor.apply(inputs if inputs.numel() else y.new_zeros(B, Tn, 0))  # (B, H, Tn, D)
         restored = y.clone()  # 16-bit heads exact
-        for w in self.widths:
-            residual = (y - predicted).index_select(1, self.heads[w])
-            codes, scale, values = codebook_quantize(residual, w, torch.float32, self.h)
-            self.codes[w] = torch.cat([self.codes[w], codes], 2)
-            self.scale[w] = torch.cat([self.scale[w], scale], 2)
-            restored.index_copy_(1, self.heads[w], predicted.index_select(1, self.heads[w]) + values)
+        if self.widths:
+            coded = self._code(y - predicted)  # (B, Hq, Tn, D)
+            restored.index_copy_(1, self.quant_heads, predicted.index_select(1, self.quant_heads) + coded)
         self.last = restored
         self.full = torch.cat([self.full, x.index_select(1, self.full_heads)], 2)
         out = saturating_cast(turn(restored, angle), self.dtype)
@@ -234,10 +307,55 @@ class XlayerStore(PositionedBlockStore):
         return self._values[:, :, start:end]
 
     def nbytes(self) -> int:
-        codes = sum(t.numel() for t in self.codes.values())
-        scales = sum(t.numel() for t in self.scale.values()) * FP16_BYTES
         tables = len(self.quant_heads) * self.predictor.head_nbytes()
-        return codes + scales + tables + self.positions.nbytes() + self.full.numel() * FP16_BYTES
+        return self._coded_nbytes() + tables + self.positions.nbytes() + self.full.numel() * FP16_BYTES
 
     def nbytes_fp16(self) -> int:
         return self.batch * len(self.bits) * self.length * self.head_dim * FP16_BYTES
+
+
+class XlayerPcaStore(XlayerStore):
+    """An XlayerStore whose residuals are stored in pca's format (harness/schemes/pca.py's PcaStore over the
+    quantized heads, against the residuals' own fitted transforms: no turn, their frame the prediction's)."""
+
+    def _coding_init(self, residual: PcaTable | None) -> None:
+        if residual is None:
+            raise ValueError(UNBOUND.format(name="xlayer_pca"))
+        quant = self.quant_heads.cpu()
+        table = PcaTable(
+            residual.mean.index_select(0, quant),
+            residual.basis.index_select(0, quant),
+            {w: plan.index_select(0, quant) for w, plan in residual.plans.items()},
+            {w: scale.index_select(0, quant) for w, scale in residual.scales.items()},
+        )
+        quantized = [b for b in self.bits if b != FULL_WIDTH]
+        self.coded = PcaStore(
+            quantized, self.head_dim, self.batch, torch.float32, self.device, table, torch.zeros(0)
+        )
+
+    def _code(self, residual: torch.Tensor) -> torch.Tensor:
+        start = self.coded.length
+        self.coded.append(residual.index_select(1, self.quant_heads))
+        return self.coded.block(start, self.coded.length)
+
+    def _coded_nbytes(self) -> int:
+        return self.coded.nbytes()
+
+    def _each(self, change) -> None:  # the residuals' store keeps its own rows and tokens (below)
+        self.full, self._values = change(self.full), change(self._values)
+
+    def take_rows(self, index: torch.Tensor) -> None:
+        self.coded.take_rows(index)
+        super().take_rows(index)
+
+    def keep_first(self, n: int) -> None:
+        self.coded.keep_first(n)
+        super().keep_first(n)
+
+    def keep_last(self, n: int) -> None:
+        self.coded.keep_last(n)
+        super().keep_last(n)
+
+    def select(self, index: torch.Tensor) -> None:
+        self.coded.select(index)
+        super().select(index)

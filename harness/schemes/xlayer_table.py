@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import pandas as pd
 import torch
 
+from harness.schemes.pca_table import PcaCalibration
+
 XLAYER_ROLES = ("key", "value")
 
 
@@ -70,11 +72,18 @@ class CrossLayerLayer:
 
 class CrossLayerCalibration:
     """Every decoder layer's CrossLayerLayer (None for a layer without a KV cache of its own), fitted on one model's
-    calibration windows at one rank (None: full), and the chain of the cache being built (`chain`: the stores of
+    calibration windows at one rank (None: full), for xlayer_pca the pca transforms of their residuals
+    (`residual`, harness/schemes/pca_table.py's), and the chain of the cache being built (`chain`: the stores of
     one QuantizedKVCache by (layer, role); `xlayer.Xlayer.for_layer` starts a new one at the first cached layer)."""
 
-    def __init__(self, layers: tuple[CrossLayerLayer | None, ...], rank: int | None = None):
+    def __init__(
+        self,
+        layers: tuple[CrossLayerLayer | None, ...],
+        rank: int | None = None,
+        residual: PcaCalibration | None = None,
+    ):
         self.layers, self.rank = layers, rank
+        self.residual = residual  # xlayer_pca's transforms of the residuals (None: codebook's format)
         self.levels = "kmeans"  # as key_table.KeyCalibration's: xlayer fits no key levels
         self.chain: dict | None = None
 
@@ -122,14 +131,18 @@ class CrossLayerCalibration:
         return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
     def digest(self) -> str:
-        """A short hash of every fitted number with its place: equal digests, equal predictors."""
+        """A short hash of every fitted number with its place (the residuals' transforms too): equal digests, equal
+        fits."""
         frame = self.to_frame()
         numbers = (
             frame[["layer", "kv_head", "i", "j", "value"]].to_numpy(dtype="float64") if len(frame) else None
         )
         text = "".join(frame["role"] + frame["part"]) if len(frame) else ""
         data = b"" if numbers is None else numbers.tobytes()
-        return hashlib.sha256(data + text.encode() + str(self.rank).encode()).hexdigest()[:16]
+        residual = "" if self.residual is None else self.residual.digest()
+        return hashlib.sha256(data + text.encode() + str(self.rank).encode() + residual.encode()).hexdigest()[
+            :16
+        ]
 
     @classmethod
     def from_frame(cls, frame: pd.DataFrame, num_layers: int, rank: int | None) -> CrossLayerCalibration:

@@ -95,6 +95,15 @@ CASES = [
         Case(name, step=lambda bits: 2.0, zero_keys_exact=False, zero_values_exact=False, simulated_only=True)
         for name in ("xlayer", "xlayer_r32", "xlayer_r8")
     ),
+    # The same with the residual in pca's format, its transforms fitted on the test's vectors less the bias: pca's
+    # loose bound (test_xlayer.py checks the format against its oracle).
+    Case(
+        "xlayer_pca",
+        step=lambda bits: 4.0,
+        zero_keys_exact=False,
+        zero_values_exact=False,
+        simulated_only=True,
+    ),
     # Fixed grids after the fitted mean and the rotation: a loose bound, as pca's (test_vq.py checks the format
     # exactly against its oracle); zeros come back as the mean plus its nearest grid points.
     *(
@@ -132,11 +141,15 @@ def ready(scheme: Scheme, heads: int, x: torch.Tensor | None = None) -> Scheme:
     if scheme.fit == "cq":  # keys and values alike, on the same vectors; no rotary pairs
         table = fit_codebooks_table(keys, scheme.channels)
         return scheme.for_layer(0, CqCalibration((CqLayer(table, table, torch.zeros(D)),), scheme.channels))
-    if scheme.fit == "xlayer":  # one layer, no layer below: each head predicted by its mean (no inputs)
+    if scheme.fit in ("xlayer", "xlayer_pca"):  # one layer, no layer below: each head predicted by its mean
         bias = keys.mean(0).half()  # (H, D)
         first = Predictor(bias, weight=torch.zeros(heads, 0, D).half())
         layer = CrossLayerLayer(first, first, torch.zeros(D), None)
-        return scheme.for_layer(0, CrossLayerCalibration((layer,), scheme.rank))
+        residual = None
+        if scheme.fit == "xlayer_pca":  # the residuals' transforms, keys and values alike
+            fitted = fit_transform(keys - bias.float())
+            residual = PcaCalibration((PcaLayer(fitted, fitted, torch.zeros(D)),))
+        return scheme.for_layer(0, CrossLayerCalibration((layer,), scheme.rank, residual))
     table = fit_table(keys, torch.arange(len(keys)), torch.ones(D // 2), span=8, quantile=1.0)
     return scheme.for_layer(0, KeyCalibration((table,)))
 

@@ -12,10 +12,13 @@ import torch
 from transformers import DynamicCache
 
 from harness.cache import QuantizedKVCache
+from harness.calibrate.pca import fit_pca_calibration
 from harness.calibrate.windows import rotary_frequencies
 from harness.calibrate.xlayer import (
     cached_xlayer_calibration,
+    cached_xlayer_pca_calibration,
     fit_predictor,
+    fit_residual_pca,
     fit_xlayer_calibration,
     predictor,
 )
@@ -23,6 +26,7 @@ from harness.config import compose as compose_point
 from harness.models import load_model
 from harness.run import runner
 from harness.schemes import codebook, get_scheme
+from harness.schemes.pca_table import quantize_components
 from harness.schemes.xlayer_table import CrossLayerCalibration, Predictor
 from harness.validate import ConfigError, validate_config
 
@@ -92,6 +96,20 @@ def test_the_frame_round_trips_every_predictor(rank):
         assert torch.equal(a.turn, b.turn)
 
 
+@torch.no_grad()
+def test_the_residual_transforms_are_fitted_on_the_residuals():
+    """xlayer_pca's transforms are pca's fit of y - pred: a least-squares fit with a bias leaves residuals of mean
+    about 0 (the fp16 predictor's rounding), where the keys and values themselves have means far from it."""
+    model, _ = load_model("tiny-llama")
+    calib = torch.randint(0, 256, (4, 40), generator=torch.Generator().manual_seed(5))
+    predictors = fit_xlayer_calibration(model, calib)
+    residual, raw = fit_residual_pca(model, calib, predictors), fit_pca_calibration(model, calib)
+    for got, own in zip(residual.layers, raw.layers):
+        for role in ("key", "value"):
+            assert got.role(role).mean.abs().max() < 0.01 * own.role(role).mean.abs().max()
+            assert got.role(role).plans[4].long().sum() == 4 * got.role(role).mean.numel()
+
+
 # ---------------------------------------------------------------------------------------------------------
 # models
 
@@ -114,6 +132,18 @@ class OracleCache(DynamicCache):
     def __init__(self, config, bits: int, cal: CrossLayerCalibration, inv_freq: list[torch.Tensor]):
         super().__init__(config=config)
         self.bits, self.cal, self.inv_freq, self.seen, self.last = bits, cal, inv_freq, {}, {}
+
+    def residual(self, r: torch.Tensor, layer_idx: int, role: str) -> torch.Tensor:
+        """What the format stores of residuals r (B, H, n, D) float64: codebook's, or with the calibration's
+        residual transforms (xlayer_pca) pca's: components on the head's basis after its mean, each at the plan's
+        width against its Lloyd-Max levels times its scale, and back."""
+        if self.cal.residual is None:
+            return codebook.quantize(r.float(), self.bits, torch.float32)[2].double()
+        table = self.cal.residual.layer(layer_idx).role(role)
+        mean, basis = table.mean.double()[None, :, None], table.basis.double()  # (1, H, 1, D), (H, D, D)
+        z = torch.einsum("bhtd,hdc->bhtc", r - mean, basis)
+        _, zq = quantize_components(z.float(), table.plans[self.bits].long(), table.scales[self.bits].float())
+        return mean + torch.einsum("bhtc,hdc->bhtd", zq.double(), basis)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         start = self.seen.get(layer_idx, 0)
@@ -149,8 +179,7 @@ class OracleCache(DynamicCache):
                 low = torch.einsum("bti,hir->bhtr", inputs, p.down.double())
                 pred = torch.einsum("bhtr,hro->bhto", low, p.up.double()) + bias
             out = y[role].clone()
-            residual = codebook.quantize((target - pred).float(), self.bits, torch.float32)[2]
-            out[:, :, rest] = pred + residual.double()
+            out[:, :, rest] = pred + self.residual(target - pred, layer_idx, role)
             self.last[(layer_idx, role)] = out[:, :, rest]
             restored[role] = out
         keys = rope(restored["key"], positions, self.inv_freq[layer_idx], 1.0)
@@ -170,7 +199,7 @@ def chunked_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
-@pytest.mark.parametrize("scheme", ["xlayer", "xlayer_r8"])
+@pytest.mark.parametrize("scheme", ["xlayer", "xlayer_r8", "xlayer_pca"])
 @torch.no_grad()
 def test_tiny_model_through_the_cache_is_the_oracle(name, scheme):
     from transformers.cache_utils import get_layer_types_and_kwargs
@@ -178,7 +207,11 @@ def test_tiny_model_through_the_cache_is_the_oracle(name, scheme):
     model = load_model(name)[0]
     g = torch.Generator().manual_seed(12)
     rank = get_scheme(scheme).rank
-    cal = fit_xlayer_calibration(model, torch.randint(0, 256, (16, 48), generator=g), rank)
+    calib = torch.randint(0, 256, (16, 48), generator=g)
+    cal = fit_xlayer_calibration(model, calib, rank)
+    pca = scheme == "xlayer_pca"
+    if pca:
+        cal = CrossLayerCalibration(cal.layers, None, fit_residual_pca(model, calib, cal))
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     inv_freq = [rotary_frequencies(model, t) for t in types]
     ids = torch.randint(0, 256, (2, 15), generator=g)  # inside tiny-gemma3's sliding window of 16
@@ -195,12 +228,12 @@ def test_tiny_model_through_the_cache_is_the_oracle(name, scheme):
     layers = cache.quantized_layers()
     tokens = ids.shape[1] - 1  # the sink token is kept in fp16
     heads = [len(layer.key_bits) for layer in layers]
-    codes = sum(
-        2 * 2 * h * tokens * (16 + 2) for h in heads
-    )  # keys and values, batch 2, head_dim 32 at 4 bits
+    # keys and values, batch 2, head_dim 32 at 4 bits: codebook's codes and fp16 scale, or pca's codes alone
+    codes = sum(2 * 2 * h * tokens * (16 if pca else 16 + 2) for h in heads)
     tables = sum(
         h * (cal.layer(i).key.head_nbytes() + cal.layer(i).value.head_nbytes()) for i, h in enumerate(heads)
     )
+    tables += sum(2 * h * (2 * 32 * 32 + 5 * 32) for h in heads) if pca else 0  # the residuals' transforms
     sinks = sum(2 * 2 * h * 32 * 2 for h in heads)
     assert cache.nbytes() == codes + tables + sinks
 
@@ -245,12 +278,23 @@ def test_the_fit_reads_the_calibration_windows_and_the_disk_cache_keys_rank_and_
     other = cached_xlayer_calibration(model, "tiny-llama", calib, source="stdlib_docstrings")
     assert low.digest() != full.digest() and other.digest() == full.digest()
     assert len(list((tmp_path / "calibration").glob("tiny-llama-xlayer-*.parquet"))) == 3  # keyed apart
+    # xlayer_pca: the full-rank predictors read back, and the pca transforms of their residuals cached beside them
+    both = cached_xlayer_pca_calibration(model, "tiny-llama", calib)
+    want = CrossLayerCalibration(full.layers, None, fit_residual_pca(model, calib, full))
+    assert both.digest() == want.digest() != full.digest()
+    assert cached_xlayer_pca_calibration(model, "tiny-llama", calib).digest() == both.digest()  # from disk
+    assert len(list((tmp_path / "calibration").glob("tiny-llama-xlayer-pca-*.parquet"))) == 1
 
 
-def test_a_tiny_run_says_how_it_was_measured(tmp_path):
-    overrides = ["model=tiny-llama", "eval=tiny", "quant.scheme=xlayer_r8", "quant.sink_tokens=1", "policy=uniform",
+@pytest.mark.parametrize("scheme", ["xlayer_r8", "xlayer_pca"])
+def test_a_tiny_run_says_how_it_was_measured(tmp_path, scheme):
+    overrides = ["model=tiny-llama", "eval=tiny", f"quant.scheme={scheme}", "quant.sink_tokens=1", "policy=uniform",
                  "policy.budget=4", "quant.simulate=true"]  # fmt: skip
     (point,) = [p for p in validate_config(compose_point(overrides)) if p.policy == "uniform"]
     row = runner.run([point], tmp_path, batch_size=4, simulate=True).set_index("policy").loc["uniform"]
     assert row["status"] == "ok" and row["simulate"] and row["reads_previous_layer"]
-    assert 1 < row["compression_true"] < 16 / 4.5
+    if (
+        scheme == "xlayer_r8"
+    ):  # (xlayer_pca's tables, 2 D**2 + 5 D bytes a head, outweigh eval=tiny's tokens: the
+        # oracle test counts its bytes exactly)
+        assert 1 < row["compression_true"] < 16 / 4.5
