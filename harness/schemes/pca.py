@@ -86,6 +86,14 @@ def kernel_reason(fmt: PcaFormat, bits) -> str | None:
     return None
 
 
+def check_whole_bytes(name: str, head_dim: int) -> None:
+    """ValueError unless a row of w head_dim bits is whole bytes at every width (head_dim a multiple of 8)."""
+    if head_dim % 8:
+        raise ValueError(
+            f"quant.scheme: {name} needs a head_dim that is a multiple of 8; the model's is {head_dim}"
+        )
+
+
 @register
 @dataclass(frozen=True)
 class Pca(Scheme):
@@ -114,10 +122,7 @@ class Pca(Scheme):
 
     def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         super().check_head_dim(bits, head_dim, role)
-        if head_dim % 8:
-            raise ValueError(
-                f"quant.scheme: pca needs a head_dim that is a multiple of 8; the model's is {head_dim}"
-            )
+        check_whole_bytes("pca", head_dim)
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         outliers = self.outlier_count(head_dim) if role == "key" else 0

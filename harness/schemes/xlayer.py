@@ -41,7 +41,7 @@ import torch
 from harness.schemes.base import SCHEMES, Scheme, Store, register
 from harness.schemes.calkey import saturating_cast
 from harness.schemes.codebook import quantize as codebook_quantize
-from harness.schemes.pca import PcaStore
+from harness.schemes.pca import PcaStore, check_whole_bytes
 from harness.schemes.pca_table import PCA_WIDTHS, PcaLayer, PcaTable, head_table_bytes
 from harness.schemes.rotary import TokenPositions, turn
 from harness.schemes.wrappers import PositionedBlockStore, head_index
@@ -182,10 +182,7 @@ class XlayerPca(Xlayer):
 
     def check_head_dim(self, bits: list[int], head_dim: int, role: str) -> None:
         super().check_head_dim(bits, head_dim, role)
-        if head_dim % 8:
-            raise ValueError(
-                f"quant.scheme: xlayer_pca needs a head_dim that is a multiple of 8; the model's is {head_dim}"
-            )
+        check_whole_bytes(self.name, head_dim)
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> float:
         return bits * head_dim / 8  # the residual's codes, no per-token scale
@@ -255,19 +252,17 @@ class XlayerStore(PositionedBlockStore):
         }
         self.scale = {w: empty(len(self.heads[w]), 0, dtype=torch.float16) for w in self.widths}
 
-    def _code(self, residual: torch.Tensor) -> torch.Tensor:
+    def _code(self, residual: torch.Tensor, predicted: torch.Tensor, restored: torch.Tensor) -> None:
         """Stores the residuals (B, H, Tn, D) float32 of the quantized heads (every head's given; 16-bit heads' are
-        not read) and returns what they dequantize to (B, Hq, Tn, D) float32, heads in quant_heads' order."""
-        out = []
+        not read) and writes predicted + what they dequantize to into restored (B, H, Tn, D) at those heads."""
         for w in self.widths:
+            heads = self.heads[w]
             codes, scale, values = codebook_quantize(
-                residual.index_select(1, self.heads[w]), w, torch.float32, self.h
+                residual.index_select(1, heads), w, torch.float32, self.h
             )
             self.codes[w] = torch.cat([self.codes[w], codes], 2)
             self.scale[w] = torch.cat([self.scale[w], scale], 2)
-            out.append(values)
-        order = torch.cat([self.heads[w] for w in self.widths]).argsort()  # to quant_heads' (ascending) order
-        return torch.cat(out, 1).index_select(1, order) if out else residual[:, :0]
+            restored.index_copy_(1, heads, predicted.index_select(1, heads) + values)
 
     def _coded_nbytes(self) -> int:
         """Bytes of the stored residuals (their codes, scales and tables)."""
@@ -292,8 +287,7 @@ class XlayerStore(PositionedBlockStore):
         predicted = self.predictor.apply(inputs if inputs.numel() else y.new_zeros(B, Tn, 0))  # (B, H, Tn, D)
         restored = y.clone()  # 16-bit heads exact
         if self.widths:
-            coded = self._code(y - predicted)  # (B, Hq, Tn, D)
-            restored.index_copy_(1, self.quant_heads, predicted.index_select(1, self.quant_heads) + coded)
+            self._code(y - predicted, predicted, restored)
         self.last = restored
         self.full = torch.cat([self.full, x.index_select(1, self.full_heads)], 2)
         out = saturating_cast(turn(restored, angle), self.dtype)
@@ -333,10 +327,12 @@ class XlayerPcaStore(XlayerStore):
             quantized, self.head_dim, self.batch, torch.float32, self.device, table, torch.zeros(0)
         )
 
-    def _code(self, residual: torch.Tensor) -> torch.Tensor:
-        start = self.coded.length
-        self.coded.append(residual.index_select(1, self.quant_heads))
-        return self.coded.block(start, self.coded.length)
+    def _code(self, residual: torch.Tensor, predicted: torch.Tensor, restored: torch.Tensor) -> None:
+        start, heads = self.coded.length, self.quant_heads
+        self.coded.append(residual.index_select(1, heads))
+        restored.index_copy_(
+            1, heads, predicted.index_select(1, heads) + self.coded.block(start, self.coded.length)
+        )
 
     def _coded_nbytes(self) -> int:
         return self.coded.nbytes()
