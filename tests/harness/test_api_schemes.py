@@ -84,8 +84,22 @@ def cases() -> list:
     for scheme in SCHEMES.names():
         keys = [(run, representative(run, scheme)) for run in RUNS]
         keys = [(run, key) for run, key in keys if key is not None] or [(None, None)]
-        out += [pytest.param(scheme, run, key, id=f"{scheme}-{key or 'api'}") for run, key in keys]
+        out += [
+            pytest.param(scheme, run, key, id=f"{scheme}-{key or 'api'}", marks=known_failure(scheme, run))
+            for run, key in keys
+        ]
     return out
+
+
+def known_failure(scheme: str, run: str | None) -> list:
+    """A known defect the committed points expose, as a strict xfail (it fails the suite once it is fixed)."""
+    if get_scheme(scheme).reads_previous_layer and RUNS.get(run) == "gemma3":
+        # found when gemma3-270m's first xlayer point was committed (results/frontier, its start 6): on the
+        # gemma3-shaped stand-in, generate() gives a layer more tokens than the sliding layer below it last stored
+        return [
+            pytest.mark.xfail(raises=RuntimeError, strict=True, reason="xlayer under a sliding layer below")
+        ]
+    return []
 
 
 class StandIns:
