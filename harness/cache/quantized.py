@@ -563,6 +563,26 @@ class QuantizedSlidingLayer(QuantizedLayer):
         self.cumulative_length -= n
 
 
+def cannot_convert(prefilled: Cache, scheme: Scheme) -> str | None:
+    """Why QuantizedKVCache.from_prefilled cannot hold what `prefilled` holds in `scheme`, or None. A scheme that
+    predicts each layer's tokens from the layer below's (Scheme.reads_previous_layer: xlayer) needs every layer to
+    hold every prompt token, which a sliding-window layer past its window no longer does."""
+    if not scheme.reads_previous_layer:
+        return None
+    for index, layer in enumerate(prefilled.layers):
+        keys = getattr(layer, "keys", None)
+        if keys is None or keys.numel() == 0:
+            continue
+        held, seen = keys.shape[-2], layer.get_seq_length()
+        if held < seen:
+            return (
+                f"{scheme.name} predicts each layer's tokens from the layer below's, and layer {index}'s sliding "
+                f"window holds {held} of the prompt's {seen} tokens; prefill through the QuantizedKVCache itself "
+                "(prefill='exact')"
+            )
+    return None
+
+
 class QuantizedKVCache(Cache):
     """A KV cache with per-(layer, KV head) widths from `bits`: an Allocation (harness.policies: its key_bits and
     value_bits), or int64 [num_layers, max(kv_heads(config))] (rows of layers with fewer KV heads padded) or one int
@@ -653,6 +673,9 @@ class QuantizedKVCache(Cache):
         through the quantized form. Linear-attention state is copied unchanged.
         """
         cache = cls(config, bits, *args, **kwargs)
+        refusal = cannot_convert(prefilled, cache.scheme)
+        if refusal is not None:
+            raise ValueError(f"QuantizedKVCache.from_prefilled: {refusal}")
         for i, (src, dst) in enumerate(zip(prefilled.layers, cache.layers)):
             if isinstance(dst, QuantizedLayer):
                 if src.keys is None or src.keys.numel() == 0:

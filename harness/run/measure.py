@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from harness import evaluate, metrics, precision
-from harness.cache import QuantizedKVCache
+from harness.cache import QuantizedKVCache, cannot_convert
 from harness.cache.eviction import EvictionSpec, attention_for, kept_fraction, with_eviction
 from harness.calibrate import cached_fit
 from harness.capacity import element_price
@@ -113,7 +113,14 @@ def cache_options(ctx: ModelContext, point: Point) -> dict:
     return dict(backend=ctx.backend, simulate=ctx.simulate, key_calibration=key_calibration(ctx, point))
 
 
-def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict:
+def generate(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> tuple[torch.Tensor, list]:
+    """Greedy tokens (N, new_tokens) of the context's prompts through the point's caches, and those caches (one per
+    prompt batch), inside the attention `spec` installs (harness.cache.eviction.attention_for).
+
+    prefill=exact caches are made from the context's shared full-precision prefill, except where they cannot be:
+    h2o scores the prompt's own attention, and a scheme that predicts each layer from the layer below (xlayer)
+    cannot be made from sliding-window layers that already dropped prompt tokens (harness.cache.cannot_convert);
+    those prefill through their own cache, in one call, as prefill=exact does."""
     config = ctx.model.config
     cache_kwargs = cache_options(ctx, point)
     scheme = point_scheme(point)
@@ -126,8 +133,8 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         caches.append(with_eviction(cache, spec))
         return caches[-1]
 
-    # h2o scores the prompt's own attention, so it prefills through its cache instead of sharing the prefill.
-    if point.prefill == "exact" and not spec.needs_scores:
+    shared = point.prefill == "exact" and not spec.needs_scores
+    if shared and all(cannot_convert(p.cache, scheme) is None for p in ctx.prefilled):
         tokens = evaluate.decode(
             ctx.model, ctx.prefilled, point.new_tokens, cache_from_prefilled=from_prefilled
         )
@@ -141,6 +148,14 @@ def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict
         tokens = evaluate.greedy_generate(
             ctx.model, ctx.prompts, point.new_tokens, factory, batch_size=ctx.batch_size
         )
+    return tokens, caches
+
+
+def _measure(ctx: ModelContext, point: Point, alloc, spec: EvictionSpec) -> dict:
+    config = ctx.model.config
+    cache_kwargs = cache_options(ctx, point)
+    scheme = point_scheme(point)
+    tokens, caches = generate(ctx, point, alloc, spec)
     # Bytes held after eviction (evicting layers apply their pending eviction first), against fp16 bytes of
     # every token seen; and what the caches really kept in memory (measured).
     held = sum(c.nbytes() for c in caches)

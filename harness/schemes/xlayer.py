@@ -17,7 +17,11 @@ reads the layer below as it writes (a chain of the stores of one cache, by layer
 starts a new chain at the first cached layer, as QuantizedKVCache binds its layers in order) and keeps its own
 reconstruction (`y^`) as its working copy, which attention reads. It runs only as a simulated cache
 (quant.simulate=true): a packed-only store would have to rebuild every layer below it at every read (and a sliding
-layer below a full one has dropped the tokens it would need). Every row says so (`reads_previous_layer`).
+layer below a full one has dropped the tokens it would need). Every row says so (`reads_previous_layer`). A
+sliding layer stores each call's tokens whole before it drops what left its window, so a prompt past the window
+is predicted whole; a full-precision prefill whose sliding layers already dropped prompt tokens cannot be converted
+(QuantizedKVCache.from_prefilled refuses it: harness.cache.cannot_convert; a sweep prefills such a point through
+its own cache).
 
 Bytes: a token of a quantized head at width b costs codebook's packed_dim(D, b) + 2 bytes; a quantized head's
 predictor (fp16: xlayer_table's map and bias) is held once per store (Scheme.table_bytes reads the bound layer's

@@ -24,7 +24,6 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import harness
 from harness import data, evaluate
-from harness.cache import QuantizedKVCache
 from harness.cache.eviction import EvictionSpec, attention_for
 from harness.capacity import shape_from_config
 from harness.config import HARNESS, Point
@@ -32,7 +31,8 @@ from harness.export import main as export_main
 from harness.policies import from_point as policy_of
 from harness.run.context import ModelContext
 from harness.run.measure import allocation as sweep_allocation
-from harness.run.measure import cache_options, key_calibration, key_span, point_scheme
+from harness.run.measure import generate as sweep_generate
+from harness.run.measure import key_calibration, key_span
 from harness.schemes import SCHEMES, get_scheme, point_fields
 
 FRONTIER = Path(__file__).resolve().parents[2] / "results" / "frontier"
@@ -84,22 +84,8 @@ def cases() -> list:
     for scheme in SCHEMES.names():
         keys = [(run, representative(run, scheme)) for run in RUNS]
         keys = [(run, key) for run, key in keys if key is not None] or [(None, None)]
-        out += [
-            pytest.param(scheme, run, key, id=f"{scheme}-{key or 'api'}", marks=known_failure(scheme, run))
-            for run, key in keys
-        ]
+        out += [pytest.param(scheme, run, key, id=f"{scheme}-{key or 'api'}") for run, key in keys]
     return out
-
-
-def known_failure(scheme: str, run: str | None) -> list:
-    """A known defect the committed points expose, as a strict xfail (it fails the suite once it is fixed)."""
-    if get_scheme(scheme).reads_previous_layer and RUNS.get(run) == "gemma3":
-        # found when gemma3-270m's first xlayer point was committed (results/frontier, its start 6): on the
-        # gemma3-shaped stand-in, generate() gives a layer more tokens than the sliding layer below it last stored
-        return [
-            pytest.mark.xfail(raises=RuntimeError, strict=True, reason="xlayer under a sliding layer below")
-        ]
-    return []
 
 
 class StandIns:
@@ -148,34 +134,24 @@ def sweep_point(run: str | None, key: str | None, scheme) -> Point:
     return replace(Point.from_dict(RECORDS[HEADLINE]["config"]), **point_fields(scheme))
 
 
-def sweep_context(model, calibration, simulate: bool) -> ModelContext:
+def sweep_context(model, calibration, simulate: bool, prompts: torch.Tensor | None = None) -> ModelContext:
     """A sweep's model context over the calibration's windows, with what a point's cache is built from (the
-    fitted parts are read through it as measure reads them); the evaluation's parts are not needed here."""
+    fitted parts are read through it as measure reads them) and, given `prompts` (N, P), their shared full-precision
+    prefill; the evaluation's other parts are not needed here."""
+    prefilled = None if prompts is None else evaluate.prefill(model, prompts, batch_size=prompts.shape[0])
     return ModelContext(
-        name=calibration.name, model=model, tokenizer=None, entropy=calibration.entropy, prompts=None,
-        sequences=None, base_tokens=None, base_tf=None, prefilled=None, batch_size=1, backend="auto",
+        name=calibration.name, model=model, tokenizer=None, entropy=calibration.entropy, prompts=prompts,
+        sequences=None, base_tokens=None, base_tf=None, prefilled=prefilled, batch_size=1, backend="auto",
         simulate=simulate, calib_ids=calibration.ids, shape=shape_from_config(model.config),
     )  # fmt: skip
 
 
-def sweep_tokens(ctx: ModelContext, point: Point, allocation, prompt: torch.Tensor):
-    """Greedy tokens (1, NEW_TOKENS) and cache bytes of `prompt` as a sweep decodes a point with prefill=exact
-    (harness/run/measure.py): a full-precision prefill, then the point's cache made from it with measure's own
-    options."""
-    caches = []
-
-    def from_prefilled(prefilled):
-        options = cache_options(ctx, point)
-        config = ctx.model.config
-        cache = QuantizedKVCache.from_prefilled(
-            prefilled, config, allocation, point_scheme(point), prefill="exact", **options
-        )
-        caches.append(cache)
-        return cache
-
-    with attention_for(ctx.model, EvictionSpec.from_point(point)):
-        prefilled = evaluate.prefill(ctx.model, prompt, batch_size=1)
-        tokens = evaluate.decode(ctx.model, prefilled, NEW_TOKENS, cache_from_prefilled=from_prefilled)
+def sweep_tokens(ctx: ModelContext, point: Point, allocation):
+    """Greedy tokens (1, NEW_TOKENS) and cache bytes of the context's prompt as a sweep decodes a point
+    (harness/run/measure.py's generate, with measure's own options)."""
+    spec = EvictionSpec.from_point(point)
+    with attention_for(ctx.model, spec):
+        tokens, caches = sweep_generate(ctx, replace(point, new_tokens=NEW_TOKENS), allocation, spec)
     return tokens, caches[0].nbytes()
 
 
@@ -216,8 +192,8 @@ def test_a_point_of_every_scheme_generates_the_sweeps_tokens(stand_ins, tmp_path
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False)
 
     point = sweep_point(run, key, scheme)
-    ctx = sweep_context(model, calibration, cache.simulate)
-    want, want_bytes = sweep_tokens(ctx, point, allocation, prompt)
+    ctx = sweep_context(model, calibration, cache.simulate, prompt)
+    want, want_bytes = sweep_tokens(ctx, point, allocation)
     assert torch.equal(out[:, PROMPT_TOKENS:], want)
     assert cache.nbytes() == want_bytes > 0
     if scheme.key_tables:  # the same fitted parts

@@ -1,8 +1,9 @@
 """The xlayer schemes (cross-layer prediction): the least-squares and reduced-rank fits against numpy's solutions,
 the predictors' frame, tiny models through QuantizedKVCache against a float64 oracle written from the format's
 contract (each layer predicted from the oracle's own reconstruction of the layer below, the residual in codebook's
-format), the chain's order, bytes (predictors counted), the fit read from the calibration windows only, the
-simulated-only and no-eviction refusals, and a tiny run whose rows say how they were measured."""
+format), also past a sliding window, the chain's order, a prefill that dropped prompt tokens refused, bytes
+(predictors counted), the fit read from the calibration windows only, the simulated-only and no-eviction refusals,
+and a tiny run whose rows say how they were measured."""
 
 from __future__ import annotations
 
@@ -198,22 +199,31 @@ def chunked_logits(model, ids: torch.Tensor, cache, chunks) -> torch.Tensor:
     return torch.cat(out, 1).float()
 
 
+def fitted(model, scheme: str, g: torch.Generator) -> CrossLayerCalibration:
+    """`scheme`'s fitted parts on 16 random calibration windows of 48 tokens drawn from `g`."""
+    calib = torch.randint(0, 256, (16, 48), generator=g)
+    cal = fit_xlayer_calibration(model, calib, get_scheme(scheme).rank)
+    if scheme == "xlayer_pca":
+        cal = CrossLayerCalibration(cal.layers, None, fit_residual_pca(model, calib, cal))
+    return cal
+
+
+def oracle_frequencies(model) -> list[torch.Tensor]:
+    """Each layer's rotary frequencies (its layer type's), as the oracle turns its keys."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    return [rotary_frequencies(model, t) for t in types]
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
 @pytest.mark.parametrize("scheme", ["xlayer", "xlayer_r8", "xlayer_pca"])
 @torch.no_grad()
 def test_tiny_model_through_the_cache_is_the_oracle(name, scheme):
-    from transformers.cache_utils import get_layer_types_and_kwargs
-
     model = load_model(name)[0]
     g = torch.Generator().manual_seed(12)
-    rank = get_scheme(scheme).rank
-    calib = torch.randint(0, 256, (16, 48), generator=g)
-    cal = fit_xlayer_calibration(model, calib, rank)
+    cal = fitted(model, scheme, g)
     pca = scheme == "xlayer_pca"
-    if pca:
-        cal = CrossLayerCalibration(cal.layers, None, fit_residual_pca(model, calib, cal))
-    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    inv_freq = [rotary_frequencies(model, t) for t in types]
     ids = torch.randint(0, 256, (2, 15), generator=g)  # inside tiny-gemma3's sliding window of 16
     chunks = [6, 5, 1, 1, 2]
     exact = chunked_logits(model, ids, DynamicCache(config=model.config), chunks)
@@ -221,7 +231,7 @@ def test_tiny_model_through_the_cache_is_the_oracle(name, scheme):
         model.config, 4, scheme=scheme, prefill="quantized", key_calibration=cal, sink_tokens=1, simulate=True
     )
     got = chunked_logits(model, ids, cache, chunks)
-    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal, inv_freq), chunks)
+    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal, oracle_frequencies(model)), chunks)
     # The oracle predicts in float64, the store in float32: a residual on a level boundary can take the other level.
     assert (got - want).abs().amax() <= 5e-3 * exact.abs().amax()
     assert (got - exact).abs().amax() > 0  # the quantization is felt
@@ -236,6 +246,47 @@ def test_tiny_model_through_the_cache_is_the_oracle(name, scheme):
     tables += sum(2 * h * (2 * 32 * 32 + 5 * 32) for h in heads) if pca else 0  # the residuals' transforms
     sinks = sum(2 * 2 * h * 32 * 2 for h in heads)
     assert cache.nbytes() == codes + tables + sinks
+
+
+@pytest.mark.parametrize("scheme", ["xlayer", "xlayer_pca"])
+@torch.no_grad()
+def test_past_the_sliding_window_it_is_the_oracle_and_a_prefill_that_dropped_tokens_is_refused(scheme):
+    """tiny-gemma3 past its window of 16: a first chunk longer than the window, then steps and a chunk. A sliding
+    layer stores a whole chunk before it drops what left its window, so the full layer above predicts every token
+    from it, as the oracle does. A DynamicCache's prefill whose sliding layers already dropped prompt tokens cannot
+    be converted (the full layers above would predict them from nothing): a one-line error before anything is
+    stored. Within the window it converts to what the same prompt stored through the cache holds."""
+    model = load_model("tiny-gemma3")[0]
+    g = torch.Generator().manual_seed(14)
+    cal = fitted(model, scheme, g)
+    ids = torch.randint(0, 256, (2, 40), generator=g)
+    chunks = [23, 1, 1, 6, 9]
+    exact = chunked_logits(model, ids, DynamicCache(config=model.config), chunks)
+    options = dict(scheme=scheme, key_calibration=cal, sink_tokens=1, simulate=True)
+    cache = QuantizedKVCache(model.config, 4, prefill="quantized", **options)
+    got = chunked_logits(model, ids, cache, chunks)
+    want = chunked_logits(model, ids, OracleCache(model.config, 4, cal, oracle_frequencies(model)), chunks)
+    assert (got - want).abs().amax() <= 5e-3 * exact.abs().amax()
+    assert (got - exact).abs().amax() > 0
+
+    dropped = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :23], past_key_values=dropped, use_cache=True)
+    message = (
+        f"^QuantizedKVCache.from_prefilled: {scheme} predicts each layer's tokens from the layer below's, and "
+        r"layer 0's sliding window holds 15 of the prompt's 23 tokens; prefill through the QuantizedKVCache itself"
+    )
+    with pytest.raises(ValueError, match=message):
+        QuantizedKVCache.from_prefilled(dropped, model.config, 4, **options)
+
+    within = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :15], past_key_values=within, use_cache=True)
+    converted = QuantizedKVCache.from_prefilled(within, model.config, 4, **options)
+    stored = QuantizedKVCache(model.config, 4, prefill="exact", **options)
+    model(input_ids=ids[:, :15], past_key_values=stored, use_cache=True)
+    assert converted.nbytes() == stored.nbytes() > 0
+    for a, b in zip(converted.layers, stored.layers):
+        torch.testing.assert_close(a.k_store.block(0, 15), b.k_store.block(0, 15), rtol=0, atol=0)
+        torch.testing.assert_close(a.v_store.block(0, 15), b.v_store.block(0, 15), rtol=0, atol=0)
 
 
 @torch.no_grad()
