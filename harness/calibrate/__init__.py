@@ -8,6 +8,7 @@ the model, the windows' tokens and the calibration source (`disk`):
 | pca       | per-head bases, plans and scales of keys before RoPE and values (PcaCalibration) | pca; vq2, vq4, vq8 (means) |
 | xlayer    | cross-layer predictors at a rank (CrossLayerCalibration)    | xlayer, xlayer_r32, xlayer_r8         |
 |           | and pca's transforms of their residuals                     | xlayer_pca                            |
+|           | both fitted along the chain at a width                      | xlayer_chain<w>, xlayer_pca_chain<w>  |
 | cq        | channel-group codebooks (CqCalibration)                     | cq2, cq4                              |
 
 `windows` gives what every fit reads (each cached layer's keys, values, positions, key gradients; the model's
@@ -40,10 +41,10 @@ FITS = {
         model, name, ids, source, scheme.pca_format
     ),
     "xlayer": lambda scheme, model, name, ids, span, levels, source: cached_xlayer_calibration(
-        model, name, ids, scheme.rank, source
+        model, name, ids, scheme.rank, source, scheme.chain_width
     ),
     "xlayer_pca": lambda scheme, model, name, ids, span, levels, source: cached_xlayer_pca_calibration(
-        model, name, ids, source
+        model, name, ids, source, scheme.chain_width
     ),
     "cq": lambda scheme, model, name, ids, span, levels, source: cached_cq_calibration(
         model, name, ids, scheme.channels, source

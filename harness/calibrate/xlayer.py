@@ -15,6 +15,14 @@ on the previous layer's reconstruction; the store predicts from its reconstructi
 
 xlayer_pca's residual transforms (`fit_residual_pca`): per layer, role and KV head, pca's fit (harness/calibrate/
 pca.py) of the residuals y - pred of the same rows, pred the fitted (fp16) full-rank predictor's.
+
+Fitted along the chain (`fit_chained_calibration`, the `_chain<w>` schemes: AQUA-KV's way): the inputs are the
+reconstructions the stores make at width w, layer by layer from the first: a layer's key map is fitted on the
+reconstructed keys below, its keys' residuals coded at w (for xlayer_pca after pca's fit of them) and restored; its
+value map on those restored keys and the reconstructed values below, likewise. A map fitted on exact inputs but
+applied to reconstructions amplifies their errors (measured on gemma3-270m: results/frontier/README.md); one fitted
+on reconstructions weighs that noise. Every layer holds every position here (the windows run through a cache that
+keeps every token; the model's masks keep its sliding windows), as the stores do.
 """
 
 from __future__ import annotations
@@ -26,7 +34,8 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from harness.calibrate.disk import disk_cached, model_identity, source_identity
 from harness.calibrate.pca import fit_table
 from harness.calibrate.windows import layer_types, rotary_frequencies, unturn
-from harness.schemes.pca_table import PCA_WIDTHS, PcaCalibration, PcaLayer
+from harness.schemes.pca_table import PCA_WIDTHS, PcaCalibration, PcaLayer, PcaTable
+from harness.schemes.xlayer import XlayerPcaStore, XlayerStore
 from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
 from kernels.reference import FP16_MAX
 
@@ -65,10 +74,13 @@ def predictor(x: torch.Tensor, y: torch.Tensor, rank: int | None) -> Predictor:
 
 
 @torch.no_grad()
-def _window_vectors(model, window: torch.Tensor, inv_freq: list[torch.Tensor]) -> list[dict | None]:
+def _window_vectors(
+    model, window: torch.Tensor, inv_freq: list[torch.Tensor], every_token: bool = False
+) -> list[dict | None]:
     """Per decoder layer, {position: (key before RoPE (Hkv, D), value (Hkv, Dv))} of one window (T,) (position
-    0 left out); None for a layer without a KV cache of its own."""
-    cache = DynamicCache(config=model.config)
+    0 left out); None for a layer without a KV cache of its own. A sliding layer holds the window's last ones, or
+    with `every_token` every one (a cache without sliding layers: the model's masks keep the windows)."""
+    cache = DynamicCache() if every_token else DynamicCache(config=model.config)
     model(input_ids=window[None].to(model.device), past_key_values=cache, use_cache=True)
     out = []
     for i, kind in enumerate(layer_types(model.config)):
@@ -125,6 +137,69 @@ def fit_xlayer_calibration(model, input_ids: torch.Tensor, rank: int | None = No
 
 
 @torch.no_grad()
+def fit_chained_calibration(
+    model, input_ids: torch.Tensor, width: int, residual_pca: bool
+) -> CrossLayerCalibration:
+    """Full-rank predictors fitted along the chain at `width` on the calibration windows input_ids (C, Tc) (module
+    docstring), the residuals in codebook's format or, with `residual_pca`, in pca's (their transforms fitted
+    along the way: the calibration's `residual`)."""
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    inv_freq = [rotary_frequencies(model, t) for t in types]
+    windows = [_window_vectors(model, w, inv_freq, every_token=True) for w in input_ids]
+    layers: list[CrossLayerLayer | None] = []
+    tables: list[PcaLayer | None] = []
+    restored: dict[str, torch.Tensor] = {}  # role -> the layer below's reconstruction (N, H, D)
+    previous = None
+    for i in range(len(types)):
+        if windows[0][i] is None:
+            layers.append(None)
+            tables.append(None)
+            continue
+        rows = _layer_rows(
+            windows, i, previous
+        )  # every position of every window, in one order for all layers
+        fits, coded = {}, {}
+        for role in ("key", "value"):
+            x, y = rows[role]
+            if role == "key" and previous is not None:
+                x = restored["key"].flatten(1)
+            elif role == "value":
+                below = [] if previous is None else [restored["value"].flatten(1)]
+                x = torch.cat([coded["key"][1].flatten(1), *below], -1)  # this layer's restored keys first
+            fits[role] = predictor(x, y, None)
+            coded[role] = _restore(fits[role], x, y, width, residual_pca)
+        half = len(inv_freq[i])
+        turns = torch.zeros(fits["key"].bias.shape[1])
+        turns[:half], turns[half : 2 * half] = inv_freq[i], inv_freq[i]
+        layers.append(CrossLayerLayer(fits["key"], fits["value"], turns, previous))
+        D = coded["key"][1].shape[-1]
+        tables.append(PcaLayer(coded["key"][0], coded["value"][0], torch.zeros(D)) if residual_pca else None)
+        restored = {role: restored_role for role, (_, restored_role) in coded.items()}
+        previous = i
+    return CrossLayerCalibration(tuple(layers), None, PcaCalibration(tuple(tables)) if residual_pca else None)
+
+
+def _restore(
+    fit: Predictor, x: torch.Tensor, y: torch.Tensor, width: int, residual_pca: bool
+) -> tuple[PcaTable | None, torch.Tensor]:
+    """What a store of every head at `width` restores of targets y (N, H, D) from inputs x (N, in) through `fit`:
+    (pca's table of the residuals, fitted here, or None for codebook's format; the restored (N, H, D))."""
+    predicted = fit.apply(x[None])[0]  # (H, N, D)
+    target = y.transpose(0, 1)[None]  # (1, H, N, D)
+    table = (
+        fit_table((target[0] - predicted).transpose(0, 1).clamp(-FP16_MAX, FP16_MAX))
+        if residual_pca
+        else None
+    )
+    store_type = XlayerPcaStore if residual_pca else XlayerStore
+    H, D = y.shape[1:]
+    store = store_type([width] * H, D, 1, torch.float32, "cpu", fit, torch.zeros(0), 0, table)
+    restored = target.clone()
+    store.code(target - predicted[None], predicted[None], restored)
+    return table, restored[0].transpose(0, 1)
+
+
+@torch.no_grad()
 def fit_residual_pca(model, input_ids: torch.Tensor, predictors: CrossLayerCalibration) -> PcaCalibration:
     """pca's transforms (harness/calibrate/pca.py's fit_table: a basis, Lloyd-Max scales and plans per KV head) of
     every cached layer's residuals y - pred on the calibration windows input_ids (C, Tc): the targets less what
@@ -146,35 +221,58 @@ def fit_residual_pca(model, input_ids: torch.Tensor, predictors: CrossLayerCalib
 
 
 def cached_xlayer_calibration(
-    model, model_name: str, calib_ids: torch.Tensor, rank: int | None = None, source: str | None = None
+    model,
+    model_name: str,
+    calib_ids: torch.Tensor,
+    rank: int | None = None,
+    source: str | None = None,
+    chain: int | None = None,
 ) -> CrossLayerCalibration:
-    """fit_xlayer_calibration, read from disk when the same model, calibration tokens (cut from the calibration
-    `source`) and rank were fitted before."""
+    """fit_xlayer_calibration (with `chain`, a width: fit_chained_calibration at it, codebook's residuals), read
+    from disk when the same model, calibration tokens (cut from the calibration `source`), rank and chain were
+    fitted before."""
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{rank}|{tuple(calib_ids.shape)}"
-    identity += source_identity(source)
-    frame = disk_cached(
-        f"{model_name}-xlayer",
-        identity,
-        calib_ids,
-        lambda: fit_xlayer_calibration(model, calib_ids, rank).to_frame(),
-    )
+    identity += source_identity(source) + _chain_identity(chain, "codebook")
+    if chain is None:
+        fit = lambda: fit_xlayer_calibration(model, calib_ids, rank).to_frame()  # noqa: E731
+    else:
+        fit = lambda: fit_chained_calibration(model, calib_ids, chain, False).to_frame()  # noqa: E731
+    frame = disk_cached(f"{model_name}-xlayer", identity, calib_ids, fit)
     return CrossLayerCalibration.from_frame(frame, len(layer_types(model.config)), rank)
 
 
+def _chain_identity(chain: int | None, residual: str) -> str:
+    """The part of a disk cache's identity that says how the predictors were fitted (nothing for exact inputs,
+    the identity of every fit before the chained ones)."""
+    return "" if chain is None else f"|chain {chain} {residual}"
+
+
 def cached_xlayer_pca_calibration(
-    model, model_name: str, calib_ids: torch.Tensor, source: str | None = None
+    model, model_name: str, calib_ids: torch.Tensor, source: str | None = None, chain: int | None = None
 ) -> CrossLayerCalibration:
     """The full-rank predictors (cached_xlayer_calibration) with the pca transforms of their residuals
-    (fit_residual_pca) as `residual`, each read from disk when fitted before (the residuals' keyed by the
-    predictors' digest)."""
-    predictors = cached_xlayer_calibration(model, model_name, calib_ids, None, source)
+    (fit_residual_pca) as `residual`, or with `chain`, a width, both from fit_chained_calibration at it; each read
+    from disk when fitted before (the residuals' keyed by the predictors' digest)."""
+    layers = len(layer_types(model.config))
+    chained: list[CrossLayerCalibration] = []  # the chained fit, made once for both frames
+
+    def chained_fit() -> CrossLayerCalibration:
+        if not chained:
+            chained.append(fit_chained_calibration(model, calib_ids, chain, True))
+        return chained[0]
+
+    if chain is None:
+        predictors = cached_xlayer_calibration(model, model_name, calib_ids, None, source)
+    else:
+        identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|None|{tuple(calib_ids.shape)}"
+        identity += source_identity(source) + _chain_identity(chain, "pca")
+        frame = disk_cached(f"{model_name}-xlayer", identity, calib_ids, lambda: chained_fit().to_frame())
+        predictors = CrossLayerCalibration.from_frame(frame, layers, None)
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{PCA_WIDTHS}|{tuple(calib_ids.shape)}"
-    identity += source_identity(source) + f"|{predictors.digest()}"
-    frame = disk_cached(
-        f"{model_name}-xlayer-pca",
-        identity,
-        calib_ids,
-        lambda: fit_residual_pca(model, calib_ids, predictors).to_frame(),
-    )
-    residual = PcaCalibration.from_frame(frame, len(layer_types(model.config)))
-    return CrossLayerCalibration(predictors.layers, None, residual)
+    identity += source_identity(source) + f"|{predictors.digest()}" + _chain_identity(chain, "pca")
+    if chain is None:
+        fit = lambda: fit_residual_pca(model, calib_ids, predictors).to_frame()  # noqa: E731
+    else:
+        fit = lambda: chained_fit().residual.to_frame()  # noqa: E731
+    frame = disk_cached(f"{model_name}-xlayer-pca", identity, calib_ids, fit)
+    return CrossLayerCalibration(predictors.layers, None, PcaCalibration.from_frame(frame, layers))

@@ -2,7 +2,9 @@
 predicted linearly, per KV head, from what the layers below already stored, and only the residual stored, in
 codebook's format (a Hadamard rotation, Lloyd-Max levels of N(0, 1), one fp16 scale per token and head:
 harness/schemes/codebook.py). The predictors are fitted on calibration text (harness/schemes/xlayer_table.py):
-full rank (`xlayer`) or rank 32 / 8 (`xlayer_r32`, `xlayer_r8`).
+full rank (`xlayer`) or rank 32 / 8 (`xlayer_r32`, `xlayer_r8`); on exact inputs, or along the chain at width w
+(`xlayer_chain<w>`, `xlayer_pca_chain<w>`, w 2, 3 or 4: on the reconstructions the stores make at w, AQUA-KV's
+way; harness/calibrate/xlayer.py).
 
 Format of the tokens [t, t + n) one layer l stores, role `key` or `value`, x (B, H, n, D), P the nearest cached
 layer below l (none for the first cached layer) and K^, V^ the reconstructions (before RoPE) of the same tokens
@@ -54,6 +56,8 @@ from kernels import reference
 from kernels.layout import FP16_BYTES, FULL_WIDTH
 
 RANKS = {"xlayer": None, "xlayer_r32": 32, "xlayer_r8": 8}  # registered name -> predictor rank (None: full)
+CHAIN_WIDTHS = (2, 3, 4)  # xlayer_chain<w> and xlayer_pca_chain<w>: full rank, fitted along the chain at w
+CHAIN = "_chain"
 UNBOUND = (
     "quant.scheme: {name} predicts each layer's keys and values from the layer below with maps fitted on the "
     "calibration windows; none were given (QuantizedKVCache key_calibration: harness.calibrate.cached_fit)"
@@ -85,11 +89,18 @@ class Xlayer(Scheme):
 
     @property
     def rank(self) -> int | None:
-        return RANKS[self.name]
+        return RANKS.get(self.name)  # a chained fit is full rank
 
     @property
-    def fit_variant(self) -> int | None:
-        return self.rank
+    def chain_width(self) -> int | None:
+        """The width its predictors were fitted along the chain at (the `_chain<w>` names: harness/calibrate/
+        xlayer.py's fit_chained_calibration), or None: fitted on exact inputs."""
+        head, _, width = self.name.rpartition(CHAIN)
+        return int(width) if head else None
+
+    @property
+    def fit_variant(self) -> tuple[int | None, int | None]:
+        return self.rank, self.chain_width
 
     def for_layer(self, layer: int, key_calibration) -> Xlayer:
         if not isinstance(key_calibration, CrossLayerCalibration) or key_calibration.rank != self.rank:
@@ -157,7 +168,7 @@ class Xlayer(Scheme):
         return torch.cat(parts, -1) if parts else torch.zeros(0)
 
 
-for _name in RANKS:
+for _name in [*RANKS, *(f"xlayer{CHAIN}{w}" for w in CHAIN_WIDTHS)]:
     SCHEMES.register(_name)(functools.partial(Xlayer, _name))
 
 
@@ -198,6 +209,10 @@ class XlayerPca(Xlayer):
 
     def _residual_format(self, role: str) -> tuple[type, PcaTable | None]:
         return XlayerPcaStore, self.residual_fit.role(role)
+
+
+for _width in CHAIN_WIDTHS:
+    SCHEMES.register(f"xlayer_pca{CHAIN}{_width}")(functools.partial(XlayerPca, f"xlayer_pca{CHAIN}{_width}"))
 
 
 class XlayerStore(PositionedBlockStore):
@@ -256,7 +271,7 @@ class XlayerStore(PositionedBlockStore):
         }
         self.scale = {w: empty(len(self.heads[w]), 0, dtype=torch.float16) for w in self.widths}
 
-    def _code(self, residual: torch.Tensor, predicted: torch.Tensor, restored: torch.Tensor) -> None:
+    def code(self, residual: torch.Tensor, predicted: torch.Tensor, restored: torch.Tensor) -> None:
         """Stores the residuals (B, H, Tn, D) float32 of the quantized heads (every head's given; 16-bit heads' are
         not read) and writes predicted + what they dequantize to into restored (B, H, Tn, D) at those heads."""
         for w in self.widths:
@@ -291,7 +306,7 @@ class XlayerStore(PositionedBlockStore):
         predicted = self.predictor.apply(inputs if inputs.numel() else y.new_zeros(B, Tn, 0))  # (B, H, Tn, D)
         restored = y.clone()  # 16-bit heads exact
         if self.widths:
-            self._code(y - predicted, predicted, restored)
+            self.code(y - predicted, predicted, restored)
         self.last = restored
         self.full = torch.cat([self.full, x.index_select(1, self.full_heads)], 2)
         out = saturating_cast(turn(restored, angle), self.dtype)
@@ -331,7 +346,7 @@ class XlayerPcaStore(XlayerStore):
             quantized, self.head_dim, self.batch, torch.float32, self.device, table, torch.zeros(0)
         )
 
-    def _code(self, residual: torch.Tensor, predicted: torch.Tensor, restored: torch.Tensor) -> None:
+    def code(self, residual: torch.Tensor, predicted: torch.Tensor, restored: torch.Tensor) -> None:
         start, heads = self.coded.length, self.quant_heads
         self.coded.append(residual.index_select(1, heads))
         restored.index_copy_(
