@@ -18,6 +18,7 @@ from harness.calibrate.windows import rotary_frequencies
 from harness.calibrate.xlayer import (
     cached_xlayer_calibration,
     cached_xlayer_pca_calibration,
+    fit_chained_calibration,
     fit_predictor,
     fit_residual_pca,
     fit_xlayer_calibration,
@@ -287,6 +288,58 @@ def test_past_the_sliding_window_it_is_the_oracle_and_a_prefill_that_dropped_tok
     for a, b in zip(converted.layers, stored.layers):
         torch.testing.assert_close(a.k_store.block(0, 15), b.k_store.block(0, 15), rtol=0, atol=0)
         torch.testing.assert_close(a.v_store.block(0, 15), b.v_store.block(0, 15), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme", ["xlayer_chain2", "xlayer_pca_chain3"])
+@torch.no_grad()
+def test_the_chained_fit_predicts_from_what_the_stores_restore(scheme):
+    """Along the chain (fit_chained_calibration), layer 1's maps are the least-squares maps from what the oracle's
+    coder restores of layer 0 (and, for values, of layer 1's keys) at the chain's width, to the exact states; on
+    those inputs they predict better than the maps fitted on exact inputs do."""
+    model = load_model("tiny-llama")[0]
+    g = torch.Generator().manual_seed(21)
+    calib = torch.randint(0, 256, (4, 40), generator=g)
+    width, pca = get_scheme(scheme).chain_width, scheme.startswith("xlayer_pca")
+    cal = fit_chained_calibration(model, calib, width, pca)
+    exact_fit = fit_xlayer_calibration(model, calib)
+    inv_freq = oracle_frequencies(model)
+    states = []  # per layer: keys before RoPE and values, (N, H, D) float64, position 0 left out
+    for layer in range(2):
+        keys, values = [], []
+        for window in calib:
+            cache = DynamicCache()
+            model(input_ids=window[None], past_key_values=cache, use_cache=True)
+            k, v = cache.layers[layer].keys[0].double(), cache.layers[layer].values[0].double()  # (H, T, D)
+            keys.append(rope(k, torch.arange(k.shape[1]), inv_freq[layer], -1.0)[:, 1:])
+            values.append(v[:, 1:])
+        states.append({"key": torch.cat(keys, 1), "value": torch.cat(values, 1)})  # (H, N, D)
+    oracle = OracleCache(model.config, width, cal, inv_freq)
+
+    def restore(layer: int, role: str, inputs: torch.Tensor | None) -> torch.Tensor:
+        """What the chain restores of layer's role (H, N, D) from inputs (N, in), through the chained map."""
+        fit = cal.layer(layer).role(role)
+        predicted = fit.bias.double()[:, None]
+        if inputs is not None:
+            predicted = predicted + torch.einsum("ni,hio->hno", inputs, fit.weight.double())
+        y = states[layer][role]
+        return predicted + oracle.residual((y - predicted)[None], layer, role)[0]
+
+    flat = lambda t: t.transpose(0, 1).flatten(1)  # noqa: E731  (H, N, D) -> (N, H D)
+    key0, value0 = restore(0, "key", None), restore(0, "value", flat(restore(0, "key", None)))
+    key1 = restore(1, "key", flat(key0))
+    inputs = {"key": flat(key0), "value": torch.cat([flat(key1), flat(value0)], -1)}
+    for role, x in inputs.items():
+        y = states[1][role]  # (H, N, D)
+        want = torch.stack([fit_predictor(x, y[h])[0] for h in range(len(y))])  # (H, in, out)
+        got = cal.layer(1).role(role).weight.double()
+        assert (got - want).norm() <= 2e-2 * want.norm(), role
+        errors = [
+            (y - fit.bias.double()[:, None] - torch.einsum("ni,hio->hno", x, fit.weight.double()))
+            .pow(2)
+            .sum()
+            for fit in (cal.layer(1).role(role), exact_fit.layer(1).role(role))
+        ]
+        assert errors[0] < errors[1], role
 
 
 @torch.no_grad()
