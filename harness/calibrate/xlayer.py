@@ -36,7 +36,7 @@ from harness.calibrate.pca import fit_table
 from harness.calibrate.windows import layer_types, rotary_frequencies, unturn
 from harness.schemes.pca_table import PCA_WIDTHS, PcaCalibration, PcaLayer, PcaTable
 from harness.schemes.xlayer import XlayerPcaStore, XlayerStore
-from harness.schemes.xlayer_table import CrossLayerCalibration, CrossLayerLayer, Predictor
+from harness.schemes.xlayer_table import XLAYER_ROLES, CrossLayerCalibration, CrossLayerLayer, Predictor
 from kernels.reference import FP16_MAX
 
 CACHE_VERSION = 1
@@ -137,6 +137,51 @@ def fit_xlayer_calibration(model, input_ids: torch.Tensor, rank: int | None = No
 
 
 @torch.no_grad()
+def chain_states(model, input_ids: torch.Tensor) -> list[dict[str, torch.Tensor] | None]:
+    """Per decoder layer, its keys (before RoPE) and values {role: (N, H, D)} float32 over the windows input_ids
+    (C, T), every position but 0 of every window in one order for all layers (every layer holds every position: the
+    module docstring); None for a layer without a KV cache of its own."""
+    types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
+    inv_freq = [rotary_frequencies(model, t) for t in types]
+    windows = [_window_vectors(model, w, inv_freq, every_token=True) for w in input_ids]
+    out = []
+    for i in range(len(types)):
+        if windows[0][i] is None:
+            out.append(None)
+            continue
+        rows = _layer_rows(windows, i, None)
+        out.append({"key": rows["key"][1], "value": rows["value"][1]})
+    return out
+
+
+def chain_inputs(role: str, rows: int, below: dict | None, key: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer's predictor inputs (rows, in) for `role` (xlayer.Xlayer._inputs' order): keys from the keys of the
+    cached layer below (`below`, {role: (N, H, D)}; None for the first cached layer: no inputs), values from this
+    layer's keys (`key` (N, H, D)) then the values below."""
+    if role == "key":
+        return torch.zeros(rows, 0) if below is None else below["key"].flatten(1)
+    return torch.cat([key.flatten(1), *([] if below is None else [below["value"].flatten(1)])], -1)
+
+
+def predict(fit: Predictor, x: torch.Tensor) -> torch.Tensor:
+    """fit's prediction (N, H, D) float32 from inputs x (N, in)."""
+    return fit.apply(x[None])[0].transpose(0, 1)
+
+
+def restore(fit: Predictor, table: PcaTable | None, predicted: torch.Tensor, y: torch.Tensor, width: int):
+    """What a store of every head at `width` restores (N, H, D) of targets y (N, H, D), given fit's prediction
+    of them: the prediction plus the residual coded in pca's format against `table` (xlayer_pca) or, with no
+    table, in codebook's (xlayer)."""
+    store_type = XlayerStore if table is None else XlayerPcaStore
+    H, D = y.shape[1:]
+    store = store_type([width] * H, D, 1, torch.float32, "cpu", fit, torch.zeros(0), 0, table)
+    target, predicted = y.transpose(0, 1)[None], predicted.transpose(0, 1)[None]  # (1, H, N, D)
+    restored = target.clone()
+    store.code(target - predicted, predicted, restored)
+    return restored[0].transpose(0, 1)
+
+
+@torch.no_grad()
 def fit_chained_calibration(
     model, input_ids: torch.Tensor, width: int, residual_pca: bool
 ) -> CrossLayerCalibration:
@@ -144,59 +189,30 @@ def fit_chained_calibration(
     docstring), the residuals in codebook's format or, with `residual_pca`, in pca's (their transforms fitted
     along the way: the calibration's `residual`)."""
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    inv_freq = [rotary_frequencies(model, t) for t in types]
-    windows = [_window_vectors(model, w, inv_freq, every_token=True) for w in input_ids]
     layers: list[CrossLayerLayer | None] = []
     tables: list[PcaLayer | None] = []
-    restored: dict[str, torch.Tensor] = {}  # role -> the layer below's reconstruction (N, H, D)
-    previous = None
-    for i in range(len(types)):
-        if windows[0][i] is None:
+    below, previous = None, None  # the cached layer below: what the chain restored of it, its index
+    for i, states in enumerate(chain_states(model, input_ids)):
+        if states is None:
             layers.append(None)
             tables.append(None)
             continue
-        rows = _layer_rows(
-            windows, i, previous
-        )  # every position of every window, in one order for all layers
-        fits, coded = {}, {}
-        for role in ("key", "value"):
-            x, y = rows[role]
-            if role == "key" and previous is not None:
-                x = restored["key"].flatten(1)
-            elif role == "value":
-                below = [] if previous is None else [restored["value"].flatten(1)]
-                x = torch.cat([coded["key"][1].flatten(1), *below], -1)  # this layer's restored keys first
+        fits, residual, restored = {}, {}, {}
+        for role in XLAYER_ROLES:
+            y = states[role]
+            x = chain_inputs(role, len(y), below, restored.get("key"))
             fits[role] = predictor(x, y, None)
-            coded[role] = _restore(fits[role], x, y, width, residual_pca)
-        half = len(inv_freq[i])
+            predicted = predict(fits[role], x)
+            residual[role] = fit_table((y - predicted).clamp(-FP16_MAX, FP16_MAX)) if residual_pca else None
+            restored[role] = restore(fits[role], residual[role], predicted, y, width)
+        inv_freq = rotary_frequencies(model, types[i])
         turns = torch.zeros(fits["key"].bias.shape[1])
-        turns[:half], turns[half : 2 * half] = inv_freq[i], inv_freq[i]
+        turns[: len(inv_freq)], turns[len(inv_freq) : 2 * len(inv_freq)] = inv_freq, inv_freq
         layers.append(CrossLayerLayer(fits["key"], fits["value"], turns, previous))
-        D = coded["key"][1].shape[-1]
-        tables.append(PcaLayer(coded["key"][0], coded["value"][0], torch.zeros(D)) if residual_pca else None)
-        restored = {role: restored_role for role, (_, restored_role) in coded.items()}
-        previous = i
+        if residual_pca:
+            tables.append(PcaLayer(residual["key"], residual["value"], torch.zeros(len(turns))))
+        below, previous = restored, i
     return CrossLayerCalibration(tuple(layers), None, PcaCalibration(tuple(tables)) if residual_pca else None)
-
-
-def _restore(
-    fit: Predictor, x: torch.Tensor, y: torch.Tensor, width: int, residual_pca: bool
-) -> tuple[PcaTable | None, torch.Tensor]:
-    """What a store of every head at `width` restores of targets y (N, H, D) from inputs x (N, in) through `fit`:
-    (pca's table of the residuals, fitted here, or None for codebook's format; the restored (N, H, D))."""
-    predicted = fit.apply(x[None])[0]  # (H, N, D)
-    target = y.transpose(0, 1)[None]  # (1, H, N, D)
-    table = (
-        fit_table((target[0] - predicted).transpose(0, 1).clamp(-FP16_MAX, FP16_MAX))
-        if residual_pca
-        else None
-    )
-    store_type = XlayerPcaStore if residual_pca else XlayerStore
-    H, D = y.shape[1:]
-    store = store_type([width] * H, D, 1, torch.float32, "cpu", fit, torch.zeros(0), 0, table)
-    restored = target.clone()
-    store.code(target - predicted[None], predicted[None], restored)
-    return table, restored[0].transpose(0, 1)
 
 
 @torch.no_grad()

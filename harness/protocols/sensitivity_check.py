@@ -1,10 +1,12 @@
 """The sensitivity checks (`python -m harness.sensitivity --model NAME [--check-heads N --width W | --additivity N
---budget B] [overrides]`):
+--budget B | --chain W --sequences S] [overrides]`):
 - proxy: does the sensitivity proxy (harness.sensitivity) rank heads like the teacher-forced KL with only that head
   quantized? (harness.sensitivity.proxy_check on a random sample of heads, evaluation text);
 - additivity (`--additivity N`): do unit KLs add up? The unit KL table of the point's widths (cached), then
   harness.sensitivity.additivity_check: N random joint allocations within --budget mean bits, predicted (summed
-  unit KL) against measured KL on the table's probe sequences.
+  unit KL) against measured KL on the table's probe sequences;
+- chain (`--chain W`): how a cross-layer prediction's error grows along its chain (harness.sensitivity.chain) at
+  width W on the first S evaluation sequences, the point's scheme fitted as its sweep point fits it.
 
 The point comes from the primary config with the overrides (harness.config.compose), validated before the model
 loads; the start record is written beside the output CSV (<out>.env.json); the CSV, a JSON summary and the Spearman
@@ -26,7 +28,7 @@ from harness.config import Point, base_point, compose
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
 from harness.models import ModelUnavailable, load_model
 from harness.run.measure import key_span, point_scheme
-from harness.schemes import Scheme
+from harness.schemes import SCHEMES, Scheme, get_scheme
 from harness.sensitivity import (
     additivity_check,
     cached_sensitivity,
@@ -36,6 +38,7 @@ from harness.sensitivity import (
     proxy_check,
     sample_heads,
 )
+from harness.sensitivity.chain import chain_errors
 from harness.validate import check_model_inputs, preflight_overrides, validate_config
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
@@ -55,6 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         "--additivity", type=int, help="instead: check unit-KL additivity on this many random allocations"
     )
     parser.add_argument("--budget", type=float, help="--additivity: mean bits the allocations stay within")
+    parser.add_argument(
+        "--chain", type=int, help="instead: a cross-layer prediction's error along its chain at this width"
+    )
+    parser.add_argument("--sequences", type=int, default=4, help="--chain: how many evaluation sequences")
     parser.add_argument("--out", type=Path, help="CSV path (default results/sensitivity/*.csv)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. eval=small quant.scheme=sym_token"
@@ -64,11 +71,12 @@ def main(argv: list[str] | None = None) -> None:
     command = io.command_line("python -m harness.sensitivity", argv)
     try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
         cfg, point, scheme = _check_context(args)
-        name = (
-            f"additivity-{point.model}-{scheme.name}"
-            if args.additivity
-            else f"check-{point.model}-{scheme.name}-w{args.width}"
-        )
+        if args.chain is not None:
+            name = f"chain-{point.model}-{scheme.name}-w{args.chain}"
+        elif args.additivity:
+            name = f"additivity-{point.model}-{scheme.name}"
+        else:
+            name = f"check-{point.model}-{scheme.name}-w{args.width}"
         out = args.out or Path("results/sensitivity") / f"{name}.csv"
         io.set_threads(cfg.threads)
         io.check_writable(out.parent, key="--out")
@@ -77,7 +85,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     io.start_record(out.parent, command, "cpu", cfg.allow_dirty, name=out.with_suffix(".env.json").name)
-    if args.additivity:
+    if args.chain is not None:
+        _run_chain(args, point, scheme, out, command=command)
+    elif args.additivity:
         _run_additivity(args, point, scheme, out, command=command)
     else:
         _run_check(args, point, scheme, out, command=command)
@@ -104,7 +114,9 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
             f"--width: {args.width} is not a quantized width; allowed: {', '.join(map(str, PACKED_WIDTHS))}"
         )
     scheme = point_scheme(point)
-    if scheme.key_tables and args.additivity is None:
+    if args.chain is not None:
+        _check_chain(args, scheme)
+    elif scheme.key_tables and args.additivity is None:
         raise ValueError(
             f"quant.scheme: {point.scheme} reads fitted key tables, which the proxy check does not use; "
             f"allowed with {point.scheme}: --additivity N"
@@ -112,6 +124,48 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     scheme.check_widths([args.width], "--width")
     check_model_inputs(cfg, [point])
     return cfg, point, scheme
+
+
+def _check_chain(args, scheme: Scheme) -> None:
+    if not scheme.reads_previous_layer:
+        chained = [name for name in SCHEMES.names() if get_scheme(name).reads_previous_layer]
+        raise ValueError(
+            f"quant.scheme: {scheme.name} predicts no layer from the layer below; allowed with --chain: "
+            f"{', '.join(chained)}"
+        )
+    if args.chain not in scheme.widths:
+        allowed = ", ".join(map(str, scheme.widths))
+        raise ValueError(f"--chain: {args.chain} is not a width {scheme.name} stores; allowed: {allowed}")
+    if isinstance(args.sequences, bool) or args.sequences < 1:
+        raise ValueError(f"--sequences: {args.sequences} is too few; allowed: an integer >= 1")
+
+
+def _run_chain(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
+    model, tokenizer = load_model(point.model, dtype=point.dtype)
+    windows = data.point_windows(tokenizer, point)
+    source, _ = data.calibration_source(point)
+    fitted = cached_fit(
+        scheme, model, point.model, windows.calibration, key_span(point), point.key_levels, source
+    )
+    sequences = windows.sequences[: args.sequences]
+    rows = chain_errors(model, sequences, fitted, args.chain)
+    write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
+    worst = rows.loc[rows.predicted.idxmax()]
+    summary = dict(
+        command=command,
+        width=args.chain,
+        sequences=list(sequences.shape),
+        worst=worst.to_dict(),
+        point=point.to_dict(),
+    )
+    write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1, default=str))
+    print(rows.to_string(index=False))
+    print(
+        f"largest prediction error from what the chain restored: {worst.predicted:.3g} of the states' squared norm "
+        f"(layer {worst.layer} {worst.role}s; {worst.predicted_from_exact:.3g} from the exact states), "
+        f"{point.model}, {scheme.name} at {args.chain} bits over {sequences.shape[0]} x {sequences.shape[1]} "
+        f"tokens; wrote {out}"
+    )
 
 
 def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:

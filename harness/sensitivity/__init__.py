@@ -10,6 +10,7 @@ widths, chunk):
 - `unit_kl` (unit_kl.py): per (layer, KV head, K|V, width) teacher-forced KL with that unit alone quantized,
   one teacher-forced run per unit and width; read by `measured` (harness/policies/measured_kl.py).
   `additivity_check` tests whether unit KLs add up on random joint allocations (`--additivity N`).
+chain.py measures how a cross-layer prediction's error grows along its chain of layers (`--chain W`).
 common.py holds what they share (allocation shape, cached heads, a cache at chosen widths, Spearman).
 """
 

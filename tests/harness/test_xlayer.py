@@ -7,7 +7,10 @@ and a tiny run whose rows say how they were measured."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from transformers import DynamicCache
@@ -26,10 +29,12 @@ from harness.calibrate.xlayer import (
 )
 from harness.config import compose as compose_point
 from harness.models import load_model
+from harness.protocols import sensitivity_check
 from harness.run import runner
 from harness.schemes import codebook, get_scheme
 from harness.schemes.pca_table import quantize_components
 from harness.schemes.xlayer_table import CrossLayerCalibration, Predictor
+from harness.sensitivity.chain import chain_errors
 from harness.validate import ConfigError, validate_config
 
 
@@ -290,6 +295,45 @@ def test_past_the_sliding_window_it_is_the_oracle_and_a_prefill_that_dropped_tok
         torch.testing.assert_close(a.v_store.block(0, 15), b.v_store.block(0, 15), rtol=0, atol=0)
 
 
+def exact_states(model, ids: torch.Tensor, layers: int) -> list[dict[str, torch.Tensor]]:
+    """The first `layers` layers' keys before RoPE and values {role: (H, N, D)} float64 over windows ids (C, T),
+    position 0 of each left out, each window through a DynamicCache that keeps every token."""
+    inv_freq = oracle_frequencies(model)
+    states = []
+    for layer in range(layers):
+        keys, values = [], []
+        for window in ids:
+            cache = DynamicCache()
+            model(input_ids=window[None], past_key_values=cache, use_cache=True)
+            k, v = cache.layers[layer].keys[0].double(), cache.layers[layer].values[0].double()  # (H, T, D)
+            keys.append(rope(k, torch.arange(k.shape[1]), inv_freq[layer], -1.0)[:, 1:])
+            values.append(v[:, 1:])
+        states.append({"key": torch.cat(keys, 1), "value": torch.cat(values, 1)})
+    return states
+
+
+def flat(x: torch.Tensor) -> torch.Tensor:
+    """(H, N, D) -> (N, H D): a layer's heads as a predictor's inputs."""
+    return x.transpose(0, 1).flatten(1)
+
+
+def oracle_predict(
+    cal: CrossLayerCalibration, layer: int, role: str, inputs: torch.Tensor | None
+) -> torch.Tensor:
+    """The calibration's prediction (H, N, D) float64 of layer's role from inputs (N, in) (None: none)."""
+    fit = cal.layer(layer).role(role)
+    bias = fit.bias.double()[:, None]
+    return bias if inputs is None else bias + torch.einsum("ni,hio->hno", inputs, fit.weight.double())
+
+
+def oracle_inputs(role: str, below: dict | None, key: torch.Tensor | None) -> torch.Tensor | None:
+    """A layer's inputs (N, in) for `role` from the layer below's {role: (H, N, D)} (None: none) and, for values,
+    this layer's keys (H, N, D): xlayer's order."""
+    if role == "key":
+        return None if below is None else flat(below["key"])
+    return torch.cat([flat(key), *([] if below is None else [flat(below["value"])])], -1)
+
+
 @pytest.mark.parametrize("scheme", ["xlayer_chain2", "xlayer_pca_chain3"])
 @torch.no_grad()
 def test_the_chained_fit_predicts_from_what_the_stores_restore(scheme):
@@ -302,29 +346,14 @@ def test_the_chained_fit_predicts_from_what_the_stores_restore(scheme):
     width, pca = get_scheme(scheme).chain_width, scheme.startswith("xlayer_pca")
     cal = fit_chained_calibration(model, calib, width, pca)
     exact_fit = fit_xlayer_calibration(model, calib)
-    inv_freq = oracle_frequencies(model)
-    states = []  # per layer: keys before RoPE and values, (N, H, D) float64, position 0 left out
-    for layer in range(2):
-        keys, values = [], []
-        for window in calib:
-            cache = DynamicCache()
-            model(input_ids=window[None], past_key_values=cache, use_cache=True)
-            k, v = cache.layers[layer].keys[0].double(), cache.layers[layer].values[0].double()  # (H, T, D)
-            keys.append(rope(k, torch.arange(k.shape[1]), inv_freq[layer], -1.0)[:, 1:])
-            values.append(v[:, 1:])
-        states.append({"key": torch.cat(keys, 1), "value": torch.cat(values, 1)})  # (H, N, D)
-    oracle = OracleCache(model.config, width, cal, inv_freq)
+    states = exact_states(model, calib, 2)
+    oracle = OracleCache(model.config, width, cal, oracle_frequencies(model))
 
     def restore(layer: int, role: str, inputs: torch.Tensor | None) -> torch.Tensor:
         """What the chain restores of layer's role (H, N, D) from inputs (N, in), through the chained map."""
-        fit = cal.layer(layer).role(role)
-        predicted = fit.bias.double()[:, None]
-        if inputs is not None:
-            predicted = predicted + torch.einsum("ni,hio->hno", inputs, fit.weight.double())
-        y = states[layer][role]
+        predicted, y = oracle_predict(cal, layer, role, inputs), states[layer][role]
         return predicted + oracle.residual((y - predicted)[None], layer, role)[0]
 
-    flat = lambda t: t.transpose(0, 1).flatten(1)  # noqa: E731  (H, N, D) -> (N, H D)
     key0, value0 = restore(0, "key", None), restore(0, "value", flat(restore(0, "key", None)))
     key1 = restore(1, "key", flat(key0))
     inputs = {"key": flat(key0), "value": torch.cat([flat(key1), flat(value0)], -1)}
@@ -333,13 +362,64 @@ def test_the_chained_fit_predicts_from_what_the_stores_restore(scheme):
         want = torch.stack([fit_predictor(x, y[h])[0] for h in range(len(y))])  # (H, in, out)
         got = cal.layer(1).role(role).weight.double()
         assert (got - want).norm() <= 2e-2 * want.norm(), role
-        errors = [
-            (y - fit.bias.double()[:, None] - torch.einsum("ni,hio->hno", x, fit.weight.double()))
-            .pow(2)
-            .sum()
-            for fit in (cal.layer(1).role(role), exact_fit.layer(1).role(role))
-        ]
+        errors = [(y - oracle_predict(fit, 1, role, x)).pow(2).sum() for fit in (cal, exact_fit)]
         assert errors[0] < errors[1], role
+
+
+@torch.no_grad()
+def test_the_chain_errors_are_the_oracles():
+    """harness.sensitivity.chain at 2 bits on tiny-llama's exact-input fit: each of layers 0 and 1's three errors
+    (the prediction from what the chain restored below, from the exact states below, and what is restored) as the
+    oracle computes them; and the command writes every layer's, or refuses a scheme without a chain."""
+    model = load_model("tiny-llama")[0]
+    g = torch.Generator().manual_seed(22)
+    cal = fit_xlayer_calibration(model, torch.randint(0, 256, (4, 40), generator=g))
+    ids = torch.randint(0, 256, (3, 30), generator=g)
+    rows = chain_errors(model, ids, cal, 2).set_index(["layer", "role"])
+    states = exact_states(model, ids, 2)
+    oracle = OracleCache(model.config, 2, cal, oracle_frequencies(model))
+    below = exact_below = None
+    for layer in range(2):
+        restored = {}
+        for role in ("key", "value"):
+            y = states[layer][role]
+            predicted = oracle_predict(cal, layer, role, oracle_inputs(role, below, restored.get("key")))
+            from_exact = oracle_predict(
+                cal, layer, role, oracle_inputs(role, exact_below, states[layer]["key"])
+            )
+            restored[role] = predicted + oracle.residual((y - predicted)[None], layer, role)[0]
+            want = [(e - y).pow(2).sum() / y.pow(2).sum() for e in (predicted, from_exact, restored[role])]
+            got = rows.loc[(layer, role), ["predicted", "predicted_from_exact", "restored"]].tolist()
+            assert got == pytest.approx([float(w) for w in want], rel=2e-2), (layer, role)
+        below, exact_below = restored, states[layer]
+    assert rows["predicted"].gt(rows["restored"]).all()  # the coded residual is felt, and it helps
+
+
+def test_the_chain_command_writes_every_layers_errors(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "chain.csv"
+    args = ["--model", "tiny-llama", "--chain", "3", "--sequences", "2", "--out", str(out), "eval=tiny"]
+    sensitivity_check.main([*args, "quant=xlayer", "quant.sink_tokens=1", "quant.simulate=true"])
+    rows = pd.read_csv(out)
+    layers = load_model("tiny-llama")[0].config.num_hidden_layers
+    assert (
+        len(rows) == 2 * layers and (rows[["predicted", "predicted_from_exact", "restored"]] > 0).all().all()
+    )
+    assert json.loads(out.with_suffix(".json").read_text())["sequences"][0] == 2
+    assert "largest prediction error from what the chain restored" in capsys.readouterr().out
+    for bad, message in (
+        (
+            ["quant=asym_token"],
+            "error: quant.scheme: asym_token predicts no layer from the layer below; allowed",
+        ),
+        (
+            ["quant=xlayer", "--chain", "5"],
+            "error: --chain: 5 is not a width xlayer stores; allowed: 2, 3, 4, 8",
+        ),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            sensitivity_check.main(["--model", "tiny-llama", "--chain", "2", "eval=tiny", *bad])
+        assert exit_.value.code == 2 and capsys.readouterr().err.startswith(message)
 
 
 @torch.no_grad()
