@@ -93,16 +93,13 @@ CASES = [
     # head's); zeros come back as the bias plus its nearest levels. test_xlayer.py checks layers that predict.
     *(
         Case(name, step=lambda bits: 2.0, zero_keys_exact=False, zero_values_exact=False, simulated_only=True)
-        for name in ("xlayer", "xlayer_r32", "xlayer_r8")
+        for name in ("xlayer", "xlayer_r32", "xlayer_r8", "xlayer_chain2", "xlayer_chain3", "xlayer_chain4")
     ),
     # The same with the residual in pca's format, its transforms fitted on the test's vectors less the bias: pca's
     # loose bound (test_xlayer.py checks the format against its oracle).
-    Case(
-        "xlayer_pca",
-        step=lambda bits: 4.0,
-        zero_keys_exact=False,
-        zero_values_exact=False,
-        simulated_only=True,
+    *(
+        Case(name, step=lambda bits: 4.0, zero_keys_exact=False, zero_values_exact=False, simulated_only=True)
+        for name in ("xlayer_pca", "xlayer_pca_chain2", "xlayer_pca_chain3", "xlayer_pca_chain4")
     ),
     # Fixed grids after the fitted mean and the rotation: a loose bound, as pca's (test_vq.py checks the format
     # exactly against its oracle); zeros come back as the mean plus its nearest grid points.
