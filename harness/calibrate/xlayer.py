@@ -103,15 +103,15 @@ def _layer_rows(windows: list[list[dict | None]], i: int, previous: int | None) 
         positions = sorted(held[i] if previous is None else held[i].keys() & held[previous].keys())
         key = torch.stack([held[i][p][0] for p in positions])  # (n, H, D)
         value = torch.stack([held[i][p][1] for p in positions])
-        if previous is None:  # the first cached layer: keys from nothing (a bias), values from its keys
-            key_inputs, value_inputs = key.new_zeros(len(key), 0), key.flatten(1)
-        else:
-            below_key = torch.stack([held[previous][p][0] for p in positions]).flatten(1)  # (n, Hp D)
-            below_value = torch.stack([held[previous][p][1] for p in positions]).flatten(1)
-            key_inputs, value_inputs = below_key, torch.cat([key.flatten(1), below_value], -1)
-        rows["key"][0].append(key_inputs)
+        below = None  # the first cached layer: keys from nothing (a bias), values from its keys
+        if previous is not None:
+            below = {
+                role: torch.stack([held[previous][p][j] for p in positions])  # (n, Hp, D)
+                for j, role in enumerate(XLAYER_ROLES)
+            }
+        rows["key"][0].append(chain_inputs("key", len(key), below))
         rows["key"][1].append(key)
-        rows["value"][0].append(value_inputs)
+        rows["value"][0].append(chain_inputs("value", len(key), below, key))
         rows["value"][1].append(value)
     return {role: (torch.cat(x), torch.cat(y)) for role, (x, y) in rows.items()}
 
@@ -128,12 +128,18 @@ def fit_xlayer_calibration(model, input_ids: torch.Tensor, rank: int | None = No
             layers.append(None)
             continue
         fits = {role: predictor(x, y, rank) for role, (x, y) in _layer_rows(windows, i, previous).items()}
-        half = len(inv_freq[i])
-        turns = torch.zeros(fits["key"].bias.shape[1])
-        turns[:half], turns[half : 2 * half] = inv_freq[i], inv_freq[i]
-        layers.append(CrossLayerLayer(fits["key"], fits["value"], turns, previous))
+        layers.append(CrossLayerLayer(fits["key"], fits["value"], _turns(inv_freq[i], fits["key"]), previous))
         previous = i
     return CrossLayerCalibration(tuple(layers), rank)
+
+
+def _turns(inv_freq: torch.Tensor, key_fit: Predictor) -> torch.Tensor:
+    """A layer's rotary frequency per key channel (D,): each pair (i, i + R / 2) at its frequency, 0 past the rotary
+    channels (CrossLayerLayer's `turn`)."""
+    half = len(inv_freq)
+    turns = torch.zeros(key_fit.bias.shape[1])
+    turns[:half], turns[half : 2 * half] = inv_freq, inv_freq
+    return turns
 
 
 @torch.no_grad()
@@ -205,9 +211,7 @@ def fit_chained_calibration(
             predicted = predict(fits[role], x)
             residual[role] = fit_table((y - predicted).clamp(-FP16_MAX, FP16_MAX)) if residual_pca else None
             restored[role] = restore(fits[role], residual[role], predicted, y, width)
-        inv_freq = rotary_frequencies(model, types[i])
-        turns = torch.zeros(fits["key"].bias.shape[1])
-        turns[: len(inv_freq)], turns[len(inv_freq) : 2 * len(inv_freq)] = inv_freq, inv_freq
+        turns = _turns(rotary_frequencies(model, types[i]), fits["key"])
         layers.append(CrossLayerLayer(fits["key"], fits["value"], turns, previous))
         if residual_pca:
             tables.append(PcaLayer(residual["key"], residual["value"], torch.zeros(len(turns))))
@@ -230,7 +234,7 @@ def fit_residual_pca(model, input_ids: torch.Tensor, predictors: CrossLayerCalib
             continue
         tables = {}
         for role, (x, y) in _layer_rows(windows, i, layer.previous).items():
-            residual = y - layer.role(role).apply(x[None])[0].transpose(0, 1)  # (N, H, D)
+            residual = y - predict(layer.role(role), x)  # (N, H, D)
             tables[role] = fit_table(residual.clamp(-FP16_MAX, FP16_MAX))
         layers.append(PcaLayer(tables["key"], tables["value"], torch.zeros(tables["key"].mean.shape[1])))
     return PcaCalibration(tuple(layers))
