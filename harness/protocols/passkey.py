@@ -21,6 +21,10 @@ a run is harness/report/passkey.py's.
   the question and the answer tokens then read the document through the quantized cache.
   prefill=quantized: every policy prefills the whole prompt itself through its quantized cache (quantize-on-write;
   no sharing, one prefill per policy and budget).
+- A scheme that predicts each layer from the layer below's reconstruction (Scheme.reads_previous_layer: xlayer)
+  runs simulated (its cache keeps a full-precision working copy, as quant.simulate's sweeps do; the record says
+  `simulate`); prefill=exact cannot convert a document that a sliding-window layer has already partly dropped
+  (harness.cache.cannot_convert), so such a point is refused in one line before any prefill.
 Results: results/passkey/<run>/points/<model>__c<context>__d<depth>__<policy>__b<budget>__<settings hash>.json,
 one per point, written atomically once all its trials are done; a point whose file exists is skipped, and a
 (context, depth) whose points all exist costs no prefill.
@@ -214,19 +218,21 @@ def answer_from_prefilled(
     bits=None,
     scheme="asym_token",
     key_calibration=None,
+    simulate: bool = False,
 ):
     """prefill=exact: answer tokens (B, M) and the cache read, from a full-precision DynamicCache of the document.
 
     bits None: the baseline (a copy of the DynamicCache); else QuantizedKVCache.from_prefilled at `bits` (an
     Allocation, or the widths QuantizedKVCache takes) in `scheme` (a Scheme or its name), reading the parts the
-    scheme fits (`key_calibration`: harness.calibrate.cached_fit's).
+    scheme fits (`key_calibration`: harness.calibrate.cached_fit's), with a working copy if `simulate`.
     """
     if bits is None:
         cache = copy.deepcopy(document_cache)
     else:
         cache = QuantizedKVCache.from_prefilled(
-            document_cache, model.config, bits, scheme, prefill="exact", key_calibration=key_calibration
-        )
+            document_cache, model.config, bits, scheme, prefill="exact", key_calibration=key_calibration,
+            simulate=simulate,
+        )  # fmt: skip
     return answer(model, cache, question, start, new_tokens), cache
 
 
@@ -394,6 +400,27 @@ class Storage:
     fitted: object = None
     config: tuple = ()
 
+    @property
+    def simulate(self) -> bool:
+        """Whether its cache keeps a working copy: only a scheme that reads the layer below's reconstruction."""
+        return self.scheme.reads_previous_layer
+
+
+def check_convertible(job: Job, shape, schemes: list[Scheme], document: int) -> None:
+    """ValueError (one line) where prefill=exact would hand a scheme that reads the layer below's reconstruction a
+    `document` (the longest prompt's tokens before its question) that a sliding-window layer of `shape`
+    (harness.capacity's) has partly dropped: a sliding layer holds window - 1 tokens."""
+    if job.settings.prefill != "exact":
+        return
+    windows = [layer.window for layer in shape.layers if layer.kind == "sliding"]
+    for scheme in schemes:
+        if scheme.reads_previous_layer and windows and document > min(windows) - 1:
+            raise ValueError(
+                f"passkey.prefill: exact cannot convert a {document}-token document for {scheme.name}, "
+                f"which predicts each layer from the layer below's, once {job.model}'s sliding window of "
+                f"{min(windows)} tokens has dropped part of it; allowed: quantized"
+            )
+
 
 @dataclass
 class _Answers:
@@ -441,12 +468,14 @@ def _answer_all(model, job: Job, prompts: list, pending: list, allocs: dict, sto
                     alloc,
                     store.scheme,
                     store.fitted,
+                    store.simulate,
                 )
             else:
                 store = storage[pb]
                 cache = QuantizedKVCache(
-                    model.config, alloc, store.scheme, prefill="quantized", key_calibration=store.fitted
-                )
+                    model.config, alloc, store.scheme, prefill="quantized", key_calibration=store.fitted,
+                    simulate=store.simulate,
+                )  # fmt: skip
                 prefill(model, document, cache, s.chunk)
                 tokens = answer(model, cache, question, context - q, s.new_tokens)
             out.seconds[pb] += time.perf_counter() - t0
@@ -474,6 +503,8 @@ def _record(
     context, depth = where
     config = dict(model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__)
     config.update(storage.config if storage is not None else ())
+    if storage is not None and storage.simulate:
+        config["simulate"] = True
     record = {"key": point_name(job.model, context, depth, *pb, s), "config": config, **provenance}
     if isinstance(alloc, str):
         return {**record, "status": "infeasible", "error": alloc}
@@ -509,10 +540,16 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
     s = job.settings
     builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos), needles=s.needles)
     scheme = get_scheme(s.scheme, s.group_size)
-    price = element_price(shape_from_config(model.config, job.model), scheme)
+    shape = shape_from_config(model.config, job.model)
+    price = element_price(shape, scheme)
     entropy = calibration_entropy(model, tokenizer, job.model, s)
     allocs = allocations(entropy, job.policies, job.budgets, s.seed, s.budget_unit, price)
     storage = {pb: Storage(scheme) for pb in allocs}
+    longest = max(job.contexts)  # before any fit: the points prefill=exact cannot convert are refused
+    keys = trial_keys(s.seed, job.model, longest, job.depths[0], 0, s.needles)
+    question = builder.build(longest, job.depths[0], keys).question_tokens
+    schemes = [scheme] * bool(job.policies) + [f.scheme for f in job.files]
+    check_convertible(job, shape, schemes, longest - question)
     calib_ids = calibration_windows(tokenizer, s)
     for f in (
         job.files

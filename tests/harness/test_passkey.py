@@ -324,3 +324,95 @@ def test_the_report_pairs_each_point_with_the_baseline_trial_by_trial(tmp_path):
         "uniform @ 3 bits", 2048
     ].endswith("n=20**")
     assert table.loc["entropy @ 3 bits", 2048] == "+0 [+0, +0] n=20" and table.loc["kv @ 3 bits", 2048] == "—"
+
+
+def _uniform(model, bits: int):
+    """A uniform Allocation at `bits` for every (layer, KV head) of `model`."""
+    from harness.policies import Allocation
+
+    text = model.config.get_text_config(decoder=True)
+    shape = (text.num_hidden_layers, text.num_key_value_heads)
+    return Allocation.per_head(
+        torch.full(shape, bits),
+        torch.zeros(shape, dtype=torch.bool),
+        torch.full(shape, float(bits)),
+        "uniform",
+    )
+
+
+def test_a_cross_layer_prefill_converts_as_one_exact_call_stores_it(tiny, tmp_path, monkeypatch):
+    """xlayer_pca at 2 bits (each layer predicted from the layer below's reconstruction: a simulated cache): its
+    cache converted from the shared full-precision prefill answers, token for token, as a cache that stored the
+    same document itself in one prefill=exact call (the document attends its own full-precision K/V both ways)."""
+    import harness
+    from harness.cache import QuantizedKVCache
+    from harness.calibrate import cached_fit
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "calibration"))
+    model, tokenizer = tiny["tiny-llama"]
+    scheme = harness.make_scheme("xlayer_pca", sink_tokens=1)
+    calib = torch.randint(3, tokenizer.vocab_size, (2, 48), generator=torch.Generator().manual_seed(5))
+    fitted = cached_fit(scheme, model, "tiny-llama", calib, 400)
+    builder = passkey.PromptBuilder(tokenizer)
+    prompts = [builder.build(333, d, passkey.trial_key(3, "tiny-llama", 333, d, 0)) for d in (0.2, 0.6)]
+    ids = torch.stack([p.ids for p in prompts])  # (2, 333)
+    q = prompts[0].question_tokens
+    document = DynamicCache(config=model.config)
+    passkey.prefill(model, ids[:, :-q], document, chunk=64)
+    alloc = _uniform(model, 2)
+    tokens, cache = passkey.answer_from_prefilled(
+        model, document, ids[:, -q:], 333 - q, 6, alloc, scheme, fitted, simulate=True
+    )
+    stored = QuantizedKVCache(
+        model.config, alloc, scheme, prefill="exact", simulate=True, key_calibration=fitted
+    )
+    passkey.prefill(model, ids[:, :-q], stored, chunk=333)  # one call: the whole document
+    assert torch.equal(tokens, passkey.answer(model, stored, ids[:, -q:], 333 - q, 6))
+    assert cache.nbytes() == stored.nbytes() > 0
+    with pytest.raises(ValueError, match="^quant.simulate: xlayer_pca "):  # never a packed-only xlayer cache
+        passkey.answer_from_prefilled(model, document, ids[:, -q:], 333 - q, 6, alloc, scheme, fitted)
+
+
+def test_cross_layer_files_run_simulated_and_refuse_what_exact_cannot_convert(tiny, tmp_path, monkeypatch):
+    """A run of xlayer_pca files records `simulate` and its 16-bit file answers as the unquantized cache; on
+    tiny-gemma3 (window 16) prefill=exact is refused in one line before anything is fitted, and
+    prefill=quantized runs."""
+    import harness
+
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "calibration"))
+    scheme = harness.make_scheme("xlayer_pca", sink_tokens=1)
+    model, _ = tiny["tiny-llama"]
+    files = [
+        str(harness.save_allocation(tmp_path / f"x{bits}.json", _uniform(model, bits), scheme))
+        for bits in (16, 2)
+    ]
+    run_dir = tmp_path / "runs" / "x"
+    (job,) = passkey.jobs(_file_args("x", tmp_path / "runs", *files))
+    assert passkey.run_model(job, run_dir, progress=lambda _: None) == 3
+    records = {
+        r["config"]["policy"].split("-")[0]: r
+        for r in map(json.loads, map(Path.read_text, sorted((run_dir / "points").glob("*.json"))))
+    }
+    assert records["x16"]["answers"] == records["baseline"]["answers"]
+    assert records["x16"]["config"]["simulate"] is True and records["x2"]["config"]["simulate"] is True
+    assert "simulate" not in records["baseline"]["config"] and records["x2"]["compression_true"] > 2
+
+    gemma, _ = tiny["tiny-gemma3"]
+    gemma_file = str(harness.save_allocation(tmp_path / "g2.json", _uniform(gemma, 2), scheme))
+    argv = [
+        "--models", "tiny-gemma3", "--contexts", "300", "--depths", "0.5", "--trials", "2", "--batch", "2",
+        "--policies", "--calibration-sequences", "2", "--calibration-tokens", "48", "--root", str(tmp_path / "runs"),
+        "--run", "g", "--allocations", gemma_file,
+    ]  # fmt: skip
+    (exact,) = passkey.jobs(passkey.parser().parse_args(argv))
+    fits = []
+    monkeypatch.setattr(passkey, "cached_fit", lambda *a, **k: fits.append(a))
+    with pytest.raises(
+        ValueError, match=r"^passkey.prefill: exact cannot convert a 2\d\d-token document for "
+    ):
+        passkey.run_model(exact, tmp_path / "runs" / "g", progress=lambda _: None)
+    assert fits == [] and not list((tmp_path / "runs" / "g").rglob("*.json"))
+    monkeypatch.undo()
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "calibration"))
+    (quantized,) = passkey.jobs(passkey.parser().parse_args(argv + ["--prefill", "quantized"]))
+    assert passkey.run_model(quantized, tmp_path / "runs" / "g", progress=lambda _: None) == 2
