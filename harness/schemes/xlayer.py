@@ -39,6 +39,7 @@ its predictor and pca's table, 2 D**2 + 5 D bytes; widths pca's (1-6, 8); head_d
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -71,11 +72,14 @@ SIMULATED_ONLY = (
 @dataclass(frozen=True)
 class Xlayer(Scheme):
     """Residuals of the cross-layer prediction in codebook's format (XlayerStore). `fitted`, `chain` and `layer`:
-    the layer's predictors, the cache's stores by (layer, role) and the layer's index (for_layer binds them)."""
+    the layer's predictors, the cache's stores by (layer, role) and the layer's index (for_layer binds them).
+    The chain refers to the stores weakly: each store's `inputs` reads the chain, so strong references would make
+    every cache a reference cycle, whose tensors only a full garbage collection frees (a passkey run grew by a
+    cache a trial)."""
 
     name: str = "xlayer"
     fitted: CrossLayerLayer | None = field(default=None, compare=False, repr=False)
-    chain: dict | None = field(default=None, compare=False, repr=False)
+    chain: weakref.WeakValueDictionary | None = field(default=None, compare=False, repr=False)
     layer: int = field(default=0, compare=False, repr=False)
 
     head_dim_groups: ClassVar[bool] = False
@@ -106,7 +110,9 @@ class Xlayer(Scheme):
         if not isinstance(key_calibration, CrossLayerCalibration) or key_calibration.rank != self.rank:
             raise ValueError(UNBOUND.format(name=self.name))
         if layer == key_calibration.first_layer:  # a new cache binds its layers in order, its first one first
-            key_calibration.chain = {}
+            key_calibration.chain = (
+                weakref.WeakValueDictionary()
+            )  # held by the cache's layers, not by the chain
         return replace(self, fitted=key_calibration.layer(layer), chain=key_calibration.chain, layer=layer)
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> int:

@@ -13,6 +13,7 @@ Bytes per head (fp16): a full map in * out + out, a rank-r map (in + out) r + ou
 from __future__ import annotations
 
 import hashlib
+import weakref
 from dataclasses import dataclass
 
 import pandas as pd
@@ -74,7 +75,8 @@ class CrossLayerCalibration:
     """Every decoder layer's CrossLayerLayer (None for a layer without a KV cache of its own), fitted on one model's
     calibration windows at one rank (None: full), for xlayer_pca the pca transforms of their residuals
     (`residual`, harness/schemes/pca_table.py's), and the chain of the cache being built (`chain`: the stores of
-    one QuantizedKVCache by (layer, role); `xlayer.Xlayer.for_layer` starts a new one at the first cached layer)."""
+    one QuantizedKVCache by (layer, role), held weakly; `xlayer.Xlayer.for_layer` starts a new one at the first
+    cached layer)."""
 
     def __init__(
         self,
@@ -85,7 +87,7 @@ class CrossLayerCalibration:
         self.layers, self.rank = layers, rank
         self.residual = residual  # xlayer_pca's transforms of the residuals (None: codebook's format)
         self.levels = "kmeans"  # as key_table.KeyCalibration's: xlayer fits no key levels
-        self.chain: dict | None = None
+        self.chain: weakref.WeakValueDictionary | None = None
 
     @property
     def first_layer(self) -> int:

@@ -441,6 +441,33 @@ def test_a_layer_stores_only_after_the_layer_below_and_only_simulated():
         )  # a full-rank fit
 
 
+@torch.no_grad()
+def test_a_dropped_cache_is_freed_at_once_and_the_next_one_reads_its_own_chain():
+    """No reference cycle holds a cache's stores: with the garbage collector off, dropping a filled cache frees
+    them (neither the stores' chain nor the shared calibration keeps them), and a second cache on the same
+    calibration gives the first one's logits on the same tokens."""
+    import gc
+    import weakref
+
+    model = load_model("tiny-llama")[0]
+    cal = fitted(model, "xlayer_pca", torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 256, (2, 11), generator=torch.Generator().manual_seed(5))
+
+    def run():
+        cache = QuantizedKVCache(model.config, 3, scheme="xlayer_pca", key_calibration=cal, simulate=True)
+        logits = chunked_logits(model, ids, cache, [7, 1, 3])
+        return logits, weakref.ref(cache.quantized_layers()[-1].v_store)
+
+    gc.disable()
+    try:
+        first, store = run()
+        assert store() is None and len(cal.chain) == 0
+        second, _ = run()
+    finally:
+        gc.enable()
+    assert torch.equal(first, second)
+
+
 def test_the_config_asks_for_a_simulated_cache_and_no_eviction():
     base = ["model=tiny-llama", "eval=tiny", "quant.scheme=xlayer", "quant.group_size=32", "policy=uniform"]
     with pytest.raises(ConfigError, match="^quant.simulate: xlayer reconstructs each layer"):
