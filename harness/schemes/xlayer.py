@@ -110,9 +110,7 @@ class Xlayer(Scheme):
         if not isinstance(key_calibration, CrossLayerCalibration) or key_calibration.rank != self.rank:
             raise ValueError(UNBOUND.format(name=self.name))
         if layer == key_calibration.first_layer:  # a new cache binds its layers in order, its first one first
-            key_calibration.chain = (
-                weakref.WeakValueDictionary()
-            )  # held by the cache's layers, not by the chain
+            key_calibration.chain = weakref.WeakValueDictionary()  # the cache's layers hold the stores
         return replace(self, fitted=key_calibration.layer(layer), chain=key_calibration.chain, layer=layer)
 
     def quantized_token_bytes(self, bits: int, head_dim: int, role: str) -> int:
