@@ -252,6 +252,20 @@ def _file_args(run: str, root, *files: str, needles: int = 1):
     )  # fmt: skip
 
 
+def _uniform(model, bits: int):
+    """A uniform Allocation at `bits` for every (layer, KV head) of `model`."""
+    from harness.policies import Allocation
+
+    text = model.config.get_text_config(decoder=True)
+    shape = (text.num_hidden_layers, text.num_key_value_heads)
+    return Allocation.per_head(
+        torch.full(shape, bits),
+        torch.zeros(shape, dtype=torch.bool),
+        torch.full(shape, float(bits)),
+        "uniform",
+    )
+
+
 def test_allocation_files_are_points_with_their_own_scheme(tiny, tmp_path, monkeypatch):
     """A 16-bit allocation file answers as the unquantized cache does; a pca file (fitted parts and all) runs
     beside it, its record naming its scheme and file; a changed file is another point."""
@@ -259,14 +273,7 @@ def test_allocation_files_are_points_with_their_own_scheme(tiny, tmp_path, monke
 
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "calibration"))
     model, _ = tiny["tiny-llama"]
-    text = model.config.get_text_config(decoder=True)
-    shape = (text.num_hidden_layers, text.num_key_value_heads)
-    sixteen = harness.policies.Allocation.per_head(
-        torch.full(shape, 16), torch.zeros(shape, dtype=torch.bool), torch.full(shape, 16.0), "uniform"
-    )
-    pca = harness.policies.Allocation.per_head(
-        torch.full(shape, 3), torch.zeros(shape, dtype=torch.bool), torch.full(shape, 3.0), "uniform"
-    )
+    sixteen, pca = _uniform(model, 16), _uniform(model, 3)
     files = [
         str(harness.save_allocation(tmp_path / "full.json", sixteen, "asym_token")),
         str(harness.save_allocation(tmp_path / "pca3.json", pca, harness.make_scheme("pca", sink_tokens=1))),
@@ -324,20 +331,6 @@ def test_the_report_pairs_each_point_with_the_baseline_trial_by_trial(tmp_path):
         "uniform @ 3 bits", 2048
     ].endswith("n=20**")
     assert table.loc["entropy @ 3 bits", 2048] == "+0 [+0, +0] n=20" and table.loc["kv @ 3 bits", 2048] == "—"
-
-
-def _uniform(model, bits: int):
-    """A uniform Allocation at `bits` for every (layer, KV head) of `model`."""
-    from harness.policies import Allocation
-
-    text = model.config.get_text_config(decoder=True)
-    shape = (text.num_hidden_layers, text.num_key_value_heads)
-    return Allocation.per_head(
-        torch.full(shape, bits),
-        torch.zeros(shape, dtype=torch.bool),
-        torch.full(shape, float(bits)),
-        "uniform",
-    )
 
 
 def test_a_cross_layer_prefill_converts_as_one_exact_call_stores_it(tiny, tmp_path, monkeypatch):
