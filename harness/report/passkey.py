@@ -75,7 +75,8 @@ def accuracy_table(frame: pd.DataFrame, model: str) -> pd.DataFrame:
 
 def paired_table(frame: pd.DataFrame, model: str, n_boot: int = 1000, seed: int = 0) -> pd.DataFrame:
     """label x context: accuracy less the baseline's, paired by (depth, trial), with its bootstrap interval and n
-    (module docstring); '—' where the baseline or the point lacks a depth the other has."""
+    (module docstring), over the depths both have; a point run at fewer depths than the baseline names its depths
+    ("; depths 0.1, 0.7 only"); '—' where they share no depth or a shared depth's trial counts differ."""
     ok = frame[(frame.model == model) & (frame.status == "ok")]
     base_label = label(BASELINE, 16)
     cells: dict[str, dict[int, str]] = {}
@@ -83,10 +84,10 @@ def paired_table(frame: pd.DataFrame, model: str, n_boot: int = 1000, seed: int 
         base = at[at.label == base_label].set_index("depth").answers_correct
         for name, rows in at[at.label != base_label].groupby("label"):
             mine = rows.set_index("depth").answers_correct
-            if set(mine.index) != set(base.index) or any(len(mine[d]) != len(base[d]) for d in mine.index):
+            depths = sorted(set(mine.index) & set(base.index))
+            if not depths or any(len(mine[d]) != len(base[d]) for d in depths):
                 cells.setdefault(name, {})[int(context)] = "—"
                 continue
-            depths = sorted(mine.index)
             a = np.concatenate([np.asarray(mine[d], dtype=float) for d in depths])  # (n,) by (depth, trial)
             b = np.concatenate([np.asarray(base[d], dtype=float) for d in depths])
             diff = float(a.mean() - b.mean())
@@ -97,9 +98,10 @@ def paired_table(frame: pd.DataFrame, model: str, n_boot: int = 1000, seed: int 
                 n_boot,
                 seed,
             )
-            cells.setdefault(name, {})[int(context)] = format_difference(
-                diff, low, high, low > 0 or high < 0, len(a)
-            )
+            cell = format_difference(diff, low, high, low > 0 or high < 0, len(a))
+            if len(depths) < len(base):
+                cell += f"; depths {', '.join(f'{d:g}' for d in depths)} only"
+            cells.setdefault(name, {})[int(context)] = cell
     table = pd.DataFrame(cells).T
     return table.reindex(_order(table.index)) if len(table) else table
 

@@ -307,11 +307,13 @@ def test_an_unreadable_allocation_file_is_a_one_line_error(tmp_path):
 
 def test_the_report_pairs_each_point_with_the_baseline_trial_by_trial(tmp_path):
     """Two depths of 10 trials: the baseline right on all 20, one point wrong on 6 (bold: its interval excludes
-    0), another right where the baseline is: +0 with a degenerate interval; a point missing a depth gets '—'."""
+    0), another right where the baseline is: +0 with a degenerate interval; a point run at one depth is paired at that
+    depth and says so; a point whose trials differ from the baseline's at a shared depth gets '—'."""
     points = tmp_path / "points"
     points.mkdir()
     answers = {"baseline": [[True] * 10, [True] * 10], "uniform": [[True] * 7 + [False] * 3] * 2,
-               "entropy": [[True] * 10, [True] * 10], "kv": [[True] * 10]}  # fmt: skip
+               "entropy": [[True] * 10, [True] * 10], "kv": [[False] * 10],
+               "inverted": [[True] * 10, [True] * 9]}  # fmt: skip
     for policy, by_depth in answers.items():
         for depth, correct in zip((0.25, 0.75), by_depth):
             config = {
@@ -330,7 +332,9 @@ def test_the_report_pairs_each_point_with_the_baseline_trial_by_trial(tmp_path):
     assert table.loc["uniform @ 3 bits", 2048].startswith("**-0.3 [") and table.loc[
         "uniform @ 3 bits", 2048
     ].endswith("n=20**")
-    assert table.loc["entropy @ 3 bits", 2048] == "+0 [+0, +0] n=20" and table.loc["kv @ 3 bits", 2048] == "—"
+    assert table.loc["entropy @ 3 bits", 2048] == "+0 [+0, +0] n=20"
+    assert table.loc["kv @ 3 bits", 2048] == "-1 (n=10 too small for an interval); depths 0.25 only"
+    assert table.loc["inverted @ 3 bits", 2048] == "—"
 
 
 def test_a_cross_layer_prefill_converts_as_one_exact_call_stores_it(tiny, tmp_path, monkeypatch):
