@@ -27,7 +27,10 @@ a run is harness/report/passkey.py's.
   (harness.cache.cannot_convert), so such a point is refused in one line before any prefill.
 Results: results/passkey/<run>/points/<model>__c<context>__d<depth>__<policy>__b<budget>__<settings hash>.json,
 one per point, written atomically once all its trials are done; a point whose file exists is skipped, and a
-(context, depth) whose points all exist costs no prefill.
+(context, depth) whose points all exist costs no prefill. Until then results/passkey/<run>/partial/ keeps each
+point's answers so far, rewritten after each batch of trials, so a run stopped inside a (context, depth) resumes
+at the batch (prefills only for the batches some point has not answered; the record's resumed_trials says how
+many trials it read back).
 """
 
 from __future__ import annotations
@@ -423,67 +426,98 @@ def check_convertible(job: Job, shape, schemes: list[Scheme], document: int) -> 
 
 
 @dataclass
-class _Answers:
-    """What one (context, depth) gave each pending (policy, budget): answer tokens per batch of trials (B, M),
-    true and fp16 bytes of the caches read, seconds answering; and the shared document prefill's seconds."""
+class _Progress:
+    """One pending (policy, budget)'s answers so far at one (context, depth): the answer tokens of its first
+    len(rows) trials, the true and fp16 bytes of the caches they read, seconds answering and in the shared
+    prefills they read, and how many of the rows a stopped run left in the partial this one resumed from."""
 
-    tokens: dict
-    held: dict  # (policy, budget) -> [true bytes, fp16 bytes]
-    seconds: dict
+    rows: list  # trials x new_tokens token ids
+    held: list  # [true bytes, fp16 bytes]
+    answer_s: float = 0.0
     prefill_s: float = 0.0
+    resumed_trials: int = 0
+
+    @classmethod
+    def resume(cls, partial: dict | None) -> _Progress:
+        """From a point's partial (harness.run.records.PointLog.read_partial), or from nothing."""
+        if partial is None:
+            return cls([], [0, 0])
+        return cls(
+            partial["rows"], partial["held"], partial["answer_s"], partial["prefill_s"], len(partial["rows"])
+        )
+
+    def add(self, tokens: torch.Tensor, first: int, cache, answer_s: float, prefill_s: float) -> None:
+        """A batch's answer tokens (B, new_tokens) to trials first .. first + B - 1, the quantized cache they read
+        (None for the baseline) and the seconds spent; the trials it already has are left out (a run resumed at
+        another batch size)."""
+        skip = len(self.rows) - first
+        self.rows += tokens[skip:].tolist()
+        self.answer_s += answer_s
+        self.prefill_s += prefill_s
+        if cache is not None:  # every trial's cache holds the same bytes (one context): count the kept ones
+            kept, batch = tokens.shape[0] - skip, tokens.shape[0]
+            self.held = [
+                self.held[0] + cache.nbytes() * kept // batch,
+                self.held[1] + cache.nbytes_fp16() * kept // batch,
+            ]
+
+    def partial(self, provenance: dict) -> dict:
+        """What PointLog.write_partial keeps of it (the process's provenance beside it)."""
+        fields = ("rows", "held", "answer_s", "prefill_s")
+        return {**{k: getattr(self, k) for k in fields}, "provenance": provenance}
 
 
-def _answer_all(model, job: Job, prompts: list, pending: list, allocs: dict, storage: dict) -> _Answers:
-    """Every pending (policy, budget) answers every prompt, batch by batch, from one full-precision prefill of
-    each batch's document (prefill=exact) or through its own quantized prefill (prefill=quantized)."""
+def _answer_batch(model, job: Job, alloc, store: Storage | None, document: torch.Tensor, question: torch.Tensor,
+                  shared: DynamicCache | None) -> tuple[torch.Tensor, object]:  # fmt: skip
+    """One (policy, budget)'s answer tokens (B, new_tokens) to one batch and the cache they read: from `shared`,
+    the document's full-precision prefill (prefill=exact, and the baseline), or through its own quantized
+    prefill of `document` (B, L) (prefill=quantized)."""
+    s, start = job.settings, document.shape[1]
+    if alloc is None:
+        return answer_from_prefilled(model, shared, question, start, s.new_tokens)
+    if s.prefill == "exact":
+        return answer_from_prefilled(
+            model, shared, question, start, s.new_tokens, alloc, store.scheme, store.fitted, store.simulate
+        )
+    cache = QuantizedKVCache(
+        model.config, alloc, store.scheme, prefill="quantized", key_calibration=store.fitted,
+        simulate=store.simulate,
+    )  # fmt: skip
+    prefill(model, document, cache, s.chunk)
+    return answer(model, cache, question, start, s.new_tokens), cache
+
+
+def _answer_all(model, job: Job, prompts: list, names: dict, allocs: dict, storage: dict, log: PointLog,
+                progress=print, provenance: dict | None = None) -> dict:  # fmt: skip
+    """Every feasible (policy, budget) of `names` (-> its point name) answers every prompt it has not answered,
+    batch by batch, from one full-precision prefill of each batch's document (prefill=exact; skipped where no
+    point needs the batch) or through its own quantized prefill (prefill=quantized); each point's partial is
+    rewritten after each batch, so a stopped run resumes at the batch. -> (policy, budget) -> _Progress."""
     s = job.settings
-    out = _Answers({pb: [] for pb in pending}, {pb: [0, 0] for pb in pending}, {pb: 0.0 for pb in pending})
+    feasible = [pb for pb in names if not isinstance(allocs.get(pb), str)]  # the caller records the others
+    done = {pb: _Progress.resume(log.read_partial(names[pb])) for pb in feasible}
     context = prompts[0].ids.shape[-1]
     for first in range(0, s.trials, job.batch_size):
-        batch = prompts[first : first + job.batch_size]
-        ids = torch.stack([p.ids for p in batch])  # (B, context)
-        q = batch[0].question_tokens
+        end = min(first + job.batch_size, s.trials)
+        answering = [pb for pb, p in done.items() if len(p.rows) < end]
+        if not answering:
+            continue  # every point read these trials before it was stopped
+        ids = torch.stack([p.ids for p in prompts[first:end]])  # (B, context)
+        q = prompts[first].question_tokens
         document, question = ids[:, : context - q], ids[:, context - q :]
         t0 = time.perf_counter()
-        document_cache = DynamicCache(config=model.config)
-        prefill(model, document, document_cache, s.chunk)
-        out.prefill_s += time.perf_counter() - t0
-        for pb in pending:
+        shared = DynamicCache(config=model.config)
+        if s.prefill == "exact" or BASELINE in (pb[0] for pb in answering):
+            prefill(model, document, shared, s.chunk)
+        prefill_s = time.perf_counter() - t0
+        for pb in answering:
             alloc = None if pb[0] == BASELINE else allocs[pb]
-            if isinstance(alloc, str):
-                continue  # infeasible: recorded by the caller
             t0 = time.perf_counter()
-            if alloc is None:
-                tokens, cache = answer_from_prefilled(
-                    model, document_cache, question, context - q, s.new_tokens
-                )
-            elif s.prefill == "exact":
-                store = storage[pb]
-                tokens, cache = answer_from_prefilled(
-                    model,
-                    document_cache,
-                    question,
-                    context - q,
-                    s.new_tokens,
-                    alloc,
-                    store.scheme,
-                    store.fitted,
-                    store.simulate,
-                )
-            else:
-                store = storage[pb]
-                cache = QuantizedKVCache(
-                    model.config, alloc, store.scheme, prefill="quantized", key_calibration=store.fitted,
-                    simulate=store.simulate,
-                )  # fmt: skip
-                prefill(model, document, cache, s.chunk)
-                tokens = answer(model, cache, question, context - q, s.new_tokens)
-            out.seconds[pb] += time.perf_counter() - t0
-            out.tokens[pb].append(tokens)
-            if alloc is not None:
-                out.held[pb][0] += cache.nbytes()
-                out.held[pb][1] += cache.nbytes_fp16()
-    return out
+            tokens, cache = _answer_batch(model, job, alloc, storage.get(pb), document, question, shared)
+            done[pb].add(tokens, first, None if alloc is None else cache, time.perf_counter() - t0, prefill_s)
+            log.write_partial(names[pb], done[pb].partial(provenance or {}))
+        progress(f"{job.model} context {context}: trials {end} / {s.trials} answered")
+    return done
 
 
 def _record(
@@ -492,13 +526,13 @@ def _record(
     pb: tuple,
     alloc,
     prompts: list,
-    answers: _Answers,
+    answers: _Progress | None,
     tokenizer,
     provenance,
     storage: Storage | None = None,
 ) -> dict:
     """One point's record at (context, depth) `where`: its configuration and provenance, and its accuracy with
-    every answer, or why it is infeasible."""
+    every answer, or why it is infeasible (`answers` None)."""
     s = job.settings
     context, depth = where
     config = dict(model=job.model, context=context, depth=depth, policy=pb[0], budget=pb[1], **s.__dict__)
@@ -508,11 +542,12 @@ def _record(
     record = {"key": point_name(job.model, context, depth, *pb, s), "config": config, **provenance}
     if isinstance(alloc, str):
         return {**record, "status": "infeasible", "error": alloc}
-    texts = [tokenizer.decode(row) for row in torch.cat(answers.tokens[pb]).tolist()]
+    texts = [tokenizer.decode(row) for row in answers.rows]
     correct = [score(text, p.key) for text, p in zip(texts, prompts)]
-    held = answers.held[pb]
+    resumed = {"resumed_trials": answers.resumed_trials} if answers.resumed_trials else {}
     return {
         **record,
+        **resumed,
         "status": "ok",
         "accuracy": sum(correct) / len(correct),
         "correct": correct,
@@ -521,8 +556,8 @@ def _record(
         "needle_starts": [p.needle_start for p in prompts],
         "mean_bits": float(FULL_WIDTH) if alloc is None else alloc.mean_bits,
         "compression_nominal": 1.0 if alloc is None else FULL_WIDTH / alloc.mean_bits,
-        "compression_true": 1.0 if alloc is None else held[1] / held[0],
-        "answer_s": answers.seconds[pb],
+        "compression_true": 1.0 if alloc is None else answers.held[1] / answers.held[0],
+        "answer_s": answers.answer_s,
         "shared_prefill_s": answers.prefill_s,
     }
 
@@ -566,19 +601,25 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
                 builder.build(context, depth, trial_keys(s.seed, job.model, context, depth, t, s.needles))
                 for t in range(s.trials)
             ]
-            answers = _answer_all(model, job, prompts, pending, allocs, storage)
+            names = {pb: point_name(job.model, context, depth, *pb, s) for pb in pending}
+            answers = _answer_all(model, job, prompts, names, allocs, storage, log, progress, provenance)
             for pb in pending:
                 alloc = None if pb[0] == BASELINE else allocs[pb]
                 where = (context, depth)
                 record = _record(
-                    job, where, pb, alloc, prompts, answers, tokenizer, provenance or {}, storage.get(pb)
+                    job,
+                    where,
+                    pb,
+                    alloc,
+                    prompts,
+                    answers.get(pb),
+                    tokenizer,
+                    provenance or {},
+                    storage.get(pb),
                 )
                 log.write(record["key"], record)
                 written += 1
-            progress(
-                f"{job.model} context {context} depth {depth:g}: {len(pending)} points, "
-                f"prefill {answers.prefill_s:.1f} s"
-            )
+            progress(f"{job.model} context {context} depth {depth:g}: {len(pending)} points written")
     return written
 
 

@@ -129,6 +129,49 @@ def test_run_writes_points_and_resumes(tmp_path, monkeypatch):
     assert other.settings.digest() != job.settings.digest()
 
 
+def test_a_run_stopped_inside_a_depth_resumes_at_the_batch(tmp_path, monkeypatch):
+    """Stopped after its first trial (batch 1), a run keeps each point's answers in partial/; resumed at batch 2 it
+    prefills only what some point lacks, and writes the points an unstopped run writes, trial for trial."""
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "calibration"))
+    (reference,) = passkey.jobs(_args("ref", tmp_path / "runs"))
+    assert passkey.run_model(reference, tmp_path / "runs" / "ref", progress=lambda _: None) == 2
+    expected = {
+        p.name: json.loads(p.read_text()) for p in (tmp_path / "runs" / "ref" / "points").glob("*.json")
+    }
+
+    run_dir = tmp_path / "runs" / "s"
+    answer_batch, calls = passkey._answer_batch, []
+
+    def stop_at_the_second_batch(*args):
+        calls.append(1)
+        if len(calls) == 3:  # the baseline and uniform answered trial 0; trial 1's first answer is stopped
+            raise KeyboardInterrupt
+        return answer_batch(*args)
+
+    monkeypatch.setattr(passkey, "_answer_batch", stop_at_the_second_batch)
+    (stopped,) = passkey.jobs(_args("s", tmp_path / "runs", batch="1"))
+    with pytest.raises(KeyboardInterrupt):
+        passkey.run_model(stopped, run_dir, progress=lambda _: None)
+    assert not list((run_dir / "points").glob("*.json"))
+    partials = {p.name: json.loads(p.read_text()) for p in (run_dir / "partial").glob("*.json")}
+    assert sorted(partials) == sorted(expected) and all(len(p["rows"]) == 1 for p in partials.values())
+
+    monkeypatch.setattr(passkey, "_answer_batch", answer_batch)
+    prefills, prefill = [], passkey.prefill
+    monkeypatch.setattr(passkey, "prefill", lambda *a, **k: prefills.append(a[1].shape) or prefill(*a, **k))
+    (resumed,) = passkey.jobs(
+        _args("s", tmp_path / "runs")
+    )  # batch 2: trials 0-1 (0 kept from the partial), 2
+    assert passkey.run_model(resumed, run_dir, progress=lambda _: None) == 2
+    assert [shape[0] for shape in prefills] == [2, 1]
+    assert not list((run_dir / "partial").glob("*.json"))
+    for name, want in expected.items():
+        got = json.loads((run_dir / "points" / name).read_text())
+        assert got["resumed_trials"] == 1 and "resumed_trials" not in want
+        for field in ("answers", "correct", "keys", "compression_true", "mean_bits"):
+            assert got[field] == want[field], field
+
+
 def test_failure_rule():
     accuracy = accuracy_table(_frame(), "m")
     assert fail_contexts(accuracy) == {"uniform @ 2 bits": 2048, "uniform @ 4 bits": None}
