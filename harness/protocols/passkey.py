@@ -7,6 +7,10 @@ a run is harness/report/passkey.py's.
   ("The pass key is 12345. Remember it. 12345 is the pass key."), filler, the question ("What is the pass key?
   The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
   joined as token ids, so the length is exact for any tokenizer.
+- Haystack (`haystack`): `repeat` (default) is the filler above, the same in every trial, so a depth's trials
+  differ only in their keys' digits and tend to pass or fail together; `text` cuts each trial's filler from the
+  evaluation split of the default text (harness.data.split: never calibration text) at an offset of its own
+  (haystack_seed), one contiguous run the needles interrupt, so that trials are different documents.
 - Multi-key (`needles` N > 1): N needles of different keys, each naming its box ("The pass key of the red box
   is 12345. ..."), the question asking for the first box's ("What is the pass key of the red box? ..."); the asked
   needle sits at `depth`, the others at depth + j / N (mod 1), j = 1..N-1, so every depth has N - 1 distractors.
@@ -95,11 +99,16 @@ def check_needles(needles) -> None:
         raise ValueError(f"passkey.needles: {needles!r}; allowed: an integer in [1, {len(BOXES)}]")
 
 
+HAYSTACKS = ("repeat", "text")  # the filler of every trial, or a window of the evaluation text per trial
+
+
 class PromptBuilder:
     """Passkey prompts of an exact token length for one tokenizer (the fixed pieces are tokenized once)."""
 
-    def __init__(self, tokenizer, bos: bool = False, needles: int = 1):
+    def __init__(self, tokenizer, bos: bool = False, needles: int = 1, haystack: str = "repeat"):
         check_needles(needles)
+        if haystack not in HAYSTACKS:
+            raise ValueError(f"passkey.haystack: unknown {haystack!r}; allowed: {', '.join(HAYSTACKS)}")
         self.tokenizer = tokenizer
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         self.encode = encode
@@ -108,6 +117,9 @@ class PromptBuilder:
         self.question = encode(QUESTION if needles == 1 else BOX_QUESTION.format(box=BOXES[0]))
         self.sentence = encode(FILLER)
         self.filler: list[int] = []
+        self.text = (
+            data.text_ids(tokenizer, data.split(None).evaluation).tolist() if haystack == "text" else None
+        )
 
     def _filler(self, n: int) -> list[int]:
         while len(self.filler) < n:  # tokenized in sentence-sized pieces, so any prefix is a valid filler
@@ -124,9 +136,18 @@ class PromptBuilder:
         needles = sum(len(self._needle(j, key)) for j in range(self.needles))
         return len(self.head) + needles + len(self.question)
 
-    def build(self, context: int, depth: float, keys: str | list[str]) -> PasskeyPrompt:
+    def _text(self, n: int, seed: int) -> list[int]:
+        """A text haystack: n tokens of the evaluation text from the offset `seed` picks."""
+        if n > len(self.text):
+            raise ValueError(
+                f"passkey.haystack: text holds {len(self.text)} tokens, fewer than the {n} asked for"
+            )
+        start = seed % (len(self.text) - n + 1)
+        return self.text[start : start + n]
+
+    def build(self, context: int, depth: float, keys: str | list[str], seed: int = 0) -> PasskeyPrompt:
         """The prompt of `context` tokens asking for keys[0] (a key alone: one needle) hidden at `depth`, the other
-        keys' needles at depth + j / N (mod 1)."""
+        keys' needles at depth + j / N (mod 1); `seed` picks a text haystack's window (haystack_seed)."""
         keys = [keys] if isinstance(keys, str) else list(keys)
         if len(keys) != self.needles:
             raise ValueError(f"{len(keys)} keys for a prompt of {self.needles} needles")
@@ -141,13 +162,18 @@ class PromptBuilder:
         depths = [depth] + [(depth + j / self.needles) % 1.0 for j in range(1, self.needles)]
         # (filler tokens before it, needle j), in document order (ties: the asked needle first)
         placed = sorted((round(d * n_filler), j) for j, d in enumerate(depths))
+        if self.text is None:  # each gap a filler of its own length, from the filler's start
+            gap = lambda a, b: self._filler(b - a)  # noqa: E731
+        else:  # one window of the text, which the needles cut
+            text = self._text(n_filler, seed)
+            gap = lambda a, b: text[a:b]  # noqa: E731
         ids, used, asked_start = list(self.head), 0, 0
         for before, j in placed:
-            ids += self._filler(before - used)  # each gap a filler of its own length, from the filler's start
+            ids += gap(used, before)
             used = before
             asked_start = len(ids) if j == 0 else asked_start
             ids += needles[j]
-        ids += self._filler(n_filler - used) + self.question
+        ids += gap(used, n_filler) + self.question
         return PasskeyPrompt(torch.tensor(ids, dtype=torch.long), keys[0], asked_start, len(self.question))
 
 
@@ -156,6 +182,12 @@ def trial_key(seed: int, model: str, context: int, depth: float, trial: int, nee
     tail = f"|{needle}" if needle else ""  # needle 0 keeps the key single-needle runs have always had
     digest = hashlib.sha256(f"{seed}|{model}|{context}|{depth:g}|{trial}{tail}".encode()).digest()
     return str(10000 + int.from_bytes(digest[:8], "little") % 90000)
+
+
+def haystack_seed(seed: int, model: str, context: int, depth: float, trial: int) -> int:
+    """Where one trial's text haystack starts (PromptBuilder.build): the same for every policy and budget."""
+    digest = hashlib.sha256(f"{seed}|{model}|{context}|{depth:g}|{trial}|haystack".encode()).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 def trial_keys(seed: int, model: str, context: int, depth: float, trial: int, needles: int) -> list[str]:
@@ -260,6 +292,7 @@ class Settings:
     budget_unit: str = "bytes"  # policy.budget_unit of every policy (harness.policies)
     dtype: str = "float32"  # the model's, resolved (harness/precision.py)
     needles: int = 1  # keys hidden in each prompt, one asked for (module docstring: multi-key)
+    haystack: str = "repeat"  # HAYSTACKS (module docstring)
 
     def __post_init__(self):
         if self.bos not in BOS_RULES:
@@ -286,15 +319,21 @@ class Settings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
         check_needles(self.needles)
+        if self.haystack not in HAYSTACKS:
+            raise ValueError(f"passkey.haystack: unknown {self.haystack!r}; allowed: {', '.join(HAYSTACKS)}")
 
     def digest(self) -> str:
-        """A hash of the settings; a float32 dtype and a single needle are left out, so points made before they
-        were recorded keep their names."""
+        """A hash of the settings; a float32 dtype, a single needle and the repeated filler are left out, so points
+        made before they were recorded keep their names."""
         fields = {k: v for k, v in self.__dict__.items() if UNRECORDED_DEFAULTS.get(k, object()) != v}
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
 
 
-UNRECORDED_DEFAULTS = {"dtype": "float32", "needles": 1}  # Settings fields out of the digest at these values
+UNRECORDED_DEFAULTS = {
+    "dtype": "float32",
+    "needles": 1,
+    "haystack": "repeat",
+}  # Settings fields out of the digest at these values
 
 
 def point_name(model: str, context: int, depth: float, policy: str, budget: float, settings: Settings) -> str:
@@ -573,7 +612,7 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
         return 0
     model, tokenizer = load_model(job.model, dtype=job.settings.dtype)
     s = job.settings
-    builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos), needles=s.needles)
+    builder = PromptBuilder(tokenizer, bos=uses_bos(tokenizer, s.bos), needles=s.needles, haystack=s.haystack)
     scheme = get_scheme(s.scheme, s.group_size)
     shape = shape_from_config(model.config, job.model)
     price = element_price(shape, scheme)
@@ -598,7 +637,12 @@ def run_model(job: Job, run_dir: Path, progress=print, provenance: dict | None =
         for context, depth in todo:
             pending = _pending(job, log, context, depth)
             prompts = [
-                builder.build(context, depth, trial_keys(s.seed, job.model, context, depth, t, s.needles))
+                builder.build(
+                    context,
+                    depth,
+                    trial_keys(s.seed, job.model, context, depth, t, s.needles),
+                    haystack_seed(s.seed, job.model, context, depth, t),
+                )  # fmt: skip
                 for t in range(s.trials)
             ]
             names = {pb: point_name(job.model, context, depth, *pb, s) for pb in pending}
@@ -642,6 +686,9 @@ def parser() -> argparse.ArgumentParser:
         help="allocation files (python -m harness.export), each a point",
     )
     p.add_argument("--needles", type=int, default=1, help="keys hidden per prompt, one asked for (multi-key)")
+    p.add_argument(
+        "--haystack", default="repeat", help=f"one of {', '.join(HAYSTACKS)}: the filler (module doc)"
+    )
     p.add_argument("--budgets", type=float, nargs="+", default=[2, 3, 4])
     p.add_argument("--scheme", default="asym_token")
     p.add_argument("--group-size", type=int, default=32)
@@ -676,7 +723,7 @@ def jobs(args) -> list[Job]:
     settings = Settings(
         args.trials, args.seed, args.scheme, args.group_size, args.prefill, args.new_tokens, args.chunk,
         args.calibration_sequences, args.calibration_tokens, bos=args.bos, budget_unit=args.budget_unit,
-        dtype=precision.resolve(args.dtype, key="passkey.dtype"), needles=args.needles,
+        dtype=precision.resolve(args.dtype, key="passkey.dtype"), needles=args.needles, haystack=args.haystack,
     )  # fmt: skip
     files = tuple(allocation_file(path) for path in args.allocations)
     get_scheme(args.scheme, args.group_size)

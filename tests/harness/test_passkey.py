@@ -202,6 +202,13 @@ def test_bad_options_are_one_line_errors(tmp_path):
         passkey.jobs(_args("x", tmp_path, budgets="1"))
     with pytest.raises(ValueError, match="passkey.depths"):
         passkey.jobs(_args("x", tmp_path, depths="1.5"))
+    with pytest.raises(ValueError, match="passkey.haystack: unknown 'essays'; allowed: repeat, text"):
+        passkey.jobs(passkey.parser().parse_args(["--haystack", "essays", "--root", str(tmp_path)]))
+    text, repeat = (
+        passkey.jobs(passkey.parser().parse_args([*extra, "--root", str(tmp_path)]))[0].settings
+        for extra in (["--haystack", "text"], [])
+    )
+    assert text.haystack == "text" and text.digest() != repeat.digest()  # other prompts: other points
 
 
 @pytest.mark.parametrize("run", ["../escape", "a/b", ".."])
@@ -247,6 +254,39 @@ def test_one_needle_prompts_are_the_ones_runs_have_always_read(tiny):
         before = round(depth * n_filler)
         expected = builder.head + builder._filler(before) + needle + builder._filler(n_filler - before)
         assert builder.build(context, depth, key).ids.tolist() == expected + builder.question
+
+
+@pytest.mark.parametrize(
+    "needles,context,depth", [(1, 301, 0.0), (1, 777, 0.37), (3, 640, 0.9), (2, 1000, 1.0)]
+)
+def test_a_text_haystack_is_one_window_of_the_evaluation_text_per_trial(tiny, needles, context, depth):
+    """haystack=text: the prompt is exactly `context` tokens, its filler (the prompt less head, needles and
+    question) one contiguous run of the evaluation split's tokens, another for another trial; the needle at its
+    depth of that run."""
+    from harness import data
+
+    tokenizer = tiny["tiny-llama"][1]
+    builder = passkey.PromptBuilder(tokenizer, needles=needles, haystack="text")
+    text = data.text_ids(tokenizer, data.split(None).evaluation).tolist()
+    fillers = []
+    for trial in (0, 1):
+        keys = passkey.trial_keys(0, "m", context, depth, trial, needles)
+        prompt = builder.build(context, depth, keys, passkey.haystack_seed(0, "m", context, depth, trial))
+        ids = prompt.ids.tolist()
+        assert len(ids) == context and ids[: len(builder.head)] == builder.head
+        assert ids[-prompt.question_tokens :] == builder.question
+        for j, key in enumerate(keys):  # cut the needles out where they stand
+            needle = builder._needle(j, key)
+            at = next(i for i in range(len(ids)) if ids[i : i + len(needle)] == needle)
+            assert j or at == prompt.needle_start
+            ids = ids[:at] + ids[at + len(needle) :]
+        filler = ids[len(builder.head) : len(ids) - prompt.question_tokens]
+        start = next(i for i in range(len(text)) if text[i : i + len(filler)] == filler)
+        assert filler == text[start : start + len(filler)]
+        before = prompt.needle_start - len(builder.head)  # filler tokens before the asked needle
+        assert needles > 1 or abs(before - depth * len(filler)) <= 0.5
+        fillers.append(filler)
+    assert fillers[0] != fillers[1]
 
 
 @pytest.mark.parametrize(
