@@ -8,9 +8,10 @@ a run is harness/report/passkey.py's.
   The pass key is"). round(depth * n_filler) filler tokens precede the needle. Pieces are tokenized apart and
   joined as token ids, so the length is exact for any tokenizer.
 - Haystack (`haystack`): `repeat` (default) is the filler above, the same in every trial, so a depth's trials
-  differ only in their keys' digits and tend to pass or fail together; `text` cuts each trial's filler from the
-  evaluation split of the default text (harness.data.split: never calibration text) at an offset of its own
-  (haystack_seed), one contiguous run the needles interrupt, so that trials are different documents.
+  differ only in their keys' digits and tend to pass or fail together. So that trials are different documents,
+  each trial's filler can be a run of its own (drawn with haystack_seed) that the needles cut: `shuffled`, the
+  filler's five sentences in an order of their own each round; `text`, a window of the evaluation split of the
+  default text (harness.data.split: never calibration text) at an offset of its own.
 - Multi-key (`needles` N > 1): N needles of different keys, each naming its box ("The pass key of the red box
   is 12345. ..."), the question asking for the first box's ("What is the pass key of the red box? ..."); the asked
   needle sits at `depth`, the others at depth + j / N (mod 1), j = 1..N-1, so every depth has N - 1 distractors.
@@ -43,6 +44,7 @@ import argparse
 import copy
 import hashlib
 import json
+import random
 import re
 import sys
 import time
@@ -99,7 +101,7 @@ def check_needles(needles) -> None:
         raise ValueError(f"passkey.needles: {needles!r}; allowed: an integer in [1, {len(BOXES)}]")
 
 
-HAYSTACKS = ("repeat", "text")  # the filler of every trial, or a window of the evaluation text per trial
+HAYSTACKS = ("repeat", "shuffled", "text")  # module docstring
 
 
 class PromptBuilder:
@@ -117,9 +119,11 @@ class PromptBuilder:
         self.question = encode(QUESTION if needles == 1 else BOX_QUESTION.format(box=BOXES[0]))
         self.sentence = encode(FILLER)
         self.filler: list[int] = []
+        self.haystack = haystack
         self.text = (
-            data.text_ids(tokenizer, data.split(None).evaluation).tolist() if haystack == "text" else None
+            data.text_ids(tokenizer, data.split(None).evaluation).tolist() if haystack == "text" else []
         )
+        self.sentences = [encode(piece) for piece in re.findall(r" [^.]*\.", FILLER)]  # shuffled's pieces
 
     def _filler(self, n: int) -> list[int]:
         while len(self.filler) < n:  # tokenized in sentence-sized pieces, so any prefix is a valid filler
@@ -136,8 +140,16 @@ class PromptBuilder:
         needles = sum(len(self._needle(j, key)) for j in range(self.needles))
         return len(self.head) + needles + len(self.question)
 
-    def _text(self, n: int, seed: int) -> list[int]:
-        """A text haystack: n tokens of the evaluation text from the offset `seed` picks."""
+    def _stream(self, n: int, seed: int) -> list[int]:
+        """One trial's n filler tokens, which its needles cut: `shuffled`, the filler's sentences, each round of
+        them in an order of its own drawn with `seed`; `text`, the evaluation text's n tokens from an offset
+        `seed` picks."""
+        if self.haystack == "shuffled":
+            rng, out = random.Random(seed), []
+            while len(out) < n:
+                for i in rng.sample(range(len(self.sentences)), len(self.sentences)):
+                    out += self.sentences[i]
+            return out[:n]
         if n > len(self.text):
             raise ValueError(
                 f"passkey.haystack: text holds {len(self.text)} tokens, fewer than the {n} asked for"
@@ -162,11 +174,11 @@ class PromptBuilder:
         depths = [depth] + [(depth + j / self.needles) % 1.0 for j in range(1, self.needles)]
         # (filler tokens before it, needle j), in document order (ties: the asked needle first)
         placed = sorted((round(d * n_filler), j) for j, d in enumerate(depths))
-        if self.text is None:  # each gap a filler of its own length, from the filler's start
+        if self.haystack == "repeat":  # each gap a filler of its own length, from the filler's start
             gap = lambda a, b: self._filler(b - a)  # noqa: E731
-        else:  # one window of the text, which the needles cut
-            text = self._text(n_filler, seed)
-            gap = lambda a, b: text[a:b]  # noqa: E731
+        else:  # the trial's own run of filler, which the needles cut
+            stream = self._stream(n_filler, seed)
+            gap = lambda a, b: stream[a:b]  # noqa: E731
         ids, used, asked_start = list(self.head), 0, 0
         for before, j in placed:
             ids += gap(used, before)

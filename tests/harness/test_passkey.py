@@ -202,7 +202,9 @@ def test_bad_options_are_one_line_errors(tmp_path):
         passkey.jobs(_args("x", tmp_path, budgets="1"))
     with pytest.raises(ValueError, match="passkey.depths"):
         passkey.jobs(_args("x", tmp_path, depths="1.5"))
-    with pytest.raises(ValueError, match="passkey.haystack: unknown 'essays'; allowed: repeat, text"):
+    with pytest.raises(
+        ValueError, match="passkey.haystack: unknown 'essays'; allowed: repeat, shuffled, text"
+    ):
         passkey.jobs(passkey.parser().parse_args(["--haystack", "essays", "--root", str(tmp_path)]))
     text, repeat = (
         passkey.jobs(passkey.parser().parse_args([*extra, "--root", str(tmp_path)]))[0].settings
@@ -256,17 +258,31 @@ def test_one_needle_prompts_are_the_ones_runs_have_always_read(tiny):
         assert builder.build(context, depth, key).ids.tolist() == expected + builder.question
 
 
+def _is_shuffled_filler(filler: list[int], sentences: list[list[int]]) -> bool:
+    """Whether `filler` is a prefix of rounds of `sentences`, each round every sentence once in some order."""
+    left = []
+    while filler:
+        left = left or list(range(len(sentences)))
+        match = [i for i in left if filler[: len(sentences[i])] == sentences[i][: len(filler)]]
+        if not match:
+            return False
+        left.remove(match[0])
+        filler = filler[len(sentences[match[0]]) :]
+    return True
+
+
+@pytest.mark.parametrize("haystack", ["text", "shuffled"])
 @pytest.mark.parametrize(
     "needles,context,depth", [(1, 301, 0.0), (1, 777, 0.37), (3, 640, 0.9), (2, 1000, 1.0)]
 )
-def test_a_text_haystack_is_one_window_of_the_evaluation_text_per_trial(tiny, needles, context, depth):
-    """haystack=text: the prompt is exactly `context` tokens, its filler (the prompt less head, needles and
-    question) one contiguous run of the evaluation split's tokens, another for another trial; the needle at its
-    depth of that run."""
+def test_a_trials_own_haystack_is_one_run_the_needles_cut(tiny, haystack, needles, context, depth):
+    """haystack=text / shuffled: the prompt is exactly `context` tokens, its filler (the prompt less head, needles
+    and question) one contiguous run of the evaluation split's tokens / rounds of the filler's sentences, each in
+    an order of its own; another trial another run; the needle at its depth of the run."""
     from harness import data
 
     tokenizer = tiny["tiny-llama"][1]
-    builder = passkey.PromptBuilder(tokenizer, needles=needles, haystack="text")
+    builder = passkey.PromptBuilder(tokenizer, needles=needles, haystack=haystack)
     text = data.text_ids(tokenizer, data.split(None).evaluation).tolist()
     fillers = []
     for trial in (0, 1):
@@ -281,8 +297,12 @@ def test_a_text_haystack_is_one_window_of_the_evaluation_text_per_trial(tiny, ne
             assert j or at == prompt.needle_start
             ids = ids[:at] + ids[at + len(needle) :]
         filler = ids[len(builder.head) : len(ids) - prompt.question_tokens]
-        start = next(i for i in range(len(text)) if text[i : i + len(filler)] == filler)
-        assert filler == text[start : start + len(filler)]
+        if haystack == "text":
+            start = next(i for i in range(len(text)) if text[i : i + len(filler)] == filler)
+            assert filler == text[start : start + len(filler)]
+        else:
+            assert _is_shuffled_filler(filler, builder.sentences)
+            assert not _is_shuffled_filler(filler[1:] + filler[:1], builder.sentences)  # the check can fail
         before = prompt.needle_start - len(builder.head)  # filler tokens before the asked needle
         assert needles > 1 or abs(before - depth * len(filler)) <= 0.5
         fillers.append(filler)
