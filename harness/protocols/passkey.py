@@ -104,13 +104,18 @@ def check_needles(needles) -> None:
 HAYSTACKS = ("repeat", "shuffled", "text")  # module docstring
 
 
+def check_haystack(haystack) -> None:
+    """ValueError naming passkey.haystack unless it is one of HAYSTACKS."""
+    if haystack not in HAYSTACKS:
+        raise ValueError(f"passkey.haystack: unknown {haystack!r}; allowed: {', '.join(HAYSTACKS)}")
+
+
 class PromptBuilder:
     """Passkey prompts of an exact token length for one tokenizer (the fixed pieces are tokenized once)."""
 
     def __init__(self, tokenizer, bos: bool = False, needles: int = 1, haystack: str = "repeat"):
         check_needles(needles)
-        if haystack not in HAYSTACKS:
-            raise ValueError(f"passkey.haystack: unknown {haystack!r}; allowed: {', '.join(HAYSTACKS)}")
+        check_haystack(haystack)
         self.tokenizer = tokenizer
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
         self.encode = encode
@@ -159,7 +164,7 @@ class PromptBuilder:
 
     def build(self, context: int, depth: float, keys: str | list[str], seed: int = 0) -> PasskeyPrompt:
         """The prompt of `context` tokens asking for keys[0] (a key alone: one needle) hidden at `depth`, the other
-        keys' needles at depth + j / N (mod 1); `seed` picks a text haystack's window (haystack_seed)."""
+        keys' needles at depth + j / N (mod 1); `seed` draws a shuffled or text haystack (haystack_seed)."""
         keys = [keys] if isinstance(keys, str) else list(keys)
         if len(keys) != self.needles:
             raise ValueError(f"{len(keys)} keys for a prompt of {self.needles} needles")
@@ -197,7 +202,7 @@ def trial_key(seed: int, model: str, context: int, depth: float, trial: int, nee
 
 
 def haystack_seed(seed: int, model: str, context: int, depth: float, trial: int) -> int:
-    """Where one trial's text haystack starts (PromptBuilder.build): the same for every policy and budget."""
+    """The seed of one trial's own haystack (PromptBuilder.build): the same for every policy and budget."""
     digest = hashlib.sha256(f"{seed}|{model}|{context}|{depth:g}|{trial}|haystack".encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
@@ -331,8 +336,7 @@ class Settings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"passkey.{key}: {value!r} is not a positive integer")
         check_needles(self.needles)
-        if self.haystack not in HAYSTACKS:
-            raise ValueError(f"passkey.haystack: unknown {self.haystack!r}; allowed: {', '.join(HAYSTACKS)}")
+        check_haystack(self.haystack)
 
     def digest(self) -> str:
         """A hash of the settings; a float32 dtype, a single needle and the repeated filler are left out, so points
@@ -341,11 +345,8 @@ class Settings:
         return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:8]
 
 
-UNRECORDED_DEFAULTS = {
-    "dtype": "float32",
-    "needles": 1,
-    "haystack": "repeat",
-}  # Settings fields out of the digest at these values
+# Settings fields out of the digest at these values
+UNRECORDED_DEFAULTS = {"dtype": "float32", "needles": 1, "haystack": "repeat"}
 
 
 def point_name(model: str, context: int, depth: float, policy: str, budget: float, settings: Settings) -> str:
