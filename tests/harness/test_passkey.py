@@ -159,9 +159,8 @@ def test_a_run_stopped_inside_a_depth_resumes_at_the_batch(tmp_path, monkeypatch
     monkeypatch.setattr(passkey, "_answer_batch", answer_batch)
     prefills, prefill = [], passkey.prefill
     monkeypatch.setattr(passkey, "prefill", lambda *a, **k: prefills.append(a[1].shape) or prefill(*a, **k))
-    (resumed,) = passkey.jobs(
-        _args("s", tmp_path / "runs")
-    )  # batch 2: trials 0-1 (0 kept from the partial), 2
+    # batch 2: trials 0-1 (trial 0 kept from the partial), then trial 2
+    (resumed,) = passkey.jobs(_args("s", tmp_path / "runs"))
     assert passkey.run_model(resumed, run_dir, progress=lambda _: None) == 2
     assert [shape[0] for shape in prefills] == [2, 1]
     assert not list((run_dir / "partial").glob("*.json"))
