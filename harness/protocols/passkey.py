@@ -762,6 +762,15 @@ def jobs(args) -> list[Job]:
     return out
 
 
+def record_command(run_dir: Path, command: str) -> None:
+    """Add `command` to run_dir/commands.txt as its start begins (tables.md prints the file), so a start stopped
+    before its end is on record too; a command already there (the same run resumed) is not written twice."""
+    path = run_dir / "commands.txt"
+    kept = path.read_text().splitlines() if path.exists() else []
+    if command not in kept:
+        io.write_text_atomic(path, "".join(line + "\n" for line in [*kept, command]))
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     run_dir = Path(args.root) / args.run
@@ -775,6 +784,7 @@ def main(argv: list[str] | None = None) -> None:
             io.check_clean(run_dir, args.allow_dirty, key="--allow-dirty")
         if todo:
             env = io.start_record(run_dir, command, "cpu", args.allow_dirty, todo[0].settings.dtype)
+            record_command(run_dir, command)
         run_dir.mkdir(parents=True, exist_ok=True)
         for job in todo:
             t0 = time.perf_counter()
@@ -783,9 +793,6 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    if not args.report_only:
-        with open(run_dir / "commands.txt", "a") as f:  # a resumed run may add sizes: every command is kept
-            f.write(command + "\n")
     for path in write_report(run_dir):
         print(f"wrote {path}")
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+from harness import io
 from harness.attention import PACKED, installed
 from harness.models import load_model
 from harness.protocols import passkey
@@ -169,6 +170,29 @@ def test_a_run_stopped_inside_a_depth_resumes_at_the_batch(tmp_path, monkeypatch
         assert got["resumed_trials"] == 1 and "resumed_trials" not in want
         for field in ("answers", "correct", "keys", "compression_true", "mean_bits"):
             assert got[field] == want[field], field
+
+
+def test_a_start_records_its_command_before_it_runs(tmp_path, monkeypatch):
+    """commands.txt gets each start's command line as it begins: a start stopped before its end is on record, a
+    resumed start with the same command adds nothing, and --report-only adds nothing."""
+    argv = ["--models", "tiny-llama", "--contexts", "300", "--policies", "uniform", "--root", str(tmp_path)]
+    stops = []
+
+    def stopped(*args, **kwargs):
+        stops.append(1)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(passkey, "run_model", stopped)
+    commands = tmp_path / "default" / "commands.txt"
+    for extra in ([], [], ["--trials", "5"]):
+        with pytest.raises(KeyboardInterrupt):
+            passkey.main([*argv, *extra])
+    passkey.main([*argv, "--report-only"])
+    assert len(stops) == 3
+    assert commands.read_text().splitlines() == [
+        io.command_line("python -m harness.passkey", argv),
+        io.command_line("python -m harness.passkey", [*argv, "--trials", "5"]),
+    ]
 
 
 def test_failure_rule():
