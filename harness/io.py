@@ -295,7 +295,8 @@ def start_record(
 
 def write_environment(folder: str | Path, env: dict, name: str = "env.json") -> Path:
     """Write env as folder/name when a run starts. A record there from an earlier start (a resumed run) with
-    another command, commit or thread count is kept as <stem>.<n>.json, so every start stays on record."""
+    another command, commit or thread count is kept as <stem>.<n>.json, so every start stays on record; one with
+    the same command, commit and threads is replaced, its start times kept in `earlier_starts`."""
     path = Path(folder) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists():
@@ -306,6 +307,8 @@ def write_environment(folder: str | Path, env: dict, name: str = "env.json") -> 
         same = ("command", "git_commit", "threads", "device")
         if any(old.get(k) != env.get(k) for k in same):
             set_aside(path)
+        elif "started_at" in old:
+            env = {**env, "earlier_starts": [*old.get("earlier_starts", []), old["started_at"]]}
     return write_json_atomic(path, env)
 
 

@@ -69,7 +69,10 @@ def test_environment_records_what_ran_and_resumes_keep_earlier_records(tmp_path)
     assert io.provenance(env) == {"threads": env["threads"], "git_commit": env["git_commit"]}
     io.write_environment(tmp_path, env)
     io.write_environment(tmp_path, {**env, "started_at": "later"})  # same run again: one record
+    io.write_environment(tmp_path, {**env, "started_at": "latest"})
     assert sorted(p.name for p in tmp_path.iterdir()) == ["env.json"]
+    record = json.loads((tmp_path / "env.json").read_text())
+    assert record["started_at"] == "latest" and record["earlier_starts"] == [env["started_at"], "later"]
     io.write_environment(tmp_path, {**env, "threads": env["threads"] + 1})  # resumed elsewhere: both kept
     assert sorted(p.name for p in tmp_path.iterdir()) == ["env.1.json", "env.json"]
     assert json.loads((tmp_path / "env.1.json").read_text())["threads"] == env["threads"]
