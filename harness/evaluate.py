@@ -13,8 +13,6 @@ runs differ for reasons other than the cache.
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -177,18 +175,12 @@ def decode(
     return torch.cat(outputs)
 
 
-def disk_tensor(shape: tuple[int, ...], directory: str | Path) -> torch.Tensor:
-    """A float16 tensor of `shape` backed by a file in `directory` that is unlinked at once: its pages live on disk,
-    not in memory, and the space is freed when the tensor is (a baseline's log-probs at long context: 16 windows
-    scored over 4096 positions of a 262,144-token vocabulary are 34 GB)."""
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=directory, suffix=".f16", delete=False) as f:
-        path = f.name
-    try:
-        array = np.memmap(path, dtype=np.float16, mode="w+", shape=shape)
-    finally:
-        os.unlink(path)  # the mapping keeps the file's pages until it is dropped
-    return torch.from_numpy(array)
+def file_tensor(path: str | Path, shape: tuple[int, ...], mode: str = "w+") -> torch.Tensor:
+    """A float16 tensor of `shape` backed by the file at `path` (a memory map: its pages live on disk, not in the
+    process's memory). mode "w+" creates the file (or overwrites it); "c" maps an existing one copy-on-write, so
+    the file never changes (a baseline's log-probs at long context: 16 windows scored over 4096 positions of a
+    262,144-token vocabulary are 34 GB)."""
+    return torch.from_numpy(np.memmap(path, dtype=np.float16, mode=mode, shape=shape))
 
 
 def _kl(base_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
@@ -205,11 +197,11 @@ def _kl(base_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
     return terms.sum(dim=-1)
 
 
-def _check_teacher_forced(model, sequences, baseline, logprobs_dtype, score_from, logprobs_dir) -> None:
+def _check_teacher_forced(model, sequences, baseline, logprobs_dtype, score_from, logprobs_file) -> None:
     """ValueError (one line) for teacher_forced's arguments that cannot go together."""
-    if logprobs_dir is not None and logprobs_dtype != torch.float16:
+    if logprobs_file is not None and logprobs_dtype != torch.float16:
         raise ValueError(
-            "logprobs_dir: log-probs kept on disk are float16; pass logprobs_dtype=torch.float16"
+            "logprobs_file: log-probs kept on disk are float16; pass logprobs_dtype=torch.float16"
         )
     _check_eval(model)
     if baseline is not None and baseline.logprobs is None:
@@ -231,7 +223,7 @@ def teacher_forced(
     logprobs_dtype: torch.dtype = torch.float16,
     clock: dict | None = None,
     score_from: int = 0,
-    logprobs_dir: str | Path | None = None,
+    logprobs_file: str | Path | None = None,
 ) -> TeacherForced:
     """Score sequences (S, T) int64 teacher-forced, fed in chunks of `chunk` tokens through a fresh cache per batch.
 
@@ -245,10 +237,10 @@ def teacher_forced(
     The context is fed through the same cache in the same chunks, without its logits (chunks wholly in it compute
     only their last position's), so the scored positions' figures equal those of a run scoring every target.
 
-    logprobs_dir: a baseline run keeps its log-probs (float16 only) in an unlinked file there (disk_tensor), not in
+    logprobs_file: a baseline run keeps its log-probs (float16 only) in this file, created (file_tensor), not in
     memory.
     """
-    _check_teacher_forced(model, sequences, baseline, logprobs_dtype, score_from, logprobs_dir)
+    _check_teacher_forced(model, sequences, baseline, logprobs_dtype, score_from, logprobs_file)
     sequences = sequences.cpu()
     skip = max(score_from, 1) - 1  # fed positions whose predictions are not scored
     targets = sequences[:, skip + 1 :]  # (S, T-1-skip): the scored targets
@@ -275,10 +267,10 @@ def teacher_forced(
             B, L, V = logits.shape
             if baseline is None and logprobs is None:
                 shape = (n_seq, n_pos, V)
-                if logprobs_dir is None:
+                if logprobs_file is None:
                     logprobs = torch.empty(shape, dtype=logprobs_dtype)
                 else:
-                    logprobs = disk_tensor(shape, logprobs_dir)
+                    logprobs = file_tensor(logprobs_file, shape)
             # The metrics go a few positions at a time, so that their float32 temporaries stay near
             # SCORE_ELEMENTS (B x L x V each would be GBs at V = 262k); every position is scored alike.
             step = max(1, SCORE_ELEMENTS // (B * V))

@@ -2,8 +2,9 @@
 token windows (harness.data.point_windows: calibration windows from the calibration source, the others from the
 evaluation's), per-head attention entropies (harness.calibrate, cached on disk) and, lazily, the parts fitted on
 the calibration windows (key tables, transforms: harness.calibrate, cached on disk and keyed by the
-calibration source), the unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache)
-and one full-precision prefill of the prompts that every point with prefill=exact starts from.
+calibration source), the unquantized baseline (greedy tokens and teacher-forced logits through a DynamicCache;
+log-probs too big for memory kept on disk between starts: harness.run.kept_baseline) and one full-precision
+prefill of the prompts that every point with prefill=exact starts from.
 """
 
 from __future__ import annotations
@@ -21,13 +22,15 @@ from harness.cache.eviction import EvictionSpec
 from harness.calibrate import cached_head_entropies
 from harness.capacity import ModelShape, shape_from_config
 from harness.config import CALIBRATION_FIELDS, EVAL_FIELDS, Point
-from harness.io import cache_root, write_parquet_atomic
+from harness.io import write_parquet_atomic
 from harness.models import load_model
+from harness.run.kept_baseline import kept_baseline
 from harness.schemes import FittedParts, Scheme
 
-# The baseline's teacher-forced log-probs above this many bytes live in an unlinked file under the disk cache's
-# baselines/ (harness.evaluate.disk_tensor) instead of memory: gemma3-270m's at 16 x 4096 scored positions are 34 GB.
-LOGPROBS_IN_MEMORY = 8 << 30
+# The baseline's teacher-forced log-probs above this many bytes live on disk, kept between starts
+# (harness.run.kept_baseline), instead of in memory: smollm2-135m's over the last half of 16 windows of 8K tokens
+# are 6.4 GB, gemma3-270m's 34 GB.
+LOGPROBS_IN_MEMORY = 4 << 30
 
 
 class TableKey(NamedTuple):
@@ -117,16 +120,19 @@ def build_context(
     base_tokens = evaluate.decode(model, prefilled, point.new_tokens, cache_from_prefilled=None)
     scored = sequences.shape[0] * (sequences.shape[1] - max(point.score_from, 1))
     vocabulary = model.config.get_text_config(decoder=True).vocab_size
-    on_disk = scored * vocabulary * 2 > LOGPROBS_IN_MEMORY  # float16 log-probs
-    base_tf = evaluate.teacher_forced(
-        model,
-        sequences,
-        evaluate.dynamic_cache_factory(model),
-        chunk=point.chunk,
-        batch_size=batch_size,
-        score_from=point.score_from,
-        logprobs_dir=cache_root() / "baselines" if on_disk else None,
-    )
+    if scored * vocabulary * 2 > LOGPROBS_IN_MEMORY:  # float16 log-probs
+        base_tf, timings["baseline_kept"] = kept_baseline(
+            model, point.model, sequences, point.chunk, batch_size, point.score_from
+        )
+    else:
+        base_tf = evaluate.teacher_forced(
+            model,
+            sequences,
+            evaluate.dynamic_cache_factory(model),
+            chunk=point.chunk,
+            batch_size=batch_size,
+            score_from=point.score_from,
+        )
     timings["baseline_s"] = time.perf_counter() - t
     entropy_path = Path(run_dir) / f"entropy-{point.model}.parquet"
     if not entropy_path.exists():  # shards may race here: write atomically

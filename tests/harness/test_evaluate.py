@@ -210,18 +210,21 @@ def test_teacher_forced_refuses_a_score_start_outside_the_sequences(model: Llama
 
 
 def test_a_baseline_kept_on_disk_scores_as_one_in_memory(model: LlamaForCausalLM, tmp_path) -> None:
-    """logprobs_dir keeps the baseline's log-probs in an unlinked file (nothing left in the folder), bit for bit the
-    in-memory ones, and a run against it gets the same KL."""
+    """logprobs_file keeps the baseline's log-probs in that file, bit for bit the in-memory ones (mapped again, too),
+    and a run against it gets the same KL."""
     sequences = random_tokens(3, 23, seed=7)
     memory = teacher_forced(model, sequences, DynamicCache, chunk=5, score_from=6)
-    disk = teacher_forced(model, sequences, DynamicCache, chunk=5, score_from=6, logprobs_dir=tmp_path)
-    assert list(tmp_path.iterdir()) == [] and torch.equal(disk.logprobs, memory.logprobs)
+    path = tmp_path / "logprobs.f16"
+    disk = teacher_forced(model, sequences, DynamicCache, chunk=5, score_from=6, logprobs_file=path)
+    assert torch.equal(disk.logprobs, memory.logprobs) and memory.logprobs.shape == (3, 17, VOCAB)
+    mapped = evaluate.file_tensor(path, tuple(memory.logprobs.shape), mode="c")
+    assert torch.equal(mapped, memory.logprobs)
     noisy = [
         teacher_forced(model, sequences, lambda: NoisyCache(0.1), chunk=5, baseline=b, score_from=6)
-        for b in (memory, disk)
+        for b in (memory, disk, evaluate.TeacherForced(disk.targets, disk.nll, disk.top1, logprobs=mapped))
     ]
-    assert torch.equal(noisy[0].kl, noisy[1].kl) and noisy[0].kl.abs().sum() > 0
-    with pytest.raises(ValueError, match="logprobs_dir"):
+    assert all(torch.equal(noisy[0].kl, n.kl) for n in noisy[1:]) and noisy[0].kl.abs().sum() > 0
+    with pytest.raises(ValueError, match="logprobs_file"):
         teacher_forced(
-            model, sequences, DynamicCache, chunk=5, logprobs_dir=tmp_path, logprobs_dtype=torch.float32
+            model, sequences, DynamicCache, chunk=5, logprobs_file=path, logprobs_dtype=torch.float32
         )
