@@ -7,30 +7,18 @@ import sys
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from harness import evaluate
 from harness.config import base_point, compose
+from harness.models import load_model
 from harness.run import context, kept_baseline
 from harness.run.kept_baseline import LOGPROBS, SCORES, baseline_folder
 
-VOCAB = 89
-
 
 @pytest.fixture(scope="module")
-def model() -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(3)
-    return LlamaForCausalLM(config).eval()
+def model():
+    return load_model("tiny-llama")[0]  # the registry's tiny random Llama, as the context test's points use
 
 
 @pytest.fixture(autouse=True)
@@ -40,8 +28,9 @@ def cache(tmp_path, monkeypatch):
 
 
 def tokens(rows: int, cols: int, seed: int) -> torch.Tensor:
+    vocabulary = 256  # tiny-llama's byte tokens
     return torch.randint(
-        0, VOCAB, (rows, cols), generator=torch.Generator().manual_seed(seed)
+        0, vocabulary, (rows, cols), generator=torch.Generator().manual_seed(seed)
     )  # (rows, cols)
 
 
@@ -58,7 +47,7 @@ def test_a_second_start_reads_the_first_ones_baseline_without_running_the_model(
     for run in (first, second):
         for name in ("targets", "nll", "top1", "logprobs"):
             assert torch.equal(getattr(run, name), getattr(direct, name)), name
-    assert second.logprobs.shape == (3, 20, VOCAB) and second.kl is None
+    assert second.logprobs.shape == (3, 20, model.config.vocab_size) and second.kl is None
     second.logprobs[0, 0, 0] = 1.0  # mapped copy-on-write: the file does not change
     third, _ = kept_baseline.kept_baseline(model, "tiny", sequences, 7, 2, 9)
     assert torch.equal(third.logprobs, direct.logprobs)
@@ -67,7 +56,7 @@ def test_a_second_start_reads_the_first_ones_baseline_without_running_the_model(
 def test_the_key_changes_with_what_the_figures_depend_on(model) -> None:
     sequences = tokens(2, 17, seed=2)
     other = sequences.clone()
-    other[1, 5] = (other[1, 5] + 1) % VOCAB
+    other[1, 5] = (other[1, 5] + 1) % model.config.vocab_size
     base = baseline_folder(model, "tiny", sequences, 4, 1, 0)
     assert baseline_folder(model, "tiny", sequences.clone(), 4, 1, 0) == base
     changed = [
