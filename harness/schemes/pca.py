@@ -686,6 +686,28 @@ class PcaBlock32UniformFlat(Pca):
 
 @register
 @dataclass(frozen=True)
+class PcaBlock32(Pca):
+    """pca_block with blocks of 32 tokens: the most a format with keys in 32-token blocks keeps of pca (Lloyd-Max
+    levels, a plan per head)."""
+
+    name: str = "pca_block32"
+    pca_format: ClassVar[PcaFormat] = replace(PcaBlock.pca_format, block=BLOCK_TOKENS // 4)
+
+
+@register
+@dataclass(frozen=True)
+class PcaBlock32UniformSharedGroupsAllWidths(Pca):
+    """pca_block_ugsa with blocks of 32 tokens: the grouped format the fused path reads, keys nearer their pre-RoPE
+    frame."""
+
+    name: str = "pca_block32_ugsa"
+    pca_format: ClassVar[PcaFormat] = replace(
+        PcaBlockUniformSharedGroupsAllWidths.pca_format, block=BLOCK_TOKENS // 4
+    )
+
+
+@register
+@dataclass(frozen=True)
 class PcaPostUniformGroups(Pca):
     """pca_post with evenly spaced levels and one width per group of 16 components, from GROUP_WIDTHS."""
 
