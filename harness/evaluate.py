@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -177,10 +178,14 @@ def decode(
 
 def file_tensor(path: str | Path, shape: tuple[int, ...], mode: str = "w+") -> torch.Tensor:
     """A float16 tensor of `shape` backed by the file at `path` (a memory map: its pages live on disk, not in the
-    process's memory). mode "w+" creates the file (or overwrites it); "c" maps an existing one copy-on-write, so
-    the file never changes (a baseline's log-probs at long context: 16 windows scored over 4096 positions of a
-    262,144-token vocabulary are 34 GB)."""
-    return torch.from_numpy(np.memmap(path, dtype=np.float16, mode=mode, shape=shape))
+    process's memory; a baseline's log-probs at long context, 16 windows scored over 4096 positions of a
+    262,144-token vocabulary, are 34 GB). mode "w+" creates the file (or overwrites it); "r" maps an existing one
+    read-only, to be read only (a write faults). Not copy-on-write: the kernel counts a private writable map's
+    every page against memory and refuses one larger than the machine's."""
+    array = np.memmap(path, dtype=np.float16, mode=mode, shape=shape)
+    with warnings.catch_warnings():  # torch warns that it cannot write a read-only array; nothing writes it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(array)
 
 
 def _kl(base_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ over the last half of 16 windows of 8K tokens are 6.4 GB, gemma3-270m's 34 GB) i
 model's identity (name, config, dtype) and device, the tokens, the chunk, batch and score_from, the thread count and
 torch's version. A later start of the same evaluation maps it back instead of running the model again (at 8K on
 this project's 2-core CPU the baseline took 26 minutes for smollm2-135m). A folder holds `logprobs.f16` ((S, n, V)
-float16, mapped copy-on-write) and `scores.pt` (targets, nll, top1 and the log-probs' shape), written last: a folder
+float16, mapped read-only) and `scores.pt` (targets, nll, top1 and the log-probs' shape), written last: a folder
 without scores.pt is unfinished and is computed again. Delete a folder, or all of baselines/, to free the space.
 """
 
@@ -54,7 +54,7 @@ def kept_baseline(model, model_name: str, sequences: torch.Tensor, chunk: int, b
     folder = baseline_folder(model, model_name, sequences, chunk, batch_size, score_from)
     if (folder / SCORES).exists():
         saved = torch.load(folder / SCORES)
-        logprobs = evaluate.file_tensor(folder / LOGPROBS, tuple(saved.pop("shape")), mode="c")
+        logprobs = evaluate.file_tensor(folder / LOGPROBS, tuple(saved.pop("shape")), mode="r")
         return evaluate.TeacherForced(**saved, logprobs=logprobs), True
     folder.mkdir(parents=True, exist_ok=True)
     _drop_unfinished(folder)

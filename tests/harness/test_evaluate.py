@@ -217,7 +217,7 @@ def test_a_baseline_kept_on_disk_scores_as_one_in_memory(model: LlamaForCausalLM
     path = tmp_path / "logprobs.f16"
     disk = teacher_forced(model, sequences, DynamicCache, chunk=5, score_from=6, logprobs_file=path)
     assert torch.equal(disk.logprobs, memory.logprobs) and memory.logprobs.shape == (3, 17, VOCAB)
-    mapped = evaluate.file_tensor(path, tuple(memory.logprobs.shape), mode="c")
+    mapped = evaluate.file_tensor(path, tuple(memory.logprobs.shape), mode="r")
     assert torch.equal(mapped, memory.logprobs)
     noisy = [
         teacher_forced(model, sequences, lambda: NoisyCache(0.1), chunk=5, baseline=b, score_from=6)
