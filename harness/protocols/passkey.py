@@ -785,6 +785,7 @@ def main(argv: list[str] | None = None) -> None:
         if todo:
             env = io.start_record(run_dir, command, "cpu", args.allow_dirty, todo[0].settings.dtype)
             record_command(run_dir, command)
+            write_report(run_dir)  # tables.md lists this start's command even if it is stopped
         run_dir.mkdir(parents=True, exist_ok=True)
         for job in todo:
             t0 = time.perf_counter()

@@ -86,9 +86,15 @@ FUSED_STEPS = (
     ("today's kernel's format with pca's transform (pca_post_uf) against pca", "pca", "pca_post_uf"),
     ("blocks of 32 tokens instead of 128 (flat, evenly spaced)", "pca_block_uf", "pca_block32_uf"),
 )
-# ... and their measured knapsacks at three budgets (about 3.5x, 4.6x, 6.3x): a group of 16 components at any width
-# 0 to 8 (pca_block_ugsa) against 0, 1, 2, 4, 8 bits (pca_block_ugs).
-KNAPSACK = "knapsack: any width 0 to 8 a group of 16 (pca_block_ugsa) against 0, 1, 2, 4, 8 (pca_block_ugs)"
+# ... and steps between their measured knapsacks at three budgets (about 3.5x, 4.6x, 6.3x).
+KNAPSACK_STEPS = (
+    ("any width 0 to 8 a group of 16 (pca_block_ugsa) against 0, 1, 2, 4, 8 (pca_block_ugs)", "pca_block_ugs",
+     "pca_block_ugsa"),
+    ("keys in blocks of 32 tokens instead of 128, Lloyd-Max levels, a plan per head", "pca_block", "pca_block32"),
+    ("keys in blocks of 32 tokens instead of 128, the grouped format the fused path reads", "pca_block_ugsa",
+     "pca_block32_ugsa"),
+    ("keys turned by their own position instead of their block of 32 tokens", "pca_block32", "pca"),
+)  # fmt: skip
 FUSED_INGREDIENTS = tuple(
     (
         f"{budget}-bit pca family: {step}",
@@ -99,10 +105,11 @@ FUSED_INGREDIENTS = tuple(
     for step, without, with_ in FUSED_STEPS
 ) + tuple(
     (
-        f"{budget}-bit {KNAPSACK}",
-        {"scheme": "pca_block_ugs", "sink_tokens": 1, "policy": "measured", "budget": budget},
-        {"scheme": "pca_block_ugsa", "sink_tokens": 1, "policy": "measured", "budget": budget},
+        f"{budget}-bit knapsack: {step}",
+        {"scheme": without, "sink_tokens": 1, "policy": "measured", "budget": budget},
+        {"scheme": with_, "sink_tokens": 1, "policy": "measured", "budget": budget},
     )
+    for step, without, with_ in KNAPSACK_STEPS
     for budget in (4.4, 3.3, 2.4)
 )
 # The ablation near 3.5x: (ingredient, the configuration without it, the one with it). A configuration is the

@@ -173,22 +173,25 @@ def test_a_run_stopped_inside_a_depth_resumes_at_the_batch(tmp_path, monkeypatch
 
 
 def test_a_start_records_its_command_before_it_runs(tmp_path, monkeypatch):
-    """commands.txt gets each start's command line as it begins: a start stopped before its end is on record, a
-    resumed start with the same command adds nothing, and --report-only adds nothing."""
+    """commands.txt gets each start's command line as it begins and tables.md is rewritten with it before any
+    point runs: a start stopped before its end is on record, a resumed start with the same command adds nothing, and
+    --report-only adds nothing."""
     argv = ["--models", "tiny-llama", "--contexts", "300", "--policies", "uniform", "--root", str(tmp_path)]
-    stops = []
+    stops, reports = [], []
 
     def stopped(*args, **kwargs):
         stops.append(1)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(passkey, "run_model", stopped)
+    monkeypatch.setattr(passkey, "write_report", lambda run_dir: reports.append(len(stops)) or [])
     commands = tmp_path / "default" / "commands.txt"
     for extra in ([], [], ["--trials", "5"]):
         with pytest.raises(KeyboardInterrupt):
             passkey.main([*argv, *extra])
     passkey.main([*argv, "--report-only"])
     assert len(stops) == 3
+    assert reports == [0, 1, 2, 3]  # each start's report before its points, then --report-only's
     assert commands.read_text().splitlines() == [
         io.command_line("python -m harness.passkey", argv),
         io.command_line("python -m harness.passkey", [*argv, "--trials", "5"]),
