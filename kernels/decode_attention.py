@@ -823,11 +823,31 @@ def _block_query_kernel(qb_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, strid
 
 
 @triton.jit
-def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, VW: tl.constexpr, D: tl.constexpr,
-                KPLAN: tl.constexpr, VPLAN: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+def _sub_block_scores(k, head, n0, end, QSUB: tl.constexpr, QG: tl.constexpr, QG_B: tl.constexpr, D: tl.constexpr,
+                      ASM: tl.constexpr):  # fmt: skip
+    """The scores (BLOCK_N, QG_B) float32, biases added, of a tile k (BLOCK_N, D) fp16 of tokens n0 .. n0 + BLOCK_N
+    that holds BLOCK_N / QSUB query blocks (n0 a multiple of BLOCK_N): each row against its own block's qT and bias
+    (_block_query), one mma a block over the whole tile, each row taking its block's. A block from `end` on (the
+    last tile's padding) reads the last block's record instead: its rows are masked out."""
+    BLOCK_N: tl.constexpr = k.shape[0]
+    part = tl.arange(0, BLOCK_N) // QSUB  # (BLOCK_N,) the block of the tile each row is in
+    first = tl.cast(n0, tl.uint32) // QSUB
+    last = (tl.cast(end, tl.uint32) - 1) // QSUB
+    s = tl.zeros((BLOCK_N, QG_B), tl.float32)
+    for j in tl.static_range(BLOCK_N // QSUB):
+        qT, bias = _block_query(head, tl.minimum(first + j, last), QG, QG_B, D, ASM)
+        s = tl.where((part == j)[:, None], tl.dot(k, qT) + bias[None, :], s)
+    return s
+
+
+@triton.jit
+def _codes_step(qT, bias, head, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, VW: tl.constexpr,
+                D: tl.constexpr, KPLAN: tl.constexpr, VPLAN: tl.constexpr, ASM: tl.constexpr, MASKED: tl.constexpr,
+                QG: tl.constexpr, QSUB: tl.constexpr):  # fmt: skip
     """One tile of _codes_head's online softmax over codes-only K and V (kp, vp: the head's words): tokens
-    n0 .. n0 + BLOCK_N (those from `end` on masked out when MASKED) with the block's qT and bias (_block_query)
-    -> the updated (m_i, l_rows, acc). K's lanes keep their code offsets (the bias takes them out of the scores);
+    n0 .. n0 + BLOCK_N (those from `end` on masked out when MASKED) with the block's qT and bias (_block_query),
+    or, where the tile holds several query blocks of QSUB tokens (QSUB > 0), each block's from the head's records
+    (head; _sub_block_scores) -> the updated (m_i, l_rows, acc). K's lanes keep their code offsets (the bias takes them out of the scores);
     V's are the codes themselves (one sub.f16x2 a pair, which costs what the moves into the shared-memory stores'
     register quads cost with the offsets left in: ptxas puts lop3 results elsewhere, sm_90a). A side whose plan
     (KPLAN, VPLAN) is not 0 holds grouped rows (kernels/groups.py), in that module's column orders (keys' group_tile,
@@ -840,7 +860,11 @@ def _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW: tl.constexpr, V
         k = group_tile(kp, rows, mask_n, KPLAN, D, D * KW // 32, ASM, MASKED)
     else:
         k = _packed_tile(kp, kp, kp, rows, mask_n, KW, D, D, False, ASM, True, MASKED, OFFSET_CODES)
-    s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units, without the bias
+    if QSUB:  # (BLOCK_N, QG_B), log2 units, each row's bias added: no column bias
+        s = _sub_block_scores(k, head, n0, end, QSUB, QG, bias.shape[0], D, ASM)
+        bias = tl.zeros_like(bias)
+    else:
+        s = tl.dot(k, qT)  # (BLOCK_N, QG_B), log2 units, without the bias
     if MASKED:
         s = tl.where(mask_n[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=0) + bias)
@@ -915,20 +939,24 @@ def _codes_head(q_ptr, stride_qb, stride_qh, stride_qn, bias_ptr, stride_bb, str
     start = tl.minimum(sp * chunk, L)
     end = tl.minimum(start + chunk, L)
     full_end = start + (end - start) // BLOCK_N * BLOCK_N
+    # a tile of several query blocks (QBLOCK < BLOCK_N, which it divides) reads each block's query in the step
+    QSUB: tl.constexpr = QBLOCK if QBLOCK < BLOCK_N else 0
     if QBLOCK == 0:  # one block: its query for every tile, held in registers as the mma's operand
         qT = _load_q_pairs(head + i[:, None] * (D // 2), (i < QG)[:, None], 1.0, 0, D, ASM, True)
         bias = tl.load((head + QG * D // 2 + i).to(tl.pointer_type(tl.float32), bitcast=True))
+    elif QSUB:  # placeholders: the step reads its blocks' queries
+        qT = tl.zeros((D, QG_B), tl.float16)
+        bias = tl.zeros((QG_B,), tl.float32)
     for n0 in tl.range(start, full_end, BLOCK_N, num_stages=STAGES):
-        if QBLOCK > 0:
+        if QBLOCK >= BLOCK_N:
             qT, bias = _block_query(head, tl.cast(n0, tl.uint32) // QBLOCK, QG, QG_B, D, ASM)
-        m_i, l_rows, acc = _codes_step(qT, bias, kp, vp, n0, end, m_i, l_rows, acc, KW, VW, D, KPLAN, VPLAN, ASM,
-                                       False)  # fmt: skip
+        m_i, l_rows, acc = _codes_step(qT, bias, head, kp, vp, n0, end, m_i, l_rows, acc, KW, VW, D, KPLAN, VPLAN,
+                                       ASM, False, QG, QSUB)  # fmt: skip
     if full_end < end:
-        if QBLOCK > 0:
+        if QBLOCK >= BLOCK_N:
             qT, bias = _block_query(head, tl.cast(full_end, tl.uint32) // QBLOCK, QG, QG_B, D, ASM)
-        m_i, l_rows, acc = _codes_step(
-            qT, bias, kp, vp, full_end, end, m_i, l_rows, acc, KW, VW, D, KPLAN, VPLAN, ASM, True
-        )
+        m_i, l_rows, acc = _codes_step(qT, bias, head, kp, vp, full_end, end, m_i, l_rows, acc, KW, VW, D, KPLAN,
+                                       VPLAN, ASM, True, QG, QSUB)  # fmt: skip
     if HAS_EXTRA:
         if sp == num_splits:
             if QBLOCK > 0:
@@ -1142,12 +1170,13 @@ def _plan_codes(st, widths) -> tuple[int, ...]:
 def _split_plans(map_plan, k_store, span: int, block_n: int | None, device: torch.device,
                  num_splits: int | None, qblock: int | None = None) -> tuple[list, int]:  # fmt: skip
     """((tokens per tile, tokens per split) of each bucket, split columns of the partials table): plan_splits'.
-    With `qblock` (tokens a query block of decode_attention_blocks; 0: one block) a tile divides the block and a
-    split holds whole blocks."""
+    With `qblock` (tokens a query block of decode_attention_blocks; 0: one block) a tile divides the block, or, in
+    the fast kernel, holds whole blocks (its step reads each block's query), and a split holds whole blocks."""
     plans = []
     for (kw, vw, heads), fast in zip(map_plan[0], map_plan[1]):
         tile = block_n or (fast_block_n(kw, vw, k_store.head_dim, qblock is not None) if fast else BLOCK_N)
-        while qblock and qblock % tile:  # the largest power of two below the default that divides the block
+        # else the largest power of two below the default that divides the block
+        while qblock and qblock % tile and not (fast and tile % qblock == 0):
             tile //= 2
         programs = k_store.batch * (len(k_store.bits) if fast else len(heads))
         n = num_splits or _default_splits(span, programs, tile, device)
@@ -1393,8 +1422,9 @@ def decode_attention_blocks(
         qblock: tokens per block, a multiple of 16; None: one block (qb and bias hold block 0 only).
         k_extra, v_extra: optional float (B, Hkv, Tx, D), last dim contiguous: tokens in the codes' domain.
         num_splits, block_n, length, num_warps, num_stages, maxnreg: as decode_attention's; a tile divides
-            qblock (default: the kernel's tile, or the largest power of two dividing qblock below it), and a split
-            holds whole blocks.
+            qblock or, in the fast kernel, is a multiple of it (default: the kernel's tile where it is either, else
+            the largest power of two dividing qblock below it; the generic kernel's tiles always divide qblock), and
+            a split holds whole blocks.
         out: optional float32 (B, Hq, D), last dim contiguous.
     Returns out (B, Hq, D) float32.
     """
@@ -1403,8 +1433,8 @@ def decode_attention_blocks(
     assert bias.shape == (B, Hq, NB) and bias.dtype == torch.float32 and bias.stride(-1) == 1, bias.shape
     if qblock is not None and (qblock <= 0 or qblock % 16):
         raise ValueError(f"qblock: {qblock} tokens a block; allowed: a positive multiple of 16, or None")
-    if qblock is not None and block_n is not None and qblock % block_n:
-        raise ValueError(f"block_n: {block_n} does not divide qblock {qblock}")
+    if qblock is not None and block_n is not None and qblock % block_n and block_n % qblock:
+        raise ValueError(f"block_n: {block_n}; allowed: a divisor or a multiple of qblock {qblock}")
     if length is None and qblock and NB < cdiv(k_store.length, qblock):
         raise ValueError(f"qb: {NB} blocks for {k_store.length} stored tokens of {qblock} a block")
     options = (("num_warps", num_warps), ("num_stages", num_stages), ("maxnreg", maxnreg))

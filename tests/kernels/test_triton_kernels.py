@@ -619,8 +619,8 @@ def _block_queries(hq, blocks, head_dim, dtype, device, seed):
     [
         ((4, 4, 4), (4, 4, 4), 128, 128, 12, torch.float16, 5, True),  # the default tile, 4 queries a KV head
         ((2, 4, 8), (8, 2, 4), 128, 64, 6, torch.bfloat16, 17, True),  # widths mixed per head and role
-        ((3, 3), (3, 4), 128, 32, 8, torch.float16, 0, True),  # 32-token tiles
-        ((2, 2), (4, 2), 64, 16, 2, torch.float16, 3, True),  # one query a KV head, 16-token blocks
+        ((3, 3), (3, 4), 128, 32, 8, torch.float16, 0, True),  # 128-token tiles of four 32-token blocks
+        ((2, 2), (4, 2), 64, 16, 2, torch.float16, 3, True),  # one query a KV head, 16-token blocks, 4 a tile
         ((8,), (4,), 256, None, 3, torch.bfloat16, 2, True),  # one block; a group of 3
         (
             (2, 4, 3),
@@ -663,6 +663,30 @@ def test_decode_attention_blocks(device, k_bits, v_bits, head_dim, qblock, hq, q
     assert spy.launches == (2 if fast else 0)
 
 
+@pytest.mark.parametrize("qblock, block_n", [(32, None), (16, 64), (64, 32), (128, None)])
+def test_decode_attention_blocks_tiles_of_several_blocks(device, qblock, block_n):
+    """The fast kernel keeps its tile where the tile holds whole query blocks (each block's query read in the step)
+    and the generic kernel's tiles divide the block; either way the output is the float64 oracle's, with the last
+    tile's padding past the last block (301 tokens) and splits that start inside no block."""
+    from kernels import decode_attention as da
+
+    L, head_dim = 301, 128
+    ks, vs = _codes_stores((4, 2), (4, 3), head_dim, L, L + 20, device, seed=qblock)
+    for q_dtype, fast in ((torch.float16, True), (torch.float32, False)):
+        qb, bias = _block_queries(8, -(-L // qblock), head_dim, q_dtype, device, seed=qblock + 1)
+        map_plan = da._store_map_plan(ks, vs, qb.device, q_dtype)
+        tiles = [tile for tile, _ in da._split_plans(map_plan, ks, L, block_n, qb.device, None, qblock)[0]]
+        want = block_n or (da.fast_block_n(4, 4, head_dim, True) if fast else da.BLOCK_N)
+        assert tiles == [want if fast else min(want, qblock)] * 2, (q_dtype, tiles)
+        ref = reference.attention_blocks_reference(qb, bias, ks.dequantize(), vs.dequantize(), 0.6, qblock)
+        for num_splits in (1, 2):
+            out = da.decode_attention_blocks(
+                qb, bias, ks, vs, 0.6, qblock, num_splits=num_splits, block_n=block_n
+            )
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert err < (2e-3 if fast else 1e-5), (q_dtype, num_splits, err)
+
+
 def test_decode_attention_blocks_length_on_device(device):
     """length as a device tensor (a CUDA graph's): the splits cover the capacity (its blocks in qb), most of it
     garbage past the stored tokens, and the output is the host length's."""
@@ -682,7 +706,8 @@ def test_decode_attention_blocks_length_on_device(device):
 
 def test_decode_attention_blocks_extra_only_and_refusals(device):
     """Empty codes-only stores with an extra segment attend to it alone, with block 0's query and bias; stores of
-    the other kind, a block of no whole number of 16 tokens and a tile that does not divide the block are refused."""
+    the other kind, a block of no whole number of 16 tokens and a tile that neither divides the block nor holds whole
+    blocks are refused."""
     from kernels.decode_attention import decode_attention, decode_attention_blocks
 
     ks, vs = (PackedStore((4, 2), 64, B, codes_only=True, device=device) for _ in "kv")
@@ -699,8 +724,8 @@ def test_decode_attention_blocks_extra_only_and_refusals(device):
         decode_attention_blocks(qb, bias, plain, plain, 0.5, 128)
     with pytest.raises(ValueError, match="qblock: 40"):
         decode_attention_blocks(qb, bias, ks, vs, 0.5, 40, k_extra=kx, v_extra=vx)
-    with pytest.raises(ValueError, match="block_n: 64 does not divide qblock 32"):
-        decode_attention_blocks(qb, bias, ks, vs, 0.5, 32, block_n=64, k_extra=kx, v_extra=vx)
+    with pytest.raises(ValueError, match="block_n: 32; allowed: a divisor or a multiple of qblock 48"):
+        decode_attention_blocks(qb, bias, ks, vs, 0.5, 48, block_n=32, k_extra=kx, v_extra=vx)
     for st in (ks, vs):
         st.append_codes(torch.zeros(B, 2, 33, 64, dtype=torch.long, device=device))
     with pytest.raises(ValueError, match="qb: 1 blocks for 33 stored tokens of 32 a block"):
