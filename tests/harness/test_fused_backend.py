@@ -248,9 +248,9 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("scheme", ["pca_block_ugs", "pca_block_ugsa"])
+@pytest.mark.parametrize("scheme", ["pca_block_ugs", "pca_block_ugsa", "pca_block32_ugsa"])
 def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(device, packed, scheme):
-    """pca_block_ugs and pca_block_ugsa on the triton backend: each width's heads share a plan of 16-component
+    """pca_block_ugs and pca_block_ugsa (and the latter in 32-token blocks) on the triton backend: each width's heads share a plan of 16-component
     groups (at 0, 1, 2, 4 or 8 bits; at any of 0-8, planes summed: kernels/groups.py), which the write kernel codes
     and packs and the blocks kernel reads. It generates what the torch backend's packed path does: the same tokens,
     logits within the fast kernel's fp16 products, the same bytes, layer 0's codes equal, its stored rows byte for
@@ -296,7 +296,7 @@ def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(devic
             if all(len(groups.planes(b)) <= 1 for b in plan):  # one plane a group: the torch store's rows
                 stored = ours.packed.bucket_of[w].payload[:, :, : ours.length]
                 assert torch.equal(stored, theirs.codes[w]), (role, w)
-    assert (planes > 1) == (scheme == "pca_block_ugsa")  # ugsa's fitted plans hold groups of several planes
+    assert (planes > 1) == scheme.endswith("ugsa")  # ugsa's fitted plans hold groups of several planes
 
 
 def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
@@ -304,7 +304,7 @@ def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
     widths where a head has 64 channels or more; pca_block_ug (a plan per head) and pca_block_u (a width per
     component) do not."""
     cuda = torch.device("cuda")
-    for name in ("pca_block_ugs", "pca_block_ugsa"):
+    for name in ("pca_block_ugs", "pca_block_ugsa", "pca_block32_ugsa"):
         grouped = get_scheme(name, sink_tokens=1)
         assert resolve_backend("auto", cuda, grouped, [1, 5], [6, 3], 64, 64) == "triton", name
     for name in ("pca_block_ug", "pca_block_u"):
