@@ -250,8 +250,9 @@ def test_pca_flat_format_decodes_through_the_fold_and_the_blocks_kernel(device, 
 @torch.no_grad()
 @pytest.mark.parametrize("scheme", ["pca_block_ugs", "pca_block_ugsa", "pca_block32_ugsa"])
 def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(device, packed, scheme):
-    """pca_block_ugs and pca_block_ugsa (and the latter in 32-token blocks) on the triton backend: each width's heads share a plan of 16-component
-    groups (at 0, 1, 2, 4 or 8 bits; at any of 0-8, planes summed: kernels/groups.py), which the write kernel codes
+    """pca_block_ugs and pca_block_ugsa (and the latter in 32-token blocks) on the triton backend: each width's
+    heads share a plan of 16-component groups (at 0, 1, 2, 4 or 8 bits; at any of 0-8, planes summed:
+    kernels/groups.py), which the write kernel codes
     and packs and the blocks kernel reads. It generates what the torch backend's packed path does: the same tokens,
     logits within the fast kernel's fp16 products, the same bytes, layer 0's codes equal, its stored rows byte for
     byte the torch store's bitstream rows where every group is one plane. A random Llama with heads of 64 channels
