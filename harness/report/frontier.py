@@ -93,6 +93,8 @@ KNAPSACK_STEPS = (
     ("keys in blocks of 32 tokens instead of 128, Lloyd-Max levels, a plan per head", "pca_block", "pca_block32"),
     ("keys in blocks of 32 tokens instead of 128, the grouped format the fused path reads", "pca_block_ugsa",
      "pca_block32_ugsa"),
+    ("at blocks of 32, the fused path's grouped format (even levels, one plan per width for every head) instead of"
+     " Lloyd-Max levels and a plan per head", "pca_block32", "pca_block32_ugsa"),
     ("keys turned by their own position instead of their block of 32 tokens", "pca_block32", "pca"),
 )  # fmt: skip
 FUSED_INGREDIENTS = tuple(
