@@ -20,11 +20,11 @@ Python), and with the JIT's argument binding for an sm_90 launch run in place of
 Python Triton runs before it launches), the versions interleaved on the same stores. Its file checks and module
 loading also serve harness/bench/perf_ab.py (the CPU read path's comparison). `--codes` and `--codes-allocation`
 add the codes-only path (decode_attention_blocks over random codes, a query and a bias per block of `--qblock`
-tokens: the pca family's kernel) at uniform and mixed maps and at the proportions of recorded allocations, in the
-same CSV as the affine kernel's and SDPA's rows, each row with its bytes (methods `codes:` and `codes-graph:`);
-`--grouped POINT PLAN...` the same at a recorded allocation whose widths hold grouped rows under its own
-plans (kernels/groups.py: pca_block_ugs's and pca_block_ugsa's formats), keys and values alike; repeated, one
-allocation and its plans each time.
+tokens, each map at each block size given: the pca family's kernel) at uniform and mixed maps and at the
+proportions of recorded allocations, in the same CSV as the affine kernel's and SDPA's rows, each row with its
+bytes (methods `codes:` and `codes-graph:`); `--grouped POINT PLAN...` the same at a recorded allocation whose widths
+hold grouped rows under its own plans (kernels/groups.py: the pca_block*_ugs* formats; a plan for keys and values
+alike, or for one role: grouped_entry); repeated, one allocation and its plans each time.
 """
 
 from __future__ import annotations
@@ -211,37 +211,50 @@ def allocation_map(pairs: Counter, hkv: int) -> tuple[list[int], list[int]]:
 
 
 def codes_maps(
-    hkv: int, names: list[str], allocations: list[Path], grouped: list[tuple[Path, dict]] = ()
-) -> dict[str, tuple[list[int], list[int], dict]]:
-    """The codes-only path's (key widths, value widths, grouped plans) per KV head: each of `names` as width_maps
-    makes it (keys and values alike), each allocation file's proportions (allocation_map), under its file's stem,
-    and each of `grouped`'s (allocation file, its plans: width -> kernels.groups plan, keys and values alike) the
-    same with the plans of its widths."""
+    hkv: int, names: list[str], allocations: list[Path], grouped: list[tuple[Path, dict, dict]] = ()
+) -> dict[str, tuple[list[int], list[int], dict, dict]]:
+    """The codes-only path's (key widths, value widths, key plans, value plans) per KV head: each of `names` as
+    width_maps makes it (keys and values alike), each allocation file's proportions (allocation_map), under its
+    file's stem, and each of `grouped`'s (allocation file, key plans, value plans: width -> kernels.groups plan,
+    grouped_entry) the same with the plans of its widths."""
     from kernels.gpu.inspect import allocation_pairs
 
     for name in names:
         if name not in ("2", "3", "4", "8", "mixed"):
             raise ValueError(f"{name!r} is not a codes-only width map; allowed: 2, 3, 4, 8, mixed")
-    maps = {name: (bits, bits, {}) for name, bits in width_maps(hkv, names).items()}
+    maps = {name: (bits, bits, {}, {}) for name, bits in width_maps(hkv, names).items()}
     for path in allocations:
-        maps[path.stem] = (*allocation_map(allocation_pairs(path), hkv), {})
-    for path, plans in grouped:
+        maps[path.stem] = (*allocation_map(allocation_pairs(path), hkv), {}, {})
+    for path, key_plans, value_plans in grouped:
         k_bits, v_bits = allocation_map(allocation_pairs(path), hkv)
-        missing = sorted({*k_bits, *v_bits} - {2, 3, 4, 8} - set(plans))
-        if missing:
-            raise ValueError(f"{path}: {missing[0]}-bit heads and no plan for them")
-        maps[path.stem] = (k_bits, v_bits, {w: p for w, p in plans.items() if w in {*k_bits, *v_bits}})
+        for role, bits, plans in (("key", k_bits, key_plans), ("value", v_bits, value_plans)):
+            missing = sorted(set(bits) - {2, 3, 4, 8} - set(plans))
+            if missing:
+                raise ValueError(f"{path}: {missing[0]}-bit {role} heads and no plan for them")
+        maps[path.stem] = (
+            k_bits,
+            v_bits,
+            {w: p for w, p in key_plans.items() if w in k_bits},
+            {w: p for w, p in value_plans.items() if w in v_bits},
+        )
     return maps
 
 
-def grouped_entry(values: list[str]) -> tuple[Path, dict]:
-    """`--grouped POINT WIDTH=GROUP_WIDTHS...` -> (POINT, {width: plan}); ValueError naming what is wrong."""
+def grouped_entry(values: list[str]) -> tuple[Path, dict, dict]:
+    """`--grouped POINT WIDTH=GROUP_WIDTHS...` -> (POINT, key plans, value plans), each {width: plan}: a plan
+    WIDTH=... for keys and values alike, kWIDTH=... for keys only, vWIDTH=... for values only (a role's own plan
+    wins over the shared one); ValueError naming what is wrong."""
     if len(values) < 2:
         raise ValueError(f"{' '.join(values)!r} is not POINT WIDTH=GROUP_WIDTHS...: no plans")
+    shared, own = {}, {"k": {}, "v": {}}
     try:
-        return Path(values[0]), dict(plan_entry(v) for v in values[1:])
+        for value in values[1:]:
+            role = value[0] if value[:1] in own else ""
+            width, plan = plan_entry(value[len(role) :])
+            (own[role] if role else shared)[width] = plan
     except argparse.ArgumentTypeError as err:
         raise ValueError(str(err)) from None
+    return Path(values[0]), {**shared, **own["k"]}, {**shared, **own["v"]}
 
 
 def fill_codes(bits: list[int], B: int, L: int, D: int, device, plans: dict | None = None) -> PackedStore:
@@ -271,8 +284,9 @@ def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: i
     qb = (torch.randn(B, hq, nb, D, device=dev) * D**-0.5).to(run.dtype)
     bias = torch.randn(B, hq, nb, device=dev)
     query_bytes = qb.numel() * qb.element_size() + bias.numel() * 4 + B * hq * D * 4  # and the output
-    for name, (k_bits, v_bits, plans) in maps.items():
-        kst, vst = fill_codes(k_bits, B, L, D, dev, plans), fill_codes(v_bits, B, L, D, dev, plans)
+    for name, (k_bits, v_bits, k_plans, v_plans) in maps.items():
+        kst, vst = fill_codes(k_bits, B, L, D, dev, k_plans), fill_codes(v_bits, B, L, D, dev, v_plans)
+        plans = {**k_plans, **v_plans}  # the widths read as grouped rows
         want = None
         if B * L <= 8 * 32768:
             want = reference.attention_blocks_reference(
@@ -496,9 +510,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--grouped", nargs="+", action="append", default=[], metavar="POINT WIDTH=GROUP_WIDTHS",
         help="as --codes-allocation, a point whose widths hold grouped rows under the plans after it (kernels/"
-        "groups.py; keys and values alike); repeat for each point (pca_block_ugs's, pca_block_ugsa's)",
+        "groups.py; W=... keys and values alike, kW=... keys only, vW=... values only); repeat for each point "
+        "(pca_block_ugs's, pca_block_ugsa's, pca_block32_ugsa's)",
     )  # fmt: skip
-    p.add_argument("--qblock", type=int, default=128, help="tokens a query block on the codes-only path")
+    p.add_argument(
+        "--qblock", nargs="+", type=int, default=[128],
+        help="tokens a query block on the codes-only path; several: every codes map at each, in this order",
+    )  # fmt: skip
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, a tiny shape")
     p.add_argument("--host", action="store_true", help="the host side alone, launches stubbed (any machine)")
     args = p.parse_args(argv)
@@ -514,6 +532,9 @@ def main(argv: list[str] | None = None) -> None:
         codes = codes_maps(shapes[args.config][1], args.codes, args.codes_allocation, grouped)
     except ValueError as err:
         p.error(f"--codes: {err}")
+    bad = [q for q in args.qblock if q < 16 or q % 16]
+    if bad:
+        p.error(f"--qblock: {bad[0]} tokens a block; allowed: positive multiples of 16")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("error: --dry-run needs TRITON_INTERPRET=1 in the environment (set before Python starts)")
     if args.host and os.environ.get("TRITON_INTERPRET") == "1":
@@ -531,7 +552,8 @@ def main(argv: list[str] | None = None) -> None:
         shape = {"config": args.config, "hq": hq, "hkv": hkv, "head_dim": D, "batch": args.batch,
                  "context": context}  # fmt: skip
         compare(run, versions, shape, args.widths, args.splits, args.group_size)
-        compare_codes(run, versions, shape, codes, args.qblock)
+        for qblock in args.qblock:
+            compare_codes(run, versions, shape, codes, qblock)
     print(f"wrote {args.out} ({len(run.rows)} rows)")
 
 

@@ -25,7 +25,7 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, interpreted):
     point.write_text('{"allocation": {"key_bits": [[4, 4, 8]], "value_bits": [[4, 4, 2]]}}')
     proc = interpreted(ab.main, "kernels.gpu.ab", str(KERNEL), str(other), "--dry-run", "--batch", "2", "--context",
                       "40", "--widths", "4", "16", "--splits", "3", "--codes", "2", "--codes-allocation", str(point),
-                      "--out", str(out))  # fmt: skip
+                      "--qblock", "32", "16", "--out", str(out))  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     with open(out) as f:
         rows = list(csv.DictReader(f))
@@ -46,14 +46,18 @@ def test_dry_run_times_every_version_on_the_same_stores(tmp_path, interpreted):
     for r in fused:  # the same code on the same stores: the same outputs
         by_version.setdefault((r["widths"], r["note"]), set()).add(r["rel_err"])
     assert all(len(errs) == 1 for errs in by_version.values())
-    # the codes-only path of each version, against the float64 oracle over the same random codes
+    # the codes-only path of each version at each block size (32-token blocks first), against the float64 oracle
+    # over the same random codes
     codes = [r for r in rows if r["method"].startswith("codes:")]
-    assert sorted((r["method"], r["widths"]) for r in codes) == sorted(
-        (f"codes:{v}", w) for v in ("decode_attention", "copy") for w in ("2", "4,8/4,2")
-    )
+    assert [(r["method"], r["widths"], r["note"].split("; ")[1]) for r in codes] == [
+        (f"codes:{v}", w, f"qblock={q}")
+        for q in (32, 16)
+        for w in ("2", "4,8/4,2")
+        for v in ("decode_attention", "copy")
+    ]
     assert all(0 < float(r["rel_err"]) < 1e-2 for r in codes)
     assert {r["note"].split(";")[0] for r in codes} == {"2", "point"}
-    assert len([r for r in rows if r["method"].startswith("codes-graph:")]) == 4
+    assert len([r for r in rows if r["method"].startswith("codes-graph:")]) == 8
 
 
 def test_host_mode_times_each_version_with_its_launches_stubbed(tmp_path, cli, in_process):
@@ -88,6 +92,16 @@ def test_two_files_with_one_name_are_refused(tmp_path, in_process):
     )
     assert missing.returncode == 2 and "is not a file" in missing.stderr
     assert not (tmp_path / "ab.csv").exists()
+
+
+def test_a_block_size_the_kernel_cannot_take_is_refused(tmp_path, in_process):
+    out = tmp_path / "ab.csv"
+    proc = in_process(ab.main, "kernels.gpu.ab", str(KERNEL), "--out", str(out), "--qblock", "128", "40")
+    assert (
+        proc.returncode == 2
+        and "--qblock: 40 tokens a block; allowed: positive multiples of 16" in proc.stderr
+    )
+    assert not out.exists()
 
 
 def test_a_grouped_point_without_plans_is_refused(tmp_path, in_process):
@@ -162,7 +176,7 @@ def test_a_version_loads_with_its_own_copies_of_the_kernels_modules(tmp_path):
 
 
 def test_grouped_allocations_hold_grouped_rows(tmp_path):
-    """--grouped maps carry their own plans for their widths (keys and values alike; two points, two plan sets),
+    """--grouped maps carry their own plans for their widths (keys' and values'; two points, two plan sets),
     and their stores hold grouped rows whose codes stay within each group's width; a width with neither a plan
     nor a flat row is refused, naming the file."""
     import json
@@ -173,18 +187,27 @@ def test_grouped_allocations_hold_grouped_rows(tmp_path):
     point.write_text(json.dumps({"allocation": {"key_bits": [[5, 4]], "value_bits": [[1, 4]]}}))
     other.write_text(json.dumps({"allocation": {"key_bits": [[5, 5]], "value_bits": [[5, 5]]}}))
     plans = {5: (8, 2), 1: (2, 0), 2: (4, 0)}
-    maps = ab.codes_maps(2, ["4"], [], [(point, plans), (other, {5: (6, 4)})])
-    assert maps["4"] == ([4, 4], [4, 4], {})
-    assert maps["point"] == ([4, 5], [4, 1], {5: (8, 2), 1: (2, 0)})
-    assert maps["other"] == ([5, 5], [5, 5], {5: (6, 4)})
+    maps = ab.codes_maps(2, ["4"], [], [(point, plans, plans), (other, {5: (6, 4)}, {5: (4, 6)})])
+    assert maps["4"] == ([4, 4], [4, 4], {}, {})
+    assert maps["point"] == ([4, 5], [4, 1], {5: (8, 2)}, {1: (2, 0)})
+    assert maps["other"] == ([5, 5], [5, 5], {5: (6, 4)}, {5: (4, 6)})
     st = ab.fill_codes([4, 5], 1, 20, 32, "cpu", maps["point"][2])
     assert st.plans == {5: (8, 2)}
     codes = st.head_codes(1)  # (B, L, 32): 16 codes of 8 bits, then 16 of 2
     assert int(codes[..., 16:].max()) <= 3 and int(codes[..., :16].max()) > 3
     assert torch.equal(st.head_codes(0), st.head_codes(0) & 15)
-    with pytest.raises(ValueError, match="point.json: 1-bit heads and no plan for them"):
-        ab.codes_maps(2, [], [], [(point, {5: (8, 2)})])
-    assert ab.grouped_entry(["p.json", "5=8,2", "1=2,0"]) == (Path("p.json"), {5: (8, 2), 1: (2, 0)})
+    with pytest.raises(ValueError, match="point.json: 1-bit value heads and no plan for them"):
+        ab.codes_maps(2, [], [], [(point, {5: (8, 2)}, {5: (8, 2)})])
+    with pytest.raises(ValueError, match="point.json: 5-bit key heads and no plan for them"):
+        ab.codes_maps(2, [], [], [(point, {1: (2, 0)}, {5: (8, 2), 1: (2, 0)})])
+    both = {5: (8, 2), 1: (2, 0)}
+    assert ab.grouped_entry(["p.json", "5=8,2", "1=2,0"]) == (Path("p.json"), both, both)
+    # a role's own plan wins over the shared one at its width, whichever comes first
+    assert ab.grouped_entry(["p.json", "k1=3,1", "1=2,0", "v2=3,1"]) == (
+        Path("p.json"),
+        {1: (3, 1)},
+        {1: (2, 0), 2: (3, 1)},
+    )
     with pytest.raises(ValueError, match="no plans"):
         ab.grouped_entry(["p.json"])
     with pytest.raises(ValueError, match="'5:8,2' is not WIDTH=GROUP_WIDTHS"):

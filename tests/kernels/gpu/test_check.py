@@ -235,6 +235,73 @@ def test_codes_targets_read_the_frontier_points_maps_off_the_ab():
     assert replayed == 300 / 80 and met == "yes"
 
 
+def test_codes_targets_read_each_block_size_of_a_point_apart():
+    """ab --qblock 128 32 times every codes map at both block sizes: each point's first row at each size is its
+    own target line (a query per 32 tokens said in the name), a second row at a size (other splits) ignored;
+    pca_block32_ugsa's points are read as the others."""
+    grouped, planes32 = gpu_check.GROUPED_POINTS["3.5x"].stem, gpu_check.PLANES32_POINTS["6x"].stem
+    rows = [
+        {**_decode_row("sdpa_default", "16", 300.0), "note": "flash_attention"},
+        {
+            **_decode_row("codes:decode_attention", "4,4/4,3", 150.0),
+            "note": f"{grouped}; qblock=128; splits=4",
+        },
+        {
+            **_decode_row("codes:decode_attention", "4,4/4,3", 200.0),
+            "note": f"{grouped}; qblock=32; splits=4",
+        },
+        {
+            **_decode_row("codes:decode_attention", "4,4/4,3", 100.0),
+            "note": f"{grouped}; qblock=32; splits=8",
+        },
+        {
+            **_decode_row("codes:decode_attention", "2,3/2,2", 60.0),
+            "note": f"{planes32}; qblock=32; splits=4",
+        },
+    ]
+    got = gpu_check.codes_targets(rows)
+    assert [(v, t, m) for _, v, t, m in got] == [
+        (2.0, ">= 2.3x", "no"),
+        (1.5, ">= 2.3x", "no"),
+        (5.0, ">= 3.5x", "yes"),
+    ]
+    assert got[0][0] == "grouped codes at the 3.5x point's widths (4,4/4,3) vs fastest 16-bit"
+    assert (
+        got[1][0]
+        == "grouped codes at the 3.5x point's widths (4,4/4,3, a query per 32 tokens) vs fastest 16-bit"
+    )
+    assert got[2][0].startswith(
+        "grouped codes (planes, keys in 32-token blocks) at the 6x point's widths (2,3/2,2, a"
+    )
+
+
+def test_the_gpu_runs_ab_arguments_load(monkeypatch):
+    """The GPU run's ab stage reads every point and plan it names (a missing file or a width without a plan would
+    end the stage before its first row): the maps kernels.gpu.ab builds from them, each grouped point's plans, and
+    both block sizes."""
+    from kernels.gpu import ab
+
+    monkeypatch.chdir(ROOT)
+    flags: dict[str, list[list[str]]] = {}  # flag -> the values after each time it is given
+    values: list[str] = []
+    for arg in gpu_check.stage_arguments(False, gpu_check.BUDGET)["ab"]:
+        if arg.startswith("--"):
+            values = []
+            flags.setdefault(arg, []).append(values)
+        else:
+            values.append(arg)
+    grouped = [ab.grouped_entry(values) for values in flags["--grouped"]]
+    allocations = [Path(p) for p in flags["--codes-allocation"][0]]
+    maps = ab.codes_maps(8, flags["--codes"][0], allocations, grouped)
+    stems = {p.stem for p in (*gpu_check.CODES_POINTS.values(), *gpu_check.GROUPED_POINTS.values(),
+                              *gpu_check.PLANES_POINTS.values(), *gpu_check.PLANES32_POINTS.values())}  # fmt: skip
+    grouped = stems - {p.stem for p in gpu_check.CODES_POINTS.values()}
+    assert stems <= set(maps) and all(maps[s][2] and maps[s][3] for s in grouped)
+    key_plans, value_plans = maps[gpu_check.PLANES32_POINTS["6x"].stem][2:]
+    assert (key_plans[1], value_plans[1]) == ((3, 3, 1, 1, 0, 0, 0, 0), (2, 2, 1, 1, 1, 1, 0, 0))
+    assert flags["--qblock"] == [["128", "32"]]
+
+
 def test_launch_table_lists_each_calls_launches_in_order():
     rows = [
         {"version": "decode_attention", "widths": "2,4", "launch": "0", "kernel": "_decode_packed_kernel",
