@@ -371,17 +371,16 @@ def codes_targets(rows: list[dict], kind: str = "codes") -> list[tuple[str, floa
         ("grouped codes (planes, keys in 32-token blocks)", p, path) for p, path in PLANES32_POINTS.items()
     ]
     mine = [r for r in at if r["method"] == f"{kind}:{KERNEL.stem}"]
+    if not base:
+        return out
     for label, point, path in points:
-        by_qblock: dict[
-            str, dict
-        ] = {}  # a query per 128 tokens, per 32 (ab's --qblock 128 32): the first row each
+        # a query per 128 tokens, then per 32 (ab's --qblock 128 32): the first row at each block size
+        by_qblock: dict[str, dict] = {}
         for r in mine:
             name, qblock = r["note"].split(";")[0], _note_field(r["note"], "qblock")
             if name == path.stem and qblock not in by_qblock:
                 by_qblock[qblock] = r
         for qblock, r in by_qblock.items():
-            if not base:
-                continue
             speedup, wanted = min(base) / _num(r["time_us"]), CODES_TARGETS[point]
             blocks = "" if qblock == "128" else f", a query per {qblock} tokens"
             name = f"{label} at the {point} point's widths ({r['widths']}{blocks}) vs fastest 16-bit"
