@@ -275,7 +275,9 @@ def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: i
     """Every version with a codes-only path (decode_attention_blocks) at every map of `maps` (codes_maps), on the
     same stores, a query and a bias per block of `qblock` tokens (method `codes:<stem>`, and `codes-graph:<stem>`
     replayed from a CUDA graph); rel_err against kernels.reference.attention_blocks_reference where it fits. Its
-    rows sit beside compare's (SDPA's and the affine kernel's) in the same CSV, so bytes can be matched."""
+    rows sit beside compare's (SDPA's and the affine kernel's) in the same CSV, so bytes can be matched; on CUDA
+    each call's launches (the block queries', stage 1's, the combine's) go to the launches CSV too, their widths
+    tagged with the block size."""
     from kernels import reference
 
     B, hq, D, L = (shape[k] for k in ("batch", "hq", "head_dim", "context"))
@@ -322,6 +324,13 @@ def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: i
                     fetched,
                     note=f"failed: {type(e).__name__}: {e}"[:200],
                 )
+                continue
+            if dev.type == "cuda":  # the block queries' launch, stage 1 and the combine, each apart
+                try:
+                    launches = launch_times(fn, LAUNCH_REPS)
+                    write_launches(run.csv_path, shape, stem, f"{widths} qblock={qblock}", launches)
+                except Exception as e:  # noqa: BLE001 - a diagnostic that fails is said, not fatal
+                    print(f"warning: {stem} {widths}: no launch profile ({type(e).__name__}: {e})"[:300])
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
