@@ -127,7 +127,7 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
         # H200 at b6a3e8f: 88 s with twelve; four had not finished in 80)
         bench, tests = [], ["-n", "12", *GPU_TEST_FILES]
         # the headline caches, with three profiled steps each (e2e-profile-<cache>.txt; not the graph replays)
-        e2e = ["--caches", "dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "ugsa4",
+        e2e = ["--caches", "dynamic", "4", "pca4", "ugsa4b32", "ugs5", "4-graph", "mixed-graph", "mixed", "ugsa4",
                "--new-tokens", "24", "--profile", "3"]  # fmt: skip
         grouped = [(path, GROUPED_PLANS) for path in GROUPED_POINTS.values()]
         grouped += [(path, PLANES_PLANS) for path in PLANES_POINTS.values()]

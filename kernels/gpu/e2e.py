@@ -1,6 +1,6 @@
 """End-to-end generate() on a random-weight model of Llama-3-8B's shape: decode tokens/s and peak GPU memory
 with transformers' DynamicCache against QuantizedKVCache on the triton backend at 8, 4 and 2 bits, a mixed
-allocation (mean 4 bits), pca's flat block format at 4 bits (pca4) and its grouped one at 5 (ugs5).
+allocation (mean 4 bits), pca's flat block format at 4 bits (pca4) and its grouped ones (ugs5, ugsa4, ugsa4b32).
 
 This module owns that measurement. The model is built on the GPU from Llama-3-8B's configuration (32 layers,
 32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocabulary 128256) in bf16 with random weights: speed
@@ -42,17 +42,20 @@ DRY = dict(
 )  # fmt: skip
 # a run cut short by its time limit still has the headline ones; "-graph": greedy decoding whose steps replay
 # from a CUDA graph (harness.cache.graphed), the rest model.generate
-CACHES = ("dynamic", "4", "pca4", "ugs5", "4-graph", "mixed-graph", "mixed", "ugsa4", "2", "8")
+CACHES = ("dynamic", "4", "pca4", "ugsa4b32", "ugs5", "4-graph", "mixed-graph", "mixed", "ugsa4", "2", "8")
 # pca4: pca_block_uf at 4 bits with one sink token (the pca family's fused path: codes-only stores, each decode step
 # folded around decode_attention_blocks); ugs5: pca_block_ugs at 5 bits (each head's components in groups of 16 at
 # 0-8 bits, one plan per role: kernels/groups.py; 5 bits is no flat width, so its rows are always grouped); ugsa4:
-# pca_block_ugsa at 4 bits (groups of any width 0-8, their planes summed). Their transforms and plans fitted on
-# CALIBRATION random windows of the same model.
-PCA_CACHES = {"pca4": ("pca_block_uf", 4), "ugs5": ("pca_block_ugs", 5), "ugsa4": ("pca_block_ugsa", 4)}
+# pca_block_ugsa at 4 bits (groups of any width 0-8, their planes summed); ugsa4b32: pca_block32_ugsa at 4 bits (the
+# same with keys in blocks of 32 tokens: a query per 32 tokens). Their transforms and plans fitted on CALIBRATION
+# random windows of the same model.
+PCA_CACHES = {"pca4": ("pca_block_uf", 4), "ugs5": ("pca_block_ugs", 5), "ugsa4": ("pca_block_ugsa", 4),
+              "ugsa4b32": ("pca_block32_ugsa", 4)}  # fmt: skip
 CALIBRATION = (4, 256)  # windows x tokens
-MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4, "ugs5": 5, "ugsa4": 4}  # the rest: the kind is the width
+# the rest: the kind is the width
+MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4, "ugs5": 5, "ugsa4": 4, "ugsa4b32": 4}
 # caches not yet run on a GPU: one that fails is a row with the error in its note, and the caches after it still run
-TRIAL = ("pca4", "ugs5", "ugsa4")
+TRIAL = ("pca4", "ugs5", "ugsa4", "ugsa4b32")
 COLUMNS = [
     "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "step_ms_median", "step_ms_max",
     "tokens_per_s",

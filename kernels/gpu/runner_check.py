@@ -54,8 +54,8 @@ DRY_OVERRIDES = [
 
 # The grids each side runs (beside each other): the smoke sweep, the pca family's flat block format (codes-only
 # stores and the fold around decode_attention_blocks on the triton backend) at 4 bits with its sink token, and its
-# grouped formats (pca_block_ugs, pca_block_ugsa: groups of 16 components, so heads of 64 channels) at 5 bits, a
-# width no flat row holds.
+# grouped formats (pca_block_ugs, pca_block_ugsa, and pca_block32_ugsa, the closest to issue 45's quality targets:
+# groups of 16 components, so heads of 64 channels) at 5 bits, a width no flat row holds.
 GRIDS = {
     "smoke": [],
     "pca": [
@@ -66,7 +66,7 @@ GRIDS = {
     ],
     "grouped": [
         "sweep.models=[tiny-llama-d64]",
-        "sweep.schemes=[pca_block_ugs,pca_block_ugsa]",
+        "sweep.schemes=[pca_block_ugs,pca_block_ugsa,pca_block32_ugsa]",
         "quant.sink_tokens=1",
         "sweep.policies=[{name: uniform}]",
         "sweep.budgets=[5]",
