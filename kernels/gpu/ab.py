@@ -187,10 +187,7 @@ def compare(run: Bench, versions: dict, shape: dict, widths: list[str], splits: 
                     ms = run.time_graph_ms(fn)
                     run.add(shape, f"graph:{stem}", t, mean, ms, fetched, note=f"splits={used}")
                     if dev.type == "cuda":
-                        try:
-                            write_launches(run.csv_path, shape, stem, t, launch_times(fn, LAUNCH_REPS))
-                        except Exception as e:  # noqa: BLE001 - a diagnostic that fails is said, not fatal
-                            print(f"warning: {stem} {t}: no launch profile ({type(e).__name__}: {e})"[:300])
+                        profile_launches(run, shape, stem, t, fn)
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -326,11 +323,7 @@ def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: i
                 )
                 continue
             if dev.type == "cuda":  # the block queries' launch, stage 1 and the combine, each apart
-                try:
-                    launches = launch_times(fn, LAUNCH_REPS)
-                    write_launches(run.csv_path, shape, stem, f"{widths} qblock={qblock}", launches)
-                except Exception as e:  # noqa: BLE001 - a diagnostic that fails is said, not fatal
-                    print(f"warning: {stem} {widths}: no launch profile ({type(e).__name__}: {e})"[:300])
+                profile_launches(run, shape, stem, f"{widths} qblock={qblock}", fn)
         del kst, vst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -338,6 +331,15 @@ def compare_codes(run: Bench, versions: dict, shape: dict, maps: dict, qblock: i
 
 LAUNCH_REPS = 10  # calls profiled for the per-launch device times
 LAUNCH_COLUMNS = ["config", "batch", "context", "version", "widths", "launch", "kernel", "device_us"]
+
+
+def profile_launches(run: Bench, shape: dict, version: str, widths: str, fn) -> None:
+    """One call's launches (launch_times) appended to the launches CSV beside run's; a profile that fails is
+    said, not fatal (a diagnostic)."""
+    try:
+        write_launches(run.csv_path, shape, version, widths, launch_times(fn, LAUNCH_REPS))
+    except Exception as e:  # noqa: BLE001 - a diagnostic that fails is said, not fatal
+        print(f"warning: {version} {widths}: no launch profile ({type(e).__name__}: {e})"[:300])
 
 
 def launch_times(fn, reps: int) -> list[tuple[str, float]]:

@@ -53,9 +53,9 @@ PCA_CACHES = {"pca4": ("pca_block_uf", 4), "ugs5": ("pca_block_ugs", 5), "ugsa4"
               "ugsa4b32": ("pca_block32_ugsa", 4)}  # fmt: skip
 CALIBRATION = (4, 256)  # windows x tokens
 # the rest: the kind is the width
-MEAN_BITS = {"dynamic": 16, "mixed": 4, "pca4": 4, "ugs5": 5, "ugsa4": 4, "ugsa4b32": 4}
+MEAN_BITS = {"dynamic": 16, "mixed": 4, **{kind: width for kind, (_, width) in PCA_CACHES.items()}}
 # caches not yet run on a GPU: one that fails is a row with the error in its note, and the caches after it still run
-TRIAL = ("pca4", "ugs5", "ugsa4", "ugsa4b32")
+TRIAL = tuple(PCA_CACHES)
 COLUMNS = [
     "cache", "mean_bits", "batch", "context", "new_tokens", "prefill_s", "decode_s", "step_ms_median", "step_ms_max",
     "tokens_per_s",
