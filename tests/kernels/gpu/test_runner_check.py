@@ -31,7 +31,8 @@ def test_a_failed_grid_is_said_and_the_others_are_still_compared(tmp_path, monke
         "grouped": [("c", "pca_block_ugs")],
     }
 
-    def start(run_dir, device, backend, extra):
+    def start(run_dir, device, backend, extra, threads):
+        assert threads >= 1
         grid = next(g for g, overrides in runner_check.GRIDS.items() if overrides == extra)
         if backend == "triton" and grid == "grouped":
             return subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
@@ -70,3 +71,24 @@ def test_every_side_failing_is_one_error(tmp_path, monkeypatch):
         runner_check.main(["--out", str(tmp_path), "--timeout", "60"])
     assert str(done.value.code).startswith("error: the cpu torch smoke run exited with 2; see")
     assert not (tmp_path / "runner.csv").exists()
+
+
+def test_each_run_gets_its_share_of_the_cores(tmp_path, monkeypatch):
+    """Six runs side by side on 16 cores: two threads each (left to take every core, they starved each other on the
+    H200 machine), and the setting reaches the harness command line."""
+    seen, start_grid = [], runner_check.start_grid
+
+    def start(run_dir, device, backend, extra, threads):
+        seen.append(threads)
+        return subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+
+    monkeypatch.setattr(runner_check.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(runner_check, "start_grid", start)
+    with pytest.raises(SystemExit):
+        runner_check.main(["--out", str(tmp_path), "--timeout", "60"])
+    assert seen == [2] * 6
+
+    started = []
+    monkeypatch.setattr(runner_check.subprocess, "Popen", lambda cmd, **kw: started.append(cmd))
+    start_grid(tmp_path / "run", "cuda", "triton", ["sweep.budgets=[5]"], 3)
+    assert "threads=3" in started[0] and started[0][-1] == "sweep.budgets=[5]"
