@@ -25,8 +25,11 @@ CPU under TRITON_INTERPRET=1 at tiny sizes and skips the install: a check that n
 figures are no measurement.
 `--minutes M` (2 to 20) scales every stage's limit by M/20, for a machine lent for less time: the bench
 runs its headline shape first and stops starting shapes when its share is spent; a stage cut short says so in
-the README. Where the tree is a copy, HARNESS_COMMIT=<commit> in the environment names its commit in
-metadata.json. This file imports only the standard library: the packages come with the install stage.
+the README. `--lease` is one call of at most 8 minutes for a machine lent for 15 (LEASE_BUDGET: every stage but the
+bench, each with less work: issue 45's format family in the A/B and e2e beside asym_token's kernel and `4`); it
+needs no older kernel in `.ab/` (the A/B then times the current kernel alone beside SDPA). Where the tree is a copy,
+HARNESS_COMMIT=<commit> in the environment names its commit in metadata.json. This file imports only the
+standard library: the packages come with the install stage.
 """
 
 from __future__ import annotations
@@ -53,6 +56,15 @@ WHEELS = Path(".whl")
 # stage's whole limit.
 BUDGET = {"install": 20, "metadata": 20, "tests": 150, "ab": 300, "ncu": 30, "bench": 120, "e2e": 360,
           "runner": 150}  # fmt: skip
+# `--lease`: one call of at most 8 minutes, for a lease of 15 with its machine's start: issue 45's GPU check of the
+# format family the fused path reads closest to the frontier (pca_block32_ugsa), sized from the H200 run above. The
+# tests; the A/B of that family's two knapsacks at a query per 32 tokens beside asym_token's 4-bit kernel, the
+# 16-bit one and cuDNN SDPA in one process (at b6a3e8f one such process, compiles included, ran inside the second
+# call's few minutes); ncu; e2e of DynamicCache, `4`, the family's cache and the two graph-replayed caches, without
+# profiles (about 25 s a cache: a 20 s prefill, 24 steps); the runner. No bench: the A/B holds the targets' rows.
+LEASE_BUDGET = {"install": 10, "metadata": 15, "tests": 110, "ab": 100, "ncu": 20, "bench": 0, "e2e": 160,
+                "runner": 65}  # fmt: skip
+LEASE_STAGES = tuple(stage for stage, seconds in LEASE_BUDGET.items() if seconds)
 DRY_BUDGET = {"install": 0, "metadata": 60, "tests": 120, "ab": 180, "ncu": 0, "bench": 120, "e2e": 180,
               "runner": 300}  # fmt: skip
 AB_DIR = Path(".ab")  # older kernel versions to time against the current one (make gpu-ab-baseline)
@@ -106,9 +118,9 @@ PLANES32_POINTS = {"3.5x": FRONTIER / "0e7792afc12b286e.json", "6x": FRONTIER / 
 PLANES32_PLANS = ["k1=3,3,1,1,0,0,0,0", "v1=2,2,1,1,1,1,0,0", *PLANES_PLANS[1:]]
 
 
-def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
+def stage_arguments(dry: bool, budget: dict, lease: bool = False) -> dict[str, list[str]]:
     """The arguments of the stages that run otherwise in a dry run (tiny sizes on CPU under the interpreter)
-    than on a GPU: bench, e2e, runner, tests and ab."""
+    than on a GPU, and in a lease's call (`--lease`) than in the whole check: bench, e2e, runner, tests and ab."""
     if dry:
         bench = ["--dry-run", "--configs", "32x8", "--batch", "2", "--context", "40", "--widths", "2", "mixed",
                  "--quantize-tokens", "8"]  # fmt: skip
@@ -122,6 +134,10 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
               "--codes-allocation", str(CODES_POINTS["3.5x"]),
               "--grouped", str(GROUPED_POINTS["3.5x"]), *GROUPED_PLANS_DRY,
               "--grouped", str(PLANES_POINTS["3.5x"]), *PLANES_PLANS_DRY]  # fmt: skip
+        if lease:  # the lease's work at the dry run's sizes: its format's cache and map, at its block size
+            e2e = [*e2e[: e2e.index("--caches") + 1], "dynamic", "4", "ugsa4b32", "mixed-graph"]
+            ab = [*ab[: ab.index("--codes")], "--grouped", str(PLANES32_POINTS["3.5x"]), *PLANES_PLANS_DRY,
+                  "--qblock", "32"]  # fmt: skip
     else:
         runner = ["--timeout", str(budget["runner"] - 10)]
         # twelve test processes: most of the stage is Triton compiling kernels, on the GPU machine's 16 cores (on the
@@ -139,13 +155,19 @@ def stage_arguments(dry: bool, budget: dict) -> dict[str, list[str]]:
               "--codes-allocation", *map(str, CODES_POINTS.values()),
               *(arg for path, plans in grouped for arg in ("--grouped", str(path), *plans)),
               "--qblock", "128", "32"]  # fmt: skip
+        if lease:
+            e2e = ["--caches", "dynamic", "4", "ugsa4b32", "4-graph", "mixed-graph", "--new-tokens", "24"]
+            ab = ["--context", "32768", "--widths", "4", "16",
+                  *(arg for path in PLANES32_POINTS.values() for arg in ("--grouped", str(path), *PLANES32_PLANS)),
+                  "--qblock", "32"]  # fmt: skip
     return {"bench": bench, "e2e": e2e, "runner": runner, "tests": tests, "ab": ab}
 
 
-def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]]:
-    """Each stage's command line, writing into `folder`, for a dry run or a GPU run with `budget`'s limits."""
+def stage_commands(folder: Path, dry: bool, budget: dict, lease: bool = False) -> dict[str, list[str]]:
+    """Each stage's command line, writing into `folder`, for a dry run or a GPU run with `budget`'s limits (a
+    lease's call with `lease`)."""
     py = sys.executable
-    args = stage_arguments(dry, budget)
+    args = stage_arguments(dry, budget, lease)
     return {
         "install": [
             py,
@@ -202,8 +224,9 @@ def stage_commands(folder: Path, dry: bool, budget: dict) -> dict[str, list[str]
 
 
 def ab_versions(folder: Path, dry: bool) -> list[Path]:
-    """The files the ab stage times: the versions in AB_DIR, then the current kernel. A dry run with no older
-    version times a copy of the current one beside it, so that the code runs."""
+    """The files the ab stage times: the versions in AB_DIR, then the current kernel (alone beside SDPA where AB_DIR
+    holds none). A dry run with no older version times a copy of the current one beside it, so that the code
+    runs."""
     older = sorted(AB_DIR.glob("*.py"))
     if dry and not older:
         older = [folder / "copy_of_current.py"]
@@ -221,8 +244,6 @@ def skip_reason(stage: str, dry: bool) -> str:
     """Why a stage does not run here ("" when it does)."""
     if stage == "install" and (dry or not list(WHEELS.glob("*.whl"))):
         return "dry run" if dry else "no wheels in .whl/"
-    if stage == "ab" and not dry and not list(AB_DIR.glob("*.py")):
-        return f"no older kernel in {AB_DIR}/ (make gpu-ab-baseline)"
     if stage == "ncu" and dry:
         return "dry run (no GPU counters)"
     return ""
@@ -531,8 +552,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kernels.gpu.check", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, help="results go to OUT/results/kernels/<gpu name>/")
     p.add_argument("--dry-run", action="store_true", help="CPU, TRITON_INTERPRET=1, tiny sizes, no install")
-    p.add_argument("--stages", nargs="+", default=list(STAGES), help=f"a subset of {', '.join(STAGES)}")
+    p.add_argument("--stages", nargs="+", help=f"a subset of {', '.join(STAGES)} (default: all; with --lease, "
+                   f"{', '.join(LEASE_STAGES)})")  # fmt: skip
     p.add_argument("--minutes", type=float, default=20.0, help="scale the stage limits by MINUTES/20 (<= 20)")
+    p.add_argument("--lease", action="store_true",
+                   help="one call of at most 8 minutes: the stages and work of LEASE_BUDGET (not with --minutes)")  # fmt: skip
     p.add_argument("--metadata", type=Path, help=argparse.SUPPRESS)  # the metadata stage's own entry point
     args = p.parse_args(argv)
     if args.metadata:
@@ -540,12 +564,23 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.out is None:
         p.error("--out is required")
+    allowed = LEASE_STAGES if args.lease else STAGES
+    args.stages = args.stages or list(allowed)
     for s in args.stages:
-        if s not in STAGES:
-            p.error(f"--stages: {s!r} is not a stage; allowed: {', '.join(STAGES)}")
+        if s not in allowed:
+            p.error(
+                f"--stages: {s!r} is not a stage{' of a lease' if args.lease else ''}; allowed: {', '.join(allowed)}"
+            )
     if not 2 <= args.minutes <= 20:
         p.error(f"--minutes: {args.minutes:g} is not allowed; allowed: 2 to 20")
-    budget = scaled_budget(DRY_BUDGET if args.dry_run else BUDGET, args.minutes)
+    if args.lease and args.minutes != 20:
+        p.error(
+            f"--minutes: {args.minutes:g} is not allowed with --lease; allowed: --lease alone (its own limits)"
+        )
+    if args.dry_run:
+        budget = scaled_budget(DRY_BUDGET, args.minutes)
+    else:
+        budget = LEASE_BUDGET if args.lease else scaled_budget(BUDGET, args.minutes)
     env = dict(os.environ)
     env["PYTHONUNBUFFERED"] = "1"
     if args.dry_run:
@@ -567,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
                 {"stage": stage, "rc": "skipped", "seconds": 0.0, "limit": budget[stage], "why": skip}
             )
             continue
-        cmd = stage_commands(folder, args.dry_run, budget)[stage]
+        cmd = stage_commands(folder, args.dry_run, budget, args.lease)[stage]
         print(f"[{stage}] up to {budget[stage]} s: {' '.join(cmd)}", flush=True)
         rc, secs = run_stage(cmd, budget[stage], folder / "logs" / f"{stage}.log", env)
         outcomes.append({"stage": stage, "rc": rc, "seconds": secs, "limit": budget[stage]})

@@ -70,6 +70,38 @@ def test_stage_budgets_fit_twenty_minutes():
     assert sum(gpu_check.BUDGET.values()) <= 19.5 * 60
 
 
+def test_a_lease_is_one_call_of_eight_minutes_at_most():
+    """--lease: every stage but the bench, limits summing to 8 minutes at most; its ab stage times the closest
+    format's two knapsacks (pca_block32_ugsa, a query per 32 tokens) beside asym_token's 4-bit kernel and the 16-bit
+    one, its e2e stage that format's cache beside `4`, DynamicCache and the graph-replayed caches, every one a cache
+    e2e knows; the other stages as in the whole check."""
+    from kernels.gpu import ab, e2e
+
+    assert sum(gpu_check.LEASE_BUDGET.values()) <= 8 * 60
+    assert gpu_check.LEASE_STAGES == tuple(s for s in gpu_check.STAGES if s != "bench")
+    lease = gpu_check.stage_arguments(False, gpu_check.LEASE_BUDGET, lease=True)
+    whole = gpu_check.stage_arguments(False, gpu_check.LEASE_BUDGET)
+    assert lease["tests"] == whole["tests"] and lease["runner"] == whole["runner"]
+    caches = _flags(lease["e2e"])["--caches"][0]
+    assert {"dynamic", "4", "ugsa4b32"} <= set(caches) <= set(e2e.CACHES) and "--profile" not in lease["e2e"]
+    flags = _flags(lease["ab"])
+    assert flags["--widths"] == [["4", "16"]] and flags["--qblock"] == [["32"]] and "--codes" not in flags
+    grouped = [ab.grouped_entry(values) for values in flags["--grouped"]]
+    assert [path for path, *_ in grouped] == list(gpu_check.PLANES32_POINTS.values())
+    maps = ab.codes_maps(8, [], [], [(ROOT / path, *plans) for path, *plans in grouped])
+    assert set(maps) == {p.stem for p in gpu_check.PLANES32_POINTS.values()}
+
+
+def test_a_lease_refuses_minutes_and_stages_it_does_not_run(capsys):
+    for argv, said in (
+        (["--lease", "--minutes", "8"], "--minutes: 8 is not allowed with --lease"),
+        (["--lease", "--stages", "bench"], "--stages: 'bench' is not a stage of a lease; allowed: install,"),
+    ):
+        with pytest.raises(SystemExit) as err:
+            gpu_check.main(["--out", "x", *argv])
+        assert err.value.code == 2 and said in capsys.readouterr().err
+
+
 def test_minutes_scale_every_stage_limit():
     short = gpu_check.scaled_budget(gpu_check.BUDGET, 8.5)
     assert short.keys() == gpu_check.BUDGET.keys()
@@ -275,6 +307,19 @@ def test_codes_targets_read_each_block_size_of_a_point_apart():
     )
 
 
+def _flags(args: list[str]) -> dict[str, list[list[str]]]:
+    """A command line's flags: flag -> the values after each time it is given."""
+    flags: dict[str, list[list[str]]] = {}
+    values: list[str] = []
+    for arg in args:
+        if arg.startswith("--"):
+            values = []
+            flags.setdefault(arg, []).append(values)
+        else:
+            values.append(arg)
+    return flags
+
+
 def test_the_gpu_runs_ab_arguments_load(monkeypatch):
     """The GPU run's ab stage reads every point and plan it names (a missing file or a width without a plan would
     end the stage before its first row): the maps kernels.gpu.ab builds from them, each grouped point's plans, and
@@ -282,14 +327,7 @@ def test_the_gpu_runs_ab_arguments_load(monkeypatch):
     from kernels.gpu import ab
 
     monkeypatch.chdir(ROOT)
-    flags: dict[str, list[list[str]]] = {}  # flag -> the values after each time it is given
-    values: list[str] = []
-    for arg in gpu_check.stage_arguments(False, gpu_check.BUDGET)["ab"]:
-        if arg.startswith("--"):
-            values = []
-            flags.setdefault(arg, []).append(values)
-        else:
-            values.append(arg)
+    flags = _flags(gpu_check.stage_arguments(False, gpu_check.BUDGET)["ab"])
     grouped = [ab.grouped_entry(values) for values in flags["--grouped"]]
     allocations = [Path(p) for p in flags["--codes-allocation"][0]]
     maps = ab.codes_maps(8, flags["--codes"][0], allocations, grouped)

@@ -68,3 +68,15 @@ def test_too_few_new_tokens_are_refused(tmp_path, interpreted):
     proc = interpreted(e2e.main, "kernels.gpu.e2e", "--dry-run", "--new-tokens", "2", "--out", str(tmp_path))
     assert proc.returncode == 2 and "--new-tokens: 2 is too few" in proc.stderr
     assert not (tmp_path / "e2e.csv").exists()
+
+
+def test_the_closest_formats_cache_decodes(tmp_path, interpreted):
+    """ugsa4b32 (pca_block32_ugsa at 4 bits, the cache a lease's check times beside `4`): fitted, prefilled and
+    decoded through the fused path, holding fewer bytes than DynamicCache even at 43 tokens."""
+    proc = interpreted(e2e.main, "kernels.gpu.e2e", "--dry-run", "--batch", "1", "--context", "40", "--new-tokens",
+                      "3", "--chunk", "16", "--caches", "ugsa4b32", "dynamic", "--out", str(tmp_path))  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    with open(tmp_path / "e2e.csv") as f:
+        ugsa, dynamic = csv.DictReader(f)
+    assert ugsa["cache"] == "ugsa4b32" and ugsa["mean_bits"] == "4" and not ugsa["note"]
+    assert float(ugsa["tokens_per_s"]) > 0 and 0 < float(ugsa["kv_gib"]) < float(dynamic["kv_gib"])
