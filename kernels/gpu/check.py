@@ -62,8 +62,8 @@ BUDGET = {"install": 20, "metadata": 20, "tests": 150, "ab": 300, "ncu": 30, "be
 # 16-bit one and cuDNN SDPA in one process (at b6a3e8f one such process, compiles included, ran inside the second
 # call's few minutes); ncu; e2e of DynamicCache, `4`, the family's cache and the two graph-replayed caches, without
 # profiles (about 25 s a cache: a 20 s prefill, 24 steps); the runner. No bench: the A/B holds the targets' rows.
-LEASE_BUDGET = {"install": 10, "metadata": 15, "tests": 110, "ab": 100, "ncu": 20, "bench": 0, "e2e": 160,
-                "runner": 65}  # fmt: skip
+LEASE_BUDGET = {"install": 10, "metadata": 10, "tests": 110, "ab": 100, "ncu": 20, "bench": 0, "e2e": 170,
+                "runner": 60}  # fmt: skip
 LEASE_STAGES = tuple(stage for stage, seconds in LEASE_BUDGET.items() if seconds)
 DRY_BUDGET = {"install": 0, "metadata": 60, "tests": 120, "ab": 180, "ncu": 0, "bench": 120, "e2e": 180,
               "runner": 300}  # fmt: skip
