@@ -354,3 +354,29 @@ def test_launch_table_lists_each_calls_launches_in_order():
         "| decode_attention | 2,4 | _decode_packed_kernel 80, _decode_packed_kernel 51, _combine_kernel 5 |"
     )
     assert gpu_check.launch_table([]) == []
+
+
+def test_the_readme_reads_the_targets_off_the_replays_first(tmp_path):
+    """The README's target table is the graph replays' (the GPU's own time); the launched calls' follows it."""
+    rows = [
+        {**_decode_row("sdpa_default", "16", 300.0), "method": "sdpa_default"},
+        _decode_row("fused:decode_attention", "4", 150.0),
+        _decode_row("graph:decode_attention", "4", 100.0),
+    ]
+    fields = sorted({k for r in rows for k in r})
+    with open(tmp_path / "ab.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    gpu_check.write_readme(tmp_path, {"gpu": "test"}, [], False, "python -m kernels.gpu.check")
+    text = (tmp_path / "README.md").read_text()
+    replayed, launched = (
+        text.index("| 4-bit fused vs fastest 16-bit | 3 |"),
+        text.index("| 4-bit fused vs fastest 16-bit | 2 |"),
+    )
+    assert (
+        text.index("Read off the A/B's CUDA-graph replays")
+        < replayed
+        < text.index("as launched from Python")
+        < launched
+    )
