@@ -96,6 +96,10 @@ KNAPSACK_STEPS = (
     ("at blocks of 32, the fused path's grouped format (even levels, one plan per width for every head) instead of"
      " Lloyd-Max levels and a plan per head", "pca_block32", "pca_block32_ugsa"),
     ("keys turned by their own position instead of their block of 32 tokens", "pca_block32", "pca"),
+    ("the grouped format with keys turned by their own position instead of their block of 32 tokens",
+     "pca_block32_ugsa", "pca_ugsa"),
+    ("keys turned by their own position: Lloyd-Max levels and a plan per head instead of the grouped format",
+     "pca_ugsa", "pca"),
 )  # fmt: skip
 FUSED_INGREDIENTS = tuple(
     (

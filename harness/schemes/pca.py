@@ -52,6 +52,7 @@ from harness.schemes.pca_table import (
     PCA_WIDTHS,
     PLAN_BYTES,
     POST,
+    PRE,
     UNIFORM,
     PcaCalibration,
     PcaFormat,
@@ -703,6 +704,19 @@ class PcaBlock32UniformSharedGroupsAllWidths(Pca):
     name: str = "pca_block32_ugsa"
     pca_format: ClassVar[PcaFormat] = replace(
         PcaBlockUniformSharedGroupsAllWidths.pca_format, block=BLOCK_TOKENS // 4
+    )
+
+
+@register
+@dataclass(frozen=True)
+class PcaUniformSharedGroupsAllWidths(Pca):
+    """pca_block_ugsa with keys turned back by their own position (before RoPE, as pca's): the grouped format a
+    kernel would read if it turned each dequantized key tile by its tokens' positions (KVQuant's way) instead of
+    one query a block; what the block costs that format."""
+
+    name: str = "pca_ugsa"
+    pca_format: ClassVar[PcaFormat] = replace(
+        PcaBlockUniformSharedGroupsAllWidths.pca_format, key_frame=PRE, block=0
     )
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from harness.schemes.pca_table import BLOCK, POST, UNIFORM, PcaFormat, level_tables
+from harness.schemes.pca_table import BLOCK, POST, PRE, UNIFORM, PcaFormat, level_tables
 from harness.schemes.rotary import turn
 from harness.schemes.wrappers import SinkStore
 from kernels import groups
@@ -51,6 +51,8 @@ def format_reason(fmt: PcaFormat) -> str | None:
             f"{fmt}: a fold needs evenly spaced levels and one width a head (levels=uniform, group=0), or plans of "
             f"{groups.GROUP} components at 0 to {max(groups.GROUP_WIDTHS)} bits shared by every head (shared_plans)"
         )
+    if fmt.key_frame == PRE:
+        return f"{fmt}: keys coded before RoPE turn by each token's own position; a fold needs key_frame post or block"
     return None
 
 
@@ -62,8 +64,6 @@ def foldable(store) -> str | None:
     reason = format_reason(fmt)
     if reason is not None:
         return reason
-    if fmt.key_frame not in (POST, BLOCK) and len(store.positions.theta):
-        return "keys coded before RoPE turn by each token's own position: no query can hold that"
     if FULL_WIDTH in store.bits:
         return "a 16-bit head inside the store"
     if getattr(store, "outliers", 0):

@@ -302,8 +302,8 @@ def test_pca_grouped_format_decodes_through_the_fold_and_the_blocks_kernel(devic
 
 def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
     """resolve_backend: pca_block_ugs and pca_block_ugsa (shared grouped plans) take the kernels at any of pca's
-    widths where a head has 64 channels or more; pca_block_ug (a plan per head) and pca_block_u (a width per
-    component) do not."""
+    widths where a head has 64 channels or more; pca_block_ug (a plan per head), pca_block_u (a width per
+    component) and pca_ugsa (keys before RoPE) do not."""
     cuda = torch.device("cuda")
     for name in ("pca_block_ugs", "pca_block_ugsa", "pca_block32_ugsa"):
         grouped = get_scheme(name, sink_tokens=1)
@@ -311,6 +311,10 @@ def test_pca_grouped_format_on_the_triton_backend_needs_shared_plans():
     for name in ("pca_block_ug", "pca_block_u"):
         with pytest.raises(NotImplementedError, match="shared by every head"):
             get_scheme(name).check_kernel([4], [4], 64, 64, False)
+    # the same grouped format with keys before RoPE (each key turned by its own position): no query folds it
+    assert resolve_backend("auto", cuda, get_scheme("pca_ugsa", sink_tokens=1), [4], [4], 64, 64) == "torch"
+    with pytest.raises(NotImplementedError, match="keys coded before RoPE"):
+        get_scheme("pca_ugsa").check_kernel([4], [4], 64, 64, False)
     # below 64 channels a plan's groups hold fewer than 16 components (a quarter of the head): auto takes torch
     for name in ("pca_block_ugs", "pca_block_ugsa"):
         grouped = get_scheme(name, sink_tokens=1)

@@ -122,6 +122,7 @@ def test_the_block_queries_differ_where_the_frame_turns():
         ("pca", "levels=uniform, group=0"),
         ("pca_block_ug", "levels=uniform, group=0"),
         ("pca_block_u", "levels=uniform, group=0"),
+        ("pca_ugsa", "keys coded before RoPE turn by each token's own position"),
     ],
 )
 def test_what_cannot_be_folded_is_refused_in_one_line(name, reason):
