@@ -100,6 +100,10 @@ KNAPSACK_STEPS = (
      "pca_block32_ugsa", "pca_ugsa"),
     ("keys turned by their own position: Lloyd-Max levels and a plan per head instead of the grouped format",
      "pca_ugsa", "pca"),
+    ("keys turned by their own position, grouped shared plans: Lloyd-Max levels instead of evenly spaced ones",
+     "pca_ugsa", "pca_gsa"),
+    ("keys turned by their own position, Lloyd-Max levels: a plan per head instead of grouped shared plans",
+     "pca_gsa", "pca"),
 )  # fmt: skip
 FUSED_INGREDIENTS = tuple(
     (

@@ -47,6 +47,7 @@ from harness.schemes.calkey import outlier_dtype, saturating_cast
 from harness.schemes.pca_fold import code_steps, decode, format_reason, packed_decode
 from harness.schemes.pca_table import (
     BLOCK,
+    LLOYD,
     MIN_GROUPS,
     PCA_FORMAT,
     PCA_WIDTHS,
@@ -718,6 +719,16 @@ class PcaUniformSharedGroupsAllWidths(Pca):
     pca_format: ClassVar[PcaFormat] = replace(
         PcaBlockUniformSharedGroupsAllWidths.pca_format, key_frame=PRE, block=0
     )
+
+
+@register
+@dataclass(frozen=True)
+class PcaSharedGroupsAllWidths(Pca):
+    """pca_ugsa with pca's Lloyd-Max levels (a level table per width) in place of evenly spaced ones: of pca_ugsa's
+    distance to pca, what the levels hold and what the per-head plans do."""
+
+    name: str = "pca_gsa"
+    pca_format: ClassVar[PcaFormat] = replace(PcaUniformSharedGroupsAllWidths.pca_format, levels=LLOYD)
 
 
 @register
