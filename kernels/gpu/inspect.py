@@ -39,6 +39,9 @@ DESIGN.md's static targets (4.5 at 4 bits, 6 at 2) hold at 4 bits, not at 2: a 2
 bytes a token to spend 384 instructions on, and its dequantization (8 lop3 and 3 shifts a word for K; the same and
 a sub.f16x2 a pair for V, or as many moves into the shared-memory stores' register quads without it), the mmas,
 V's transpose and the softmax take about 430 of them before a block's query (40-50 more a tile) is read.
+With --turned LEVELS it compiles kernels/turned_attention.py's kernel instead (keys coded before RoPE, each key tile
+made through the basis and turned in the kernel: pca_gsa's format with LEVELS lloyd, pca_ugsa's with uniform), at
+the --key-plans / --value-plans of each --widths width or of each width pair of --allocation.
 It prints a table and writes a CSV. The Triton that compiles is the one imported: `make inspect-env` makes
 .venv-triton36 with the GPU machine's Triton (3.6.0), and every row names the version that compiled it.
 """
@@ -68,6 +71,9 @@ ROOT = Path(__file__).resolve().parents[2]
 KERNEL_SOURCES = tuple(
     ROOT / "kernels" / f for f in ("decode_attention.py", "unpack.py", "groups.py", "layout.py")
 )
+TURNED_SOURCES = tuple(ROOT / "kernels" / f for f in ("turned_attention.py", "unpack.py", "groups.py"))
+# --turned's levels -> the rows' format column
+TURNED_FORMATS = {"lloyd": "turned-lloyd", "uniform": "turned-uniform"}
 COLUMNS = [
     "triton", "kernel_sha", "kernel", "key_bits", "value_bits", "block_n", "num_warps", "num_stages", "registers", "spill_bytes",
     "shared_bytes", "loop_instr", "kv_bytes_per_tile", "instr_per_byte", "payload_load_bytes", "mma", "i2f",
@@ -290,32 +296,82 @@ def inspect_launch(launch: Launch, num_warps: int, shape: dict, label: str = "")
         raise RuntimeError(f"{len(buckets)} buckets but {len(loops)} loops with an mma in the machine code")
     rows = []
     for i, ((kw, vw, block_n, stages), loop) in enumerate(zip(buckets, loops)):
-        mix = loop_mix(loop)
-        widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
-        tile = block_n * (
-            kv_bytes_per_token(kw, shape["head_dim"], codes=codes)
-            + kv_bytes_per_token(vw, shape["head_dim"], codes=codes)
-        )
         notes = []
         if label:
             notes.append(
                 f"{label}, branch {i + 1} of {len(buckets)}" if fast else f"{label}, a launch of its own"
             )
-        if not loop:
-            notes.append("no loop with an mma found")
-        note = "; ".join(notes)
-        row = {
-            "triton": triton.__version__, "kernel_sha": kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
-            "num_stages": stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
-            "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
-            "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
-            "payload_load_bytes": " ".join(map(str, widths)), "note": note, "format": "codes" if codes else "affine",
-            "qblock": kwargs.get("QBLOCK", "") if codes else "",
-        }  # fmt: skip
-        row.update({col: mix.get(col, 0) for col in set(MIX.values())})
-        row["static_targets"] = static_targets(row)
-        rows.append(row)
+        fmt = ("codes", kwargs.get("QBLOCK", "")) if codes else ("affine", "")
+        rows.append(
+            loop_row(launch, usage, meta, loop, (kw, vw, block_n, num_warps, stages), shape, notes, fmt)
+        )
     return rows
+
+
+def loop_row(
+    launch: Launch, usage: dict, meta, loop: list, variant: tuple, shape: dict, notes: list[str],
+    fmt: tuple[str, object], sha: str | None = None,
+) -> dict:  # fmt: skip
+    """One row of the table from a compiled launch's resources (usage, meta) and its loop over tiles: variant (key
+    bits, value bits, BLOCK_N, warps, stages), fmt (the format column, the qblock column), sha the kernel's digest
+    (default kernel_sha())."""
+    kw, vw, block_n, num_warps, stages = variant
+    codes = fmt[0] != "affine"
+    mix = loop_mix(loop)
+    widths = sorted({w for _, op, _ in loop if (w := load_width(op)) is not None})
+    tile = block_n * (
+        kv_bytes_per_token(kw, shape["head_dim"], codes=codes)
+        + kv_bytes_per_token(vw, shape["head_dim"], codes=codes)
+    )
+    if not loop:
+        notes = [*notes, "no loop with an mma found"]
+    row = {
+        "triton": triton.__version__, "kernel_sha": sha or kernel_sha(), "kernel": launch.fn.fn.__name__, "key_bits": kw, "value_bits": vw, "block_n": block_n, "num_warps": num_warps,
+        "num_stages": stages, "registers": usage.get("REG", 0), "spill_bytes": usage.get("STACK", 0) + usage.get("LOCAL", 0),
+        "shared_bytes": meta.shared, "loop_instr": len(loop), "kv_bytes_per_tile": tile,
+        "instr_per_byte": round(len(loop) * 32 * num_warps / tile, 2) if loop else float("nan"),
+        "payload_load_bytes": " ".join(map(str, widths)), "note": "; ".join(notes), "format": fmt[0], "qblock": fmt[1],
+    }  # fmt: skip
+    row.update({col: mix.get(col, 0) for col in set(MIX.values())})
+    row["static_targets"] = static_targets(row)
+    return row
+
+
+def catch_turned(
+    kw: int, vw: int, plans: tuple[dict, dict], block_n: int, num_warps: int, num_stages: int, shape: dict,
+    lookup: bool,
+) -> Launch:  # fmt: skip
+    """The launch of kernels/turned_attention.py's kernel at `shape` for every KV head's keys at width kw and values
+    at vw under plans (keys', values': width -> grouped plan), the stores full, on the meta device."""
+    from kernels import turned_attention as ta
+
+    B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
+    dev = torch.device("meta")
+    kplan, vplan = plans[0][kw], plans[1][vw]
+    words = lambda plan: torch.empty(B, hkv, L, sum(plan) * 2 // 4, dtype=torch.int32, device=dev)  # noqa: E731
+    kernel, grid, args, kwargs, _ = ta.launch(
+        torch.empty(B, hq, D, device=dev), words(kplan), words(vplan), kplan, vplan,
+        torch.empty(hkv, D, D, dtype=torch.float16, device=dev), torch.empty(hkv, D, device=dev),
+        torch.empty(9, ta.LEVEL_ROW, device=dev), torch.empty(-(-L // block_n), D, device=dev),
+        torch.empty(block_n, D, dtype=torch.float16, device=dev), L, D**-0.5, lookup=lookup, block_n=block_n,
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return Launch(kernel, args, kwargs)
+
+
+def inspect_turned(
+    kw: int, vw: int, plans: tuple[dict, dict], block_n: int, num_warps: int, num_stages: int, shape: dict,
+    levels: str, note: str = "",
+) -> dict:  # fmt: skip
+    """One row: the turned kernel (catch_turned) compiled for sm_90a, its levels `levels` (TURNED_FORMATS' keys:
+    a table lookup an element, or evenly spaced levels folded into the basis)."""
+    launch = catch_turned(kw, vw, plans, block_n, num_warps, num_stages, shape, levels == "lloyd")
+    cubin, meta, _ = compile_for_hopper(launch)
+    sass, usage = sass_and_resources(cubin)
+    loop = main_loop(instructions(sass))
+    notes = [f"plans {plans[0][kw]} / {plans[1][vw]}"] + ([note] if note else [])
+    return loop_row(launch, usage, meta, loop, (kw, vw, block_n, num_warps, num_stages), shape, notes,
+                    (TURNED_FORMATS[levels], ""), kernel_sha(TURNED_SOURCES))  # fmt: skip
 
 
 def inspect_map(
@@ -395,10 +451,11 @@ def mix_instr_per_byte(rows: list[dict], pairs: Counter) -> float:
     return round(instr / nbytes, 2)
 
 
-def kernel_sha() -> str:
-    """The first 12 hex digits of sha256 over the kernel sources the figures describe (KERNEL_SOURCES)."""
+def kernel_sha(sources: tuple[Path, ...] = KERNEL_SOURCES) -> str:
+    """The first 12 hex digits of sha256 over the kernel sources the figures describe (KERNEL_SOURCES, or the
+    turned kernel's TURNED_SOURCES)."""
     digest = hashlib.sha256()
-    for path in KERNEL_SOURCES:
+    for path in sources:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -415,7 +472,8 @@ def static_targets(row: dict) -> str:
     if width == 16 or row["key_bits"] != row["value_bits"]:
         return ""
     missed = []
-    targets = CODES_INSTR_PER_BYTE_TARGET if row.get("format") == "codes" else INSTR_PER_BYTE_TARGET
+    codes = row.get("format") == "codes" or str(row.get("format", "")).startswith("turned")
+    targets = CODES_INSTR_PER_BYTE_TARGET if codes else INSTR_PER_BYTE_TARGET
     if width in targets and not float(row["instr_per_byte"]) <= targets[width]:
         missed.append(f"instr/byte {row['instr_per_byte']} > {targets[width]:g}")
     if int(row["registers"]) > MAX_REGISTERS:
@@ -479,6 +537,11 @@ def _parser() -> argparse.ArgumentParser:
         "--codes", action="store_true", help="the codes-only path (decode_attention_blocks) at --qblock"
     )
     p.add_argument("--qblock", type=int, default=128, help="tokens a query block with --codes (0: one block)")
+    p.add_argument(
+        "--turned", choices=sorted(TURNED_FORMATS), default=None,
+        help="compile kernels/turned_attention.py's kernel instead (keys before RoPE turned in the kernel, levels "
+        "looked up or evenly spaced) for every width --key-plans/--value-plans give, or each pair of --allocation",
+    )  # fmt: skip
     for role in ("key", "value"):
         p.add_argument(
             f"--{role}-plans", type=plan_entry, nargs="+", default=[],
@@ -525,6 +588,9 @@ def main(argv: list[str] | None = None) -> None:
                 (*args.value_map, *(v for _, v in pairs)),
             )
     plans = (dict(args.key_plans), dict(args.value_plans))
+    if args.turned:
+        _main_turned(p, args, plans, allocations)
+        return
     if (plans[0] or plans[1]) and not args.codes:
         p.error("--key-plans/--value-plans: grouped plans are codes-only stores'; add --codes")
     for w in (*args.widths, *(args.map or ()), *(args.value_map or ())):
@@ -555,6 +621,48 @@ def main(argv: list[str] | None = None) -> None:
         print(f"compiled K{kw}V{vw} BLOCK_N={rows[-1]['block_n']} warps={nw}", file=sys.stderr, flush=True)
     print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")
     print(format_table(rows))
+    if args.out:
+        _write_csv(rows, args.out)
+
+
+def _main_turned(p: argparse.ArgumentParser, args, plans: tuple[dict, dict], allocations: dict) -> None:
+    """--turned: the turned kernel's rows, one a width (--widths) or a width pair of each allocation, and each
+    allocation's thread-instructions per KV byte over its units."""
+    from kernels import turned_attention as ta
+
+    if args.codes or (args.map and not allocations):
+        p.error("--turned: the turned kernel reads grouped rows of its own; give it no --codes or --map")
+    wanted = (
+        {pair for pairs in allocations.values() for pair in pairs}
+        if allocations
+        else {(w, w) for w in args.widths}
+    )
+    for kw, vw in sorted(wanted):
+        if kw not in plans[0] or vw not in plans[1]:
+            p.error(f"--turned: width {kw if kw not in plans[0] else vw} has no plan; give --key-plans and "
+                    "--value-plans for every width")  # fmt: skip
+    shape = {k: getattr(args, k) for k in SHAPE}
+    stages = args.stages or ta.NUM_STAGES
+    rows, mixes = [], []
+    for n, nw in itertools.product(args.block_n or [ta.BLOCK_N], args.warps):
+        done = {
+            pair: inspect_turned(*pair, plans, n, nw, stages, shape, args.turned) for pair in sorted(wanted)
+        }
+        rows += done.values()
+        print(f"compiled {len(done)} turned variants BLOCK_N={n} warps={nw}", file=sys.stderr, flush=True)
+        for path, pairs in allocations.items():
+            mix, total = mix_instr_per_byte(list(done.values()), pairs), sum(pairs.values())
+            mixes.append(
+                f"{path}: {total} units, BLOCK_N={n} warps={nw}: {mix} thread-instructions per KV byte"
+            )
+            for pair, units in pairs.items():
+                rows.append({**done[pair], "note": f"{done[pair]['note']}; {path.name}: {units} of {total} units; "
+                             f"allocation {mix} thread-instructions per KV byte"})  # fmt: skip
+    if allocations:  # the allocations' rows, not the bare ones
+        rows = [r for r in rows if "units" in r["note"]]
+    print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")
+    print(format_table(rows))
+    print("\n".join(mixes))
     if args.out:
         _write_csv(rows, args.out)
 

@@ -272,6 +272,36 @@ def test_inspector_compiles_grouped_plans(in_process, tmp_path):
     assert proc.returncode == 2 and "is not WIDTH=GROUP_WIDTHS" in proc.stderr
 
 
+def test_inspector_compiles_the_turned_kernel(cli, in_process, tmp_path):
+    """--turned compiles kernels/turned_attention.py's kernel for sm_90a at each width's key and value plans: rows of
+    its own format and digest, the grouped rows' bytes counted (2 bits: 32 bytes a token and role at head_dim 128);
+    a width without a plan, and --codes beside it, are refused."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "turned.csv"
+    plans = [
+        "--key-plans",
+        "2=4,4,2,2,2,2,0,0",
+        "--value-plans",
+        "2=3,3,2,2,2,2,1,1",
+    ]  # pca_gsa's, smollm2-135m
+    proc = cli("kernels.gpu.inspect", "--turned", "lloyd", "--widths", "2", *plans, "--block-n", "32", "--out",
+               str(out), env=env, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = list(csv.DictReader(open(out)))
+    assert (row["format"], row["kernel"], row["block_n"]) == ("turned-lloyd", "_turned_kernel", "32")
+    assert int(row["kv_bytes_per_tile"]) == 32 * (32 + 32) and int(row["mma"]) > 0
+    assert row["kernel_sha"] == insp.kernel_sha(insp.TURNED_SOURCES) != insp.kernel_sha()
+    assert "(4, 4, 2, 2, 2, 2, 0, 0)" in row["note"]
+    proc = in_process(
+        insp.main, "kernels.gpu.inspect", "--turned", "lloyd", "--widths", "3", *plans, env=COMPILED
+    )
+    assert proc.returncode == 2 and "width 3 has no plan" in proc.stderr
+    proc = in_process(
+        insp.main, "kernels.gpu.inspect", "--turned", "uniform", "--codes", *plans, env=COMPILED
+    )
+    assert proc.returncode == 2 and "no --codes or --map" in proc.stderr
+
+
 WRITE_KERNEL = """
 import torch
 from kernels import quantize as q
