@@ -52,6 +52,7 @@ from harness.schemes.pca_table import (
     PcaFormat,
     PcaLayer,
     PcaTable,
+    own_channels,
     quantize_components,
 )
 from kernels.reference import FP16_MAX
@@ -143,13 +144,31 @@ class HeadFit:
     scale: torch.Tensor
 
 
-def fit_components(x: torch.Tensor, fmt: PcaFormat = PCA_FORMAT) -> HeadFit:
-    """The HeadFit of one head from its calibration vectors x (N, D), with fmt's levels (module docstring)."""
+def _eigenbasis(covariance: torch.Tensor, own: torch.Tensor | None) -> torch.Tensor:
+    """The (D, D) float64 basis of a covariance's eigenvectors, columns by descending eigenvalue; with `own`
+    channels (PcaFormat.own_pairs'), block-diagonal: the other channels' eigenvectors, then own's."""
+    if own is None or not len(own):
+        return torch.linalg.eigh(covariance)[1].flip(1)
+    D = covariance.shape[0]
+    mine = torch.zeros(D, dtype=torch.bool)
+    mine[own] = True
+    columns = []
+    for block in (~mine, mine):
+        index = block.nonzero().flatten()
+        vectors = torch.linalg.eigh(covariance[index][:, index])[1].flip(1)
+        column = torch.zeros(D, len(index), dtype=covariance.dtype)
+        column[index] = vectors
+        columns.append(column)
+    return torch.cat(columns, 1)
+
+
+def fit_components(x: torch.Tensor, fmt: PcaFormat = PCA_FORMAT, own: torch.Tensor | None = None) -> HeadFit:
+    """The HeadFit of one head from its calibration vectors x (N, D), with fmt's levels (module docstring); the
+    basis block-diagonal over `own` channels and the rest (keys of a format with own_pairs: own_channels')."""
     x = x.double()
     mean = x.mean(0).clamp(-FP16_MAX, FP16_MAX).half()
     centred = x - mean.double()
-    values, vectors = torch.linalg.eigh(centred.T @ centred / max(len(x), 1))
-    basis = vectors.flip(1).clamp(-1, 1).half()  # descending eigenvalue
+    basis = _eigenbasis(centred.T @ centred / max(len(x), 1), own).clamp(-1, 1).half()
     z = (centred @ basis.double()).float()  # (N, D)
     D = x.shape[1]
     start = z.std(0, correction=0).clamp(SCALE_MIN, FP16_MAX)
@@ -194,11 +213,11 @@ def _table(fits: list[HeadFit], plans: torch.Tensor, widths) -> PcaTable:
     )
 
 
-def _head_fits(x: torch.Tensor, fmt: PcaFormat) -> list[HeadFit]:
-    """Each head's HeadFit from calibration vectors x (N, Hkv, D)."""
+def _head_fits(x: torch.Tensor, fmt: PcaFormat, own: torch.Tensor | None = None) -> list[HeadFit]:
+    """Each head's HeadFit from calibration vectors x (N, Hkv, D) (`own` channels: fit_components')."""
     if len(x) == 0:
         raise ValueError("pca calibration: no calibration vectors to fit a transform on")
-    return [fit_components(x[:, h].float().clamp(-FP16_MAX, FP16_MAX), fmt) for h in range(x.shape[1])]
+    return [fit_components(x[:, h].float().clamp(-FP16_MAX, FP16_MAX), fmt, own) for h in range(x.shape[1])]
 
 
 def own_table(fits: list[HeadFit], widths, fmt: PcaFormat) -> PcaTable:
@@ -206,10 +225,12 @@ def own_table(fits: list[HeadFit], widths, fmt: PcaFormat) -> PcaTable:
     return _table(fits, torch.stack([plans_for(fit.distortion, widths, fmt) for fit in fits]), widths)
 
 
-def fit_table(x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT) -> PcaTable:
+def fit_table(
+    x: torch.Tensor, widths=PCA_WIDTHS, fmt: PcaFormat = PCA_FORMAT, own: torch.Tensor | None = None
+) -> PcaTable:
     """The PcaTable of one layer and role from its calibration vectors x (N, Hkv, D) (keys in fmt's frame, or
-    values), each head fitted alone with its own plans (fit_head)."""
-    return own_table(_head_fits(x, fmt), widths, fmt)
+    values), each head fitted alone with its own plans (fit_head; `own` channels: fit_components')."""
+    return own_table(_head_fits(x, fmt, own), widths, fmt)
 
 
 def shared_tables(fits: list[list[HeadFit]], widths, fmt: PcaFormat) -> list[PcaTable]:
@@ -239,7 +260,10 @@ def fit_pca_calibration(model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FOR
         turns = torch.zeros(keys.shape[-1])  # (D,): radians per position of each channel's pair
         turns[:half], turns[half : 2 * half] = inv_freq, inv_freq
         framed = unturn(keys, fmt.reference_positions(positions, CALIBRATION_FIRST), inv_freq)  # (N, Hkv, D)
-        layers.append((_head_fits(framed, fmt), _head_fits(values, fmt), turns))
+        own = own_channels(half, fmt.own_pairs)
+        if len(own):  # those channels turned back by each key's own position
+            framed[..., own] = unturn(keys, positions, inv_freq)[..., own]
+        layers.append((_head_fits(framed, fmt, own), _head_fits(values, fmt), turns))
     fitted = [layer for layer in layers if layer is not None]
     if fmt.shared_plans:
         keys, values = (shared_tables([layer[i] for layer in fitted], PCA_WIDTHS, fmt) for i in (0, 1))

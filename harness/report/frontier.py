@@ -104,6 +104,10 @@ KNAPSACK_STEPS = (
      "pca_ugsa", "pca_gsa"),
     ("keys turned by their own position, Lloyd-Max levels: a plan per head instead of grouped shared plans",
      "pca_gsa", "pca"),
+    ("the 8 fastest-turning rotary pairs of each key turned by its own position, a basis block of their own, the rest"
+     " in blocks of 32 tokens", "pca_block32_ugsa", "pca_own32_ugsa"),
+    ("every pair turned by its own position and one basis, instead of 8 pairs and a basis block of their own",
+     "pca_own32_ugsa", "pca_ugsa"),
 )  # fmt: skip
 FUSED_INGREDIENTS = tuple(
     (

@@ -300,8 +300,15 @@ class PcaStore(PositionedBlockStore):
         """Tokens at positions (B or 1, T) as runs [s, e) that share one turn into the format's frame, each with its
         angles (1, 1, 1, R / 2) (None: no turn), where `_restore_codes` can read them: evenly spaced levels, no
         outliers, every batch row's positions alike, and at most one run per 16 tokens (keys turned back to their
-        block's first position, or after RoPE; not keys before RoPE, each at its own angle). Else None."""
-        if self.fmt.levels != UNIFORM or self.outliers or positions.shape[0] != 1:
+        block's first position, or after RoPE; not keys before RoPE, each at its own angle, nor a format's own
+        pairs). Else None."""
+        turned = len(self.positions.theta) > 0
+        if (
+            self.fmt.levels != UNIFORM
+            or self.outliers
+            or positions.shape[0] != 1
+            or (self.fmt.own_pairs and turned)
+        ):
             return None
         T = positions.shape[1]
         if not len(self.positions.theta):
@@ -331,8 +338,12 @@ class PcaStore(PositionedBlockStore):
                 out[:, head, s:e] = saturating_cast(y, self.dtype)
 
     def _angle(self, positions: torch.Tensor) -> torch.Tensor:
-        """The angles (B or 1, 1, T, R / 2) keys at positions (B or 1, T) are turned by into the format's frame."""
-        return self.positions.angle(self.fmt.reference_positions(positions, self.first))
+        """The angles (B or 1, 1, T, R / 2) keys at positions (B or 1, T) are turned by into the format's frame
+        (the format's own pairs by their own positions)."""
+        angle = self.positions.angle(self.fmt.reference_positions(positions, self.first))
+        if self.fmt.own_pairs and angle.shape[-1]:
+            angle[..., : self.fmt.own_pairs] = self.positions.angle(positions)[..., : self.fmt.own_pairs]
+        return angle
 
     def _components(self, x: torch.Tensor, w: int, angle: torch.Tensor) -> torch.Tensor:
         """New tokens x (B, Hkv, Tn, D), their keys' angles (1, 1, Tn, R / 2) -> the components z (B, Hw, Tn, D)
@@ -577,6 +588,9 @@ class PcaCodesStore(PcaStore):
 # per group of 16 components from 0, 1, 2, 4, 8 bits (a kernel's unit of work).
 BLOCK_TOKENS = 128
 GROUP_WIDTHS = (0, 1, 2, 4, 8)
+# pca_own32_ugsa's own pairs: a group of 16 channels; at smollm2-135m's rotary base (1e5, 32 pairs) pair 7 turns
+# 2.5 rad over a 32-token block, pair 8 1.7
+OWN_PAIRS = 8
 
 
 @register
@@ -729,6 +743,19 @@ class PcaSharedGroupsAllWidths(Pca):
 
     name: str = "pca_gsa"
     pca_format: ClassVar[PcaFormat] = replace(PcaUniformSharedGroupsAllWidths.pca_format, levels=LLOYD)
+
+
+@register
+@dataclass(frozen=True)
+class PcaBlock32OwnPairs(Pca):
+    """pca_block32_ugsa with the OWN_PAIRS fastest-turning rotary pairs of each key turned back by its own position and
+    given a basis block of their own (PcaFormat.own_pairs): a kernel would fold the rest into a query a block and
+    turn those channels a token through a small basis; what the rest's block frame costs, pair by pair."""
+
+    name: str = "pca_own32_ugsa"
+    pca_format: ClassVar[PcaFormat] = replace(
+        PcaBlock32UniformSharedGroupsAllWidths.pca_format, own_pairs=OWN_PAIRS
+    )
 
 
 @register

@@ -53,6 +53,8 @@ def format_reason(fmt: PcaFormat) -> str | None:
         )
     if fmt.key_frame == PRE:
         return f"{fmt}: keys coded before RoPE turn by each token's own position; a fold needs key_frame post or block"
+    if fmt.own_pairs:
+        return f"{fmt}: its own pairs turn by each token's own position; a fold turns a block by its first position"
     return None
 
 

@@ -47,6 +47,10 @@ class PcaFormat:
     an affine map of the code). A plan gives each `group` consecutive components (0: all of a head's) one width from
     `group_widths`;
     each head has its own plans, or (shared_plans) every head of a role has the same one at each width.
+    own_pairs (BLOCK frame only): the first own_pairs rotary pairs of a key (i, i + R / 2, i < own_pairs: the
+    fastest-turning ones) are turned back by each key's own position instead of its block's, and the key basis is
+    block-diagonal, those pairs' channels a block of their own whose components come after the rest's (so that a
+    kernel turns a few channels a token, through a small basis, and folds the rest into a query a block).
     """
 
     key_frame: str = PRE
@@ -57,10 +61,12 @@ class PcaFormat:
     shared_plans: bool = (
         False  # one plan per role and width for every head of the model (a kernel's constant)
     )
+    own_pairs: int = 0
 
     def __post_init__(self):
         assert self.key_frame in (PRE, BLOCK, POST) and self.levels in QUANTIZERS, self
         assert (self.block > 0) == (self.key_frame == BLOCK), self
+        assert self.own_pairs >= 0 and (self.own_pairs == 0 or self.key_frame == BLOCK), self
         assert 0 in self.group_widths and max(self.group_widths) <= MAX_COMPONENT_BITS, self
 
     def group_at(self, head_dim: int) -> int:
@@ -79,6 +85,15 @@ class PcaFormat:
         if self.key_frame == POST:
             return torch.zeros_like(positions)
         return first + torch.div(positions - first, self.block, rounding_mode="floor") * self.block
+
+
+def own_channels(half: int, own_pairs: int) -> torch.Tensor:
+    """The key channels of the first own_pairs rotary pairs (i, i + half) (PcaFormat.own_pairs), int64
+    (2 own_pairs,); ValueError where the rotary embedding has fewer pairs."""
+    if own_pairs > half:
+        raise ValueError(f"pca: own_pairs {own_pairs} of a rotary embedding of {half} pairs")
+    i = torch.arange(own_pairs)
+    return torch.cat([i, i + half])
 
 
 PCA_FORMAT = PcaFormat()  # pca's own: keys before RoPE, Lloyd-Max levels, a width per component

@@ -54,6 +54,7 @@ from harness.schemes.pca_table import (
     PcaLayer,
     component_values,
     level_tables,
+    own_channels,
     quantize_codes,
 )
 from harness.schemes.rotary import POSITION_BYTES
@@ -138,8 +139,10 @@ def oracle(
         if w == FULL_WIDTH:
             continue
         y = x[:, h].double().clamp(-65504, 65504)
+        own = own_channels(len(layer.rotary_frequencies), fmt.own_pairs)  # turned by their own positions
         if role == "key":
-            y = rope(y, turned, -1.0, layer.rotary_frequencies)
+            y, unturned = rope(y, turned, -1.0, layer.rotary_frequencies), y
+            y[..., own] = rope(unturned, positions, -1.0, layer.rotary_frequencies)[..., own]
         mean, basis = table.mean[h].double(), table.basis[h].double()
         z = (y - mean) @ basis  # (B, T, D)
         plan, scale = table.plans[w][h].long(), table.scales[w][h].double()
@@ -155,7 +158,10 @@ def oracle(
             index = (z - zq).abs().topk(outliers, -1).indices  # (B, T, k)
             zq.scatter_(-1, index, z.gather(-1, index).to(kept).double())
         restored = mean + zq @ basis.T
-        out[:, h] = rope(restored, turned, 1.0, layer.rotary_frequencies) if role == "key" else restored
+        out[:, h] = restored
+        if role == "key":
+            out[:, h] = rope(restored, turned, 1.0, layer.rotary_frequencies)
+            out[:, h, ..., own] = rope(restored, positions, 1.0, layer.rotary_frequencies)[..., own]
     return out
 
 
@@ -448,7 +454,8 @@ def _fitted_variant(name: str, seed: int):
     keys, values = correlated(400, len(BITS), seed, mixing=0), correlated(400, len(BITS), seed + 1, mixing=1)
     turns = torch.zeros(D)
     turns[: R // 2], turns[R // 2 : R] = theta(), theta()
-    layer = PcaLayer(fit_table(keys, fmt=fmt), fit_table(values, fmt=fmt), turns)
+    own = own_channels(R // 2, fmt.own_pairs)
+    layer = PcaLayer(fit_table(keys, fmt=fmt, own=own), fit_table(values, fmt=fmt), turns)
     return fmt, keys, values, layer, get_scheme(name, sink_tokens=1).for_layer(0, PcaCalibration((layer,)))
 
 
@@ -511,7 +518,8 @@ def test_evenly_spaced_levels_read_a_run_in_one_product_as_the_lookup_does(name,
             runs = store._frame_runs(
                 positions
             )  # None: a few tokens over two blocks, read by the lookup itself
-            assert runs is not None or (role == "key" and fmt.key_frame == "pre") or end - start < 16
+            each_own = role == "key" and (fmt.key_frame == "pre" or fmt.own_pairs)  # a turn per token
+            assert runs is not None or each_own or end - start < 16
             angle = store._angle(positions)
             for w in store.widths:
                 codes = store._codes(w, start, end)
@@ -835,3 +843,25 @@ def test_a_tiny_run_through_the_runner(tmp_path):
         2 * dim * dim + 5 * dim
     )
     assert row["compression_true"] == pytest.approx(fp16 / stored)
+
+
+def test_own_pairs_take_a_basis_block_of_their_own_after_the_rest():
+    """With own channels (PcaFormat.own_pairs' key channels), the fitted basis is block-diagonal: the other channels'
+    components first, each by descending variance, then the own channels' (so they fill whole groups at the end of a
+    row); each block the eigenvectors of its own channels' covariance alone."""
+    x = correlated(500, 1, 7, mixing=0)[:, 0]  # (N, D): every channel correlated with every other
+    own = own_channels(R // 2, 4)  # pairs 0-3: channels 0-3 and 12-15
+    fit = fit_components(x, get_scheme("pca_own32_ugsa").pca_format, own)
+    basis = fit.basis.double()
+    mine = torch.zeros(D, dtype=torch.bool)
+    mine[own] = True
+    assert torch.equal(basis[mine][:, : D - 8], torch.zeros(8, D - 8, dtype=torch.float64))
+    assert torch.equal(basis[~mine][:, D - 8 :], torch.zeros(D - 8, 8, dtype=torch.float64))
+    centred = x.double() - x.double().mean(0)
+    for index, columns in ((~mine, slice(0, D - 8)), (mine, slice(D - 8, D))):
+        block = centred[:, index]
+        values = torch.linalg.eigvalsh(block.T @ block / len(x)).flip(0)
+        variance = ((block @ basis[index][:, columns]) ** 2).mean(0)
+        torch.testing.assert_close(variance, values, rtol=2e-2, atol=1e-6)
+    whole = fit_components(x, get_scheme("pca_own32_ugsa").pca_format)  # no own channels: one block
+    assert (whole.basis[mine][:, : D - 8] != 0).any()
