@@ -344,6 +344,7 @@ def catch_turned(
     """The launch of kernels/turned_attention.py's kernel at `shape` for every KV head's keys at width kw and values
     at vw under plans (keys', values': width -> grouped plan), the stores full, on the meta device."""
     from kernels import turned_attention as ta
+    from kernels.host import cdiv
 
     B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
     dev = torch.device("meta")
@@ -352,7 +353,7 @@ def catch_turned(
     kernel, grid, args, kwargs, _ = ta.launch(
         torch.empty(B, hq, D, device=dev), words(kplan), words(vplan), kplan, vplan,
         torch.empty(hkv, D, D, dtype=torch.float16, device=dev), torch.empty(hkv, D, device=dev),
-        torch.empty(9, ta.LEVEL_ROW, device=dev), torch.empty(-(-L // block_n), D, device=dev),
+        torch.empty(9, ta.LEVEL_ROW, device=dev), torch.empty(cdiv(L, block_n), D, device=dev),
         torch.empty(block_n, D, dtype=torch.float16, device=dev), L, D**-0.5, lookup=lookup, block_n=block_n,
         num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
@@ -361,7 +362,7 @@ def catch_turned(
 
 def inspect_turned(
     kw: int, vw: int, plans: tuple[dict, dict], block_n: int, num_warps: int, num_stages: int, shape: dict,
-    levels: str, note: str = "",
+    levels: str,
 ) -> dict:  # fmt: skip
     """One row: the turned kernel (catch_turned) compiled for sm_90a, its levels `levels` (TURNED_FORMATS' keys:
     a table lookup an element, or evenly spaced levels folded into the basis)."""
@@ -369,7 +370,7 @@ def inspect_turned(
     cubin, meta, _ = compile_for_hopper(launch)
     sass, usage = sass_and_resources(cubin)
     loop = main_loop(instructions(sass))
-    notes = [f"plans {plans[0][kw]} / {plans[1][vw]}"] + ([note] if note else [])
+    notes = [f"plans {plans[0][kw]} / {plans[1][vw]}"]
     return loop_row(launch, usage, meta, loop, (kw, vw, block_n, num_warps, num_stages), shape, notes,
                     (TURNED_FORMATS[levels], ""), kernel_sha(TURNED_SOURCES))  # fmt: skip
 
@@ -648,7 +649,8 @@ def _main_turned(p: argparse.ArgumentParser, args, plans: tuple[dict, dict], all
         done = {
             pair: inspect_turned(*pair, plans, n, nw, stages, shape, args.turned) for pair in sorted(wanted)
         }
-        rows += done.values()
+        if not allocations:  # else each allocation's rows below, its units in their notes
+            rows += done.values()
         print(f"compiled {len(done)} turned variants BLOCK_N={n} warps={nw}", file=sys.stderr, flush=True)
         for path, pairs in allocations.items():
             mix, total = mix_instr_per_byte(list(done.values()), pairs), sum(pairs.values())
@@ -658,8 +660,6 @@ def _main_turned(p: argparse.ArgumentParser, args, plans: tuple[dict, dict], all
             for pair, units in pairs.items():
                 rows.append({**done[pair], "note": f"{done[pair]['note']}; {path.name}: {units} of {total} units; "
                              f"allocation {mix} thread-instructions per KV byte"})  # fmt: skip
-    if allocations:  # the allocations' rows, not the bare ones
-        rows = [r for r in rows if "units" in r["note"]]
     print(f"Triton {triton.__version__}, sm_{TARGET_ARCH}a, shape {shape}")
     print(format_table(rows))
     print("\n".join(mixes))
