@@ -2,18 +2,19 @@
 
 `Point` has one field per setting (model, dtype, policy, budget, alpha, key offset, sink rule, widths, budget mode and
 unit, scheme, group sizes, prefill, sink tokens, residual window, key outliers, key level fit, evaluation sizes,
-calibration, data, seed, token eviction, and the peer fields engine and rotation). Field names are the result
+calibration, the unit-KL probe, data, seed, token eviction, and the peer fields engine and rotation). Field names are the result
 columns (harness.results), so stored rows, parquet columns and committed runs read back unchanged; each field
 declares once the config key that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error
-messages, and its group (policy, quant, eviction, eval, calibration, peer, context), from which the field lists
+messages, and its group (policy, quant, eviction, eval, calibration, probe, peer, context), from which the field lists
 below are derived.
 
 Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is a hash of `Point.to_dict()`,
 so a finished point is recognized on re-run whatever order the grid lists it in:
 - the model dtype enters the hash only when it is not float32, the kv policy's key_offset only when it is not
   0, quant.key_group_size only when it is set, quant.outliers only when it is not 0, quant.key_levels only
-  when it is not kmeans, eval.calibration.data.path only when it is set and eval.score_from only when it is not
-  0 (KEYED_UNLESS), so points made before those fields were recorded keep their keys;
+  when it is not kmeans, eval.calibration.data.path only when it is set, eval.score_from only when it is not 0
+  and the unit-KL probe's sizes only away from 2 x 128 tokens (KEYED_UNLESS), so points made before those fields
+  were recorded keep their keys;
 - the peer fields are in the dict only for a peer point (engine not HARNESS), so the harness's own points keep
   the keys they had before peers existed;
 - a point read from a record made before some field existed (`Point.from_dict`) takes today's default for it
@@ -37,6 +38,7 @@ from harness import precision
 from harness.io import CONF_DIR
 from harness.registry import unknown_name_message
 from harness.schemes.key_table import KMEANS
+from harness.sensitivity.unit_kl import PROBE_SEQUENCES, PROBE_TOKENS
 
 HARNESS = "harness"  # the engine of every point without an `engine` field
 # Fields that enter a key only away from these values (fields added after points were first keyed), so the
@@ -49,6 +51,8 @@ KEYED_UNLESS = {
     "key_levels": KMEANS,
     "calibration_data_path": None,
     "score_from": 0,
+    "probe_sequences": PROBE_SEQUENCES,
+    "probe_tokens": PROBE_TOKENS,
 }
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
@@ -106,6 +110,10 @@ class Point:
     i0: int = _setting("eval.calibration.i0", "calibration")
     # the calibration windows' text source; None: eval.data.path's (harness.data.calibration_source)
     calibration_data_path: str | None = _setting("eval.calibration.data.path", "calibration", None)
+    # the measured policy's unit-KL probes: the first probe_sequences calibration windows, cut to probe_tokens
+    # (harness.sensitivity.unit_kl); not a context field: points with other probes share their model context
+    probe_sequences: int = _setting("eval.calibration.probe.num_sequences", "probe", PROBE_SEQUENCES)
+    probe_tokens: int = _setting("eval.calibration.probe.tokens", "probe", PROBE_TOKENS)
     data_path: str | None = _setting("eval.data.path", "context")
     seed: int = _setting("seed", "context")
     engine: str = _setting("sweep.peers.engine", "peer", HARNESS)
@@ -163,20 +171,22 @@ FIELDS = tuple(f.name for f in fields(Point) if "config" in f.metadata)
 CONFIG_KEYS = {f.name: f.metadata["config"] for f in fields(Point) if "config" in f.metadata}
 GROUPS = {
     g: tuple(f.name for f in fields(Point) if f.metadata.get("group") == g)
-    for g in ("context", "policy", "quant", "eviction", "eval", "calibration", "peer")
+    for g in ("context", "policy", "quant", "eviction", "eval", "calibration", "probe", "peer")
 }
 POLICY_FIELDS = GROUPS["policy"]
 QUANT_FIELDS = GROUPS["quant"]
 EVICTION_FIELDS = GROUPS["eviction"]
 EVAL_FIELDS = GROUPS["eval"]
 CALIBRATION_FIELDS = GROUPS["calibration"]
+PROBE_FIELDS = GROUPS["probe"]
 PEER_FIELDS = GROUPS["peer"]
 
 
 def key_of(config: Mapping) -> str:
     """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, the
     fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None,
-    outliers 0, key_levels kmeans, calibration_data_path None, score_from 0; see the docstring)."""
+    outliers 0, key_levels kmeans, calibration_data_path None, score_from 0, probes of 2 x 128 tokens; see the
+    docstring)."""
     config = {k: v for k, v in config.items() if k not in KEYED_UNLESS or v != KEYED_UNLESS[k]}
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

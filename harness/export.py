@@ -7,7 +7,8 @@ with no 16 among its widths only a sink is kept at 16; with 16 among them and no
 the record does not say (sinks null). Pre-rounding levels are not recorded (null). `source` in the file names the
 run, the point, its commit and its headline metrics, and where the parts its scheme reads were fitted:
 `calibration` (harness.calibration's keywords for the point's calibration windows), `calibration_source` (their
-text) and `span` (quantized_cache's: the key tables' positions), so that the same model fits the same parts.
+text), `span` (quantized_cache's: the key tables' positions) and `probe` (the measured policy's unit-KL probe,
+harness.allocate's probe=), so that the same model fits the same parts and measures the same table.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def exported(record: dict) -> tuple[Allocation, object, dict]:
         },
         "calibration_source": source_name(calibration_source(point)[0]),
         "span": key_span(point),
+        "probe": [point.probe_sequences, point.probe_tokens],
     }
     return allocation, scheme_from_point(point.group("quant")), source
 

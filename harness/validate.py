@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import capacity, data, io, precision, preload
 from harness.cache import PREFILL_MODES, check_backend_device
 from harness.cache.eviction import EvictionSpec
-from harness.config import HARNESS, Point, config_key
+from harness.config import HARNESS, KEYED_UNLESS, PROBE_FIELDS, Point, config_key
 from harness.data import BOS_RULES
 from harness.models import check_device, model_spec
 from harness.peers import check_point
@@ -88,6 +88,7 @@ def _check_point(point: Point, backend: str = "auto") -> None:
         scheme.check_widths(point.widths)  # before the budget, which lies between the widths
         policy.check_budget(point.budget)
         check_reads_fitted(policy, scheme)
+        _check_probe(point)
         check_backend(scheme, backend)
         if point.prefill not in PREFILL_MODES:
             raise ValueError(f"quant.prefill: unknown {point.prefill!r}; allowed: {', '.join(PREFILL_MODES)}")
@@ -120,6 +121,23 @@ def _check_positive_ints(point: Point) -> None:
         value = getattr(point, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{config_key(name)}: {value!r} is not a positive integer")
+
+
+def _check_probe(point: Point) -> None:
+    """A unit-KL probe set away from its default (the sweep resets it where a policy measures none): positive
+    sizes, at least 2 tokens, inside the calibration windows."""
+    if all(getattr(point, name) == KEYED_UNLESS[name] for name in PROBE_FIELDS):
+        return
+    for name, least, most in (
+        ("probe_sequences", 1, point.calibration_sequences),
+        ("probe_tokens", 2, point.calibration_tokens),
+    ):
+        value = getattr(point, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not least <= value <= most:
+            raise ValueError(
+                f"{config_key(name)}: {value!r}; allowed: an integer in [{least}, {most}] (the calibration "
+                "windows' size)"
+            )
 
 
 def _check_score_from(point: Point) -> None:

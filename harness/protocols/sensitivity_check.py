@@ -201,10 +201,12 @@ def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str)
         scheme,
         point.widths,
         point.chunk,
+        point.probe_sequences,
+        point.probe_tokens,
         key_calibration=tables,
         source=source,
     )
-    ids = probe_ids(calibration)  # the sequences the table was measured on
+    ids = probe_ids(calibration, point.probe_sequences, point.probe_tokens)  # the table's sequences
     rows, rho, ratio = additivity_check(
         model, ids, table, scheme, args.additivity, args.budget, point.seed, point.chunk, tables
     )

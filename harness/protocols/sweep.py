@@ -25,7 +25,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness import precision
-from harness.config import NO_EVICTION, Point, base_point
+from harness.config import KEYED_UNLESS, NO_EVICTION, PROBE_FIELDS, Point, base_point
 from harness.io import command_line, provenance, start_record
 from harness.peers import peer_point
 from harness.policies import from_point
@@ -34,6 +34,7 @@ from harness.run import runner
 from harness.run.context import context_key
 from harness.run.measure import table_key
 from harness.schemes import default_residual
+from harness.sensitivity import READS_PROBE
 from harness.tracking import Tracker, sync_command
 
 # ------------------------------------------------------------------------------------------------ points
@@ -97,11 +98,14 @@ def _dedupe(points: list[Point]) -> list[Point]:
 
 def _normalize_policy(point: Point) -> Point:
     """The point with its policy fields as its normalized policy writes them (harness.policies: settings the policy
-    ignores at their neutral values); an invalid policy is left as it is, for validation to report."""
+    ignores at their neutral values), and the unit-KL probe at its default unless its policy measures on one; an
+    invalid policy is left as it is, for validation to report."""
     try:
         policy = from_point(point.group("policy"))
     except ValueError:
         return point
+    if policy.measurement not in READS_PROBE:
+        point = point.replace(**{name: KEYED_UNLESS[name] for name in PROBE_FIELDS})
     return point.replace(**policy.normalize().point_fields())
 
 

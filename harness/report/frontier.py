@@ -38,10 +38,10 @@ import pandas as pd
 
 from harness import results
 from harness.capacity import cache_bytes, shape_from_registry
-from harness.config import CALIBRATION_FIELDS, HARNESS, KEYED_UNLESS, base_point, compose
+from harness.config import CALIBRATION_FIELDS, HARNESS, KEYED_UNLESS, PROBE_FIELDS, base_point, compose
 from harness.metrics import MIN_PAIRED_UNITS, bootstrap_ci, format_difference, paired_difference_ci
 from harness.models import model_names
-from harness.report.labels import configuration, eviction_label, policy_label
+from harness.report.labels import configuration, eviction_label, policy_label, probe_label
 from harness.report.paired import (
     EQUAL_BYTES_TOLERANCE,
     default_n_boot,
@@ -318,8 +318,8 @@ def storage(config: dict) -> str:
 
 def name(config: dict) -> str:
     """'storage, budget: policy', e.g. 'asym_token g64, 3 bits: entropy a=0.25' (the scheme's options are named
-    once, by storage; token eviction after the policy; calibration text other than the primary config's, in size
-    or source, last)."""
+    once, by storage; a unit-KL probe other than the default's and token eviction after the policy; calibration
+    text other than the primary config's, in size or source, last)."""
     parts = []
     sizes = {k: v for k, v in _default_calibration().items() if k != "calibration_data_path"}
     if any(config.get(k, v) != v for k, v in sizes.items()):
@@ -327,7 +327,8 @@ def name(config: dict) -> str:
     if config.get("calibration_data_path") is not None:
         parts.append(f"{'of ' if parts else ''}{config['calibration_data_path']}")
     calibration = f" (calibrated on {' '.join(parts)})" if parts else ""
-    return f"{storage(config)}, {config['budget']:g} bits: {policy_label(config)}{eviction_label(config)}{calibration}"
+    policy = policy_label(config) + probe_label(config) + eviction_label(config)
+    return f"{storage(config)}, {config['budget']:g} bits: {policy}{calibration}"
 
 
 def quantized_records(records: list[dict], model: str) -> list[dict]:
@@ -528,9 +529,14 @@ def matching(records: list[dict], fields: dict) -> dict | None:
     lacks (made before it existed) reads as its KEYED_UNLESS value; key_levels and the calibration text, unless
     `fields` names them, must be kmeans and the primary config's (so an ingredient about something else never
     picks a Fisher-weighted point, or one whose levels were fitted on more text)."""
-    want = {"key_levels": KMEANS, **_default_calibration(), **fields}
+    want = {"key_levels": KMEANS, **_default_calibration(), **_default_probe(), **fields}
     found = [r for r in records if all(r["config"].get(k, KEYED_UNLESS.get(k)) == v for k, v in want.items())]
     return min(found, key=lambda r: (r["metrics"]["bytes_per_token"], r["key"]), default=None)
+
+
+def _default_probe() -> dict:
+    """The unit-KL probe's sizes when a point leaves them at their default (KEYED_UNLESS)."""
+    return {field: KEYED_UNLESS[field] for field in PROBE_FIELDS}
 
 
 @functools.cache

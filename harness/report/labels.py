@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import pandas as pd
 
 from harness import peers
-from harness.config import HARNESS
+from harness.config import HARNESS, KEYED_UNLESS, PROBE_FIELDS
 from harness.policies import from_point
 from harness.schemes import KMEANS, default_residual
 
@@ -62,6 +62,16 @@ def storage_label(row: Mapping) -> str:
     return "".join(f" + {p}" for p in parts) + eviction_label(row)
 
 
+def probe_label(row: Mapping) -> str:
+    """' + unit KLs on 4 x 256 tokens' for a point whose unit-KL probe is not the default's, '' otherwise."""
+    sizes = [row.get(name) for name in PROBE_FIELDS]
+    if any(v is None or pd.isna(v) for v in sizes) or all(
+        v == KEYED_UNLESS[name] for v, name in zip(sizes, PROBE_FIELDS)
+    ):
+        return ""
+    return f" + unit KLs on {int(sizes[0])} x {int(sizes[1])} tokens"
+
+
 def eviction_label(row: Mapping) -> str:
     """' + h2o keep 0.33' for a point that evicts tokens, '' otherwise."""
     eviction = row.get("eviction")
@@ -79,7 +89,7 @@ def configuration(row: Mapping) -> str:
     a peer engine's point is named by harness.peers.label, e.g. 'llama.cpp q4_0 + rotation'."""
     if row.get("engine", HARNESS) != HARNESS:
         return peers.label(row)
-    return policy_label(row) + storage_label(row)
+    return policy_label(row) + probe_label(row) + storage_label(row)
 
 
 def is_harness(frame: pd.DataFrame) -> pd.Series:

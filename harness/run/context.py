@@ -40,6 +40,7 @@ class TableKey(NamedTuple):
     scheme: Scheme
     widths: tuple[int, ...]
     chunk: int
+    probe: tuple[int, int]  # the unit-KL probe: (sequences, tokens) of the calibration windows
 
 
 class KeyFit(NamedTuple):

@@ -19,7 +19,7 @@ from harness.policies import from_point as policy_of
 from harness.run.context import KeyFit, MeasurementKey, ModelContext, TableKey
 from harness.schemes import FittedParts, Scheme
 from harness.schemes import from_point as scheme_of
-from harness.sensitivity import MEASUREMENTS
+from harness.sensitivity import MEASUREMENTS, READS_PROBE
 from kernels.layout import FULL_WIDTH
 
 
@@ -27,7 +27,7 @@ def allocation(ctx: ModelContext, point: Point):
     """The point's widths per (layer, KV head); ValueError when its budget cannot pay for its sinks.
 
     A measured policy's table (its `measurement`, harness.sensitivity.MEASUREMENTS) is measured once per model,
-    scheme (with its options), widths and chunk.
+    scheme (with its options), widths, chunk and probe.
     """
     policy = policy_of(point.group("policy"))
     key = table_key(point)
@@ -39,6 +39,8 @@ def allocation(ctx: ModelContext, point: Point):
             extra = {"source": ctx.calibration_source}
             if tables is not None:
                 extra["key_calibration"] = tables
+            if key.measurement in READS_PROBE:
+                extra["sequences"], extra["tokens"] = key.probe
             ctx.sensitivity[key] = measure_table(
                 ctx.model, ctx.name, ctx.calib_ids, key.scheme, key.widths, key.chunk, **extra
             )
@@ -55,7 +57,8 @@ def table_key(point: Point) -> TableKey | None:
     measurement = policy_of(point.group("policy")).measurement
     if measurement is None:
         return None
-    return TableKey(measurement, point_scheme(point), tuple(point.widths), point.chunk)
+    probe = (point.probe_sequences, point.probe_tokens)
+    return TableKey(measurement, point_scheme(point), tuple(point.widths), point.chunk, probe)
 
 
 def point_scheme(point: Point) -> Scheme:

@@ -8,7 +8,8 @@ widths, chunk):
   read by `sensitivity` and `layerwise` (harness/policies/measured.py). `proxy_check` (proxy_check.py) ranks
   it against the KL; `python -m harness.sensitivity` runs it (harness/protocols/sensitivity_check.py).
 - `unit_kl` (unit_kl.py): per (layer, KV head, K|V, width) teacher-forced KL with that unit alone quantized,
-  one teacher-forced run per unit and width; read by `measured` (harness/policies/measured_kl.py).
+  one teacher-forced run per unit and width on a probe of the calibration windows (2 x 128 tokens unless a
+  point's eval.calibration.probe says otherwise); read by `measured` (harness/policies/measured_kl.py).
   `additivity_check` tests whether unit KLs add up on random joint allocations (`--additivity N`).
 chain.py measures how a cross-layer prediction's error grows along its chain of layers (`--chain W`).
 common.py holds what they share (allocation shape, cached heads, a cache at chosen widths, Spearman).
@@ -17,7 +18,7 @@ common.py holds what they share (allocation shape, cached heads, a cache at chos
 from __future__ import annotations
 
 from harness.sensitivity.common import spearman
-from harness.sensitivity.measurements import MEASUREMENTS, READS_KEY_TABLES, check_reads_fitted
+from harness.sensitivity.measurements import MEASUREMENTS, READS_KEY_TABLES, READS_PROBE, check_reads_fitted
 from harness.sensitivity.proxy import cached_sensitivity, head_sensitivity, measured_widths, scheme_quantizer
 from harness.sensitivity.proxy_check import proxy_check, sample_heads
 from harness.sensitivity.unit_kl import (
@@ -33,6 +34,7 @@ from harness.sensitivity.unit_kl import (
 __all__ = [
     "MEASUREMENTS",
     "READS_KEY_TABLES",
+    "READS_PROBE",
     "additivity_check",
     "allocation_kl",
     "cached_sensitivity",

@@ -32,6 +32,9 @@ MEASUREMENTS = {"proxy": _proxy, "unit_kl": cached_unit_kl}
 # Those that measure through caches, and so take a scheme's fitted parts (key_calibration=: calkey, pca, ...); the
 # proxy stores each head through the scheme alone, without them.
 READS_KEY_TABLES = frozenset({"unit_kl"})
+# Those measured on a probe of the calibration windows whose size a point sets (sequences=, tokens=:
+# eval.calibration.probe); the proxy reads every calibration window.
+READS_PROBE = frozenset({"unit_kl"})
 
 
 def check_reads_fitted(policy: Policy, scheme: Scheme) -> None:

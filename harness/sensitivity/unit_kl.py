@@ -9,8 +9,9 @@ and records `kl`: the mean over scored positions of KL(p_base || p_probe) in nat
 sequences through an unquantized DynamicCache. Position t predicts token t + 1, so position 0's token (BOS
 where the windows carry one) is never a target, as in every metric (harness.evaluate.teacher_forced).
 
-The probe sequences (`probe_ids`) are the first `sequences` calibration windows cut to their first `tokens` tokens;
-calibration and evaluation text never overlap, so the table never reads evaluation text.
+The probe sequences (`probe_ids`) are the first `sequences` calibration windows cut to their first `tokens` tokens
+(PROBE_SEQUENCES x PROBE_TOKENS unless a point's eval.calibration.probe sets them); calibration and evaluation text
+never overlap, so the table never reads evaluation text.
 
 Cost: one teacher-forced run of the probe sequences per (unit, width), all of a probe's sequences in one batch:
 30 layers x 3 KV heads x 2 roles x 3 widths = 540 runs for smollm2-135m at widths 2, 3, 4. Probes are not
@@ -42,7 +43,7 @@ from kernels.layout import FULL_WIDTH
 
 CACHE_VERSION = 1
 COLUMNS = ["layer", "kv_head", "role", "bits", "kl"]
-# Probe sizes: 2 x 128 tokens (254 scored positions). Time grows linearly with sequences x tokens. An estimate,
+# Probe sizes by default (eval.calibration.probe): 2 x 128 tokens (254 scored positions). Time grows linearly with sequences x tokens. An estimate,
 # not a measurement of smollm2-135m: a random model of its shape took 5 to 9 s per probe (2 x 128 to 2 x 192) on
 # 2 cores shared with other jobs. On a quiet machine the pareto sweep ran 16 x 1024 teacher-forced tokens (and its
 # decoding) in 68 to 103 s per point, at least ~200 tokens/s: about 1.5 s per probe here, 12 to 14 minutes for

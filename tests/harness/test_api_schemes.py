@@ -249,6 +249,7 @@ def test_an_exported_point_names_the_windows_its_parts_were_fitted_on(tiny, tmp_
     assert calibration.ids.shape == (config["calibration_sequences"], config["calibration_tokens"])
     assert source["calibration_source"] == record["resolved"]["calibration_source"]
     assert source["span"] == key_span(point) == 1024
+    assert source["probe"] == [point.probe_sequences, point.probe_tokens] == [2, 128]
 
 
 def test_a_measured_policy_allocates_through_the_fitted_parts_as_a_sweep_does(tiny):
@@ -265,6 +266,30 @@ def test_a_measured_policy_allocates_through_the_fitted_parts_as_a_sweep_does(ti
     assert torch.equal(allocation.key_bits, want.key_bits)
     assert torch.equal(allocation.value_bits, want.value_bits)
     assert len({*allocation.key_bits.flatten().tolist(), *allocation.value_bits.flatten().tolist()}) == 2
+
+
+def test_a_unit_kl_probe_reaches_the_table_as_a_sweeps_does(tiny):
+    """probe=(sequences, tokens) measures the unit KLs on those calibration windows, cut, as a sweep point with
+    eval.calibration.probe does; policies that measure on no probe, and probes outside the windows, are refused."""
+    model, _, calibration = tiny
+    scheme = harness.make_scheme("asym_token", group_size=16)
+    options = dict(policy="measured", scheme=scheme, widths=[2, 4])
+    allocation = harness.allocate(model, calibration, 3, **options, probe=(1, 20))
+    point = tiny_point(scheme, budget=3, widths=(2, 4), probe_sequences=1, probe_tokens=20)
+    ctx = sweep_context(model, calibration, simulate=False)
+    ctx.name = point.model  # its own unit errors, cached apart from the API's
+    want = sweep_allocation(ctx, point)
+    assert torch.equal(allocation.key_bits, want.key_bits)
+    assert torch.equal(allocation.value_bits, want.value_bits)
+    (table,) = ctx.sensitivity.values()
+    oracle = harness.sensitivity.unit_kl_table(model, calibration.ids[:1, :20], scheme, (2, 4), point.chunk)
+    assert table["kl"].tolist() == pytest.approx(oracle["kl"].tolist(), rel=1e-6)
+    with pytest.raises(ValueError, match=r"^probe: policy entropy measures no unit-KL probe; allowed: None$"):
+        harness.allocate(model, calibration, 3, policy="entropy", probe=(1, 20))
+    with pytest.raises(
+        ValueError, match=r"^probe: \(1, 49\); allowed: \(sequences, tokens\) with sequences in "
+    ):
+        harness.allocate(model, calibration, 3, **options, probe=(1, 49))
 
 
 @pytest.mark.parametrize("name", SCHEMES.names())

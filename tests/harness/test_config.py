@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.config import CONFIG_KEYS, FIELDS, GROUPS, HARNESS, PEER_FIELDS, Point, config_key
+from harness.config import CONFIG_KEYS, FIELDS, GROUPS, HARNESS, PEER_FIELDS, Point, base_point, config_key
+from harness.config import compose as compose_config
 from harness.protocols.sweep import expand
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,6 +65,21 @@ def test_every_field_declares_its_config_key_and_group():
     assert config_key("group_size") == "quant.group_size" and config_key("chunk") == "eval.chunk"
     with pytest.raises(TypeError, match=r"^point field: unknown 'bits'"):
         Point.from_dict({**expand(cfg())[0].to_dict(), "bits": 4})
+
+
+def test_the_unit_kl_probe_enters_the_key_only_away_from_2_x_128_tokens():
+    point = base_point(compose_config(["policy=measured", "quant=pca", "policy.widths=[2,3,4]"]))
+    assert (point.probe_sequences, point.probe_tokens) == (2, 128)
+    before = {k: v for k, v in point.to_dict().items() if k not in ("probe_sequences", "probe_tokens")}
+    assert Point.from_dict(before).key() == point.key()  # points made before the probe keep their keys
+    probe = ["eval.calibration.probe.num_sequences=4", "eval.calibration.probe.tokens=256"]
+    longer = base_point(compose_config(["policy=measured", "quant=pca", "policy.widths=[2,3,4]", *probe]))
+    assert (longer.probe_sequences, longer.probe_tokens) == (4, 256) and longer.key() != point.key()
+    assert longer.replace(probe_sequences=2, probe_tokens=128).key() == point.key()
+    # a sweep keys a policy that measures on no probe without it: the same evaluation, one key
+    plain = ["policy=entropy", "policy.budget=3"]
+    assert expand(cfg(*plain, *probe)) == expand(cfg(*plain))
+    assert {p.probe_tokens for p in expand(cfg(*plain, *probe))} == {128}
 
 
 def test_key_group_size_enters_the_key_only_when_set():

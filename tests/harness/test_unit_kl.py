@@ -20,7 +20,7 @@ from harness.config import base_point, compose
 from harness.models import load_model
 from harness.policies import MeasuredKL, unit_costs
 from harness.protocols import sensitivity_check
-from harness.run.measure import allocation
+from harness.run.measure import allocation, point_scheme
 from harness.schemes import get_scheme
 from harness.sensitivity import (
     additivity_check,
@@ -166,6 +166,33 @@ def test_the_disk_cache_keys_on_the_sizes(tmp_path, monkeypatch, tiny):
     pd.testing.assert_frame_equal(first, again)
     with pytest.raises(pytest.fail.Exception):  # other sizes are another measurement
         cached_unit_kl(model, "tiny-llama", ids, SCHEME, (2,), chunk=16, sequences=1, tokens=20)
+
+
+def test_the_runner_measures_the_table_on_the_points_probe(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    model, _ = load_model("tiny-llama")
+    calib = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(2))
+    base = base_point(compose(["model=tiny-llama", "policy=measured", "policy.widths=[2,4]", "eval=tiny"]))
+    ctx = SimpleNamespace(
+        model=model,
+        name="tiny-llama",
+        calib_ids=calib,
+        entropy=head_entropies(model, calib, i0=4),
+        sensitivity={},
+        shape=None,
+        calibration_source=None,
+    )
+    monkeypatch.setattr("harness.run.measure.element_price", lambda shape, scheme: price)
+    allocation(ctx, base)  # the default probe: 2 x 128, cut to the windows (2, 40)
+    allocation(ctx, base.replace(probe_sequences=1, probe_tokens=24))
+    default, probed = ctx.sensitivity.values()  # two tables: the probe is part of the table's key
+    scheme = point_scheme(base)
+    expected = unit_kl_table(model, calib[:1, :24], scheme, (2, 4), chunk=base.chunk)
+    pd.testing.assert_frame_equal(probed, expected, check_exact=False, rtol=1e-6)
+    pd.testing.assert_frame_equal(
+        default, unit_kl_table(model, calib, scheme, (2, 4), chunk=base.chunk), check_exact=False, rtol=1e-6
+    )
+    assert not default["kl"].equals(probed["kl"])
 
 
 # ----------------------------------------------------------------------------------------------- the policy
