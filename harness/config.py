@@ -2,11 +2,11 @@
 
 `Point` has one field per setting (model, dtype, policy, budget, alpha, key offset, sink rule, widths, budget mode and
 unit, scheme, group sizes, prefill, sink tokens, residual window, key outliers, key level fit, evaluation sizes,
-calibration, the unit-KL probe, data, seed, token eviction, and the peer fields engine and rotation). Field names are the result
-columns (harness.results), so stored rows, parquet columns and committed runs read back unchanged; each field
-declares once the config key that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error
-messages, and its group (policy, quant, eviction, eval, calibration, probe, peer, context), from which the field lists
-below are derived.
+calibration, the unit-KL probe, data, seed, token eviction, and the peer fields engine and rotation). Field names are
+the result columns (harness.results), so stored rows, parquet columns and committed runs read back unchanged; each
+field declares once the config key that sets it (`evict_keep` <- `eviction.keep`), which `config_key` gives to error
+messages, and its group (policy, quant, eviction, eval, calibration, probe, peer, context), from which the field
+lists below are derived.
 
 Its key (`Point.key`; `key_of` hashes a stored record's config the same way) is a hash of `Point.to_dict()`,
 so a finished point is recognized on re-run whatever order the grid lists it in:
