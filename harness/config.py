@@ -179,6 +179,7 @@ EVICTION_FIELDS = GROUPS["eviction"]
 EVAL_FIELDS = GROUPS["eval"]
 CALIBRATION_FIELDS = GROUPS["calibration"]
 PROBE_FIELDS = GROUPS["probe"]
+DEFAULT_PROBE = {name: KEYED_UNLESS[name] for name in PROBE_FIELDS}  # the unit-KL probe a point leaves unset
 PEER_FIELDS = GROUPS["peer"]
 
 

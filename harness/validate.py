@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from harness import capacity, data, io, precision, preload
 from harness.cache import PREFILL_MODES, check_backend_device
 from harness.cache.eviction import EvictionSpec
-from harness.config import HARNESS, KEYED_UNLESS, PROBE_FIELDS, Point, config_key
+from harness.config import DEFAULT_PROBE, HARNESS, Point, config_key
 from harness.data import BOS_RULES
 from harness.models import check_device, model_spec
 from harness.peers import check_point
@@ -126,7 +126,7 @@ def _check_positive_ints(point: Point) -> None:
 def _check_probe(point: Point) -> None:
     """A unit-KL probe set away from its default (the sweep resets it where a policy measures none): positive
     sizes, at least 2 tokens, inside the calibration windows."""
-    if all(getattr(point, name) == KEYED_UNLESS[name] for name in PROBE_FIELDS):
+    if all(getattr(point, name) == value for name, value in DEFAULT_PROBE.items()):
         return
     for name, least, most in (
         ("probe_sequences", 1, point.calibration_sequences),

@@ -25,7 +25,7 @@ import pandas as pd
 from omegaconf import DictConfig, OmegaConf
 
 from harness import precision
-from harness.config import KEYED_UNLESS, NO_EVICTION, PROBE_FIELDS, Point, base_point
+from harness.config import DEFAULT_PROBE, NO_EVICTION, Point, base_point
 from harness.io import command_line, provenance, start_record
 from harness.peers import peer_point
 from harness.policies import from_point
@@ -105,7 +105,7 @@ def _normalize_policy(point: Point) -> Point:
     except ValueError:
         return point
     if policy.measurement not in READS_PROBE:
-        point = point.replace(**{name: KEYED_UNLESS[name] for name in PROBE_FIELDS})
+        point = point.replace(**DEFAULT_PROBE)
     return point.replace(**policy.normalize().point_fields())
 
 

@@ -38,7 +38,7 @@ import pandas as pd
 
 from harness import results
 from harness.capacity import cache_bytes, shape_from_registry
-from harness.config import CALIBRATION_FIELDS, HARNESS, KEYED_UNLESS, PROBE_FIELDS, base_point, compose
+from harness.config import CALIBRATION_FIELDS, DEFAULT_PROBE, HARNESS, KEYED_UNLESS, base_point, compose
 from harness.metrics import MIN_PAIRED_UNITS, bootstrap_ci, format_difference, paired_difference_ci
 from harness.models import model_names
 from harness.report.labels import configuration, eviction_label, policy_label, probe_label
@@ -529,14 +529,9 @@ def matching(records: list[dict], fields: dict) -> dict | None:
     lacks (made before it existed) reads as its KEYED_UNLESS value; key_levels and the calibration text, unless
     `fields` names them, must be kmeans and the primary config's (so an ingredient about something else never
     picks a Fisher-weighted point, or one whose levels were fitted on more text)."""
-    want = {"key_levels": KMEANS, **_default_calibration(), **_default_probe(), **fields}
+    want = {"key_levels": KMEANS, **_default_calibration(), **DEFAULT_PROBE, **fields}
     found = [r for r in records if all(r["config"].get(k, KEYED_UNLESS.get(k)) == v for k, v in want.items())]
     return min(found, key=lambda r: (r["metrics"]["bytes_per_token"], r["key"]), default=None)
-
-
-def _default_probe() -> dict:
-    """The unit-KL probe's sizes when a point leaves them at their default (KEYED_UNLESS)."""
-    return {field: KEYED_UNLESS[field] for field in PROBE_FIELDS}
 
 
 @functools.cache

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import pandas as pd
 
 from harness import peers
-from harness.config import HARNESS, KEYED_UNLESS, PROBE_FIELDS
+from harness.config import DEFAULT_PROBE, HARNESS
 from harness.policies import from_point
 from harness.schemes import KMEANS, default_residual
 
@@ -64,10 +64,8 @@ def storage_label(row: Mapping) -> str:
 
 def probe_label(row: Mapping) -> str:
     """' + unit KLs on 4 x 256 tokens' for a point whose unit-KL probe is not the default's, '' otherwise."""
-    sizes = [row.get(name) for name in PROBE_FIELDS]
-    if any(v is None or pd.isna(v) for v in sizes) or all(
-        v == KEYED_UNLESS[name] for v, name in zip(sizes, PROBE_FIELDS)
-    ):
+    sizes = [row.get(name) for name in DEFAULT_PROBE]
+    if any(v is None or pd.isna(v) for v in sizes) or sizes == list(DEFAULT_PROBE.values()):
         return ""
     return f" + unit KLs on {int(sizes[0])} x {int(sizes[1])} tokens"
 
