@@ -244,10 +244,13 @@ def shared_tables(fits: list[list[HeadFit]], widths, fmt: PcaFormat) -> list[Pca
     return [_table(layer, plans.expand(len(layer), -1, -1), widths) for layer in fits]
 
 
-def fit_pca_calibration(model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FORMAT) -> PcaCalibration:
-    """Every cached layer's PcaLayer fitted on the calibration windows input_ids (C, Tc) in format `fmt`: keys
-    turned back to fmt's reference positions (a store's first quantized position is CALIBRATION_FIRST: position 0
-    is the sink token the windows leave out); plans each head's own, or one per role and width (shared_plans)."""
+def pca_head_fits(
+    model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FORMAT
+) -> list[tuple[list[HeadFit], list[HeadFit], torch.Tensor] | None]:
+    """Per layer, its keys' and values' HeadFits (each head's transform before its plans) and its keys' rotary
+    turns (D,), fitted on the calibration windows input_ids (C, Tc) in format `fmt`: keys turned back to fmt's
+    reference positions (a store's first quantized position is CALIBRATION_FIRST: position 0 is the sink token the
+    windows leave out); None for a layer without a KV cache of its own."""
     types, _ = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
     layers = []
     for found, layer_type in zip(calibration_vectors(model, input_ids), types):
@@ -264,6 +267,13 @@ def fit_pca_calibration(model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FOR
         if len(own):  # those channels turned back by each key's own position
             framed[..., own] = unturn(keys, positions, inv_freq)[..., own]
         layers.append((_head_fits(framed, fmt, own), _head_fits(values, fmt), turns))
+    return layers
+
+
+def fit_pca_calibration(model, input_ids: torch.Tensor, fmt: PcaFormat = PCA_FORMAT) -> PcaCalibration:
+    """Every cached layer's PcaLayer fitted on the calibration windows input_ids (C, Tc) in format `fmt`
+    (pca_head_fits), with plans each head's own, or one per role and width (shared_plans)."""
+    layers = pca_head_fits(model, input_ids, fmt)
     fitted = [layer for layer in layers if layer is not None]
     if fmt.shared_plans:
         keys, values = (shared_tables([layer[i] for layer in fitted], PCA_WIDTHS, fmt) for i in (0, 1))
