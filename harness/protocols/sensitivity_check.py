@@ -1,12 +1,15 @@
 """The sensitivity checks (`python -m harness.sensitivity --model NAME [--check-heads N --width W | --additivity N
---budget B | --chain W --sequences S] [overrides]`):
+--budget B | --chain W --sequences S | --finer-widths STEP --budgets B,B,...] [overrides]`):
 - proxy: does the sensitivity proxy (harness.sensitivity) rank heads like the teacher-forced KL with only that head
   quantized? (harness.sensitivity.proxy_check on a random sample of heads, evaluation text);
 - additivity (`--additivity N`): do unit KLs add up? The unit KL table of the point's widths (cached), then
   harness.sensitivity.additivity_check: N random joint allocations within --budget mean bits, predicted (summed
   unit KL) against measured KL on the table's probe sequences;
 - chain (`--chain W`): how a cross-layer prediction's error grows along its chain (harness.sensitivity.chain) at
-  width W on the first S evaluation sequences, the point's scheme fitted as its sweep point fits it.
+  width W on the first S evaluation sequences, the point's scheme fitted as its sweep point fits it;
+- finer widths (`--finer-widths STEP --budgets B,B,...`, pca): what unit totals in steps of 1 / STEP bits would buy
+  the measured knapsack at each budget, by its own prediction (harness.sensitivity.finer_widths), from the unit KL
+  table of the point's whole widths (cached) and the pca fit's plan distortions.
 
 The point comes from the primary config with the overrides (harness.config.compose), validated before the model
 loads; the start record is written beside the output CSV (<out>.env.json); the CSV, a JSON summary and the Spearman
@@ -39,6 +42,8 @@ from harness.sensitivity import (
     sample_heads,
 )
 from harness.sensitivity.chain import chain_errors
+from harness.sensitivity.common import cache_shape
+from harness.sensitivity.finer_widths import check_step, fine_widths, finer_widths_check, unit_distortions
 from harness.validate import check_model_inputs, preflight_overrides, validate_config
 from kernels.reference import WIDTHS as PACKED_WIDTHS
 
@@ -62,6 +67,14 @@ def main(argv: list[str] | None = None) -> None:
         "--chain", type=int, help="instead: a cross-layer prediction's error along its chain at this width"
     )
     parser.add_argument("--sequences", type=int, default=4, help="--chain: how many evaluation sequences")
+    parser.add_argument(
+        "--finer-widths",
+        type=int,
+        help="instead (pca): what unit widths in steps of 1 / STEP bits would buy the measured knapsack",
+    )
+    parser.add_argument(
+        "--budgets", type=_numbers, help="--finer-widths: the knapsack's mean bits, comma-separated (4.4,3.3)"
+    )
     parser.add_argument("--out", type=Path, help="CSV path (default results/sensitivity/*.csv)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. eval=small quant.scheme=sym_token"
@@ -73,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         cfg, point, scheme = _check_context(args)
         if args.chain is not None:
             name = f"chain-{point.model}-{scheme.name}-w{args.chain}"
+        elif args.finer_widths is not None:
+            name = f"finer-widths-{point.model}-{scheme.name}-{args.finer_widths}"
         elif args.additivity:
             name = f"additivity-{point.model}-{scheme.name}"
         else:
@@ -87,10 +102,17 @@ def main(argv: list[str] | None = None) -> None:
     io.start_record(out.parent, command, "cpu", cfg.allow_dirty, name=out.with_suffix(".env.json").name)
     if args.chain is not None:
         _run_chain(args, point, scheme, out, command=command)
+    elif args.finer_widths is not None:
+        _run_finer_widths(args, point, scheme, out, command=command)
     elif args.additivity:
         _run_additivity(args, point, scheme, out, command=command)
     else:
         _run_check(args, point, scheme, out, command=command)
+
+
+def _numbers(text: str) -> list[float]:
+    """Comma-separated numbers (argparse type: a bad one is a usage error, exit 2)."""
+    return [float(part) for part in text.split(",")]
 
 
 def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
@@ -116,6 +138,8 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     scheme = point_scheme(point)
     if args.chain is not None:
         _check_chain(args, scheme)
+    elif args.finer_widths is not None:
+        _check_finer_widths(args, point, scheme)
     elif scheme.key_tables and args.additivity is None:
         raise ValueError(
             f"quant.scheme: {point.scheme} reads fitted key tables, which the proxy check does not use; "
@@ -138,6 +162,67 @@ def _check_chain(args, scheme: Scheme) -> None:
         raise ValueError(f"--chain: {args.chain} is not a width {scheme.name} stores; allowed: {allowed}")
     if isinstance(args.sequences, bool) or args.sequences < 1:
         raise ValueError(f"--sequences: {args.sequences} is too few; allowed: an integer >= 1")
+
+
+def _check_finer_widths(args, point: Point, scheme: Scheme) -> None:
+    fmt = getattr(scheme, "pca_format", None)
+    if fmt is None:
+        raise ValueError(
+            f"quant.scheme: {scheme.name} has no pca plans to spread finer widths over; allowed with "
+            "--finer-widths: pca"
+        )
+    check_step(args.finer_widths, fmt)
+    whole = measured_widths(point.widths)
+    if whole != list(range(whole[0], whole[-1] + 1)) or len(whole) < 2:
+        raise ValueError(
+            f"policy.widths: {list(point.widths)}; --finer-widths needs every whole width between its narrowest "
+            "and widest measured, e.g. [1, 2, 3, 4, 5, 6]"
+        )
+    if not args.budgets:
+        raise ValueError(
+            "--budgets: missing; --finer-widths needs the knapsack's mean bits, e.g. --budgets 4.4,3.3"
+        )
+    outside = [b for b in args.budgets if not whole[0] <= b <= whole[-1]]
+    if outside:
+        raise ValueError(f"--budgets: {outside[0]} is outside the widths; allowed: {whole[0]} to {whole[-1]}")
+
+
+def _run_finer_widths(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
+    model, tokenizer = load_model(point.model, dtype=point.dtype)
+    calibration = data.point_windows(tokenizer, point).calibration
+    source, _ = data.calibration_source(point)
+    tables = cached_fit(scheme, model, point.model, calibration, key_span(point), point.key_levels, source)
+    table = cached_unit_kl(
+        model,
+        point.model,
+        calibration,
+        scheme,
+        point.widths,
+        point.chunk,
+        point.probe_sequences,
+        point.probe_tokens,
+        key_calibration=tables,
+        source=source,
+    )
+    whole = measured_widths(point.widths)
+    widths = fine_widths(whole, args.finer_widths)
+    distortion = unit_distortions(model, calibration, scheme.pca_format, widths, cache_shape(model))
+    rows, checked = finer_widths_check(table, distortion, whole, args.finer_widths, args.budgets)
+    write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
+    summary = dict(
+        command=command,
+        step=args.finer_widths,
+        budgets=args.budgets,
+        leave_one_out=checked.to_dict(orient="records"),
+        point=point.to_dict(),
+    )
+    write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1, default=str))
+    print(checked.to_string(index=False))
+    print(rows.to_string(index=False))
+    print(
+        f"predicted summed unit KL with widths in steps of 1/{args.finer_widths} bit against whole widths "
+        f"({point.model}, {scheme.name}, widths {whole}); wrote {out}"
+    )
 
 
 def _run_chain(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:

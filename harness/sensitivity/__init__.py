@@ -11,7 +11,8 @@ widths, chunk):
   one teacher-forced run per unit and width on a probe of the calibration windows (2 x 128 tokens unless a
   point's eval.calibration.probe says otherwise); read by `measured` (harness/policies/measured_kl.py).
   `additivity_check` tests whether unit KLs add up on random joint allocations (`--additivity N`).
-chain.py measures how a cross-layer prediction's error grows along its chain of layers (`--chain W`).
+chain.py measures how a cross-layer prediction's error grows along its chain of layers (`--chain W`); finer_widths.py
+predicts what unit widths finer than whole bits would buy pca's knapsack (`--finer-widths STEP`).
 common.py holds what they share (allocation shape, cached heads, a cache at chosen widths, Spearman).
 """
 
