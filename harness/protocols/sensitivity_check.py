@@ -165,13 +165,7 @@ def _check_chain(args, scheme: Scheme) -> None:
 
 
 def _check_finer_widths(args, point: Point, scheme: Scheme) -> None:
-    fmt = getattr(scheme, "pca_format", None)
-    if fmt is None:
-        raise ValueError(
-            f"quant.scheme: {scheme.name} has no pca plans to spread finer widths over; allowed with "
-            "--finer-widths: pca"
-        )
-    check_step(args.finer_widths, fmt)
+    check_step(args.finer_widths, scheme)
     whole = measured_widths(point.widths)
     if whole != list(range(whole[0], whole[-1] + 1)) or len(whole) < 2:
         raise ValueError(

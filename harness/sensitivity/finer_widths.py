@@ -36,23 +36,30 @@ import torch
 from harness.calibrate.pca import HeadFit, pca_head_fits, plan_groups
 from harness.policies.knapsack import knapsack
 from harness.policies.measured_kl import unit_costs
-from harness.schemes.base import ROLES
+from harness.schemes.base import ROLES, Scheme
+from harness.schemes.pca import Pca
 from harness.schemes.pca_table import PcaFormat
 from harness.sensitivity.common import spearman
 
 STEPS = (1, 2, 4, 8)  # finer widths in steps of 1 / step bits
 
 
-def check_step(step: int, fmt: PcaFormat) -> None:
-    """ValueError naming --finer-widths unless `step` is one of STEPS and `fmt` plans every total of bits (one
-    width per component, from 0 to 8 bits each)."""
+def check_step(step: int, scheme: Scheme) -> None:
+    """ValueError naming the key unless `scheme` stores plans of the pca family with every total of bits planned
+    per head (one width per component from 0 to 8, plans each head's own) and `step` is one of STEPS."""
+    if not isinstance(scheme, Pca):
+        raise ValueError(
+            f"quant.scheme: {scheme.name} stores no pca plans to spread finer widths over; allowed with "
+            "--finer-widths: pca"
+        )
+    fmt = scheme.pca_format
+    if fmt.group != 1 or tuple(fmt.group_widths) != tuple(range(9)) or fmt.shared_plans:
+        raise ValueError(
+            f"quant.scheme: {scheme.name}'s plans group components, bar some widths or are shared by every head, "
+            "so not every total of bits has a plan of its own; allowed with --finer-widths: pca"
+        )
     if isinstance(step, bool) or step not in STEPS:
         raise ValueError(f"--finer-widths: {step!r}; allowed: {', '.join(map(str, STEPS))}")
-    if fmt.group != 1 or tuple(fmt.group_widths) != tuple(range(9)):
-        raise ValueError(
-            "--finer-widths: the scheme's plans group components or bar some widths, so not every total of bits "
-            "has a plan; allowed: a pca format with one width per component (quant.scheme=pca)"
-        )
 
 
 def fine_widths(widths: Sequence[int], step: int) -> list[float]:

@@ -137,12 +137,15 @@ def test_leave_one_out_is_exact_where_the_kl_follows_the_distortion():
     assert np.allclose(checked["spearman"], 1)
 
 
-def test_check_step_refuses_other_steps_and_grouped_plans():
-    check_step(4, PCA_FORMAT)
+def test_check_step_refuses_other_steps_and_schemes_without_a_plan_at_every_total():
+    check_step(4, get_scheme("pca"))
     with pytest.raises(ValueError, match=r"^--finer-widths: 3; allowed: 1, 2, 4, 8"):
-        check_step(3, PCA_FORMAT)
-    with pytest.raises(ValueError, match="^--finer-widths: the scheme's plans group components"):
-        check_step(4, get_scheme("pca_gsa").pca_format)
+        check_step(3, get_scheme("pca"))
+    for name in ("pca_gsa", "pca_block_ugs"):  # grouped plans, shared by every head
+        with pytest.raises(ValueError, match=f"^quant.scheme: {name}'s plans group components"):
+            check_step(4, get_scheme(name))
+    with pytest.raises(ValueError, match="^quant.scheme: vq2 stores no pca plans"):
+        check_step(4, get_scheme("vq2"))  # reads pca's means, codes no plan
 
 
 def test_the_finer_widths_cli_writes_its_rows(tmp_path, monkeypatch, capsys):
@@ -160,7 +163,7 @@ def test_the_finer_widths_cli_writes_its_rows(tmp_path, monkeypatch, capsys):
     for args, start in (
         (
             ["--finer-widths", "2", "--budgets", "3", "eval=tiny"],
-            "error: quant.scheme: asym_token has no pca",
+            "error: quant.scheme: asym_token stores no pca",
         ),
         (["--finer-widths", "3", "--budgets", "3", *point], "error: --finer-widths: 3; allowed"),
         (["--finer-widths", "2", *point], "error: --budgets: missing"),
