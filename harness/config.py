@@ -188,8 +188,15 @@ def key_of(config: Mapping) -> str:
     fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None,
     outliers 0, key_levels kmeans, calibration_data_path None, score_from 0, probes of 2 x 128 tokens; see the
     docstring)."""
-    config = {k: v for k, v in config.items() if k not in KEYED_UNLESS or v != KEYED_UNLESS[k]}
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(keyed_fields(config), sort_keys=True, default=str).encode()).hexdigest()[
+        :16
+    ]
+
+
+def keyed_fields(config: Mapping) -> dict:
+    """A flat configuration without the fields of KEYED_UNLESS at their values there: what tells points apart, so a
+    point recorded before such a field existed reads as the same point recorded after at its default."""
+    return {k: v for k, v in config.items() if k not in KEYED_UNLESS or v != KEYED_UNLESS[k]}
 
 
 def config_key(name: str) -> str:

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 from harness import precision, results
-from harness.config import KEYED_UNLESS
+from harness.config import keyed_fields
 from harness.report.labels import configuration
 from harness.report.paired import HIGHER_IS_BETTER, default_n_boot, differences
 from harness.report.tables import markdown_table
@@ -40,11 +40,7 @@ def identity(config: dict) -> str:
     """A point's configuration without the fields the runs may differ in, as sorted JSON; a field that enters keys
     only away from a default (harness.config.KEYED_UNLESS) is left out at that default, so a point recorded before
     the field existed matches the same point recorded after."""
-    kept = {
-        k: v
-        for k, v in config.items()
-        if k not in SEPARATE and (k not in KEYED_UNLESS or v != KEYED_UNLESS[k])
-    }
+    kept = {k: v for k, v in keyed_fields(config).items() if k not in SEPARATE}
     return json.dumps(kept, sort_keys=True, default=str)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pandas as pd
 
 from harness import results
+from harness.config import keyed_fields
 from harness.metrics import MIN_PAIRED_UNITS
 from harness.report.frontier import (
     METRICS,
@@ -53,8 +54,10 @@ def length_label(length: tuple[int, int]) -> str:
 
 
 def configuration_of(config: dict) -> tuple:
-    """What a point is apart from its length: its every other field, as a hashable tuple."""
-    return tuple(sorted((k, str(v)) for k, v in config.items() if k not in LENGTH_FIELDS))
+    """What a point is apart from its length: its every other field, as a hashable tuple (a field that enters keys
+    only away from a default left out at it, harness.config.keyed_fields: a point recorded before the field
+    existed is the same configuration as one recorded after)."""
+    return tuple(sorted((k, str(v)) for k, v in keyed_fields(config).items() if k not in LENGTH_FIELDS))
 
 
 def move_interval(long: dict, short: dict, metric: str, n_boot: int, seed: int) -> str:

@@ -99,7 +99,7 @@ def test_the_shipped_sweep_judges_each_point_at_both_lengths():
     for p in points:
         configuration = (p.policy, p.scheme, p.budget)
         lengths.setdefault(configuration, set()).add((p.sequence_tokens, p.score_from))
-    assert len(lengths) == 9 and all(v == {(1024, 0), (8192, 4096)} for v in lengths.values())
+    assert len(lengths) == 12 and all(v == {(1024, 0), (8192, 4096)} for v in lengths.values())
     assert {p.data_path for p in points} == {"stdlib_docstrings"} and {p.num_sequences for p in points} == {
         16
     }
@@ -113,3 +113,15 @@ def test_a_point_scored_from_its_start_keeps_its_key(score_from):
     without = {k: v for k, v in record.items() if k != "score_from"}
     same = key_of({**without, "score_from": 0}) == key_of(without)
     assert same and (key_of({**without, "score_from": score_from}) == key_of(without)) == (score_from == 0)
+
+
+def test_a_point_recorded_before_a_keyed_unless_field_pairs_with_one_recorded_at_its_default():
+    old = _record("c", 2.4, 6.28, 0.12)  # no probe fields: recorded before they existed
+    at_default = _record("c8", 2.4, 6.28, 0.15, **LONG)
+    at_default["config"].update(probe_sequences=2, probe_tokens=128)
+    other_probe = _record("d8", 2.4, 6.28, 0.13, tokens=8192, score_from=4096, seed=2)
+    other_probe["config"].update(probe_sequences=2, probe_tokens=512)
+    table = long_context.long_context_table([*RECORDS, old, at_default, other_probe], "m", n_boot=200)
+    rows = table.iloc[1:].set_index("true compression")
+    assert list(rows.index) == ["3.52x", "4.65x", "6.28x"]  # the 512-token probe has no 1K partner: no row
+    assert rows.loc["6.28x", "ppl_ratio, 8192 tokens, scored from 4096"].startswith(f"{math.exp(0.15):.4g} [")
