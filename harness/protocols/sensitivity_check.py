@@ -182,22 +182,7 @@ def _check_finer_widths(args, point: Point, scheme: Scheme) -> None:
 
 
 def _run_finer_widths(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
-    model, tokenizer = load_model(point.model, dtype=point.dtype)
-    calibration = data.point_windows(tokenizer, point).calibration
-    source, _ = data.calibration_source(point)
-    tables = cached_fit(scheme, model, point.model, calibration, key_span(point), point.key_levels, source)
-    table = cached_unit_kl(
-        model,
-        point.model,
-        calibration,
-        scheme,
-        point.widths,
-        point.chunk,
-        point.probe_sequences,
-        point.probe_tokens,
-        key_calibration=tables,
-        source=source,
-    )
+    model, calibration, _, table = _unit_kl_of(point, scheme)
     whole = measured_widths(point.widths)
     widths = fine_widths(whole, args.finer_widths)
     distortion = unit_distortions(model, calibration, scheme.pca_format, widths, cache_shape(model))
@@ -266,12 +251,13 @@ def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
     )
 
 
-def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
+def _unit_kl_of(point: Point, scheme: Scheme):
+    """The point's model, its calibration windows (C, Tc), the fitted parts its scheme reads (a calkey or pca
+    point's key tables, as its sweep point fits them: the unit KLs are measured through them; None for others)
+    and its unit KL table (cached)."""
     model, tokenizer = load_model(point.model, dtype=point.dtype)
     calibration = data.point_windows(tokenizer, point).calibration
     source, _ = data.calibration_source(point)
-    # a calkey (pca) point's key tables (transforms), as its sweep point fits them (the unit KLs are measured
-    # through them)
     tables = cached_fit(scheme, model, point.model, calibration, key_span(point), point.key_levels, source)
     table = cached_unit_kl(
         model,
@@ -285,6 +271,11 @@ def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str)
         key_calibration=tables,
         source=source,
     )
+    return model, calibration, tables, table
+
+
+def _run_additivity(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
+    model, calibration, tables, table = _unit_kl_of(point, scheme)
     ids = probe_ids(calibration, point.probe_sequences, point.probe_tokens)  # the table's sequences
     rows, rho, ratio = additivity_check(
         model, ids, table, scheme, args.additivity, args.budget, point.seed, point.chunk, tables
