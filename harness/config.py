@@ -188,9 +188,8 @@ def key_of(config: Mapping) -> str:
     fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None,
     outliers 0, key_levels kmeans, calibration_data_path None, score_from 0, probes of 2 x 128 tokens; see the
     docstring)."""
-    return hashlib.sha256(json.dumps(keyed_fields(config), sort_keys=True, default=str).encode()).hexdigest()[
-        :16
-    ]
+    text = json.dumps(keyed_fields(config), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def keyed_fields(config: Mapping) -> dict:
