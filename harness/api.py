@@ -45,7 +45,7 @@ from harness.policies import POLICIES, Allocation, Policy
 from harness.precision import torch_dtype
 from harness.registry import unknown_name_message
 from harness.schemes import SCHEMES, FittedParts, Scheme, get_scheme
-from harness.sensitivity import MEASUREMENTS, READS_KEY_TABLES, READS_PROBE, check_reads_fitted
+from harness.sensitivity import MEASUREMENTS, READS_KEY_TABLES, READS_PROBE, check_context, check_reads_fitted
 
 # the positions [0, span) that fitted key tables cover by default: every committed point's longest window
 KEY_SPAN = 1024
@@ -279,7 +279,7 @@ def allocate(
     scheme: str | Scheme = "asym_token",
     chunk: int = 128,
     span: int = KEY_SPAN,
-    probe: tuple[int, int] | None = None,
+    probe: tuple[int, ...] | None = None,
     **options,
 ) -> Allocation:
     """Widths per (layer, KV head, K|V) for `model` under `budget`: bits per element, met in the true bytes of
@@ -289,7 +289,8 @@ def allocate(
     `scheme` stores), or a Policy object (then no options). A policy that allocates from measured errors measures
     them once on the calibration windows (cached on disk; `chunk`: teacher-forced chunk), through the parts the
     scheme fits there (Calibration.fitted; `span`: the key tables' positions; `probe`: (sequences, tokens) of
-    the calibration windows the measured policy's unit KLs are measured on, None for 2 x 128). Returns an
+    the calibration windows the measured policy's unit KLs are measured on, None for 2 x 128, and optionally a
+    third, the context width every other unit is stored at while one is measured). Returns an
     Allocation: key_bits and value_bits int64 [num_layers, num_kv_heads] (16: unquantized, 0: no cache), sinks
     bool, continuous float64 levels.
     """
@@ -313,7 +314,8 @@ def allocate(
         if policy.measurement in READS_KEY_TABLES:
             extra["key_calibration"] = calibration.fitted(model, scheme, span)
         if probe is not None:
-            extra["sequences"], extra["tokens"] = probe
+            extra["sequences"], extra["tokens"] = probe[:2]
+            extra["context"] = probe[2] if len(probe) == 3 else None
         measure = MEASUREMENTS[policy.measurement]
         table = measure(model, calibration.name, calibration.ids, scheme, policy.widths, chunk, **extra)
     price = element_price(shape_from_config(model.config), scheme)
@@ -324,19 +326,21 @@ def allocate(
 
 
 def _check_probe(probe: object, policy: Policy, ids: torch.Tensor) -> None:
-    """ValueError naming `probe` unless it is (sequences, tokens) inside the calibration windows ids (C, T), for
-    a policy that measures on a probe."""
+    """ValueError naming `probe` unless it is (sequences, tokens) inside the calibration windows ids (C, T), and
+    optionally a context width among the policy's (check_context), for a policy that measures on a probe."""
     if policy.measurement not in READS_PROBE:
         raise ValueError(f"probe: policy {policy.name} measures no unit-KL probe; allowed: None")
     limits = ((1, ids.shape[0]), (2, ids.shape[1]))
-    if not (isinstance(probe, tuple | list) and len(probe) == 2) or not all(
+    if not (isinstance(probe, tuple | list) and len(probe) in (2, 3)) or not all(
         isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
         for v, (low, high) in zip(probe, limits)
     ):
         raise ValueError(
             f"probe: {probe!r}; allowed: (sequences, tokens) with sequences in [1, {ids.shape[0]}] and tokens in "
-            f"[2, {ids.shape[1]}] (the calibration windows)"
+            f"[2, {ids.shape[1]}] (the calibration windows), and optionally a context width"
         )
+    if len(probe) == 3:
+        check_context(probe[2], policy.widths, "probe's context")
 
 
 # ---------------------------------------------------------------------------------------------- the cache

@@ -13,7 +13,7 @@ so a finished point is recognized on re-run whatever order the grid lists it in:
 - the model dtype enters the hash only when it is not float32, the kv policy's key_offset only when it is not
   0, quant.key_group_size only when it is set, quant.outliers only when it is not 0, quant.key_levels only
   when it is not kmeans, eval.calibration.data.path only when it is set, eval.score_from only when it is not 0
-  and the unit-KL probe's sizes only away from 2 x 128 tokens (KEYED_UNLESS), so points made before those fields
+  and the unit-KL probe's sizes and context only away from 2 x 128 tokens alone (KEYED_UNLESS), so points made before those fields
   were recorded keep their keys;
 - the peer fields are in the dict only for a peer point (engine not HARNESS), so the harness's own points keep
   the keys they had before peers existed;
@@ -53,6 +53,7 @@ KEYED_UNLESS = {
     "score_from": 0,
     "probe_sequences": PROBE_SEQUENCES,
     "probe_tokens": PROBE_TOKENS,
+    "probe_context": None,
 }
 # The eviction fields of every point that evicts nothing (configs without the eviction group included).
 NO_EVICTION = {"eviction": "none", "evict_keep": 1.0, "evict_sinks": 4, "evict_recent": 0.5}
@@ -114,6 +115,8 @@ class Point:
     # (harness.sensitivity.unit_kl); not a context field: points with other probes share their model context
     probe_sequences: int = _setting("eval.calibration.probe.num_sequences", "probe", PROBE_SEQUENCES)
     probe_tokens: int = _setting("eval.calibration.probe.tokens", "probe", PROBE_TOKENS)
+    # the width of every other unit while one is measured (None: 16, each unit alone; unit_kl's docstring)
+    probe_context: int | None = _setting("eval.calibration.probe.context", "probe", None)
     data_path: str | None = _setting("eval.data.path", "context")
     seed: int = _setting("seed", "context")
     engine: str = _setting("sweep.peers.engine", "peer", HARNESS)
@@ -186,7 +189,7 @@ PEER_FIELDS = GROUPS["peer"]
 def key_of(config: Mapping) -> str:
     """The key of a flat configuration (a Point's to_dict(), a record's `config`): a short stable hash of it, the
     fields of KEYED_UNLESS left out at their values there (a float32 dtype, key_offset 0, key_group_size None,
-    outliers 0, key_levels kmeans, calibration_data_path None, score_from 0, probes of 2 x 128 tokens; see the
+    outliers 0, key_levels kmeans, calibration_data_path None, score_from 0, probes of 2 x 128 tokens alone; see the
     docstring)."""
     text = json.dumps(keyed_fields(config), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]

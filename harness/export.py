@@ -8,7 +8,8 @@ the record does not say (sinks null). Pre-rounding levels are not recorded (null
 run, the point, its commit and its headline metrics, and where the parts its scheme reads were fitted:
 `calibration` (harness.calibration's keywords for the point's calibration windows), `calibration_source` (their
 text), `span` (quantized_cache's: the key tables' positions) and `probe` (the measured policy's unit-KL probe,
-harness.allocate's probe=), so that the same model fits the same parts and measures the same table.
+harness.allocate's probe=: sequences, tokens and, where set, the context width), so that the same model fits the
+same parts and measures the same table.
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ def exported(record: dict) -> tuple[Allocation, object, dict]:
         },
         "calibration_source": source_name(calibration_source(point)[0]),
         "span": key_span(point),
-        "probe": [point.probe_sequences, point.probe_tokens],
+        "probe": [point.probe_sequences, point.probe_tokens]
+        + ([point.probe_context] if point.probe_context is not None else []),
     }
     return allocation, scheme_from_point(point.group("quant")), source
 

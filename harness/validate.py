@@ -31,7 +31,7 @@ from harness.protocols.sweep import expand
 from harness.registry import unknown_name_message
 from harness.run.measure import point_scheme
 from harness.schemes import ROLES, SCHEMES, Scheme, check_backend, get_scheme
-from harness.sensitivity import check_reads_fitted
+from harness.sensitivity import check_context, check_reads_fitted
 from kernels.layout import FULL_WIDTH
 
 GROUPS = ("model", "policy", "quant", "eviction", "eval", "tracking", "sweep")
@@ -125,7 +125,7 @@ def _check_positive_ints(point: Point) -> None:
 
 def _check_probe(point: Point) -> None:
     """A unit-KL probe set away from its default (the sweep resets it where a policy measures none): positive
-    sizes, at least 2 tokens, inside the calibration windows."""
+    sizes, at least 2 tokens, inside the calibration windows; a context width among the point's widths."""
     if all(getattr(point, name) == value for name, value in DEFAULT_PROBE.items()):
         return
     for name, least, most in (
@@ -138,6 +138,7 @@ def _check_probe(point: Point) -> None:
                 f"{config_key(name)}: {value!r}; allowed: an integer in [{least}, {most}] (the calibration "
                 "windows' size)"
             )
+    check_context(point.probe_context, point.widths)
 
 
 def _check_score_from(point: Point) -> None:

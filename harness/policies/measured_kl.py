@@ -3,7 +3,9 @@
 harness.sensitivity's `unit_kl` table holds, per (layer, KV head, K|V) unit and quantized width, the teacher-forced
 KL when that unit alone is quantized (`unit_costs` reads it). The non-sink heads' keys and values are 2m units;
 together they take the widths of least summed KL within the budget, exactly (harness.policies.knapsack: not a
-greedy). Summing unit KLs assumes they add; harness.sensitivity.additivity_check measures how well they do.
+greedy). Summing unit KLs assumes they add; harness.sensitivity.additivity_check measures how well they do. A
+table measured in context (eval.calibration.probe.context) holds marginal KLs around every unit at one width,
+negative where a unit gains: the same knapsack minimizes their sum.
 
 The budget is HeadPolicy's, counted per unit: every unit holds as many elements as its head's keys (the byte
 model's price per element is one for every head, averaged over their head_dim), so a unit of role r at a

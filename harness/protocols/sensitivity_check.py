@@ -126,6 +126,11 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
         raise ValueError(f"--check-heads: {args.check_heads} is too few; allowed: an integer >= 2")
     if args.additivity is not None and (isinstance(args.additivity, bool) or args.additivity < 2):
         raise ValueError(f"--additivity: {args.additivity} is too few; allowed: an integer >= 2")
+    if args.additivity is not None and point.probe_context is not None:
+        raise ValueError(
+            f"eval.calibration.probe.context: {point.probe_context} with --additivity, which sums unit KLs measured "
+            "alone; allowed: null"
+        )
     narrowest = min(measured_widths(point.widths))
     if args.budget is not None and args.budget < narrowest:
         raise ValueError(
@@ -270,6 +275,7 @@ def _unit_kl_of(point: Point, scheme: Scheme):
         point.probe_tokens,
         key_calibration=tables,
         source=source,
+        context=point.probe_context,
     )
     return model, calibration, tables, table
 

@@ -63,11 +63,17 @@ def storage_label(row: Mapping) -> str:
 
 
 def probe_label(row: Mapping) -> str:
-    """' + unit KLs on 4 x 256 tokens' for a point whose unit-KL probe is not the default's, '' otherwise."""
-    sizes = [row.get(name) for name in DEFAULT_PROBE]
-    if any(v is None or pd.isna(v) for v in sizes) or sizes == list(DEFAULT_PROBE.values()):
-        return ""
-    return f" + unit KLs on {int(sizes[0])} x {int(sizes[1])} tokens"
+    """' + unit KLs on 4 x 256 tokens' for a point whose unit-KL probe's sizes are not the default's, ' + unit KLs
+    around 2 bits' for one measured in context (every other unit at 2 bits), both in one; '' otherwise."""
+    parts = []
+    sizes = [row.get("probe_sequences"), row.get("probe_tokens")]
+    default = [DEFAULT_PROBE["probe_sequences"], DEFAULT_PROBE["probe_tokens"]]
+    if not any(v is None or pd.isna(v) for v in sizes) and sizes != default:
+        parts.append(f"on {int(sizes[0])} x {int(sizes[1])} tokens")
+    context = row.get("probe_context")
+    if context is not None and not pd.isna(context):
+        parts.append(f"around {int(context)} bits")
+    return " + unit KLs " + " ".join(parts) if parts else ""
 
 
 def eviction_label(row: Mapping) -> str:

@@ -40,7 +40,9 @@ class TableKey(NamedTuple):
     scheme: Scheme
     widths: tuple[int, ...]
     chunk: int
-    probe: tuple[int, int]  # the unit-KL probe: (sequences, tokens) of the calibration windows
+    probe: tuple[
+        int, int, int | None
+    ]  # the unit-KL probe: (sequences, tokens) of the calibration windows, context
 
 
 class KeyFit(NamedTuple):

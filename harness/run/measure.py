@@ -40,7 +40,7 @@ def allocation(ctx: ModelContext, point: Point):
             if tables is not None:
                 extra["key_calibration"] = tables
             if key.measurement in READS_PROBE:
-                extra["sequences"], extra["tokens"] = key.probe
+                extra["sequences"], extra["tokens"], extra["context"] = key.probe
             ctx.sensitivity[key] = measure_table(
                 ctx.model, ctx.name, ctx.calib_ids, key.scheme, key.widths, key.chunk, **extra
             )
@@ -57,7 +57,7 @@ def table_key(point: Point) -> TableKey | None:
     measurement = policy_of(point.group("policy")).measurement
     if measurement is None:
         return None
-    probe = (point.probe_sequences, point.probe_tokens)
+    probe = (point.probe_sequences, point.probe_tokens, point.probe_context)
     return TableKey(measurement, point_scheme(point), tuple(point.widths), point.chunk, probe)
 
 

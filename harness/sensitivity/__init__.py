@@ -9,7 +9,8 @@ widths, chunk):
   it against the KL; `python -m harness.sensitivity` runs it (harness/protocols/sensitivity_check.py).
 - `unit_kl` (unit_kl.py): per (layer, KV head, K|V, width) teacher-forced KL with that unit alone quantized,
   one teacher-forced run per unit and width on a probe of the calibration windows (2 x 128 tokens unless a
-  point's eval.calibration.probe says otherwise); read by `measured` (harness/policies/measured_kl.py).
+  point's eval.calibration.probe says otherwise), each unit alone or in a context of every other unit at one
+  width; read by `measured` (harness/policies/measured_kl.py).
   `additivity_check` tests whether unit KLs add up on random joint allocations (`--additivity N`).
 chain.py measures how a cross-layer prediction's error grows along its chain of layers (`--chain W`); finer_widths.py
 predicts what unit widths finer than whole bits would buy pca's knapsack (`--finer-widths STEP`).
@@ -26,6 +27,7 @@ from harness.sensitivity.unit_kl import (
     additivity_check,
     allocation_kl,
     cached_unit_kl,
+    check_context,
     predicted_kl,
     probe_ids,
     random_allocations,
@@ -40,6 +42,7 @@ __all__ = [
     "allocation_kl",
     "cached_sensitivity",
     "cached_unit_kl",
+    "check_context",
     "check_reads_fitted",
     "head_sensitivity",
     "measured_widths",

@@ -13,6 +13,13 @@ The probe sequences (`probe_ids`) are the first `sequences` calibration windows 
 (PROBE_SEQUENCES x PROBE_TOKENS unless a point's eval.calibration.probe sets them); calibration and evaluation text
 never overlap, so the table never reads evaluation text.
 
+In context (`context` c, eval.calibration.probe.context): every other cached unit is stored at width c instead of
+16, and `kl` is the unit's marginal cost there, KL(u at w, the rest at c) - KL(every unit at c), 0 at w = c (not
+run). A unit alone beside an unquantized cache does not see the errors of the units below it: a cross-layer
+prediction (xlayer's) reads what the stores restored, and its error grows with theirs (results/frontier, "Do unit
+KLs add up?"). In context the knapsack weighs each change of width around uniform c, the point a chain fit is made
+at; its summed costs predict KL(allocation) - KL(every unit at c), to first order.
+
 Cost: one teacher-forced run of the probe sequences per (unit, width), all of a probe's sequences in one batch:
 30 layers x 3 KV heads x 2 roles x 3 widths = 540 runs for smollm2-135m at widths 2, 3, 4. Probes are not
 batched with each other: a cache holds one set of widths for all its rows. The baseline keeps float32 log-probs:
@@ -90,6 +97,32 @@ def allocation_kl(
     return float(run.kl.double().mean())
 
 
+def check_context(
+    context: object, widths: Sequence[int], key: str = "eval.calibration.probe.context"
+) -> None:
+    """ValueError naming `key` unless the context is None, or one of `widths` (the policy's) and 16 is not (a unit
+    at 16 is priced 0, which in context it is not)."""
+    if context is None:
+        return
+    quantized = quantized_widths(widths)
+    if isinstance(context, bool) or context not in quantized or FULL_WIDTH in widths:
+        allowed = ", ".join(map(str, quantized))
+        raise ValueError(
+            f"{key}: {context!r} with policy.widths {list(widths)}; allowed: null, or one "
+            f"of the quantized widths ({allowed}) where the widths leave out {FULL_WIDTH}"
+        )
+
+
+def context_bits(model, context: int | None) -> torch.Tensor:
+    """int64 [num_layers, num_kv_heads]: the width of every unit but the measured one, `context` at the cached heads
+    (16 elsewhere), 16 everywhere for None."""
+    bits = torch.full(cache_shape(model), FULL_WIDTH, dtype=torch.int64)
+    if context is not None:
+        for layer, kv_head in cached_heads(model):
+            bits[layer, kv_head] = context
+    return bits
+
+
 @torch.no_grad()
 def unit_kl_table(
     model,
@@ -98,26 +131,37 @@ def unit_kl_table(
     widths: Sequence[int],
     chunk: int = 128,
     key_calibration: FittedParts | None = None,
+    context: int | None = None,
 ) -> pd.DataFrame:
     """The KL of every cached unit alone at every quantized width in `widths`, on input_ids (S, T) (through caches
-    reading key_calibration's tables, for a scheme with key_tables).
+    reading key_calibration's tables, for a scheme with key_tables); with a `context` width (one of `widths`), its
+    marginal KL with every other unit at that width (module docstring).
 
     Returns columns layer, kv_head, role, bits, kl (one row per unit and width, (layer, kv_head, role, bits)
-    order; 16 is never measured: its KL is 0); attrs num_layers, num_kv_heads (the most of any layer).
+    order; 16 is never measured: its KL is 0, so a context refuses it, where a unit at 16 would gain); attrs
+    num_layers, num_kv_heads (the most of any layer).
     """
     quantized = quantized_widths(widths)
     scheme.check_widths(quantized)
+    check_context(context, widths)
     shape = cache_shape(model)
     base = baseline_run(model, input_ids, chunk)
+    around = context_bits(model, context)  # [num_layers, num_kv_heads]
+    context_kl = 0.0
+    if context is not None:
+        context_kl = allocation_kl(model, input_ids, scheme, around, around, base, chunk, key_calibration)
     rows = []
     for layer, kv_head in cached_heads(model):
         for role in ROLES:
             for width in quantized:
-                bits = {r: torch.full(shape, FULL_WIDTH, dtype=torch.int64) for r in ROLES}
-                bits[role][layer, kv_head] = width
-                kl = allocation_kl(
-                    model, input_ids, scheme, bits["key"], bits["value"], base, chunk, key_calibration
-                )
+                kl = 0.0
+                if width != context:
+                    bits = {r: around.clone() for r in ROLES}
+                    bits[role][layer, kv_head] = width
+                    kl = allocation_kl(
+                        model, input_ids, scheme, bits["key"], bits["value"], base, chunk, key_calibration
+                    )
+                    kl -= context_kl
                 rows.append(dict(layer=layer, kv_head=kv_head, role=role, bits=width, kl=kl))
     table = pd.DataFrame(rows, columns=COLUMNS)
     table.attrs.update(num_layers=shape[0], num_kv_heads=shape[1])
@@ -135,22 +179,27 @@ def cached_unit_kl(
     tokens: int = PROBE_TOKENS,
     key_calibration: FittedParts | None = None,
     source: str | None = None,
+    context: int | None = None,
 ) -> pd.DataFrame:
     """unit_kl on probe_ids(calib_ids, sequences, tokens), read from disk (calibration's cache dir) when measured
     before with the same model, model config, probe tokens (cut from the calibration `source`), scheme (name,
-    group size, options), widths, chunk and fitted key tables (key_calibration, for a scheme that reads them)."""
+    group size, options), widths, chunk, fitted key tables (key_calibration, for a scheme that reads them) and
+    context width (None: every other unit at 16)."""
     quantized = quantized_widths(widths)
+    check_context(context, widths)
     ids = probe_ids(calib_ids, sequences, tokens)
     options = json.dumps(dataclasses.asdict(scheme), sort_keys=True)
     identity = f"{CACHE_VERSION}|{model_identity(model, model_name)}|{options}|{quantized}|{tuple(ids.shape)}|{chunk}"
     if key_calibration is not None:  # tables without one keep their keys
         identity += f"|{key_calibration.digest()}"
     identity += source_identity(source)
+    if context is not None:  # tables without one keep their keys
+        identity += f"|context={context}"
     table = disk_cached(
         f"{model_name}-unit-kl",
         identity,
         ids,
-        lambda: unit_kl_table(model, ids, scheme, quantized, chunk, key_calibration),
+        lambda: unit_kl_table(model, ids, scheme, quantized, chunk, key_calibration, context),
     )
     num_layers, num_kv_heads = cache_shape(model)
     table.attrs.update(num_layers=num_layers, num_kv_heads=num_kv_heads)

@@ -284,6 +284,20 @@ def test_a_unit_kl_probe_reaches_the_table_as_a_sweeps_does(tiny):
     (table,) = ctx.sensitivity.values()
     oracle = harness.sensitivity.unit_kl_table(model, calibration.ids[:1, :20], scheme, (2, 4), point.chunk)
     assert table["kl"].tolist() == pytest.approx(oracle["kl"].tolist(), rel=1e-6)
+    around = harness.allocate(
+        model, calibration, 3, **options, probe=(1, 20, 2)
+    )  # every other unit at 2 bits
+    want = sweep_allocation(ctx, point.replace(probe_context=2))
+    assert torch.equal(around.key_bits, want.key_bits) and torch.equal(around.value_bits, want.value_bits)
+    table = list(ctx.sensitivity.values())[-1]
+    oracle = harness.sensitivity.unit_kl_table(
+        model, calibration.ids[:1, :20], scheme, (2, 4), point.chunk, context=2
+    )
+    assert table["kl"].tolist() == pytest.approx(oracle["kl"].tolist(), rel=1e-6, abs=1e-12)
+    with pytest.raises(
+        ValueError, match=r"^probe's context: 3 with policy.widths \[2, 4\]; allowed: null, or one"
+    ):
+        harness.allocate(model, calibration, 3, **options, probe=(1, 20, 3))
     with pytest.raises(ValueError, match=r"^probe: policy entropy measures no unit-KL probe; allowed: None$"):
         harness.allocate(model, calibration, 3, policy="entropy", probe=(1, 20))
     with pytest.raises(

@@ -48,6 +48,9 @@ def compose_cfg(*overrides):
          r"^eval.calibration.probe.tokens: 513; allowed: an integer in \[2, 512\] \(the calibration windows' size\)"),
         ("policy=measured eval.calibration.probe.num_sequences=0",
          r"^eval.calibration.probe.num_sequences: 0; allowed: an integer in \[1, 8\]"),
+        ("policy=measured policy.widths=[2,4] eval.calibration.probe.context=3",
+         r"^eval.calibration.probe.context: 3 with policy.widths \[2, 4\]; allowed: null, or one of the quantized "
+         r"widths \(2, 4\) where the widths leave out 16$"),
         ("tracking.wandb.mode=sometimes", r"^tracking.wandb.mode: unknown 'sometimes'"),
         ("device=tpu", r"^device: 'tpu' is not allowed; allowed here: cpu"),
         ("policy.widths=[4,4]", r"^policy.widths: 4 appears twice in \[4, 4\]; allowed: each width once"),

@@ -76,10 +76,26 @@ def test_the_unit_kl_probe_enters_the_key_only_away_from_2_x_128_tokens():
     longer = base_point(compose_config(["policy=measured", "quant=pca", "policy.widths=[2,3,4]", *probe]))
     assert (longer.probe_sequences, longer.probe_tokens) == (4, 256) and longer.key() != point.key()
     assert longer.replace(probe_sequences=2, probe_tokens=128).key() == point.key()
+    # a context width enters the key only when set: the points made before it keep theirs
+    assert point.probe_context is None and "probe_context" in point.to_dict()
+    around = base_point(
+        compose_config(
+            [
+                "policy=measured",
+                "quant=pca",
+                "policy.widths=[2,3,4]",
+                *probe[1:],
+                "eval.calibration.probe.context=2",
+            ]
+        )
+    )
+    assert around.probe_context == 2 and around.key() not in (point.key(), longer.key())
+    assert around.replace(probe_context=None, probe_tokens=128).key() == point.key()
     # a sweep keys a policy that measures on no probe without it: the same evaluation, one key
     plain = ["policy=entropy", "policy.budget=3"]
     assert expand(cfg(*plain, *probe)) == expand(cfg(*plain))
     assert {p.probe_tokens for p in expand(cfg(*plain, *probe))} == {128}
+    assert expand(cfg(*plain, "eval.calibration.probe.context=2")) == expand(cfg(*plain))
 
 
 def test_key_group_size_enters_the_key_only_when_set():

@@ -310,3 +310,26 @@ def test_points_judged_on_other_text_get_their_own_section_against_the_reference
         "# m: judged on other text (stdlib_docstrings)" in text
         and "# m: judged on other text (other.txt)" in text
     )
+
+
+@pytest.mark.parametrize(
+    "probe, label",
+    [
+        ({}, ""),  # recorded before the probe fields
+        ({"probe_sequences": 2, "probe_tokens": 128, "probe_context": None}, ""),
+        ({"probe_sequences": 2, "probe_tokens": 512}, " + unit KLs on 2 x 512 tokens"),
+        ({"probe_sequences": 2, "probe_tokens": 128, "probe_context": 2}, " + unit KLs around 2 bits"),
+        (
+            {"probe_sequences": 4, "probe_tokens": 256, "probe_context": 3.0},
+            " + unit KLs on 4 x 256 tokens around 3 bits",
+        ),
+        (
+            {"probe_sequences": 2, "probe_tokens": 128, "probe_context": math.nan},
+            "",
+        ),  # a table column's missing value
+    ],
+)
+def test_a_points_label_names_a_probe_other_than_the_default(probe, label):
+    from harness.report.labels import probe_label
+
+    assert probe_label(probe) == label

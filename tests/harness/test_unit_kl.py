@@ -104,6 +104,34 @@ def test_an_entry_is_that_unit_alone_through_the_cache(tiny):
     assert predicted_kl(table, key_bits, value_bits) == pytest.approx(both)
 
 
+def test_an_entry_in_context_is_its_marginal_kl_with_every_other_unit_at_the_context_width(tiny):
+    model, ids, _ = tiny
+    table = unit_kl_table(model, ids, SCHEME, (2, 3, 8), chunk=16, context=3)
+    base = baseline_run(model, ids, 16)
+    around = torch.full((3, 3), 3)  # every unit of tiny-llama's 3 x 3 heads at the context width
+    everywhere = allocation_kl(model, ids, SCHEME, around, around, base, 16)
+    assert everywhere > 0
+    entry = table.set_index(["layer", "kv_head", "role", "bits"])["kl"]
+    key_bits = around.clone()
+    key_bits[2, 0] = 2  # layer 2's first key narrower: a positive marginal
+    measured = allocation_kl(model, ids, SCHEME, key_bits, around, base, 16)
+    assert entry[(2, 0, "key", 2)] == pytest.approx(measured - everywhere, rel=1e-6, abs=1e-9)
+    value_bits = around.clone()
+    value_bits[0, 1] = 8  # layer 0's second value wider
+    measured = allocation_kl(model, ids, SCHEME, around, value_bits, base, 16)
+    assert entry[(0, 1, "value", 8)] == pytest.approx(measured - everywhere, rel=1e-6, abs=1e-9)
+    assert (table.loc[table["bits"] == 3, "kl"] == 0).all()  # the context width itself: no change, not run
+    kl = table.pivot_table(index=["layer", "kv_head", "role"], columns="bits", values="kl")
+    assert (kl[2] > 0).mean() >= 0.9 and (kl[8] < 0).mean() >= 0.75  # narrower costs, wider (mostly) gains
+
+
+def test_a_context_is_one_of_the_quantized_widths_and_leaves_16_out(tiny):
+    model, ids, _ = tiny
+    for context, widths in ((4, (2, 3)), (2, (2, 3, UNQUANTIZED)), (True, (2, 3))):
+        with pytest.raises(ValueError, match="^eval.calibration.probe.context: "):
+            unit_kl_table(model, ids, SCHEME, widths, chunk=16, context=context)
+
+
 def test_additivity_check_returns_its_pairs(tiny):
     model, ids, table = tiny
     rows, rho, ratio = additivity_check(model, ids, table, SCHEME, count=10, budget=5.0, chunk=16)
@@ -168,6 +196,21 @@ def test_the_disk_cache_keys_on_the_sizes(tmp_path, monkeypatch, tiny):
         cached_unit_kl(model, "tiny-llama", ids, SCHEME, (2,), chunk=16, sequences=1, tokens=20)
 
 
+def test_the_disk_cache_keys_on_the_context(tmp_path, monkeypatch, tiny):
+    monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
+    model, ids, _ = tiny
+    alone = cached_unit_kl(model, "tiny-llama", ids, SCHEME, (2, 4), chunk=16, sequences=1, tokens=24)
+    around = cached_unit_kl(
+        model, "tiny-llama", ids, SCHEME, (2, 4), chunk=16, sequences=1, tokens=24, context=4
+    )
+    assert not alone["kl"].equals(around["kl"]) and (around.loc[around["bits"] == 4, "kl"] == 0).all()
+    monkeypatch.setattr(sensitivity.unit_kl, "unit_kl_table", lambda *a, **k: pytest.fail("measured again"))
+    again = cached_unit_kl(
+        model, "tiny-llama", ids, SCHEME, (2, 4), chunk=16, sequences=1, tokens=24, context=4
+    )
+    pd.testing.assert_frame_equal(around, again)
+
+
 def test_the_runner_measures_the_table_on_the_points_probe(tmp_path, monkeypatch):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path))
     model, _ = load_model("tiny-llama")
@@ -185,7 +228,8 @@ def test_the_runner_measures_the_table_on_the_points_probe(tmp_path, monkeypatch
     monkeypatch.setattr("harness.run.measure.element_price", lambda shape, scheme: price)
     allocation(ctx, base)  # the default probe: 2 x 128, cut to the windows (2, 40)
     allocation(ctx, base.replace(probe_sequences=1, probe_tokens=24))
-    default, probed = ctx.sensitivity.values()  # two tables: the probe is part of the table's key
+    allocation(ctx, base.replace(probe_sequences=1, probe_tokens=24, probe_context=2))
+    default, probed, around = ctx.sensitivity.values()  # three tables: the probe is part of the table's key
     scheme = point_scheme(base)
     expected = unit_kl_table(model, calib[:1, :24], scheme, (2, 4), chunk=base.chunk)
     pd.testing.assert_frame_equal(probed, expected, check_exact=False, rtol=1e-6)
@@ -193,6 +237,8 @@ def test_the_runner_measures_the_table_on_the_points_probe(tmp_path, monkeypatch
         default, unit_kl_table(model, calib, scheme, (2, 4), chunk=base.chunk), check_exact=False, rtol=1e-6
     )
     assert not default["kl"].equals(probed["kl"])
+    expected = unit_kl_table(model, calib[:1, :24], scheme, (2, 4), chunk=base.chunk, context=2)
+    pd.testing.assert_frame_equal(around, expected, check_exact=False, rtol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------- the policy
@@ -318,6 +364,12 @@ def test_the_additivity_cli_writes_its_pairs(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit) as exit_:
         sensitivity_check.main(["--model", "tiny-llama", "--additivity", "1"])
     assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: --additivity: 1")
+    with pytest.raises(SystemExit) as exit_:  # unit KLs in context are marginals: their sum predicts no KL
+        sensitivity_check.main([*args, "policy.widths=[2,4]", "eval.calibration.probe.context=2"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(
+        "error: eval.calibration.probe.context: 2 with --additivity"
+    )
 
 
 def test_the_additivity_cli_measures_calkey_through_its_fitted_key_tables(tmp_path, monkeypatch, capsys):
