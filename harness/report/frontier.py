@@ -650,8 +650,8 @@ def frontier_text(run_dir: Path, records: list[dict], n_boot: int | None = None,
         for model in sorted({r["config"]["model"] for r in there if r["config"]["policy"] != "baseline"}):
             parts += [
                 f"\n# {model}: judged on other text ({text})\n\nThe best point at each true compression on the "
-                f"windows of {text}, the text its fitted parts were calibrated on, and its paired difference to "
-                "uniform asym_token and to the emulation of llama.cpp's q4_0 on the same windows.\n",
+                f"windows of {text} (`calibrated on`: the text its fitted parts were fitted on), and its paired "
+                "difference to uniform asym_token and to the emulation of llama.cpp's q4_0 on the same windows.\n",
                 markdown_table(other_text_table(there, model, n_boot, seed)),
             ]
             peers = peer_rows(there, model, n_boot, seed)
