@@ -333,3 +333,24 @@ def test_a_points_label_names_a_probe_other_than_the_default(probe, label):
     from harness.report.labels import probe_label
 
     assert probe_label(probe) == label
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize(
+    "run_dir",
+    [
+        pytest.param(p.parent, id=p.parent.relative_to(ROOT).as_posix())
+        for p in sorted(ROOT.glob("results/*/*/frontier.md"))
+    ],
+)
+def test_committed_frontier_md_regenerates_identically(run_dir):
+    """Each committed frontier.md from its points/ alone, byte for byte: a report whose code changed after it was
+    written is regenerated with the change, not left stale beside the points it claims to summarise."""
+    from harness import results
+
+    assert (
+        frontier.frontier_text(run_dir, results.load_records(run_dir))
+        == (run_dir / "frontier.md").read_text()
+    )
