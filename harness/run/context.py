@@ -40,9 +40,8 @@ class TableKey(NamedTuple):
     scheme: Scheme
     widths: tuple[int, ...]
     chunk: int
-    probe: tuple[
-        int, int, int | None
-    ]  # the unit-KL probe: (sequences, tokens) of the calibration windows, context
+    # the unit-KL probe: (sequences, tokens) of the calibration windows, and the context width (None: alone)
+    probe: tuple[int, int, int | None]
 
 
 class KeyFit(NamedTuple):

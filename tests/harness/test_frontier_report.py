@@ -7,6 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness import results
 from harness.capacity import cache_bytes, shape_from_registry
 from harness.report import frontier
 from harness.schemes import from_point
@@ -348,8 +349,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_committed_frontier_md_regenerates_identically(run_dir):
     """Each committed frontier.md from its points/ alone, byte for byte: a report whose code changed after it was
     written is regenerated with the change, not left stale beside the points it claims to summarise."""
-    from harness import results
-
     assert (
         frontier.frontier_text(run_dir, results.load_records(run_dir))
         == (run_dir / "frontier.md").read_text()
