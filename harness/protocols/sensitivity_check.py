@@ -1,5 +1,6 @@
 """The sensitivity checks (`python -m harness.sensitivity --model NAME [--check-heads N --width W | --additivity N
---budget B | --chain W --sequences S | --finer-widths STEP --budgets B,B,...] [overrides]`):
+--budget B | --chain W [--sequences S] | --finer-widths STEP --budgets B,B,... | --one-exact N --width W
+[--sequences S]] [overrides]`):
 - proxy: does the sensitivity proxy (harness.sensitivity) rank heads like the teacher-forced KL with only that head
   quantized? (harness.sensitivity.proxy_check on a random sample of heads, evaluation text);
 - additivity (`--additivity N`): do unit KLs add up? The unit KL table of the point's widths (cached), then
@@ -9,7 +10,10 @@
   width W on the first S evaluation sequences, the point's scheme fitted as its sweep point fits it;
 - finer widths (`--finer-widths STEP --budgets B,B,...`, pca): what unit totals in steps of 1 / STEP bits would buy
   the measured knapsack at each budget, by its own prediction (harness.sensitivity.finer_widths), from the unit KL
-  table of the point's whole widths (cached) and the pca fit's plan distortions.
+  table of the point's whole widths (cached) and the pca fit's plan distortions;
+- one exact (`--one-exact N --width W`): with every unit at W, does keeping one of N random units exact lower the
+  KL as separately priced unit costs assume? (harness.sensitivity.one_exact, on the first S evaluation sequences,
+  all of them unless --sequences says).
 
 The point comes from the primary config with the overrides (harness.config.compose), validated before the model
 loads; the start record is written beside the output CSV (<out>.env.json); the CSV, a JSON summary and the Spearman
@@ -29,6 +33,7 @@ from harness import data, io
 from harness.calibrate import cached_fit
 from harness.config import Point, base_point, compose
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
+from harness.metrics import bootstrap_ci, mean_statistic
 from harness.models import ModelUnavailable, load_model
 from harness.run.measure import key_span, point_scheme
 from harness.schemes import SCHEMES, Scheme, get_scheme
@@ -44,8 +49,11 @@ from harness.sensitivity import (
 from harness.sensitivity.chain import chain_errors
 from harness.sensitivity.common import cache_shape
 from harness.sensitivity.finer_widths import check_step, fine_widths, finer_widths_check, unit_distortions
+from harness.sensitivity.one_exact import one_exact_check
 from harness.validate import check_model_inputs, preflight_overrides, validate_config
 from kernels.reference import WIDTHS as PACKED_WIDTHS
+
+CHAIN_SEQUENCES = 4  # --chain's evaluation sequences unless --sequences says
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -66,7 +74,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--chain", type=int, help="instead: a cross-layer prediction's error along its chain at this width"
     )
-    parser.add_argument("--sequences", type=int, default=4, help="--chain: how many evaluation sequences")
+    parser.add_argument(
+        "--sequences", type=int, help="--chain, --one-exact: how many evaluation sequences (4; all)"
+    )
     parser.add_argument(
         "--finer-widths",
         type=int,
@@ -74,6 +84,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--budgets", type=_numbers, help="--finer-widths: the knapsack's mean bits, comma-separated (4.4,3.3)"
+    )
+    parser.add_argument(
+        "--one-exact",
+        type=int,
+        help="instead: with every unit at --width, keep each of this many random units exact in turn",
     )
     parser.add_argument("--out", type=Path, help="CSV path (default results/sensitivity/*.csv)")
     parser.add_argument(
@@ -90,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
             name = f"finer-widths-{point.model}-{scheme.name}-{args.finer_widths}"
         elif args.additivity:
             name = f"additivity-{point.model}-{scheme.name}"
+        elif args.one_exact is not None:
+            name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}"
         else:
             name = f"check-{point.model}-{scheme.name}-w{args.width}"
         out = args.out or Path("results/sensitivity") / f"{name}.csv"
@@ -106,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
         _run_finer_widths(args, point, scheme, out, command=command)
     elif args.additivity:
         _run_additivity(args, point, scheme, out, command=command)
+    elif args.one_exact is not None:
+        _run_one_exact(args, point, scheme, out, command=command)
     else:
         _run_check(args, point, scheme, out, command=command)
 
@@ -141,10 +160,15 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
             f"--width: {args.width} is not a quantized width; allowed: {', '.join(map(str, PACKED_WIDTHS))}"
         )
     scheme = point_scheme(point)
+    if args.sequences is not None and (isinstance(args.sequences, bool) or args.sequences < 1):
+        raise ValueError(f"--sequences: {args.sequences} is too few; allowed: an integer >= 1")
     if args.chain is not None:
         _check_chain(args, scheme)
     elif args.finer_widths is not None:
         _check_finer_widths(args, point, scheme)
+    elif args.one_exact is not None:
+        if isinstance(args.one_exact, bool) or args.one_exact < 2:
+            raise ValueError(f"--one-exact: {args.one_exact} is too few; allowed: an integer >= 2")
     elif scheme.key_tables and args.additivity is None:
         raise ValueError(
             f"quant.scheme: {point.scheme} reads fitted key tables, which the proxy check does not use; "
@@ -165,8 +189,6 @@ def _check_chain(args, scheme: Scheme) -> None:
     if args.chain not in scheme.widths:
         allowed = ", ".join(map(str, scheme.widths))
         raise ValueError(f"--chain: {args.chain} is not a width {scheme.name} stores; allowed: {allowed}")
-    if isinstance(args.sequences, bool) or args.sequences < 1:
-        raise ValueError(f"--sequences: {args.sequences} is too few; allowed: an integer >= 1")
 
 
 def _check_finer_widths(args, point: Point, scheme: Scheme) -> None:
@@ -216,7 +238,7 @@ def _run_chain(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
     fitted = cached_fit(
         scheme, model, point.model, windows.calibration, key_span(point), point.key_levels, source
     )
-    sequences = windows.sequences[: args.sequences]
+    sequences = windows.sequences[: args.sequences or CHAIN_SEQUENCES]
     rows = chain_errors(model, sequences, fitted, args.chain)
     write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
     worst = rows.loc[rows.predicted.idxmax()]
@@ -234,6 +256,45 @@ def _run_chain(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
         f"(layer {worst.layer} {worst.role}s; {worst.predicted_from_exact:.3g} from the exact states), "
         f"{point.model}, {scheme.name} at {args.chain} bits over {sequences.shape[0]} x {sequences.shape[1]} "
         f"tokens; wrote {out}"
+    )
+
+
+def _run_one_exact(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
+    model, tokenizer = load_model(point.model, dtype=point.dtype)
+    windows = data.point_windows(tokenizer, point)
+    source, _ = data.calibration_source(point)
+    fitted = cached_fit(
+        scheme, model, point.model, windows.calibration, key_span(point), point.key_levels, source
+    )
+    sequences = windows.sequences[: args.sequences]  # (S, T)
+    try:
+        rows = one_exact_check(
+            model, sequences, scheme, args.width, args.one_exact, point.seed, point.chunk, fitted
+        )
+    except ValueError as err:  # more units asked for than the model caches: known once it has loaded
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
+    difference = rows["difference"].to_numpy()
+    low, high = bootstrap_ci(mean_statistic(difference), len(difference), seed=point.seed)
+    summary = dict(
+        command=command,
+        width=args.width,
+        sequences=list(sequences.shape),
+        kl_all=float(rows["kl_all"].iloc[0]),
+        mean_difference=float(difference.mean()),
+        interval=[low, high],
+        units=len(rows),
+        raised=int((difference > 0).sum()),
+        point=point.to_dict(),
+    )
+    write_text_atomic(out.with_suffix(".json"), json.dumps(summary, indent=1, default=str))
+    print(rows.to_string(index=False))
+    print(
+        f"one unit exact, the rest at {args.width} bits: KL {summary['mean_difference']:+.3g} [{low:+.3g}, "
+        f"{high:+.3g}] nats against all at {args.width} ({summary['kl_all']:.4g}), raised for {summary['raised']} "
+        f"of {len(rows)} units ({point.model}, {scheme.name}, sink_tokens={point.sink_tokens}, "
+        f"{sequences.shape[0]} x {sequences.shape[1]} tokens); wrote {out}"
     )
 
 

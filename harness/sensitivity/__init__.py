@@ -13,7 +13,8 @@ widths, chunk):
   width; read by `measured` (harness/policies/measured_kl.py).
   `additivity_check` tests whether unit KLs add up on random joint allocations (`--additivity N`).
 chain.py measures how a cross-layer prediction's error grows along its chain of layers (`--chain W`); finer_widths.py
-predicts what unit widths finer than whole bits would buy pca's knapsack (`--finer-widths STEP`).
+predicts what unit widths finer than whole bits would buy pca's knapsack (`--finer-widths STEP`); one_exact.py
+measures whether keeping one unit exact, the rest quantized, lowers the KL as priced units assume (`--one-exact N`).
 common.py holds what they share (allocation shape, cached heads, a cache at chosen widths, Spearman).
 """
 
