@@ -1,6 +1,6 @@
 """The sensitivity checks (`python -m harness.sensitivity --model NAME [--check-heads N --width W | --additivity N
 --budget B | --chain W [--sequences S] | --finer-widths STEP --budgets B,B,... | --one-exact N --width W
-[--sequences S]] [overrides]`):
+[--sequences S | --probe]] [overrides]`):
 - proxy: does the sensitivity proxy (harness.sensitivity) rank heads like the teacher-forced KL with only that head
   quantized? (harness.sensitivity.proxy_check on a random sample of heads, evaluation text);
 - additivity (`--additivity N`): do unit KLs add up? The unit KL table of the point's widths (cached), then
@@ -13,7 +13,7 @@
   table of the point's whole widths (cached) and the pca fit's plan distortions;
 - one exact (`--one-exact N --width W`): with every unit at W, does keeping one of N random units exact lower the
   KL as separately priced unit costs assume? (harness.sensitivity.one_exact, on the first S evaluation sequences,
-  all of them unless --sequences says).
+  all of them unless --sequences says; with --probe, on the unit-KL table's probe of the calibration windows).
 
 The point comes from the primary config with the overrides (harness.config.compose), validated before the model
 loads; the start record is written beside the output CSV (<out>.env.json); the CSV, a JSON summary and the Spearman
@@ -90,6 +90,11 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         help="instead: with every unit at --width, keep each of this many random units exact in turn",
     )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="--one-exact: on the unit-KL probe (eval.calibration.probe) instead of the evaluation sequences",
+    )
     parser.add_argument("--out", type=Path, help="CSV path (default results/sensitivity/*.csv)")
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. eval=small quant.scheme=sym_token"
@@ -107,6 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             name = f"additivity-{point.model}-{scheme.name}"
         elif args.one_exact is not None:
             name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}"
+            name += f"-probe{point.probe_sequences}x{point.probe_tokens}" if args.probe else ""
         else:
             name = f"check-{point.model}-{scheme.name}-w{args.width}"
         out = args.out or Path("results/sensitivity") / f"{name}.csv"
@@ -169,6 +175,12 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     elif args.one_exact is not None:
         if isinstance(args.one_exact, bool) or args.one_exact < 2:
             raise ValueError(f"--one-exact: {args.one_exact} is too few; allowed: an integer >= 2")
+        if args.probe and args.sequences is not None:
+            raise ValueError(
+                "--sequences: with --probe, which reads eval.calibration.probe.num_sequences; allowed: one of them"
+            )
+    if args.probe and args.one_exact is None:
+        raise ValueError("--probe: without --one-exact; allowed: only with --one-exact N")
     elif scheme.key_tables and args.additivity is None:
         raise ValueError(
             f"quant.scheme: {point.scheme} reads fitted key tables, which the proxy check does not use; "
@@ -266,7 +278,10 @@ def _run_one_exact(args, point: Point, scheme: Scheme, out: Path, command: str) 
     fitted = cached_fit(
         scheme, model, point.model, windows.calibration, key_span(point), point.key_levels, source
     )
-    sequences = windows.sequences[: args.sequences]  # (S, T)
+    if args.probe:  # the unit-KL table's probe: calibration text
+        sequences = probe_ids(windows.calibration, point.probe_sequences, point.probe_tokens)  # (S, T)
+    else:
+        sequences = windows.sequences[: args.sequences]  # (S, T)
     try:
         rows = one_exact_check(
             model, sequences, scheme, args.width, args.one_exact, point.seed, point.chunk, fitted
@@ -281,6 +296,7 @@ def _run_one_exact(args, point: Point, scheme: Scheme, out: Path, command: str) 
         command=command,
         width=args.width,
         sequences=list(sequences.shape),
+        text="calibration probe" if args.probe else "evaluation",
         kl_all=float(rows["kl_all"].iloc[0]),
         mean_difference=float(difference.mean()),
         interval=[low, high],
@@ -294,7 +310,7 @@ def _run_one_exact(args, point: Point, scheme: Scheme, out: Path, command: str) 
         f"one unit exact, the rest at {args.width} bits: KL {summary['mean_difference']:+.3g} [{low:+.3g}, "
         f"{high:+.3g}] nats against all at {args.width} ({summary['kl_all']:.4g}), raised for {summary['raised']} "
         f"of {len(rows)} units ({point.model}, {scheme.name}, sink_tokens={point.sink_tokens}, "
-        f"{sequences.shape[0]} x {sequences.shape[1]} tokens); wrote {out}"
+        f"{sequences.shape[0]} x {sequences.shape[1]} tokens of {summary['text']} text); wrote {out}"
     )
 
 

@@ -74,7 +74,14 @@ def test_the_cli_writes_its_rows_and_summary_and_refuses_bad_input(tmp_path, mon
     assert low <= summary["mean_difference"] <= high
     assert summary["raised"] == int((rows["difference"] > 0).sum())
     assert "one unit exact, the rest at 3 bits" in capsys.readouterr().out
+    sensitivity_check.main(["--probe", *args, "eval.calibration.probe.tokens=12"])  # the calibration probe
+    summary = json.loads(out.with_suffix(".json").read_text())
+    assert summary["text"] == "calibration probe" and summary["sequences"][1] == 12
+    assert summary["kl_all"] != pytest.approx(rows["kl_all"].iloc[0])  # other tokens, another KL
+    capsys.readouterr()
     for bad, message in (
+        (["--probe"], "error: --probe: without --one-exact"),
+        (["--one-exact", "4", "--probe", "--sequences", "2"], "error: --sequences: with --probe"),
         (["--one-exact", "1"], "error: --one-exact: 1 is too few"),
         (["--one-exact", "40"], "error: --one-exact: 40; allowed: 1 to 18"),
         (["--one-exact", "4", "--sequences", "0"], "error: --sequences: 0 is too few"),
