@@ -17,7 +17,8 @@
 
 The point comes from the primary config with the overrides (harness.config.compose), validated before the model
 loads; the start record is written beside the output CSV (<out>.env.json); the CSV, a JSON summary and the Spearman
-correlation (and, for additivity, the ratio measured / predicted) are the result.
+correlation (for additivity also the ratio measured / predicted; for one exact, instead, the mean change in KL with
+its bootstrap interval over the units) are the result.
 """
 
 from __future__ import annotations
@@ -66,7 +67,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--check-heads", type=int, default=12, help="how many heads to sample")
-    parser.add_argument("--width", type=int, default=2, help="the width every sampled head is checked at")
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=2,
+        help="the width every sampled head (--one-exact: every unit) is checked at",
+    )
     parser.add_argument(
         "--additivity", type=int, help="instead: check unit-KL additivity on this many random allocations"
     )
