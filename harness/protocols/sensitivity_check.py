@@ -59,6 +59,45 @@ CHAIN_SEQUENCES = 4  # --chain's evaluation sequences unless --sequences says
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m harness.sensitivity --model NAME --check-heads N [--width W] [--out CSV] [overrides]`."""
+    parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser.parse_args(argv)
+    command = io.command_line("python -m harness.sensitivity", argv)
+    try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
+        cfg, point, scheme = _check_context(args)
+        if args.chain is not None:
+            name = f"chain-{point.model}-{scheme.name}-w{args.chain}"
+        elif args.finer_widths is not None:
+            name = f"finer-widths-{point.model}-{scheme.name}-{args.finer_widths}"
+        elif args.additivity:
+            name = f"additivity-{point.model}-{scheme.name}"
+        elif args.one_exact is not None:
+            name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}"
+            name += f"-probe{point.probe_sequences}x{point.probe_tokens}" if args.probe else ""
+        else:
+            name = f"check-{point.model}-{scheme.name}-w{args.width}"
+        out = args.out or Path("results/sensitivity") / f"{name}.csv"
+        io.set_threads(cfg.threads)
+        io.check_writable(out.parent, key="--out")
+        io.check_clean(out.parent, cfg.allow_dirty)
+    except (ValueError, ModelUnavailable) as err:
+        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)
+    io.start_record(out.parent, command, "cpu", cfg.allow_dirty, name=out.with_suffix(".env.json").name)
+    if args.chain is not None:
+        _run_chain(args, point, scheme, out, command=command)
+    elif args.finer_widths is not None:
+        _run_finer_widths(args, point, scheme, out, command=command)
+    elif args.additivity:
+        _run_additivity(args, point, scheme, out, command=command)
+    elif args.one_exact is not None:
+        _run_one_exact(args, point, scheme, out, command=command)
+    else:
+        _run_check(args, point, scheme, out, command=command)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command's arguments: the check to run and its sizes, then Hydra overrides."""
     parser = argparse.ArgumentParser(
         prog="python -m harness.sensitivity",
         description="Does the sensitivity proxy rank heads like the teacher-forced KL with only that head "
@@ -105,40 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "overrides", nargs="*", help="Hydra overrides, e.g. eval=small quant.scheme=sym_token"
     )
-    argv = sys.argv[1:] if argv is None else argv
-    args = parser.parse_args(argv)
-    command = io.command_line("python -m harness.sensitivity", argv)
-    try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
-        cfg, point, scheme = _check_context(args)
-        if args.chain is not None:
-            name = f"chain-{point.model}-{scheme.name}-w{args.chain}"
-        elif args.finer_widths is not None:
-            name = f"finer-widths-{point.model}-{scheme.name}-{args.finer_widths}"
-        elif args.additivity:
-            name = f"additivity-{point.model}-{scheme.name}"
-        elif args.one_exact is not None:
-            name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}"
-            name += f"-probe{point.probe_sequences}x{point.probe_tokens}" if args.probe else ""
-        else:
-            name = f"check-{point.model}-{scheme.name}-w{args.width}"
-        out = args.out or Path("results/sensitivity") / f"{name}.csv"
-        io.set_threads(cfg.threads)
-        io.check_writable(out.parent, key="--out")
-        io.check_clean(out.parent, cfg.allow_dirty)
-    except (ValueError, ModelUnavailable) as err:
-        print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)
-    io.start_record(out.parent, command, "cpu", cfg.allow_dirty, name=out.with_suffix(".env.json").name)
-    if args.chain is not None:
-        _run_chain(args, point, scheme, out, command=command)
-    elif args.finer_widths is not None:
-        _run_finer_widths(args, point, scheme, out, command=command)
-    elif args.additivity:
-        _run_additivity(args, point, scheme, out, command=command)
-    elif args.one_exact is not None:
-        _run_one_exact(args, point, scheme, out, command=command)
-    else:
-        _run_check(args, point, scheme, out, command=command)
+    return parser
 
 
 def _numbers(text: str) -> list[float]:
@@ -174,19 +180,14 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     scheme = point_scheme(point)
     if args.sequences is not None and (isinstance(args.sequences, bool) or args.sequences < 1):
         raise ValueError(f"--sequences: {args.sequences} is too few; allowed: an integer >= 1")
+    if args.probe and args.one_exact is None:
+        raise ValueError("--probe: without --one-exact; allowed: only with --one-exact N")
     if args.chain is not None:
         _check_chain(args, scheme)
     elif args.finer_widths is not None:
         _check_finer_widths(args, point, scheme)
     elif args.one_exact is not None:
-        if isinstance(args.one_exact, bool) or args.one_exact < 2:
-            raise ValueError(f"--one-exact: {args.one_exact} is too few; allowed: an integer >= 2")
-        if args.probe and args.sequences is not None:
-            raise ValueError(
-                "--sequences: with --probe, which reads eval.calibration.probe.num_sequences; allowed: one of them"
-            )
-    if args.probe and args.one_exact is None:
-        raise ValueError("--probe: without --one-exact; allowed: only with --one-exact N")
+        _check_one_exact(args)
     elif scheme.key_tables and args.additivity is None:
         raise ValueError(
             f"quant.scheme: {point.scheme} reads fitted key tables, which the proxy check does not use; "
@@ -207,6 +208,15 @@ def _check_chain(args, scheme: Scheme) -> None:
     if args.chain not in scheme.widths:
         allowed = ", ".join(map(str, scheme.widths))
         raise ValueError(f"--chain: {args.chain} is not a width {scheme.name} stores; allowed: {allowed}")
+
+
+def _check_one_exact(args) -> None:
+    if isinstance(args.one_exact, bool) or args.one_exact < 2:
+        raise ValueError(f"--one-exact: {args.one_exact} is too few; allowed: an integer >= 2")
+    if args.probe and args.sequences is not None:
+        raise ValueError(
+            "--sequences: with --probe, which reads eval.calibration.probe.num_sequences; allowed: one of them"
+        )
 
 
 def _check_finer_widths(args, point: Point, scheme: Scheme) -> None:

@@ -145,15 +145,17 @@ def predicted_kl(costs: np.ndarray, widths: Sequence[float], budget: float) -> f
 def matching_budget(measured: np.ndarray, whole: Sequence[int], target: float) -> float:
     """The least mean width at which the knapsack over the whole widths predicts at most `target`, from measured
     [U, |whole|]: a bisection over the units' summed bits, a whole number at whole widths (the prediction never
-    rises with them); max(whole) when even that predicts more."""
+    rises with them); max(whole) when even that predicts more. "At most" allows float rounding (1e-12): a sum of the
+    same costs in another order must not miss the target by its last bit."""
     units = len(measured)
     low, high = min(whole) * units, max(whole) * units  # summed bits
-    if predicted_kl(measured, whole, max(whole)) > target:
+    limit = target + 1e-12
+    if predicted_kl(measured, whole, max(whole)) > limit:
         return float(max(whole))
     while low < high:
         middle = (low + high) // 2
         low, high = (
-            (low, middle) if predicted_kl(measured, whole, middle / units) <= target else (middle + 1, high)
+            (low, middle) if predicted_kl(measured, whole, middle / units) <= limit else (middle + 1, high)
         )
     return high / units
 

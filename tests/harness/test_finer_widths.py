@@ -176,3 +176,8 @@ def test_the_finer_widths_cli_writes_its_rows(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as exit_:
             sensitivity_check.main(["--model", "tiny-llama", *args])
         assert exit_.value.code == 2 and capsys.readouterr().err.startswith(start)
+
+
+def test_the_matching_budget_takes_a_target_met_to_the_last_bit():
+    costs = np.array([[0.26, 0.0, 0.0], [0.56, 0.0, 0.0]])  # 0.26 + 0.56 is 0.8200000000000001 in float64
+    assert matching_budget(costs, [1, 2, 3], 0.82) == 1.0

@@ -99,7 +99,7 @@ def test_the_shipped_sweep_judges_each_point_at_both_lengths():
     for p in points:
         configuration = (p.policy, p.scheme, p.budget)
         lengths.setdefault(configuration, set()).add((p.sequence_tokens, p.score_from))
-    assert len(lengths) == 12 and all(v == {(1024, 0), (8192, 4096)} for v in lengths.values())
+    assert len(lengths) == 14 and all(v == {(1024, 0), (8192, 4096)} for v in lengths.values())
     assert {p.data_path for p in points} == {"stdlib_docstrings"} and {p.num_sequences for p in points} == {
         16
     }
