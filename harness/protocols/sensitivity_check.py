@@ -260,12 +260,7 @@ def _run_finer_widths(args, point: Point, scheme: Scheme, out: Path, command: st
 
 
 def _run_chain(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
-    model, tokenizer = load_model(point.model, dtype=point.dtype)
-    windows = data.point_windows(tokenizer, point)
-    source, _ = data.calibration_source(point)
-    fitted = cached_fit(
-        scheme, model, point.model, windows.calibration, key_span(point), point.key_levels, source
-    )
+    model, windows, fitted, _ = _fitted_model(point, scheme)
     sequences = windows.sequences[: args.sequences or CHAIN_SEQUENCES]
     rows = chain_errors(model, sequences, fitted, args.chain)
     write_atomic(out, lambda tmp: rows.to_csv(tmp, index=False))
@@ -288,12 +283,7 @@ def _run_chain(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
 
 
 def _run_one_exact(args, point: Point, scheme: Scheme, out: Path, command: str) -> None:
-    model, tokenizer = load_model(point.model, dtype=point.dtype)
-    windows = data.point_windows(tokenizer, point)
-    source, _ = data.calibration_source(point)
-    fitted = cached_fit(
-        scheme, model, point.model, windows.calibration, key_span(point), point.key_levels, source
-    )
+    model, windows, fitted, _ = _fitted_model(point, scheme)
     if args.probe:  # the unit-KL table's probe: calibration text
         sequences = probe_ids(windows.calibration, point.probe_sequences, point.probe_tokens)  # (S, T)
     else:
@@ -349,14 +339,24 @@ def _run_check(args, point: Point, scheme: Scheme, out: Path, command: str) -> N
     )
 
 
+def _fitted_model(point: Point, scheme: Scheme):
+    """The point's model, its windows (harness.data.point_windows), the parts its scheme fits on the calibration
+    windows as its sweep point fits them (None for a scheme without any) and the calibration source."""
+    model, tokenizer = load_model(point.model, dtype=point.dtype)
+    windows = data.point_windows(tokenizer, point)
+    source, _ = data.calibration_source(point)
+    fitted = cached_fit(
+        scheme, model, point.model, windows.calibration, key_span(point), point.key_levels, source
+    )
+    return model, windows, fitted, source
+
+
 def _unit_kl_of(point: Point, scheme: Scheme):
     """The point's model, its calibration windows (C, Tc), the fitted parts its scheme reads (a calkey or pca
     point's key tables, as its sweep point fits them: the unit KLs are measured through them; None for others)
     and its unit KL table (cached)."""
-    model, tokenizer = load_model(point.model, dtype=point.dtype)
-    calibration = data.point_windows(tokenizer, point).calibration
-    source, _ = data.calibration_source(point)
-    tables = cached_fit(scheme, model, point.model, calibration, key_span(point), point.key_levels, source)
+    model, windows, tables, source = _fitted_model(point, scheme)
+    calibration = windows.calibration
     table = cached_unit_kl(
         model,
         point.model,
