@@ -54,7 +54,9 @@ format: install
 
 # Wheels for `python -m kernels.gpu.check` on a GPU machine with no network (Python 3.12, with torch, triton,
 # pandas, pyarrow, matplotlib, pytest and hypothesis but an older transformers and no hydra): into the ignored
-# .whl/, installed there by the check itself. antlr4-python3-runtime ships only a source archive: built here.
+# .whl/, installed there by the check itself. antlr4-python3-runtime ships only a source archive: built here. The
+# transformers wheel loses the model families the harness does not reach (kernels/gpu/trim_wheel.py): a device call
+# carries the tree and .whl/ within 64 MiB, and the whole wheel (13 MB) beside the tracked tree (53 MB) does not fit.
 GPU_WHEELS := hydra-core==1.3.8 omegaconf==2.3.1 transformers==5.23.0 regex==2026.11.15
 gpu-wheels:
 	rm -rf .whl && mkdir -p .whl
@@ -62,6 +64,7 @@ gpu-wheels:
 		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 		--platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
 	$(PIP) wheel -q --disable-pip-version-check --no-deps -w .whl antlr4-python3-runtime==4.9.3
+	$(PY) -m kernels.gpu.trim_wheel .whl/transformers-*.whl
 	du -sh .whl
 
 # Older decode kernels for the GPU check's A/B stage (kernels.gpu.ab), into the ignored .ab/: the kernel of baf9cf7,
