@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -65,17 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     command = io.command_line("python -m harness.sensitivity", argv)
     try:  # before the model loads: the point, threads, a clean tree for results/, <out>.env.json
         cfg, point, scheme = _check_context(args)
-        if args.chain is not None:
-            name = f"chain-{point.model}-{scheme.name}-w{args.chain}"
-        elif args.finer_widths is not None:
-            name = f"finer-widths-{point.model}-{scheme.name}-{args.finer_widths}"
-        elif args.additivity:
-            name = f"additivity-{point.model}-{scheme.name}"
-        elif args.one_exact is not None:
-            name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}"
-            name += f"-probe{point.probe_sequences}x{point.probe_tokens}" if args.probe else ""
-        else:
-            name = f"check-{point.model}-{scheme.name}-w{args.width}"
+        name, run_check = _which_check(args, point, scheme)
         out = args.out or Path("results/sensitivity") / f"{name}.csv"
         io.set_threads(cfg.threads)
         io.check_writable(out.parent, key="--out")
@@ -84,16 +75,23 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {str(err).splitlines()[0]}", file=sys.stderr)
         sys.exit(2)
     io.start_record(out.parent, command, "cpu", cfg.allow_dirty, name=out.with_suffix(".env.json").name)
+    run_check(args, point, scheme, out, command=command)
+
+
+def _which_check(args: argparse.Namespace, point: Point, scheme: Scheme) -> tuple[str, Callable]:
+    """The check the flags ask for: its output's default name (without .csv) and the function that runs it."""
     if args.chain is not None:
-        _run_chain(args, point, scheme, out, command=command)
-    elif args.finer_widths is not None:
-        _run_finer_widths(args, point, scheme, out, command=command)
-    elif args.additivity:
-        _run_additivity(args, point, scheme, out, command=command)
-    elif args.one_exact is not None:
-        _run_one_exact(args, point, scheme, out, command=command)
-    else:
-        _run_check(args, point, scheme, out, command=command)
+        return f"chain-{point.model}-{scheme.name}-w{args.chain}", _run_chain
+    if args.finer_widths is not None:
+        return f"finer-widths-{point.model}-{scheme.name}-{args.finer_widths}", _run_finer_widths
+    if args.additivity:
+        return f"additivity-{point.model}-{scheme.name}", _run_additivity
+    if args.one_exact is not None:
+        name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}"
+        return name + (
+            f"-probe{point.probe_sequences}x{point.probe_tokens}" if args.probe else ""
+        ), _run_one_exact
+    return f"check-{point.model}-{scheme.name}-w{args.width}", _run_check
 
 
 def _parser() -> argparse.ArgumentParser:
