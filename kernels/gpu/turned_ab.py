@@ -6,9 +6,10 @@ head_dim 128, batch 8, 32K tokens) and each unit width of `--widths`, random cod
 (PLANS: smollm2-135m's pca_gsa / pca_ugsa tables, results/kernels/README.md "Keys turned in the kernel"; every KV
 head at one key and one value plan, as the prototype reads them), a random orthogonal basis with scales and a mean per
 head are timed through `turned_attention` with Lloyd-Max levels looked up (method `turned:lloyd`) and with evenly
-spaced ones folded into the basis (`turned:uniform`): launched from Python (stage 1 and torch's combine, as an eager
-step runs it) and replayed from a CUDA graph (`turned-graph:`, the GPU's own time). SDPA over random bf16 K/V of the
-same shape comes first (`sdpa_default`, its backend in the note). Each row's rel_err is against the format's contract
+spaced ones folded into the basis (`turned:uniform`): the whole call (its turn tables, the uniform fold, stage 1 and
+torch's combine of the splits, as the prototype's host code runs them a step) launched from Python, and replayed
+from a CUDA graph (`turned-graph:`, the GPU's own time). SDPA over random bf16 K/V of the same shape comes first
+(`sdpa_default`, its backend in the note; `sdpa-graph` replayed). Each row's rel_err is against the format's contract
 computed in float32 by torch for the first batch element (codes to levels, through the basis, keys turned by their
 own position, softmax attention). Rows have kernels/gpu/bench.py's columns; bytes_read counts the codes, the query,
 the output and the tables the kernel reads (basis rows, means, levels, turns). `--dry-run` runs on CPU under
