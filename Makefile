@@ -66,6 +66,7 @@ gpu-wheels:
 	$(PIP) wheel -q --disable-pip-version-check --no-deps -w .whl antlr4-python3-runtime==4.9.3
 	$(PY) -m kernels.gpu.trim_wheel .whl/transformers-*.whl
 	du -sh .whl
+	@echo "tracked tree: $$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1) bytes (a device call carries it and .whl/ within 64 MiB)"
 
 # Older decode kernels for the GPU check's A/B stage (kernels.gpu.ab), into the ignored .ab/: the kernel of baf9cf7,
 # the last one before the head-major layout and the fast packed path, that of 09710ae, the last one measured
