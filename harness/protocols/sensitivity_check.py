@@ -87,10 +87,9 @@ def _which_check(args: argparse.Namespace, point: Point, scheme: Scheme) -> tupl
     if args.additivity:
         return f"additivity-{point.model}-{scheme.name}", _run_additivity
     if args.one_exact is not None:
-        name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}"
-        return name + (
-            f"-probe{point.probe_sequences}x{point.probe_tokens}" if args.probe else ""
-        ), _run_one_exact
+        probe = f"-probe{point.probe_sequences}x{point.probe_tokens}" if args.probe else ""
+        name = f"one-exact-{point.model}-{scheme.name}-w{args.width}-sink{point.sink_tokens}{probe}"
+        return name, _run_one_exact
     return f"check-{point.model}-{scheme.name}-w{args.width}", _run_check
 
 
