@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
@@ -90,3 +91,26 @@ def test_the_cli_writes_its_rows_and_summary_and_refuses_bad_input(tmp_path, mon
         with pytest.raises(SystemExit) as exit_:
             sensitivity_check.main(["--model", "tiny-llama", *bad, "--out", str(out), "eval=tiny"])
         assert exit_.value.code == 2 and capsys.readouterr().err.startswith(message)
+
+
+@pytest.mark.parametrize(
+    ("flags", "name", "runner"),
+    [
+        ({"chain": 2}, "chain-m-s-w2", "_run_chain"),
+        ({"finer_widths": 4}, "finer-widths-m-s-4", "_run_finer_widths"),
+        ({"additivity": 10}, "additivity-m-s", "_run_additivity"),
+        ({"one_exact": 16}, "one-exact-m-s-w3-sink1", "_run_one_exact"),
+        ({"one_exact": 16, "probe": True}, "one-exact-m-s-w3-sink1-probe2x128", "_run_one_exact"),
+        ({}, "check-m-s-w3", "_run_check"),
+    ],
+)
+def test_each_check_has_its_output_name_and_runner(flags, name, runner):
+    """The flags pick one check (chain first, the head check when none is asked): its CSV's default stem and the
+    function that runs it."""
+    args = SimpleNamespace(
+        **{"chain": None, "finer_widths": None, "additivity": None, "one_exact": None, "probe": False, "width": 3,
+           **flags}
+    )  # fmt: skip
+    point = SimpleNamespace(model="m", sink_tokens=1, probe_sequences=2, probe_tokens=128)
+    got_name, got_runner = sensitivity_check._which_check(args, point, SimpleNamespace(name="s"))
+    assert (got_name, got_runner) == (name, getattr(sensitivity_check, runner))
