@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from harness.schemes.pca_table import component_values, level_tables
+from harness.schemes.rotary import turn
 from kernels import groups
 from kernels.gpu.bench import HEAD_SHAPES, HEADLINE, Bench, default_backend, rel_err, sdpa
 from kernels.turned_attention import turned_attention
@@ -41,7 +43,14 @@ PLANS = {
     6: ((7, 7, 6, 6, 6, 6, 5, 5), (7, 7, 6, 6, 6, 6, 5, 5)),
 }
 UGSA_KEY_PLANS = {3: (5, 5, 3, 3, 3, 3, 1, 1)}
-DRY = {"config": "32x8", "batch": 1, "context": 100}  # at 4 query / 2 KV heads, head_dim 128 (the plans')
+DRY_SHAPE = {
+    "config": "32x8",
+    "hq": 4,
+    "hkv": 2,
+    "head_dim": 128,
+    "batch": 1,
+    "context": 100,
+}  # the plans' head_dim
 FIRST = 7  # the stores' first token's position (any: the turn tables start there)
 
 
@@ -61,8 +70,6 @@ def random_codes(plan: tuple[int, ...], B: int, hkv: int, L: int, device, g: tor
 def contract(q, codes, plans, bases, means, kind, theta, first, scale) -> torch.Tensor:
     """The format's attention for batch element 0 in float32: q (B, Hq, D); codes, plans, bases (Hkv, D, C), means
     (Hkv, D) a (key, value) pair each -> (Hq, D)."""
-    from harness.schemes.pca_table import component_values
-
     tokens = []
     for c, plan, basis, mean in zip(codes, plans, bases, means):
         hkv, d = mean.shape
@@ -70,13 +77,8 @@ def contract(q, codes, plans, bases, means, kind, theta, first, scale) -> torch.
         z = component_values(c[:1], widths, torch.ones(hkv, d, device=c.device), kind)[0]  # (Hkv, T, D)
         tokens.append(mean[:, None] + torch.einsum("htc,hdc->htd", z, basis))
     keys, values = tokens
-    half = len(theta)
-    angle = (first + torch.arange(keys.shape[1], device=keys.device, dtype=torch.float64))[
-        :, None
-    ] * theta.double()
-    cos, sin = angle.cos().float(), angle.sin().float()
-    x, y = keys[..., :half], keys[..., half:]
-    keys = torch.cat([x * cos - y * sin, x * sin + y * cos], -1)
+    positions = first + torch.arange(keys.shape[1], device=keys.device, dtype=torch.float64)
+    keys = turn(keys, (positions[:, None] * theta.double()).float())  # angles in float64, as TokenPositions
     rep = q.shape[1] // keys.shape[0]
     scores = torch.einsum("hd,htd->ht", q[0].float(), keys.repeat_interleave(rep, 0)) * scale
     return torch.einsum("ht,htd->hd", scores.softmax(-1), values.repeat_interleave(rep, 0))
@@ -84,8 +86,6 @@ def contract(q, codes, plans, bases, means, kind, theta, first, scale) -> torch.
 
 def time_width(run: Bench, shape: dict, width: int, kinds: list[str], g: torch.Generator) -> None:
     """turned_attention at unit width `width` under each level kind of `kinds`, launched and graph-replayed."""
-    from harness.schemes.pca_table import level_tables
-
     B, hq, hkv, D, L = (shape[k] for k in ("batch", "hq", "hkv", "head_dim", "context"))
     dev, scale = run.device, D**-0.5
     theta = theta_of(D, dev)
@@ -143,10 +143,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit("error: kernels.gpu.turned_ab needs a CUDA GPU (or --dry-run); nothing was run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     run = Bench("cpu" if args.dry_run else "cuda", args.out, deadline=float("inf"))
-    base = DRY if args.dry_run else HEADLINE
-    hq, hkv, d = HEAD_SHAPES[base["config"]] if not args.dry_run else (4, 2, 128)
-    shape = {"config": base["config"], "hq": hq, "hkv": hkv, "head_dim": d, "batch": base["batch"],
-             "context": base["context"]}  # fmt: skip
+    if args.dry_run:
+        shape = DRY_SHAPE
+    else:
+        shape = dict(zip(("hq", "hkv", "head_dim"), HEAD_SHAPES[HEADLINE["config"]]), **HEADLINE)
     g = torch.Generator(device=run.device).manual_seed(0)
     time_sdpa(run, shape, g)
     for width in args.widths:
