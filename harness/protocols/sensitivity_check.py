@@ -151,9 +151,10 @@ def _numbers(text: str) -> list[float]:
 
 def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     """The composed config, the point the overrides describe and its scheme, validated before any model loads."""
-    overrides = [f"model={args.model}", *args.overrides]
+    overrides = [f"model={args.model}", *args.overrides, *_budget_override(args)]
     preflight_overrides(overrides, CONF_DIR)
     cfg = compose(overrides)
+    _check_budget(args, cfg)
     validate_config(cfg)
     point = base_point(cfg)
     if isinstance(args.check_heads, bool) or args.check_heads < 2:
@@ -164,11 +165,6 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
         raise ValueError(
             f"eval.calibration.probe.context: {point.probe_context} with --additivity, which sums unit KLs measured "
             "alone; allowed: null"
-        )
-    narrowest = min(measured_widths(point.widths))
-    if args.budget is not None and args.budget < narrowest:
-        raise ValueError(
-            f"--budget: {args.budget} is below the narrowest width; allowed: at least {narrowest}"
         )
     if args.width not in PACKED_WIDTHS:
         raise ValueError(
@@ -193,6 +189,29 @@ def _check_context(args) -> tuple[DictConfig, Point, Scheme]:
     scheme.check_widths([args.width], "--width")
     check_model_inputs(cfg, [point])
     return cfg, point, scheme
+
+
+def _budget_override(args) -> list[str]:
+    """`policy.budget=B` from `--budget B` unless the overrides set policy.budget: the additivity check reads
+    --budget, and the point it records (and validates) takes the same budget instead of the default one, which
+    need not lie within the point's widths (4 bits with widths 1-3)."""
+    if args.budget is None or any(o.lstrip("+").startswith("policy.budget=") for o in args.overrides):
+        return []
+    return [f"policy.budget={args.budget}"]
+
+
+def _check_budget(args, cfg: DictConfig) -> None:
+    """ValueError naming --budget unless it lies between the narrowest quantized and the widest of policy.widths
+    (checked before the config's own checks, which would name policy.budget for it)."""
+    widths = cfg.policy.get("widths")
+    if args.budget is None or not widths or not all(isinstance(w, int) for w in widths):
+        return  # a malformed policy.widths is validate_config's to name
+    widths = list(widths)
+    narrowest, widest = min(measured_widths(widths)), max(widths)
+    if not narrowest <= args.budget <= widest:
+        raise ValueError(
+            f"--budget: {args.budget} is outside policy.widths {widths}; allowed: {narrowest} to {widest}"
+        )
 
 
 def _check_chain(args, scheme: Scheme) -> None:

@@ -372,6 +372,31 @@ def test_the_additivity_cli_writes_its_pairs(tmp_path, monkeypatch, capsys):
     )
 
 
+def test_the_additivity_budget_is_the_points_budget(capsys):
+    """--budget becomes the point's policy.budget (the default 4 lies outside widths 2-3), an explicit
+    policy.budget stays, and a --budget outside the widths exits 2 naming --budget."""
+
+    def point_of(*argv):
+        args = sensitivity_check._parser().parse_args(["--model", "tiny-llama", *argv])
+        return sensitivity_check._check_context(args)[1]
+
+    narrow = ["--additivity", "3", "eval=tiny", "policy.widths=[2,3]"]
+    assert point_of(*narrow, "--budget", "2.5").budget == 2.5
+    assert point_of("--budget", "2.5", *narrow, "policy.budget=3").budget == 3
+    assert point_of("--additivity", "3", "--budget", "3.25", "eval=tiny").budget == 3.25
+    for budget, allowed in (("3.5", "2 to 3"), ("1.5", "2 to 3")):
+        with pytest.raises(SystemExit) as exit_:
+            sensitivity_check.main(["--model", "tiny-llama", *narrow, "--budget", budget])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(f"error: --budget: {budget} is outside policy.widths")
+        assert f"allowed: {allowed}" in err
+    with pytest.raises(
+        SystemExit
+    ) as exit_:  # without --budget the default policy.budget is checked as before
+        sensitivity_check.main(["--model", "tiny-llama", *narrow])
+    assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: policy.budget: 4")
+
+
 def test_the_additivity_cli_measures_calkey_through_its_fitted_key_tables(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVBITS_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "additivity.csv"
