@@ -30,7 +30,7 @@ from typing import ClassVar
 import pandas as pd
 import torch
 
-from harness.policies.budget import free_target, head_scale_bits, quantized_widths, scale_bits
+from harness.policies.budget import budget_range, free_target, head_scale_bits, quantized_widths, scale_bits
 from harness.policies.stats import ENTROPY_KEYS, kv_head_entropy
 from harness.registry import Registry, unknown_name_message
 from harness.schemes.base import ROLES
@@ -303,7 +303,7 @@ class Policy(ABC):
 
     def check_budget(self, budget: object) -> None:
         """ValueError naming policy.budget unless budget lies in [smallest quantized width, largest width]."""
-        low, high = quantized_widths(self.widths)[0], max(self.widths)
+        low, high = budget_range(self.widths)
         if not is_real(budget) or not low <= budget <= high:
             raise ValueError(
                 f"policy.budget: {budget!r} is not allowed; expected a number of bits per head in "

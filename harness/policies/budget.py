@@ -29,6 +29,11 @@ def quantized_widths(widths: Iterable[int]) -> list[int]:
     return sorted({int(width) for width in widths} - {FULL_WIDTH})
 
 
+def budget_range(widths: Sequence[int]) -> tuple[int, int]:
+    """The budgets (mean bits) a policy over `widths` allows: its narrowest quantized width to its widest width."""
+    return quantized_widths(widths)[0], max(widths)
+
+
 def scale_bits(price: Callable[[int, str], float], widths: Sequence[int], role: str) -> float:
     """Bits per element that a quantized unit of `role` (a head's keys or its values) stores beside its codes
     (scales, zeros), from the byte model.

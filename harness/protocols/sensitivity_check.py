@@ -37,6 +37,7 @@ from harness.config import Point, base_point, compose
 from harness.io import CONF_DIR, write_atomic, write_text_atomic
 from harness.metrics import bootstrap_ci, mean_statistic
 from harness.models import ModelUnavailable, load_model
+from harness.policies.budget import budget_range, quantized_widths
 from harness.run.measure import key_span, point_scheme
 from harness.schemes import SCHEMES, Scheme, get_scheme
 from harness.sensitivity import (
@@ -203,14 +204,13 @@ def _budget_override(args) -> list[str]:
 def _check_budget(args, cfg: DictConfig) -> None:
     """ValueError naming --budget unless it lies between the narrowest quantized and the widest of policy.widths
     (checked before the config's own checks, which would name policy.budget for it)."""
-    widths = cfg.policy.get("widths")
-    if args.budget is None or not widths or not all(isinstance(w, int) for w in widths):
+    widths = list(cfg.policy.get("widths") or ())
+    if args.budget is None or not all(isinstance(w, int) for w in widths) or not quantized_widths(widths):
         return  # a malformed policy.widths is validate_config's to name
-    widths = list(widths)
-    narrowest, widest = min(measured_widths(widths)), max(widths)
-    if not narrowest <= args.budget <= widest:
+    low, high = budget_range(widths)
+    if not low <= args.budget <= high:
         raise ValueError(
-            f"--budget: {args.budget} is outside policy.widths {widths}; allowed: {narrowest} to {widest}"
+            f"--budget: {args.budget} is outside policy.widths {widths}; allowed: {low} to {high}"
         )
 
 

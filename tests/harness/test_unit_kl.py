@@ -390,9 +390,8 @@ def test_the_additivity_budget_is_the_points_budget(capsys):
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith(f"error: --budget: {budget} is outside policy.widths")
         assert f"allowed: {allowed}" in err
-    with pytest.raises(
-        SystemExit
-    ) as exit_:  # without --budget the default policy.budget is checked as before
+    # without --budget the default policy.budget is checked as before
+    with pytest.raises(SystemExit) as exit_:
         sensitivity_check.main(["--model", "tiny-llama", *narrow])
     assert exit_.value.code == 2 and capsys.readouterr().err.startswith("error: policy.budget: 4")
 
